@@ -1,0 +1,89 @@
+"""django-awa: background jobs in your PostgreSQL database, with transactional follow-ups.
+
+The public API. Names load lazily, so ``import django_awa`` is safe before
+Django's app registry is ready (``INSTALLED_APPS`` imports this package).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    # declaring
+    "JobArgs": "kinds",
+    "worker": "kinds",
+    "Unique": "kinds",
+    "periodic": "schedules",
+    # enqueueing
+    "enqueue": "enqueueing",
+    "enqueue_many": "enqueueing",
+    "EnqueueRequest": "enqueueing",
+    # running
+    "JobContext": "execute",
+    "RetryAfter": "execute",
+    "Snooze": "execute",
+    "Cancel": "execute",
+    "WaitForCallback": "execute",
+    "CallbackToken": "execute",
+    # rows and outcomes
+    "JobState": "models",
+    "Outcome": "followups",
+    "RescueReason": "followups",
+    # callbacks
+    "complete_external": "callbacks",
+    "fail_external": "callbacks",
+    "retry_external": "callbacks",
+    "heartbeat_callback": "callbacks",
+    # operating
+    "cancel": "control",
+    "retry": "control",
+    "pause_queue": "control",
+    "resume_queue": "control",
+    "queue_stats": "control",
+    # errors
+    "AwaError": "exceptions",
+    "ValidationError": "exceptions",
+    "UniqueConflict": "exceptions",
+    "CallbackNotFound": "exceptions",
+    "JobNotFound": "exceptions",
+    "TerminalError": "exceptions",
+    "ConfigurationError": "exceptions",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'django_awa' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"django_awa.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:
+    from .callbacks import complete_external, fail_external, heartbeat_callback, retry_external
+    from .control import cancel, pause_queue, queue_stats, resume_queue, retry
+    from .enqueueing import EnqueueRequest, enqueue, enqueue_many
+    from .exceptions import (
+        AwaError,
+        CallbackNotFound,
+        ConfigurationError,
+        JobNotFound,
+        TerminalError,
+        UniqueConflict,
+        ValidationError,
+    )
+    from .execute import Cancel, CallbackToken, JobContext, RetryAfter, Snooze, WaitForCallback
+    from .followups import Outcome, RescueReason
+    from .kinds import JobArgs, Unique, worker
+    from .models import JobState
+    from .schedules import periodic

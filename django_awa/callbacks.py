@@ -1,0 +1,337 @@
+"""External callbacks: resolve a ``waiting_external`` job from any Django process.
+
+``complete_external``, ``fail_external``, ``retry_external`` and
+``heartbeat_callback`` lock the job by its callback id, join the caller's
+open transaction on ``using`` and insert the outcome's follow-ups in it. A
+failing follow-up raises to the caller; the transaction (or the savepoint
+these functions open) rolls back, and the job is still ``waiting_external``
+with the same callback id, so the sender can try again.
+
+A callback that arrives while the handler is still running (the outside
+system answered before the handler returned ``WaitForCallback``) is recorded
+on the row and applied when the job parks.
+
+The HTTP receiver (``callback_view``) checks a timestamped HMAC-SHA256
+signature; ``sign()`` makes the headers for senders written in Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from django.db import connections, transaction
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from . import sql
+from .conf import awa_settings, to_seconds
+from .enqueueing import database_alias
+from .exceptions import CallbackNotFound, ValidationError
+from .finalize import dispatch, send_signal
+from .followups import FollowupError, Outcome
+from .models import CallbackReceipt, Job, JobState, job_from_row
+
+logger = logging.getLogger(__name__)
+
+EARLY_KEY = "awa_early_callback"
+RESULT_KEY = "awa_callback_result"
+SIGNATURE_HEADER = "X-Awa-Signature"
+TIMESTAMP_HEADER = "X-Awa-Timestamp"
+MAX_SKEW = 300
+MAX_BODY = 1_000_000
+
+LOCK_BY_CALLBACK = f"""
+SELECT {sql.JOB_COLUMNS} FROM awa_job WHERE callback_id = %(callback_id)s FOR UPDATE
+"""
+
+RESOLVE = f"""
+UPDATE awa_job
+SET state = %(state)s,
+    finalized_at = CASE WHEN %(state)s IN ('completed', 'failed') THEN now() END,
+    attempt = CASE WHEN %(reset)s THEN 0 ELSE attempt END,
+    run_at = CASE WHEN %(state)s = 'available' THEN now() ELSE run_at END,
+    metadata = (metadata - 'awa_early_callback') || %(metadata)s::jsonb,
+    errors = CASE WHEN %(error)s::text IS NULL THEN errors
+                  ELSE errors || jsonb_build_array(jsonb_build_object(
+                      'attempt', attempt, 'at', now(), 'error', %(error)s::text,
+                      'traceback', '')) END,
+    callback_id = CASE WHEN %(state)s = 'available' THEN NULL ELSE callback_id END,
+    callback_timeout_at = NULL
+WHERE id = %(id)s
+RETURNING {sql.JOB_COLUMNS}
+"""
+
+RECORD_EARLY = """
+UPDATE awa_job SET metadata = metadata || jsonb_build_object('awa_early_callback', %(early)s::jsonb)
+WHERE id = %(id)s
+"""
+
+EXTEND = f"""
+UPDATE awa_job SET callback_timeout_at = now() + make_interval(secs => %(timeout)s)
+WHERE id = %(id)s
+RETURNING {sql.JOB_COLUMNS}
+"""
+
+
+def _parse_id(callback_id: uuid.UUID | str) -> uuid.UUID:
+    try:
+        return callback_id if isinstance(callback_id, uuid.UUID) else uuid.UUID(str(callback_id))
+    except ValueError:
+        raise CallbackNotFound(f"no job is waiting on callback {callback_id!r}") from None
+
+
+def _lock(callback_id: uuid.UUID, alias: str) -> Job:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(LOCK_BY_CALLBACK, {"callback_id": callback_id})
+        row = cursor.fetchone()
+    if row is None:
+        raise CallbackNotFound(f"no job is waiting on callback {callback_id}")
+    return job_from_row(row, alias)
+
+
+def _resolve(
+    job: Job,
+    action: str,
+    *,
+    payload: Any = None,
+    error: str | None = None,
+    alias: str,
+) -> Job:
+    """Apply a resolution to a locked ``waiting_external`` job, with its follow-ups."""
+    if action == "complete":
+        state, outcome, reset, context = JobState.COMPLETED, Outcome.COMPLETED, False, {}
+        metadata, error_entry = {RESULT_KEY: payload}, None
+    elif action == "fail":
+        state, outcome, reset = JobState.FAILED, Outcome.EXHAUSTED, False
+        context = {"error": error, "attempt": job.attempt}
+        metadata, error_entry = {}, error
+    elif action == "retry":
+        state, outcome, reset = JobState.AVAILABLE, Outcome.RETRIED, True
+        metadata, error_entry = {}, None
+        context = {"error": "retried externally", "attempt": job.attempt}
+    else:  # pragma: no cover - callers pass one of the three
+        raise ValueError(action)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            RESOLVE,
+            {
+                "id": job.id,
+                "state": state.value,
+                "reset": reset,
+                "metadata": json.dumps(metadata),
+                "error": error_entry,
+            },
+        )
+        row = job_from_row(cursor.fetchone(), alias)
+        if state == JobState.AVAILABLE:
+            cursor.execute(sql.NOTIFY_QUEUES, {"queues": [row.queue]})
+    if outcome is Outcome.RETRIED:
+        context["next_run_at"] = row.run_at
+    dispatch(outcome, row, context, alias)
+    send_signal(outcome, row, context, alias)
+    return row
+
+
+def _external(
+    callback_id: uuid.UUID | str,
+    action: str,
+    *,
+    payload: Any = None,
+    error: str | None = None,
+    using: str | None,
+) -> Job:
+    alias = database_alias(using)
+    cid = _parse_id(callback_id)
+    with transaction.atomic(using=alias):
+        job = _lock(cid, alias)
+        if job.state == JobState.RUNNING and EARLY_KEY not in (job.metadata or {}):
+            # The handler registered the callback and has not returned yet.
+            early = {"action": action, "payload": payload, "error": error}
+            with connections[alias].cursor() as cursor:
+                cursor.execute(RECORD_EARLY, {"id": job.id, "early": json.dumps(early)})
+            job.metadata = {**(job.metadata or {}), EARLY_KEY: early}
+            logger.info("callback %s for job %s arrived early; applied when it parks", cid, job.id)
+            return job
+        if job.state != JobState.WAITING_EXTERNAL:
+            raise CallbackNotFound(f"callback {cid} is already resolved (job {job.id} is {job.state})")
+        return _resolve(job, action, payload=payload, error=error, alias=alias)
+
+
+def complete_external(
+    callback_id: uuid.UUID | str, payload: Any = None, *, using: str | None = None
+) -> Job:
+    """Complete the job waiting on ``callback_id``; ``payload`` is kept as
+    ``metadata["awa_callback_result"]``. Completed follow-ups commit with it.
+    Raises ``CallbackNotFound``, ``FollowupError`` or ``ValidationError``."""
+    try:
+        json.dumps(payload, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"complete_external: payload is not JSON: {exc}") from exc
+    return _external(callback_id, "complete", payload=payload, using=using)
+
+
+def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None = None) -> Job:
+    """Fail the job waiting on ``callback_id`` whatever attempts remain (Exhausted follow-ups)."""
+    if not isinstance(error, str):
+        raise ValidationError(f"fail_external: error must be a string, got {error!r}")
+    return _external(callback_id, "fail", error=error, using=using)
+
+
+def retry_external(callback_id: uuid.UUID | str, *, using: str | None = None) -> Job:
+    """Make the job waiting on ``callback_id`` available now, attempts reset (Retried follow-ups)."""
+    return _external(callback_id, "retry", using=using)
+
+
+def heartbeat_callback(
+    callback_id: uuid.UUID | str, timeout: float | Any, *, using: str | None = None
+) -> Job:
+    """Push the callback's timeout to ``timeout`` from now. Raises ``CallbackNotFound``."""
+    try:
+        seconds = to_seconds(timeout)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"heartbeat_callback: timeout: {exc}") from exc
+    if seconds <= 0:
+        raise ValidationError(f"heartbeat_callback: timeout must be positive, got {timeout!r}")
+    alias = database_alias(using)
+    cid = _parse_id(callback_id)
+    with transaction.atomic(using=alias):
+        job = _lock(cid, alias)
+        if job.state not in (JobState.WAITING_EXTERNAL, JobState.RUNNING):
+            raise CallbackNotFound(f"callback {cid} is already resolved (job {job.id} is {job.state})")
+        with connections[alias].cursor() as cursor:
+            cursor.execute(EXTEND, {"id": job.id, "timeout": seconds})
+            return job_from_row(cursor.fetchone(), alias)
+
+
+def apply_early(row: Job, alias: str) -> Job | None:
+    """After a job parked: apply a callback that arrived while its handler ran.
+
+    Runs inside finalize's transaction, in a savepoint: if the resolution's
+    follow-ups fail, the job stays parked (and the early record stays) until
+    the callback times out and is rescued.
+    """
+    early = (row.metadata or {}).get(EARLY_KEY)
+    if not isinstance(early, dict):
+        return None
+    try:
+        with transaction.atomic(using=alias):
+            return _resolve(
+                row,
+                early.get("action", "complete"),
+                payload=early.get("payload"),
+                error=early.get("error"),
+                alias=alias,
+            )
+    except FollowupError:
+        logger.exception("early callback for job %s could not be applied", row.id)
+        return None
+
+
+# -- the HTTP receiver ------------------------------------------------------------
+
+
+def signature(body: bytes, secret: str, timestamp: str) -> str:
+    return hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+
+
+def sign(body: bytes | str, secret: str, timestamp: int | None = None) -> dict[str, str]:
+    """The two headers a sender adds to a callback request with this ``body``."""
+    raw = body.encode() if isinstance(body, str) else body
+    stamp = str(int(time.time()) if timestamp is None else int(timestamp))
+    return {TIMESTAMP_HEADER: stamp, SIGNATURE_HEADER: signature(raw, secret, stamp)}
+
+
+def _error(status: int, message: str) -> JsonResponse:
+    return JsonResponse({"error": message}, status=status)
+
+
+def _verify(request: HttpRequest, body: bytes) -> str | JsonResponse:
+    secret = awa_settings().callback_secret
+    if not secret:
+        return _error(403, "callbacks are disabled: AWA['CALLBACK_SECRET'] is not set")
+    stamp = request.headers.get(TIMESTAMP_HEADER, "")
+    given = request.headers.get(SIGNATURE_HEADER, "")
+    if not stamp or not given:
+        return _error(403, f"missing {TIMESTAMP_HEADER} or {SIGNATURE_HEADER} header")
+    try:
+        skew = abs(time.time() - int(stamp))
+    except ValueError:
+        return _error(403, f"{TIMESTAMP_HEADER} must be Unix seconds")
+    if skew > MAX_SKEW:
+        return _error(403, "stale or future timestamp")
+    expected = signature(body, secret, stamp)
+    if not hmac.compare_digest(expected.encode(), given.strip().lower().encode()):
+        return _error(403, "bad signature")
+    return expected
+
+
+def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
+    try:
+        data = json.loads(body or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        return _error(400, "body must be a JSON object")
+    if not isinstance(data, dict):
+        return _error(400, "body must be a JSON object")
+    allowed = {"complete": {"payload"}, "fail": {"error"}, "retry": set(), "heartbeat": {"timeout"}}
+    extra = set(data) - allowed[action]
+    if extra:
+        return _error(400, f"unexpected field(s) for {action}: {', '.join(sorted(extra))}")
+    if action == "fail" and (not isinstance(data.get("error"), str) or not data["error"]):
+        return _error(400, 'fail needs {"error": "<non-empty string>"}')
+    if action == "heartbeat":
+        timeout = data.get("timeout")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            0 < timeout <= 365 * 86400
+        ):
+            return _error(400, 'heartbeat needs {"timeout": <seconds, positive>}')
+    return data
+
+
+@csrf_exempt
+def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> JsonResponse:
+    """``POST <prefix>/callbacks/<uuid>/{complete,fail,retry,heartbeat}``."""
+    if action not in ("complete", "fail", "retry", "heartbeat"):
+        return _error(404, f"unknown action {action!r}")
+    if request.method != "POST":
+        response = _error(405, "use POST")
+        response["Allow"] = "POST"
+        return response
+    length = request.headers.get("Content-Length") or "0"
+    if not length.isdigit() or int(length) > MAX_BODY:
+        return _error(413, f"body over {MAX_BODY} bytes")
+    body = request.body
+    verified = _verify(request, body)
+    if isinstance(verified, JsonResponse):
+        return verified
+    data = _parse(action, body)
+    if isinstance(data, JsonResponse):
+        return data
+    alias = database_alias(None)
+    try:
+        with transaction.atomic(using=alias):
+            # A replayed request is refused; the receipt commits only with success.
+            _, created = CallbackReceipt.objects.using(alias).get_or_create(signature=verified)
+            if not created:
+                return _error(403, "replayed request")
+            if action == "complete":
+                job = complete_external(callback_id, data.get("payload"), using=alias)
+            elif action == "fail":
+                job = fail_external(callback_id, data["error"], using=alias)
+            elif action == "retry":
+                job = retry_external(callback_id, using=alias)
+            else:
+                job = heartbeat_callback(callback_id, data["timeout"], using=alias)
+    except CallbackNotFound as exc:
+        return _error(404, str(exc))
+    except ValidationError as exc:
+        return _error(400, str(exc))
+    except FollowupError as exc:
+        logger.warning("callback %s %s: follow-up failed: %s", callback_id, action, exc)
+        return _error(503, "a follow-up failed; the job is unchanged, try again")
+    return JsonResponse({"id": job.id, "state": job.state})

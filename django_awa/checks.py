@@ -1,0 +1,72 @@
+"""System checks: awa.E0xx settings, awa.E1xx database, awa.E2xx declarations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core import checks
+from django.db import connections
+
+from . import conf
+from .followups import followup_registry, signature_fits
+from .kinds import JobArgs
+
+
+@checks.register()
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    return [
+        checks.Error(message, hint=f"Fix AWA[{key!r}] in your settings.", id="awa.E001")
+        for key, message in conf.problems()
+    ]
+
+
+# Untagged on purpose: ``database``-tagged checks only run under ``check --database``.
+@checks.register()
+def check_database(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    alias = conf.raw_settings().get("DATABASE", conf.DEFAULTS["DATABASE"])
+    if alias not in settings.DATABASES:
+        return []  # reported by check_settings
+    vendor = connections[alias].vendor
+    if vendor != "postgresql":
+        return [
+            checks.Error(
+                f"django-awa needs PostgreSQL, but database {alias!r} uses {vendor!r}.",
+                hint="Point AWA['DATABASE'] at a PostgreSQL database (django.db.backends."
+                "postgresql, psycopg 3).",
+                id="awa.E101",
+            )
+        ]
+    return []
+
+
+@checks.register()
+def check_followups(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    errors: list[checks.CheckMessage] = []
+    for spec in followup_registry.all:
+        where = f"{spec.function.__module__}.{spec.function.__qualname__}"
+        decorator = f"@on_{spec.outcome.value}"
+        if not (isinstance(spec.trigger, type) and issubclass(spec.trigger, JobArgs)):
+            errors.append(
+                checks.Error(
+                    f"{decorator}({spec.trigger!r}) on {where}: a follow-up must be declared "
+                    f"for a JobArgs subclass.",
+                    hint="Pass the trigger's JobArgs dataclass, e.g. @on_completed(ChargeCard).",
+                    obj=where,
+                    id="awa.E201",
+                )
+            )
+        if not signature_fits(spec):
+            from .followups import CONTEXT_PARAMETERS
+
+            expected = ", ".join(("args", "job", *CONTEXT_PARAMETERS[spec.outcome]))
+            errors.append(
+                checks.Error(
+                    f"{decorator} function {where} does not accept the outcome's arguments "
+                    f"({expected}).",
+                    hint=f"Define it as def {spec.function.__name__}({expected}).",
+                    obj=where,
+                    id="awa.E202",
+                )
+            )
+    return errors

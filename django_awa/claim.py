@@ -1,0 +1,36 @@
+"""Claiming: several runnable jobs of one queue per statement."""
+
+from __future__ import annotations
+
+import json
+
+from django.db import connections
+
+from . import sql
+from .conf import awa_settings
+from .kinds import registry
+from .models import Job, job_from_row
+
+
+def claim(queue: str, limit: int, alias: str) -> list[Job]:
+    """Claim up to ``limit`` runnable jobs of ``queue``, in priority, run_at, id order.
+
+    Each claimed row is ``running`` with a new ``run_lease``: the attempt's
+    guard for every later write. Commits at once (autocommit): a claim must be
+    visible to other workers' SKIP LOCKED and to maintenance.
+    """
+    conf = awa_settings()
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            sql.CLAIM,
+            {
+                "queue": queue,
+                "limit": limit,
+                "deadlines": json.dumps(registry.deadlines()),
+                "default_deadline": conf.default_deadline,
+            },
+        )
+        rows = cursor.fetchall()
+    jobs = [job_from_row(row, alias) for row in rows]
+    jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
+    return jobs

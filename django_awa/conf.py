@@ -1,0 +1,211 @@
+"""The ``AWA`` setting, read once into a frozen :class:`AwaSettings`.
+
+Durations accept seconds (``int`` or ``float``) or a :class:`~datetime.timedelta`
+and are stored as float seconds. :func:`problems` lists every wrong value by
+key; the system check reports them and :func:`awa_settings` refuses them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from .exceptions import ConfigurationError
+
+QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+DEFAULT_CONCURRENCY = 10
+
+# Key -> default. Durations are seconds; ``None`` disables where documented.
+DEFAULTS: dict[str, Any] = {
+    "DATABASE": "default",
+    "QUEUES": {"default": {"concurrency": DEFAULT_CONCURRENCY}},
+    "POLL_INTERVAL": 1.0,
+    "HEARTBEAT_INTERVAL": 5.0,
+    "STALE_AFTER": 30.0,
+    "MAINTENANCE_INTERVAL": 5.0,
+    "DEFAULT_DEADLINE": 900.0,
+    "SHUTDOWN_TIMEOUT": 30.0,
+    "COMPLETED_RETENTION": 86400.0,
+    "FAILED_RETENTION": 7 * 86400.0,
+    "CALLBACK_SECRET": None,
+    "PRIORITY_AGING_INTERVAL": 60.0,
+    "CLAIM_BATCH_SIZE": 100,
+    "MAX_ARGS_BYTES": 1_000_000,
+}
+
+_DURATIONS = {
+    "POLL_INTERVAL": False,
+    "HEARTBEAT_INTERVAL": False,
+    "STALE_AFTER": False,
+    "MAINTENANCE_INTERVAL": False,
+    "DEFAULT_DEADLINE": True,  # True: None is allowed
+    "SHUTDOWN_TIMEOUT": False,
+    "COMPLETED_RETENTION": True,
+    "FAILED_RETENTION": True,
+    "PRIORITY_AGING_INTERVAL": True,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueConfig:
+    name: str
+    concurrency: int = DEFAULT_CONCURRENCY
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AwaSettings:
+    database: str
+    queues: dict[str, QueueConfig] = field(default_factory=dict)
+    poll_interval: float
+    heartbeat_interval: float
+    stale_after: float
+    maintenance_interval: float
+    default_deadline: float | None
+    shutdown_timeout: float
+    completed_retention: float | None
+    failed_retention: float | None
+    callback_secret: str | None
+    priority_aging_interval: float | None
+    claim_batch_size: int
+    max_args_bytes: int
+
+
+def to_seconds(value: Any) -> float:
+    """Seconds from an int, float or timedelta; ``TypeError``/``ValueError`` otherwise."""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"expected seconds (int or float) or a timedelta, got {value!r}")
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise ValueError(f"expected a finite duration, got {value!r}")
+    return seconds
+
+
+def raw_settings() -> dict[str, Any]:
+    return dict(getattr(settings, "AWA", None) or {})
+
+
+def problems(raw: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """Every wrong value in ``settings.AWA`` as ``(key, message)`` pairs."""
+    raw = raw_settings() if raw is None else raw
+    found: list[tuple[str, str]] = []
+    if not isinstance(raw, dict):
+        return [("AWA", f"AWA must be a dict, got {type(raw).__name__}")]
+    for key in raw:
+        if key not in DEFAULTS:
+            found.append((key, f"unknown AWA setting {key!r}"))
+    for key, allow_none in _DURATIONS.items():
+        if key not in raw:
+            continue
+        value = raw[key]
+        if value is None:
+            if not allow_none:
+                found.append((key, f"AWA[{key!r}] cannot be None"))
+            continue
+        try:
+            seconds = to_seconds(value)
+        except (TypeError, ValueError) as exc:
+            found.append((key, f"AWA[{key!r}]: {exc}"))
+            continue
+        if seconds <= 0:
+            found.append((key, f"AWA[{key!r}] must be a positive duration, got {value!r}"))
+    if "DATABASE" in raw:
+        alias = raw["DATABASE"]
+        if not isinstance(alias, str) or alias not in settings.DATABASES:
+            found.append(("DATABASE", f"AWA['DATABASE'] names no entry of DATABASES: {alias!r}"))
+    if "CALLBACK_SECRET" in raw:
+        secret = raw["CALLBACK_SECRET"]
+        if secret is not None and (not isinstance(secret, str) or not secret):
+            found.append(("CALLBACK_SECRET", "AWA['CALLBACK_SECRET'] must be a non-empty string"))
+    for key in ("CLAIM_BATCH_SIZE", "MAX_ARGS_BYTES"):
+        if key in raw:
+            value = raw[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                found.append((key, f"AWA[{key!r}] must be a positive integer, got {value!r}"))
+    if "QUEUES" in raw:
+        found.extend(_queue_problems(raw["QUEUES"]))
+    stale = raw.get("STALE_AFTER", DEFAULTS["STALE_AFTER"])
+    beat = raw.get("HEARTBEAT_INTERVAL", DEFAULTS["HEARTBEAT_INTERVAL"])
+    try:
+        if to_seconds(stale) <= to_seconds(beat):
+            found.append(
+                ("STALE_AFTER", "AWA['STALE_AFTER'] must be longer than AWA['HEARTBEAT_INTERVAL']")
+            )
+    except (TypeError, ValueError):
+        pass  # already reported above
+    return found
+
+
+def _queue_problems(queues: Any) -> list[tuple[str, str]]:
+    if not isinstance(queues, dict) or not queues:
+        return [("QUEUES", "AWA['QUEUES'] must be a non-empty dict of {name: {'concurrency': N}}")]
+    found = []
+    for name, options in queues.items():
+        if not isinstance(name, str) or not QUEUE_NAME_RE.match(name):
+            found.append(("QUEUES", f"AWA['QUEUES'] has an invalid queue name {name!r}"))
+            continue
+        if not isinstance(options, dict):
+            found.append(("QUEUES", f"AWA['QUEUES'][{name!r}] must be a dict, got {options!r}"))
+            continue
+        for opt in options:
+            if opt != "concurrency":
+                found.append(("QUEUES", f"AWA['QUEUES'][{name!r}] has an unknown option {opt!r}"))
+        concurrency = options.get("concurrency", DEFAULT_CONCURRENCY)
+        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+            found.append(
+                (
+                    "QUEUES",
+                    f"AWA['QUEUES'][{name!r}]['concurrency'] must be a positive integer, "
+                    f"got {concurrency!r}",
+                )
+            )
+    return found
+
+
+@functools.cache
+def awa_settings() -> AwaSettings:
+    """The validated settings; raises :class:`ConfigurationError` naming the first bad key."""
+    raw = raw_settings()
+    bad = problems(raw)
+    if bad:
+        raise ConfigurationError("; ".join(message for _, message in bad))
+    merged = {**DEFAULTS, **raw}
+
+    def duration(key: str) -> float | None:
+        value = merged[key]
+        return None if value is None else to_seconds(value)
+
+    return AwaSettings(
+        database=merged["DATABASE"],
+        queues={
+            name: QueueConfig(name=name, concurrency=opts.get("concurrency", DEFAULT_CONCURRENCY))
+            for name, opts in merged["QUEUES"].items()
+        },
+        poll_interval=duration("POLL_INTERVAL"),
+        heartbeat_interval=duration("HEARTBEAT_INTERVAL"),
+        stale_after=duration("STALE_AFTER"),
+        maintenance_interval=duration("MAINTENANCE_INTERVAL"),
+        default_deadline=duration("DEFAULT_DEADLINE"),
+        shutdown_timeout=duration("SHUTDOWN_TIMEOUT"),
+        completed_retention=duration("COMPLETED_RETENTION"),
+        failed_retention=duration("FAILED_RETENTION"),
+        callback_secret=merged["CALLBACK_SECRET"],
+        priority_aging_interval=duration("PRIORITY_AGING_INTERVAL"),
+        claim_batch_size=merged["CLAIM_BATCH_SIZE"],
+        max_args_bytes=merged["MAX_ARGS_BYTES"],
+    )
+
+
+@receiver(setting_changed)
+def _reset(*, setting: str, **kwargs: Any) -> None:
+    if setting in ("AWA", "DATABASES"):
+        awa_settings.cache_clear()

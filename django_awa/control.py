@@ -1,0 +1,138 @@
+"""Operator controls: cancel, retry, pause and resume queues, queue statistics.
+
+Each joins the caller's open transaction on ``using`` (default
+``AWA["DATABASE"]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import IntegrityError, connections, transaction
+from django.utils import timezone
+
+from . import sql
+from .enqueueing import database_alias
+from .exceptions import JobNotFound, UniqueConflict
+from .finalize import dispatch, send_signal
+from .followups import Outcome
+from .models import CANCELLABLE_STATES, RETRIABLE_STATES, Job, JobState, Queue, job_from_row
+
+CANCEL = f"""
+WITH old AS (
+    SELECT id, state FROM awa_job
+    WHERE id = %(id)s AND state = ANY(%(states)s::text[])
+    FOR UPDATE
+)
+UPDATE awa_job AS j
+SET state = 'cancelled', finalized_at = now(),
+    errors = j.errors || jsonb_build_array(jsonb_build_object(
+        'attempt', j.attempt, 'at', now(), 'error', %(error)s::text, 'traceback', '')),
+    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
+FROM old
+WHERE j.id = old.id
+RETURNING old.state, {sql.J_JOB_COLUMNS}
+"""
+
+RETRY = f"""
+UPDATE awa_job
+SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
+    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
+WHERE id = %(id)s AND state = ANY(%(states)s::text[])
+RETURNING {sql.JOB_COLUMNS}
+"""
+
+
+def _get(job_id: int, alias: str) -> Job:
+    try:
+        return Job.objects.using(alias).get(id=job_id)
+    except Job.DoesNotExist:
+        raise JobNotFound(f"no job with id {job_id}") from None
+
+
+def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
+    """Cancel a job that has not finished; return its row.
+
+    A running job is cancelled at once; its handler sees ``is_cancelled()``
+    within a second and whatever it returns is discarded. ``on_cancelled``
+    follow-ups are inserted in the same transaction (a failing one raises and
+    nothing changes). A job already finished is returned unchanged.
+    Raises ``JobNotFound``.
+    """
+    alias = database_alias(using)
+    error = f"cancelled: {reason}" if reason else "cancelled"
+    with transaction.atomic(using=alias):
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                CANCEL, {"id": job_id, "error": error, "states": list(CANCELLABLE_STATES)}
+            )
+            row = cursor.fetchone()
+            if row is None:
+                return _get(job_id, alias)
+            previous, job = row[0], job_from_row(row[1:], alias)
+            if previous == JobState.RUNNING:
+                cursor.execute("SELECT pg_notify('awa_cancel', %s)", [str(job_id)])
+        dispatch(Outcome.CANCELLED, job, {"reason": reason}, alias)
+        send_signal(Outcome.CANCELLED, job, {"reason": reason}, alias)
+    return job
+
+
+def retry(job_id: int, *, using: str | None = None) -> Job:
+    """Make a failed, cancelled or retryable job available now, its attempts reset.
+
+    Any other state is returned unchanged. Raises ``JobNotFound``, or
+    ``UniqueConflict`` if another job now holds its unique key.
+    """
+    alias = database_alias(using)
+    try:
+        with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+            cursor.execute(RETRY, {"id": job_id, "states": list(RETRIABLE_STATES)})
+            row = cursor.fetchone()
+            if row is None:
+                return _get(job_id, alias)
+            job = job_from_row(row, alias)
+            cursor.execute(sql.NOTIFY_QUEUES, {"queues": [job.queue]})
+    except IntegrityError as exc:
+        raise UniqueConflict(
+            f"job {job_id} cannot be retried: another job holds its unique key"
+        ) from exc
+    return job
+
+
+def pause_queue(name: str, *, using: str | None = None) -> None:
+    """Stop workers claiming from queue ``name`` (running jobs finish)."""
+    alias = database_alias(using)
+    now = timezone.now()
+    Queue.objects.using(alias).update_or_create(
+        name=name, defaults={"paused": True, "paused_at": now, "updated_at": now}
+    )
+
+
+def resume_queue(name: str, *, using: str | None = None) -> None:
+    """Let workers claim from queue ``name`` again, and wake them."""
+    alias = database_alias(using)
+    with transaction.atomic(using=alias):
+        Queue.objects.using(alias).update_or_create(
+            name=name, defaults={"paused": False, "paused_at": None, "updated_at": timezone.now()}
+        )
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.NOTIFY_QUEUES, {"queues": [name]})
+
+
+def queue_stats(*, using: str | None = None) -> dict[str, dict[str, Any]]:
+    """``{queue: {state: count for every state, "paused": bool}}`` for every known queue."""
+    alias = database_alias(using)
+    stats: dict[str, dict[str, Any]] = {}
+
+    def entry(name: str) -> dict[str, Any]:
+        if name not in stats:
+            stats[name] = {state: 0 for state in JobState.values} | {"paused": False}
+        return stats[name]
+
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.QUEUE_STATS)
+        for queue, state, count in cursor.fetchall():
+            entry(queue)[state] = count
+    for queue in Queue.objects.using(alias).all():
+        entry(queue.name)["paused"] = queue.paused
+    return dict(sorted(stats.items()))

@@ -1,0 +1,340 @@
+"""Enqueueing: ``enqueue``, ``enqueue_many`` and ``EnqueueRequest``.
+
+Everything is validated before the first statement is sent; the INSERT runs
+on the Django connection ``using`` and so joins the caller's open
+``transaction.atomic()``. Workers are woken by NOTIFY when it commits.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+from django.conf import settings
+from django.db import connections, transaction
+from django.utils import timezone
+
+from . import sql
+from .conf import QUEUE_NAME_RE, awa_settings, to_seconds
+from .exceptions import ConfigurationError, UniqueConflict, ValidationError
+from .kinds import (
+    ArgsDecodeError,
+    JobArgs,
+    Unique,
+    canonical_json,
+    check_max_attempts,
+    check_priority,
+    decode_args,
+    encode_args,
+    registry,
+)
+from .models import Job, JobState, job_from_row
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueRequest:
+    """One job to enqueue, with options overriding its kind's defaults."""
+
+    args: JobArgs
+    _: KW_ONLY
+    queue: str | None = None
+    priority: int | None = None
+    run_at: dt.datetime | None = None
+    max_attempts: int | None = None
+    tags: Sequence[str] | None = None
+    metadata: dict[str, Any] | None = None
+    unique: Unique | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class PreparedJob:
+    """A validated job, ready to insert."""
+
+    kind: str
+    queue: str
+    args: str  # JSON text
+    priority: int
+    max_attempts: int
+    run_at: dt.datetime | None
+    tags: list[str]
+    metadata: dict[str, Any]
+    unique_key: str | None
+    unique_states: list[str] | None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "queue": self.queue,
+            "args": self.args,
+            "priority": self.priority,
+            "max_attempts": self.max_attempts,
+            "run_at": self.run_at,
+            "tags": json.dumps(self.tags),
+            "metadata": json.dumps(self.metadata),
+            "unique_key": self.unique_key,
+            "unique_states": None if self.unique_states is None else json.dumps(self.unique_states),
+        }
+
+
+def database_alias(using: str | None) -> str:
+    """The connection alias to use, checked to be PostgreSQL."""
+    alias = using or awa_settings().database
+    if alias not in settings.DATABASES:
+        raise ConfigurationError(f"django-awa: no database alias {alias!r} in DATABASES")
+    vendor = connections[alias].vendor
+    if vendor != "postgresql":
+        raise ConfigurationError(
+            f"django-awa needs PostgreSQL, but database {alias!r} is {vendor!r}"
+        )
+    return alias
+
+
+def prepare(
+    item: JobArgs | EnqueueRequest,
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    run_at: dt.datetime | None = None,
+    max_attempts: int | None = None,
+    tags: Iterable[str] | None = None,
+    metadata: dict[str, Any] | None = None,
+    unique: Unique | None = None,
+) -> PreparedJob:
+    """Validate one job and resolve its kind's defaults. Raises ``ValidationError``."""
+    if isinstance(item, EnqueueRequest):
+        args = item.args
+        queue = item.queue if item.queue is not None else queue
+        priority = item.priority if item.priority is not None else priority
+        run_at = item.run_at if item.run_at is not None else run_at
+        max_attempts = item.max_attempts if item.max_attempts is not None else max_attempts
+        tags = item.tags if item.tags is not None else tags
+        metadata = item.metadata if item.metadata is not None else metadata
+        unique = item.unique if item.unique is not None else unique
+    else:
+        args = item
+    if not isinstance(args, JobArgs):
+        raise ValidationError(
+            f"expected JobArgs or awa.EnqueueRequest, got {type(args).__name__}: {args!r}"
+        )
+    kind = args.kind
+    where = f"job of kind {kind!r}"
+    encoded = encode_args(args)
+    try:
+        # What the worker will decode: refuse now what it could not.
+        decode_args(type(args), json.loads(json.dumps(encoded)))
+    except ArgsDecodeError as exc:
+        raise ValidationError(f"{where}: {exc}") from exc
+    args_json = json.dumps(encoded, ensure_ascii=False)
+    limit = awa_settings().max_args_bytes
+    if len(args_json.encode()) > limit:
+        raise ValidationError(
+            f"{where}: args are {len(args_json.encode())} bytes of JSON, over the limit of "
+            f"{limit} (AWA['MAX_ARGS_BYTES'])"
+        )
+    defaults = registry.defaults(kind)
+    queue = defaults.queue if queue is None else queue
+    if not isinstance(queue, str) or not QUEUE_NAME_RE.match(queue):
+        raise ValidationError(f"{where}: invalid queue name {queue!r}")
+    priority = defaults.priority if priority is None else priority
+    check_priority(priority, where)
+    max_attempts = defaults.max_attempts if max_attempts is None else max_attempts
+    check_max_attempts(max_attempts, where)
+    if run_at is not None:
+        if not isinstance(run_at, dt.datetime):
+            raise ValidationError(f"{where}: run_at must be a datetime, got {run_at!r}")
+        if timezone.is_naive(run_at):
+            if settings.USE_TZ:
+                raise ValidationError(
+                    f"{where}: run_at {run_at.isoformat()} is a naive datetime while USE_TZ "
+                    f"is True; pass an aware datetime"
+                )
+            run_at = timezone.make_aware(run_at, timezone.get_default_timezone())
+    tag_list = _check_tags(tags, where)
+    meta = _check_metadata(metadata, where)
+    unique = defaults.unique if unique is None else unique
+    unique_key = unique_states = None
+    if unique is not None:
+        unique_key, unique_states = _unique_key(unique, kind, encoded, queue, run_at, where)
+    return PreparedJob(
+        kind=kind,
+        queue=queue,
+        args=args_json,
+        priority=priority,
+        max_attempts=max_attempts,
+        run_at=run_at,
+        tags=tag_list,
+        metadata=meta,
+        unique_key=unique_key,
+        unique_states=unique_states,
+    )
+
+
+def _check_tags(tags: Iterable[str] | None, where: str) -> list[str]:
+    if tags is None:
+        return []
+    if isinstance(tags, str):
+        raise ValidationError(f"{where}: tags must be a list of strings, not a string")
+    tag_list = list(tags)
+    for tag in tag_list:
+        if not isinstance(tag, str) or not tag or len(tag) > 255:
+            raise ValidationError(f"{where}: each tag must be a string of 1-255 characters: {tag!r}")
+    return tag_list
+
+
+def _check_metadata(metadata: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise ValidationError(f"{where}: metadata must be a dict, got {metadata!r}")
+    try:
+        json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"{where}: metadata cannot be stored as JSON: {exc}") from exc
+    if any(not isinstance(key, str) for key in metadata):
+        raise ValidationError(f"{where}: metadata keys must be strings")
+    return dict(metadata)
+
+
+def _unique_key(
+    unique: Unique,
+    kind: str,
+    encoded: dict[str, Any],
+    queue: str,
+    run_at: dt.datetime | None,
+    where: str,
+) -> tuple[str, list[str]]:
+    if not isinstance(unique, Unique):
+        raise ValidationError(f"{where}: unique must be an awa.Unique, got {unique!r}")
+    states = list(unique.states)
+    bad = [s for s in states if s not in JobState.values]
+    if bad or not states:
+        raise ValidationError(f"{where}: Unique.states has invalid states {bad or states!r}")
+    parts: list[Any] = [kind]
+    if unique.by_args:
+        parts.append(encoded)
+    if unique.by_queue:
+        parts.append(queue)
+    if unique.by_period is not None:
+        try:
+            period = to_seconds(unique.by_period)
+        except (TypeError, ValueError) as exc:
+            raise ValidationError(f"{where}: Unique.by_period: {exc}") from exc
+        if period <= 0:
+            raise ValidationError(f"{where}: Unique.by_period must be positive")
+        moment = run_at or timezone.now()
+        parts.append(math.floor(moment.timestamp() / period))
+    digest = hashlib.sha256(canonical_json(parts).encode()).hexdigest()
+    return digest, states
+
+
+def enqueue(
+    args: JobArgs,
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    run_at: dt.datetime | None = None,
+    max_attempts: int | None = None,
+    tags: Iterable[str] | None = None,
+    metadata: dict[str, Any] | None = None,
+    unique: Unique | None = None,
+    using: str | None = None,
+) -> Job:
+    """Insert one job and return its row.
+
+    Runs on connection ``using`` (default ``AWA["DATABASE"]``) and joins its
+    open transaction: the job exists only if that transaction commits. Raises
+    ``ValidationError`` (nothing written) or ``UniqueConflict`` (nothing
+    written; the caller's transaction stays usable).
+    """
+    alias = database_alias(using)
+    prepared = prepare(
+        args,
+        queue=queue,
+        priority=priority,
+        run_at=run_at,
+        max_attempts=max_attempts,
+        tags=tags,
+        metadata=metadata,
+        unique=unique,
+    )
+    return insert_one(prepared, alias)
+
+
+def insert_one(prepared: PreparedJob, alias: str) -> Job:
+    """Insert a validated job on ``alias``; ``UniqueConflict`` if its key is held."""
+    statement = sql.INSERT_ONE_UNIQUE if prepared.unique_key else sql.INSERT_ONE
+    with connections[alias].cursor() as cursor:
+        cursor.execute(statement, prepared.params())
+        row = cursor.fetchone()
+        if row is None:
+            cursor.execute(sql.FIND_UNIQUE_HOLDER, {"unique_key": prepared.unique_key})
+            holder = cursor.fetchone()
+            holder_id = holder[0] if holder else None
+            raise UniqueConflict(
+                f"a job of kind {prepared.kind!r} with the same unique key is already held"
+                + (f" by job {holder_id}" if holder_id else ""),
+                conflicting_id=holder_id,
+            )
+    return job_from_row(row[:-1], alias)
+
+
+def enqueue_many(items: Iterable[JobArgs | EnqueueRequest], *, using: str | None = None) -> list[int]:
+    """Insert many jobs in bulk; return the inserted ids in input order.
+
+    Every item is validated before anything is written: one bad item raises
+    ``ValidationError`` naming its index and nothing is inserted. Unique
+    duplicates are skipped (absent from the result). Joins the caller's
+    transaction on ``using``.
+    """
+    alias = database_alias(using)
+    prepared = []
+    for index, item in enumerate(items):
+        try:
+            prepared.append(prepare(item))
+        except ValidationError as exc:
+            raise ValidationError(f"enqueue_many item {index}: {exc}") from exc
+    if not prepared:
+        return []
+    return insert_many(prepared, alias)
+
+
+def insert_many(prepared: Sequence[PreparedJob], alias: str) -> list[int]:
+    """Insert validated jobs on ``alias`` in one statement; skipped duplicates are left out."""
+    reserved, inserted = insert_reserved(prepared, alias)
+    return [i for i in reserved if i in inserted]
+
+
+def insert_reserved(prepared: Sequence[PreparedJob], alias: str) -> tuple[list[int], set[int]]:
+    """Insert validated jobs; return the id reserved for each and the set actually inserted."""
+    with transaction.atomic(using=alias, savepoint=False), connections[alias].cursor() as cursor:
+        cursor.execute(sql.RESERVE_IDS, {"n": len(prepared)})
+        ids = [row[0] for row in cursor.fetchall()]
+        cursor.execute(
+            sql.INSERT_MANY,
+            {
+                "id": ids,
+                "kind": [p.kind for p in prepared],
+                "queue": [p.queue for p in prepared],
+                "args": [p.args for p in prepared],
+                "priority": [p.priority for p in prepared],
+                "max_attempts": [p.max_attempts for p in prepared],
+                "run_at": [p.run_at for p in prepared],
+                "tags": [json.dumps(p.tags) for p in prepared],
+                "metadata": [json.dumps(p.metadata) for p in prepared],
+                "unique_key": [p.unique_key for p in prepared],
+                "unique_states": [
+                    None if p.unique_states is None else json.dumps(p.unique_states)
+                    for p in prepared
+                ],
+            },
+        )
+        inserted = {row[0] for row in cursor.fetchall()}
+        queues = sorted({p.queue for p, i in zip(prepared, ids, strict=True) if i in inserted})
+        if queues:
+            cursor.execute(sql.NOTIFY_QUEUES, {"queues": queues})
+    return ids, inserted

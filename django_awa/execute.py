@@ -1,0 +1,394 @@
+"""Running one attempt: the handler's ``JobContext`` and what its result means.
+
+``run_attempt()`` turns one claimed row into an :class:`AttemptResult`;
+``finalize.py`` writes it. A handler declared ``atomic=True`` runs inside the
+transaction that finalizes it (``run_atomic_attempt``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import random
+import threading
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import connections, transaction
+
+from . import sql
+from .conf import to_seconds
+from .exceptions import TerminalError, ValidationError
+from .followups import Outcome
+from .kinds import ArgsDecodeError, JobArgs, WorkerSpec, decode_args, registry
+from .models import Job, JobState
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF = 86400.0
+
+
+# -- what a handler may return -------------------------------------------------
+
+
+def _seconds(value: float | dt.timedelta, what: str) -> float:
+    try:
+        seconds = to_seconds(value)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"{what}: {exc}") from exc
+    if seconds < 0:
+        raise ValidationError(f"{what}: the delay cannot be negative, got {value!r}")
+    return seconds
+
+
+@dataclass(frozen=True, slots=True)
+class RetryAfter:
+    """Retry after ``seconds`` (or a timedelta); the attempt counts."""
+
+    seconds: float | dt.timedelta
+
+    def __post_init__(self) -> None:
+        _seconds(self.seconds, "RetryAfter")
+
+
+@dataclass(frozen=True, slots=True)
+class Snooze:
+    """Run again after ``seconds`` (or a timedelta); no attempt is used."""
+
+    seconds: float | dt.timedelta
+
+    def __post_init__(self) -> None:
+        _seconds(self.seconds, "Snooze")
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Cancel the job, recording ``reason``."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CallbackToken:
+    """A registered callback; hand ``id`` to the outside system."""
+
+    id: uuid.UUID
+    timeout_at_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class WaitForCallback:
+    """Park the job in ``waiting_external`` until its callback is resolved."""
+
+    token: CallbackToken
+
+
+def backoff(attempt: int) -> float:
+    """Seconds before retrying after failed run ``attempt``: 2**n plus 0-25%, at most a day."""
+    base = 2.0 ** min(attempt, 32)
+    return min(base * (1 + random.uniform(0, 0.25)), MAX_BACKOFF)  # noqa: S311 - jitter
+
+
+# -- the attempt's shared state --------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class Attempt:
+    """One claimed attempt as the worker tracks it (shared with its handler thread)."""
+
+    job: Job
+    alias: str
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    progress: dict[str, Any] | None = None
+    progress_dirty: bool = False
+    callback_id: uuid.UUID | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.job.id, self.job.run_lease)
+
+
+class JobContext:
+    """What a handler receives: the job's args and row, and a few controls."""
+
+    __slots__ = ("_attempt", "_flush_progress", "args")
+
+    def __init__(
+        self,
+        attempt: Attempt,
+        args: JobArgs,
+        flush_progress: Callable[[Attempt], None] | None = None,
+    ) -> None:
+        self._attempt = attempt
+        self._flush_progress = flush_progress
+        self.args = args
+
+    @property
+    def row(self) -> Job:
+        return self._attempt.job
+
+    id = property(lambda self: self._attempt.job.id)
+    kind = property(lambda self: self._attempt.job.kind)
+    queue = property(lambda self: self._attempt.job.queue)
+    attempt = property(lambda self: self._attempt.job.attempt)
+    max_attempts = property(lambda self: self._attempt.job.max_attempts)
+    metadata = property(lambda self: self._attempt.job.metadata)
+
+    def set_progress(self, percent: float, message: str | None = None, **metadata: Any) -> None:
+        """Record progress (0-100); stored on the row while the job runs."""
+        if isinstance(percent, bool) or not isinstance(percent, (int, float)):
+            raise ValidationError(f"set_progress: percent must be a number, got {percent!r}")
+        if not 0 <= percent <= 100:
+            raise ValidationError(f"set_progress: percent must be 0 to 100, got {percent!r}")
+        progress = {"percent": percent, "message": message, "metadata": metadata}
+        try:
+            json.dumps(progress, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValidationError(f"set_progress: metadata is not JSON: {exc}") from exc
+        self._attempt.progress = progress
+        self._attempt.progress_dirty = True
+        if self._flush_progress is None:
+            write_progress([self._attempt])
+        else:
+            self._flush_progress(self._attempt)
+
+    def is_cancelled(self) -> bool:
+        """True once the job was cancelled (or its attempt lost) while this handler runs."""
+        return self._attempt.cancelled.is_set()
+
+    def register_callback(self, timeout: float | dt.timedelta) -> CallbackToken:
+        """Register a callback id for an outside system; then return ``WaitForCallback``.
+
+        The id is stored at once, so the outside system may answer even before
+        the handler returns.
+        """
+        seconds = _seconds(timeout, "register_callback timeout")
+        if seconds <= 0:
+            raise ValidationError("register_callback: timeout must be positive")
+        callback_id = uuid.uuid4()
+        job = self._attempt.job
+        with connections[self._attempt.alias].cursor() as cursor:
+            cursor.execute(
+                sql.REGISTER_CALLBACK,
+                {
+                    "callback_id": callback_id,
+                    "timeout": seconds,
+                    "id": job.id,
+                    "run_lease": job.run_lease,
+                },
+            )
+            if cursor.fetchone() is None:
+                self._attempt.cancelled.set()
+                raise TerminalError(f"job {job.id} is no longer running this attempt")
+        self._attempt.callback_id = callback_id
+        job.callback_id = callback_id
+        return CallbackToken(id=callback_id, timeout_at_seconds=seconds)
+
+
+def write_progress(attempts: list[Attempt]) -> None:
+    """Store dirty progress of running attempts (guarded by run_lease)."""
+    dirty = [a for a in attempts if a.progress_dirty]
+    if not dirty:
+        return
+    for a in dirty:
+        a.progress_dirty = False
+    with connections[dirty[0].alias].cursor() as cursor:
+        cursor.execute(
+            sql.SET_PROGRESS,
+            {
+                "id": [a.job.id for a in dirty],
+                "run_lease": [a.job.run_lease for a in dirty],
+                "progress": [json.dumps(a.progress) for a in dirty],
+            },
+        )
+
+
+# -- interpreting a run ---------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class AttemptResult:
+    """The outcome of one attempt, to be written by ``finalize``."""
+
+    job: Job
+    state: JobState
+    outcome: Outcome | None = None
+    delay: float | None = None
+    error: str | None = None
+    traceback: str = ""
+    snoozed: bool = False
+    reset_attempts: bool = False
+    progress: dict[str, Any] | None = None
+    context: dict[str, Any] = field(default_factory=dict)
+    # Set by finalize: the row as it stands after the transition.
+    row: Job | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "id": self.job.id,
+            "run_lease": self.job.run_lease,
+            "state": self.state.value,
+            "delay": self.delay,
+            "error": self.error,
+            "traceback": self.traceback,
+            "snoozed": self.snoozed,
+            "reset_attempts": self.reset_attempts,
+            "progress": None if self.progress is None else json.dumps(self.progress),
+        }
+
+
+def completed(job: Job) -> AttemptResult:
+    return AttemptResult(job=job, state=JobState.COMPLETED, outcome=Outcome.COMPLETED)
+
+
+def failed_terminally(job: Job, error: str, tb: str = "") -> AttemptResult:
+    return AttemptResult(
+        job=job,
+        state=JobState.FAILED,
+        outcome=Outcome.EXHAUSTED,
+        error=error,
+        traceback=tb,
+        context={"error": error, "attempt": job.attempt},
+    )
+
+
+def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
+    """The handler failed: retry after backoff, or exhaust on the last attempt."""
+    if job.attempt >= job.max_attempts:
+        return failed_terminally(job, error, tb)
+    return AttemptResult(
+        job=job,
+        state=JobState.RETRYABLE,
+        outcome=Outcome.RETRIED,
+        delay=backoff(job.attempt),
+        error=error,
+        traceback=tb,
+        context={"error": error, "attempt": job.attempt},
+    )
+
+
+def from_exception(job: Job, exc: BaseException) -> AttemptResult:
+    tb = "".join(traceback.format_exception(exc))
+    if isinstance(exc, TerminalError):
+        return failed_terminally(job, f"{type(exc).__name__}: {exc}", tb)
+    return errored(job, f"{type(exc).__name__}: {exc}", tb)
+
+
+def from_value(attempt: Attempt, value: Any) -> AttemptResult:  # noqa: C901 - one arm per result
+    job = attempt.job
+    match value:
+        case None:
+            return completed(job)
+        case RetryAfter(seconds=seconds):
+            if job.attempt >= job.max_attempts:
+                error = f"RetryAfter on the last attempt ({job.attempt} of {job.max_attempts})"
+                return failed_terminally(job, error)
+            return AttemptResult(
+                job=job,
+                state=JobState.RETRYABLE,
+                outcome=Outcome.RETRIED,
+                delay=to_seconds(seconds),
+                context={"error": "", "attempt": job.attempt},
+            )
+        case Snooze(seconds=seconds):
+            delay = to_seconds(seconds)
+            return AttemptResult(
+                job=job,
+                state=JobState.SCHEDULED if delay > 0 else JobState.AVAILABLE,
+                delay=delay,
+                snoozed=True,
+            )
+        case Cancel(reason=reason):
+            return AttemptResult(
+                job=job,
+                state=JobState.CANCELLED,
+                outcome=Outcome.CANCELLED,
+                error=f"cancelled: {reason}" if reason else "cancelled",
+                context={"reason": reason},
+            )
+        case WaitForCallback(token=token):
+            if attempt.callback_id is None or token.id != attempt.callback_id:
+                return errored(
+                    job,
+                    "handler returned WaitForCallback with a token this attempt did not "
+                    "register (call job.register_callback() first)",
+                )
+            return AttemptResult(
+                job=job, state=JobState.WAITING_EXTERNAL, outcome=Outcome.WAITING_FOR_CALLBACK
+            )
+        case _:
+            return errored(
+                job,
+                f"handler returned an unsupported value {value!r}; expected None, "
+                f"awa.RetryAfter, awa.Snooze, awa.Cancel or awa.WaitForCallback",
+            )
+
+
+def resolve_handler(job: Job) -> tuple[WorkerSpec, JobArgs] | AttemptResult:
+    """The kind's handler and decoded args, or a terminal failure explaining why not."""
+    spec = registry.workers.get(job.kind)
+    if spec is None:
+        return failed_terminally(job, f"unknown job kind {job.kind!r}: no handler is registered")
+    try:
+        return spec, decode_args(spec.args_cls, job.args)
+    except ArgsDecodeError as exc:
+        return failed_terminally(job, str(exc))
+
+
+def run_attempt(
+    attempt: Attempt, flush_progress: Callable[[Attempt], None] | None = None
+) -> AttemptResult:
+    """Run the handler of a claimed, non-atomic attempt and interpret its result."""
+    resolved = resolve_handler(attempt.job)
+    if isinstance(resolved, AttemptResult):
+        return resolved
+    spec, args = resolved
+    context = JobContext(attempt, args, flush_progress)
+    try:
+        value = spec.handler(context)
+    except Exception as exc:  # noqa: BLE001 - the handler boundary: every error is recorded
+        result = from_exception(attempt.job, exc)
+    else:
+        result = from_value(attempt, value)
+    result.progress = attempt.progress
+    return result
+
+
+class StaleAttempt(Exception):  # noqa: N818 - internal control flow
+    """The attempt's guarded finalize matched no row: roll its writes back."""
+
+
+def run_atomic_attempt(
+    attempt: Attempt, spec: WorkerSpec, args: JobArgs
+) -> AttemptResult | None:
+    """Run an ``atomic=True`` handler inside the transaction that finalizes it.
+
+    The handler's writes, the state change and its follow-ups commit together.
+    If the handler raises, its writes roll back before the retry is recorded.
+    Returns the written result, or ``None`` when the attempt was stale.
+    """
+    from .finalize import finalize_atomic
+
+    alias = attempt.alias
+    try:
+        with transaction.atomic(using=alias):
+            handler_savepoint = transaction.savepoint(using=alias)
+            context = JobContext(attempt, args, flush_progress=lambda _a: None)
+            try:
+                value = spec.handler(context)
+            except Exception as exc:  # noqa: BLE001 - the handler boundary
+                transaction.savepoint_rollback(handler_savepoint, using=alias)
+                transaction.set_rollback(False, using=alias)
+                result = from_exception(attempt.job, exc)
+            else:
+                result = from_value(attempt, value)
+            result.progress = attempt.progress
+            if not finalize_atomic(result, handler_savepoint):
+                raise StaleAttempt
+            return result
+    except StaleAttempt:
+        return None

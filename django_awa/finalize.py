@@ -1,0 +1,364 @@
+"""Writing outcomes: the guarded UPDATE, its follow-ups and NOTIFY in one transaction.
+
+``finalize()`` takes a batch of attempt results. Results whose (outcome,
+kind) has no follow-ups are written by one statement. The others are written
+together with their follow-up INSERTs inside a savepoint; if any follow-up
+function raises or its insert fails, the savepoint is rolled back, that job
+is finalized instead as if its handler had raised (``_fallback``), and the
+rest of the batch is written again without it. So each committed outcome has
+exactly its follow-ups, and one bad follow-up never rolls back another job's
+outcome.
+
+``dispatch()`` is the same follow-up step for callers that change state
+themselves (callback resolution, ``awa.cancel``): it raises to the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import DatabaseError, connections, transaction
+
+from . import signals, sql
+from .enqueueing import PreparedJob, insert_reserved
+from .execute import AttemptResult, errored
+from .followups import FollowupError, FollowupSpec, Outcome, build, followup_registry
+from .models import Job, JobState, PendingFollowup, job_from_row
+
+logger = logging.getLogger(__name__)
+
+_SIGNALS = {
+    Outcome.COMPLETED: signals.job_completed,
+    Outcome.RETRIED: signals.job_retried,
+    Outcome.EXHAUSTED: signals.job_exhausted,
+    Outcome.CANCELLED: signals.job_cancelled,
+    Outcome.RESCUED: signals.job_rescued,
+}
+
+
+class _FollowupsFailed(Exception):  # noqa: N818 - internal control flow
+    def __init__(self, failures: dict[int, tuple[AttemptResult, Exception]]) -> None:
+        super().__init__(f"{len(failures)} follow-up failure(s)")
+        self.failures = failures
+
+
+def _has_followups(result: AttemptResult) -> bool:
+    return result.outcome is not None and followup_registry.has(result.outcome, result.job.kind)
+
+
+def _wants_rows(results: Sequence[AttemptResult]) -> bool:
+    for result in results:
+        if result.state == JobState.WAITING_EXTERNAL:
+            return True  # to see a callback that arrived early
+        signal = _SIGNALS.get(result.outcome) if result.outcome else None
+        if signal is not None and signal.has_listeners():
+            return True
+    return False
+
+
+def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[AttemptResult]:
+    """One guarded UPDATE for all ``results``; returns those that applied."""
+    if not results:
+        return []
+    by_id = {r.job.id: r for r in results}
+    params: dict[str, list[Any]] = {key: [] for key in results[0].params()}
+    for result in results:
+        for key, value in result.params().items():
+            params[key].append(value)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.FINALIZE_RETURNING_ROWS if rows else sql.FINALIZE, params)
+        returned = cursor.fetchall()
+    applied = []
+    for row in returned:
+        result = by_id[row[0]]
+        if rows:
+            result.row = job_from_row(row, alias)
+        applied.append(result)
+    return applied
+
+
+def followup_context(result: AttemptResult) -> dict[str, Any]:
+    context = dict(result.context)
+    if result.outcome is Outcome.RETRIED and result.row is not None:
+        context["next_run_at"] = result.row.run_at
+    return context
+
+
+def _insert(
+    batch: Sequence[tuple[AttemptResult, list[tuple[FollowupSpec, PreparedJob]]]], alias: str
+) -> dict[int, tuple[AttemptResult, Exception]]:
+    """Insert every prepared follow-up in one statement; report triggers whose insert was refused."""
+    flat = [(result, spec, job) for result, items in batch for spec, job in items]
+    if not flat:
+        return {}
+    reserved, inserted = insert_reserved([job for _, _, job in flat], alias)
+    failures: dict[int, tuple[AttemptResult, Exception]] = {}
+    for (result, spec, job), reserved_id in zip(flat, reserved, strict=True):
+        if reserved_id not in inserted and result.job.id not in failures:
+            failures[result.job.id] = (
+                result,
+                FollowupError(
+                    f"follow-up {spec.name} failed: UniqueConflict: a job of kind "
+                    f"{job.kind!r} with the same unique key is already held",
+                    spec=spec,
+                ),
+            )
+    return failures
+
+
+def _apply_with_followups(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult]:
+    """Write results and their follow-ups; raise ``_FollowupsFailed`` naming bad triggers."""
+    applied = _write(results, alias, rows=True)
+    failures: dict[int, tuple[AttemptResult, Exception]] = {}
+    batch = []
+    for result in applied:
+        assert result.outcome is not None and result.row is not None
+        try:
+            batch.append((result, build(result.outcome, result.row, followup_context(result))))
+        except FollowupError as exc:
+            failures[result.job.id] = (result, exc)
+    if not failures:
+        failures = _insert(batch, alias)
+    if failures:
+        raise _FollowupsFailed(failures)
+    return applied
+
+
+def _write_with_followups(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult]:
+    pending = list(results)
+    applied: list[AttemptResult] = []
+    while pending:
+        savepoint = transaction.savepoint(using=alias)
+        try:
+            done = _apply_with_followups(pending, alias)
+        except _FollowupsFailed as exc:
+            transaction.savepoint_rollback(savepoint, using=alias)
+            for result, error in exc.failures.values():
+                applied.extend(_fallback(result, error, alias))
+            pending = [r for r in pending if r.job.id not in exc.failures]
+            continue
+        except DatabaseError as exc:
+            transaction.savepoint_rollback(savepoint, using=alias)
+            if len(pending) == 1:
+                applied.extend(_fallback(pending[0], exc, alias))
+            else:
+                # Find the culprit: one savepoint per job.
+                for result in pending:
+                    applied.extend(_write_with_followups([result], alias))
+            break
+        transaction.savepoint_commit(savepoint, using=alias)
+        applied.extend(done)
+        break
+    return applied
+
+
+def _error_text(exc: Exception) -> str:
+    if isinstance(exc, FollowupError):
+        return str(exc)
+    return f"follow-up insert failed: {type(exc).__name__}: {exc}"
+
+
+def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[AttemptResult]:
+    """Finalize ``result``'s job as if its handler had raised ``exc`` (a follow-up failure).
+
+    The fallback's own follow-ups go in the same transaction; should they fail
+    too, the fallback still commits and its follow-ups are kept as a
+    ``PendingFollowup`` row that maintenance retries.
+    """
+    error = _error_text(exc)
+    tb = "".join(traceback.format_exception(exc))
+    fallback = errored(result.job, error, tb)
+    fallback.progress = result.progress
+    logger.warning(
+        "follow-up failed for job %s kind=%s outcome=%s: %s; recording it as %s",
+        result.job.id,
+        result.job.kind,
+        result.outcome,
+        error,
+        fallback.state,
+        extra={"job_id": result.job.id, "kind": result.job.kind},
+    )
+    if not _has_followups(fallback):
+        return _write([fallback], alias, rows=True)
+    savepoint = transaction.savepoint(using=alias)
+    try:
+        applied = _apply_with_followups([fallback], alias)
+    except (_FollowupsFailed, DatabaseError) as second:
+        transaction.savepoint_rollback(savepoint, using=alias)
+        if isinstance(second, _FollowupsFailed):
+            second = next(iter(second.failures.values()))[1]
+        applied = _write([fallback], alias, rows=True)
+        for done in applied:
+            keep_pending(done.row, fallback.outcome, followup_context(done), alias, second)
+        return applied
+    transaction.savepoint_commit(savepoint, using=alias)
+    return applied
+
+
+def keep_pending(
+    row: Job | None,
+    outcome: Outcome | None,
+    context: dict[str, Any],
+    alias: str,
+    error: Exception | None = None,
+) -> PendingFollowup:
+    """Record follow-ups to insert later, in the current transaction."""
+    assert row is not None and outcome is not None
+    pending = PendingFollowup.objects.using(alias).create(
+        job_id=row.id,
+        kind=row.kind,
+        outcome=outcome.value,
+        context=json.loads(json.dumps(context, cls=DjangoJSONEncoder)),
+        snapshot=snapshot(row),
+        last_error=_error_text(error) if error is not None else "",
+    )
+    if error is not None:
+        logger.error(
+            "follow-ups of job %s kind=%s outcome=%s could not be inserted (%s); "
+            "kept as pending follow-up %s for maintenance to retry",
+            row.id,
+            row.kind,
+            outcome,
+            error,
+            pending.id,
+        )
+    return pending
+
+
+def snapshot(job: Job) -> dict[str, Any]:
+    data = {f.attname: getattr(job, f.attname) for f in Job._meta.concrete_fields}
+    return json.loads(json.dumps(data, cls=DjangoJSONEncoder))
+
+
+def from_snapshot(data: dict[str, Any], alias: str) -> Job:
+    values = {}
+    for f in Job._meta.concrete_fields:
+        value = data.get(f.attname)
+        values[f.attname] = value if isinstance(value, (dict, list)) else f.to_python(value)
+    job = Job(**values)
+    job._state.adding = False
+    job._state.db = alias
+    return job
+
+
+def _apply_early_callbacks(applied: Sequence[AttemptResult], alias: str) -> None:
+    from .callbacks import apply_early
+
+    for result in applied:
+        if result.state == JobState.WAITING_EXTERNAL and result.row is not None:
+            apply_early(result.row, alias)
+
+
+def _send_signals(applied: Sequence[AttemptResult], alias: str) -> None:
+    for result in applied:
+        signal = _SIGNALS.get(result.outcome) if result.outcome else None
+        if signal is None or result.row is None or not signal.has_listeners():
+            continue
+        transaction.on_commit(
+            partial(signal.send_robust, sender=Job, job=result.row, **followup_context(result)),
+            using=alias,
+            robust=True,
+        )
+
+
+def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult]:
+    """Write a batch of attempt results in one transaction; return those that applied.
+
+    A result whose attempt is stale (its run_lease no longer running) is left
+    out and inserts nothing.
+    """
+    if not results:
+        return []
+    with transaction.atomic(using=alias):
+        plain = [r for r in results if not _has_followups(r)]
+        special = [r for r in results if _has_followups(r)]
+        applied = _write(plain, alias, rows=_wants_rows(plain))
+        applied.extend(_write_with_followups(special, alias))
+        _apply_early_callbacks(applied, alias)
+        _send_signals(applied, alias)
+    for result in applied:
+        _log(result)
+    return applied
+
+
+def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
+    """Finalize an ``atomic=True`` attempt inside its handler's open transaction.
+
+    On a follow-up failure the handler's writes are rolled back with the
+    transition (to ``handler_savepoint``) before the fallback is written.
+    """
+    alias = result.job._state.db
+    assert alias is not None
+    if not _has_followups(result):
+        applied = _write([result], alias, rows=_wants_rows([result]))
+    else:
+        savepoint = transaction.savepoint(using=alias)
+        try:
+            applied = _apply_with_followups([result], alias)
+            transaction.savepoint_commit(savepoint, using=alias)
+        except (_FollowupsFailed, DatabaseError) as exc:
+            transaction.savepoint_rollback(handler_savepoint, using=alias)
+            transaction.set_rollback(False, using=alias)
+            if isinstance(exc, _FollowupsFailed):
+                exc = next(iter(exc.failures.values()))[1]
+            applied = _fallback(result, exc, alias)
+    _apply_early_callbacks(applied, alias)
+    _send_signals(applied, alias)
+    for done in applied:
+        _log(done)
+    return bool(applied)
+
+
+def dispatch(outcome: Outcome, row: Job, context: dict[str, Any], alias: str) -> list[int]:
+    """Insert the follow-ups of ``outcome`` for ``row`` in the caller's transaction.
+
+    Raises ``FollowupError`` if a function fails or an insert is refused.
+    Returns the ids of the inserted follow-ups.
+    """
+    prepared = [job for _, job in build(outcome, row, context)]
+    if not prepared:
+        return []
+    reserved, inserted = insert_reserved(prepared, alias)
+    missing = [job for job, rid in zip(prepared, reserved, strict=True) if rid not in inserted]
+    if missing:
+        raise FollowupError(
+            f"follow-up insert refused: UniqueConflict: a job of kind {missing[0].kind!r} with "
+            f"the same unique key is already held"
+        )
+    return [rid for rid in reserved if rid in inserted]
+
+
+def send_signal(outcome: Outcome, row: Job, context: dict[str, Any], alias: str) -> None:
+    signal = _SIGNALS.get(outcome)
+    if signal is not None and signal.has_listeners():
+        transaction.on_commit(
+            partial(signal.send_robust, sender=Job, job=row, **context), using=alias, robust=True
+        )
+
+
+def _log(result: AttemptResult) -> None:
+    job = result.job
+    if result.state == "retryable":
+        logger.warning(
+            "job %s kind=%s attempt=%s failed, retrying in %.1fs: %s",
+            job.id, job.kind, job.attempt, result.delay or 0, result.error or "RetryAfter",
+            extra={"job_id": job.id, "kind": job.kind, "queue": job.queue, "attempt": job.attempt},
+        )  # fmt: skip
+    elif result.outcome is Outcome.EXHAUSTED:
+        logger.error(
+            "job %s kind=%s attempt=%s failed for good: %s\n%s",
+            job.id, job.kind, job.attempt, result.error, result.traceback,
+            extra={"job_id": job.id, "kind": job.kind, "queue": job.queue, "attempt": job.attempt},
+        )  # fmt: skip
+    elif logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "job %s kind=%s attempt=%s -> %s",
+            job.id, job.kind, job.attempt, result.state,
+            extra={"job_id": job.id, "kind": job.kind, "queue": job.queue, "attempt": job.attempt},
+        )  # fmt: skip

@@ -1,0 +1,213 @@
+"""Follow-ups: which job to enqueue when a job of some kind reaches an outcome.
+
+An app declares them in its ``followups.py``::
+
+    @on_completed(ChargeCard)
+    def send_receipt(args, job):
+        return SendReceipt(order_id=args.order_id)
+
+Worker-driven outcomes, callback resolution and ``awa.cancel`` insert the
+follow-ups in the transaction that commits the state change (see
+``finalize.py``); a rescue inserts them right after it commits, through a
+durable pending row (``maintenance.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import enum
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .enqueueing import EnqueueRequest, PreparedJob, prepare
+from .exceptions import AwaError, ValidationError
+from .kinds import ArgsDecodeError, JobArgs, decode_args, registry
+from .models import Job
+
+
+class Outcome(enum.StrEnum):
+    """The state change a follow-up is declared for (``awa_trigger["outcome"]``)."""
+
+    COMPLETED = "completed"
+    RETRIED = "retried"
+    EXHAUSTED = "exhausted"
+    CANCELLED = "cancelled"
+    WAITING_FOR_CALLBACK = "waiting_for_callback"
+    RESCUED = "rescued"
+
+
+class RescueReason(enum.StrEnum):
+    """Why maintenance took a job back."""
+
+    STALE_HEARTBEAT = "stale_heartbeat"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CALLBACK_TIMEOUT = "callback_timeout"
+
+
+# The extra arguments each outcome's function receives after (args, job).
+CONTEXT_PARAMETERS: dict[Outcome, tuple[str, ...]] = {
+    Outcome.COMPLETED: (),
+    Outcome.RETRIED: ("error", "attempt", "next_run_at"),
+    Outcome.EXHAUSTED: ("error", "attempt"),
+    Outcome.CANCELLED: ("reason",),
+    Outcome.WAITING_FOR_CALLBACK: (),
+    Outcome.RESCUED: ("reason",),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FollowupSpec:
+    outcome: Outcome
+    trigger: Any  # the declared class; checks.py reports one that is not a JobArgs
+    function: Callable[..., Any]
+
+    @property
+    def name(self) -> str:
+        return f"{self.function.__module__}.{self.function.__qualname__}"
+
+
+class FollowupError(AwaError):
+    """A follow-up function raised, returned something unusable, or its insert failed."""
+
+    def __init__(self, message: str, *, spec: FollowupSpec | None = None) -> None:
+        super().__init__(message)
+        self.spec = spec
+
+
+class FollowupRegistry:
+    """(outcome, kind) -> follow-up specs, in declaration order."""
+
+    def __init__(self) -> None:
+        self._specs: dict[tuple[Outcome, str], list[FollowupSpec]] = {}
+        self.all: list[FollowupSpec] = []
+
+    def add(self, spec: FollowupSpec) -> None:
+        kind = getattr(spec.trigger, "kind", None)
+        # A re-imported followups.py (autoreload, tests) declares the same functions again.
+        for existing in self.all:
+            if existing.outcome == spec.outcome and existing.name == spec.name:
+                self._remove(existing)
+                break
+        self.all.append(spec)
+        if isinstance(kind, str):
+            self._specs.setdefault((spec.outcome, kind), []).append(spec)
+
+    def _remove(self, spec: FollowupSpec) -> None:
+        self.all.remove(spec)
+        for specs in self._specs.values():
+            if spec in specs:
+                specs.remove(spec)
+
+    def get(self, outcome: Outcome, kind: str) -> Sequence[FollowupSpec]:
+        return self._specs.get((outcome, kind), ())
+
+    def has(self, outcome: Outcome, kind: str) -> bool:
+        return bool(self._specs.get((outcome, kind)))
+
+    def clear(self) -> None:
+        self._specs.clear()
+        self.all.clear()
+
+
+followup_registry = FollowupRegistry()
+
+
+def _decorator(outcome: Outcome) -> Callable[[Any], Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    params = ", ".join(("args", "job", *CONTEXT_PARAMETERS[outcome]))
+
+    def declare(trigger: type[JobArgs]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def register(function: Callable[..., Any]) -> Callable[..., Any]:
+            followup_registry.add(FollowupSpec(outcome=outcome, trigger=trigger, function=function))
+            return function
+
+        return register
+
+    declare.__name__ = f"on_{outcome.value}"
+    declare.__doc__ = (
+        f"Declare a follow-up for the {outcome.value!r} outcome of ``trigger``'s kind.\n\n"
+        f"The function is called as ``fn({params})`` and returns JobArgs, an "
+        f"``awa.EnqueueRequest`` or ``None``."
+    )
+    return declare
+
+
+on_completed = _decorator(Outcome.COMPLETED)
+on_retried = _decorator(Outcome.RETRIED)
+on_exhausted = _decorator(Outcome.EXHAUSTED)
+on_cancelled = _decorator(Outcome.CANCELLED)
+on_waiting_for_callback = _decorator(Outcome.WAITING_FOR_CALLBACK)
+on_rescued = _decorator(Outcome.RESCUED)
+
+
+def signature_fits(spec: FollowupSpec) -> bool:
+    """Whether ``spec.function`` accepts its outcome's positional arguments."""
+    try:
+        signature = inspect.signature(spec.function)
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind(*range(2 + len(CONTEXT_PARAMETERS[spec.outcome])))
+    except TypeError:
+        return False
+    return True
+
+
+def trigger_metadata(job: Job, outcome: Outcome) -> dict[str, Any]:
+    return {"job_id": job.id, "kind": job.kind, "outcome": outcome.value}
+
+
+def context_values(outcome: Outcome, context: dict[str, Any]) -> tuple[Any, ...]:
+    """The per-outcome arguments, in order, from a context dict."""
+    values = []
+    for name in CONTEXT_PARAMETERS[outcome]:
+        value = context.get(name)
+        if name == "reason" and outcome is Outcome.RESCUED:
+            value = RescueReason(value)
+        elif name == "next_run_at" and isinstance(value, str):
+            value = dt.datetime.fromisoformat(value)
+        values.append(value)
+    return tuple(values)
+
+
+def build(outcome: Outcome, job: Job, context: dict[str, Any]) -> list[tuple[FollowupSpec, PreparedJob]]:
+    """Call every follow-up function of (outcome, job.kind) and validate what they return.
+
+    Raises ``FollowupError`` naming the function on the first failure.
+    """
+    specs = followup_registry.get(outcome, job.kind)
+    if not specs:
+        return []
+    extra = context_values(outcome, context)
+    prepared: list[tuple[FollowupSpec, PreparedJob]] = []
+    decoded: dict[type, JobArgs] = {}
+    for spec in specs:
+        args_cls = spec.trigger
+        try:
+            if args_cls not in decoded:
+                decoded[args_cls] = decode_args(args_cls, job.args)
+            result = spec.function(decoded[args_cls], job, *extra)
+            if result is None:
+                continue
+            if not isinstance(result, (JobArgs, EnqueueRequest)):
+                raise ValidationError(
+                    f"returned {type(result).__name__}, expected JobArgs, "
+                    f"awa.EnqueueRequest or None"
+                )
+            request = result if isinstance(result, EnqueueRequest) else EnqueueRequest(result)
+            metadata = dict(request.metadata or {})
+            metadata["awa_trigger"] = trigger_metadata(job, outcome)
+            prepared.append((spec, prepare(dataclasses.replace(request, metadata=metadata))))
+        except ArgsDecodeError as exc:
+            raise FollowupError(f"follow-up {spec.name} failed: {exc}", spec=spec) from exc
+        except Exception as exc:  # noqa: BLE001 - user code: any failure is the function's
+            raise FollowupError(
+                f"follow-up {spec.name} failed: {type(exc).__name__}: {exc}", spec=spec
+            ) from exc
+    return prepared
+
+
+def known_kinds() -> set[str]:
+    return set(registry.args_classes)

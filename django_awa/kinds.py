@@ -1,0 +1,396 @@
+"""Job kinds: the :class:`JobArgs` base, ``@worker`` and the registry ``jobs.py`` fills.
+
+A kind is a string (``ChargeCard`` -> ``"charge_card"``). Handlers are found
+by kind in :data:`registry`, never imported from a path read from a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import decimal
+import enum
+import json
+import re
+import types
+import typing
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from django.core.exceptions import ImproperlyConfigured
+
+from .exceptions import ValidationError
+
+_CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+KIND_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,254}$")
+
+PRIORITY_MIN, PRIORITY_MAX, PRIORITY_DEFAULT = 1, 4, 2
+MAX_ATTEMPTS_MIN, MAX_ATTEMPTS_MAX, MAX_ATTEMPTS_DEFAULT = 1, 1000, 25
+
+
+def snake_case(name: str) -> str:
+    return _CAMEL_RE.sub("_", name).lower()
+
+
+class JobArgs:
+    """Base class for job arguments. Subclasses are dataclasses.
+
+    ``kind`` defaults to the class name in snake_case; a class attribute
+    ``kind: ClassVar[str] = "..."`` overrides it.
+    """
+
+    kind: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" not in cls.__dict__:
+            cls.kind = snake_case(cls.__name__)
+        if not isinstance(cls.kind, str) or not KIND_RE.match(cls.kind):
+            raise ImproperlyConfigured(f"{cls.__qualname__}.kind is not a valid kind: {cls.kind!r}")
+        registry.args_classes.setdefault(cls.kind, cls)
+        if registry.args_classes[cls.kind] is not cls:
+            previous = registry.args_classes[cls.kind]
+            # A module re-imported (autoreload, tests) re-creates its classes: replace.
+            if (previous.__module__, previous.__qualname__) != (cls.__module__, cls.__qualname__):
+                raise ImproperlyConfigured(
+                    f"job kind {cls.kind!r} is declared twice: by "
+                    f"{previous.__module__}.{previous.__qualname__} and "
+                    f"{cls.__module__}.{cls.__qualname__}"
+                )
+            registry.args_classes[cls.kind] = cls
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unique:
+    """Uniqueness of a job: the database refuses a second job with the same key.
+
+    The key covers the kind, plus the args, queue and ``run_at`` period bucket
+    as chosen; it is held while the job is in one of ``states``.
+    """
+
+    by_args: bool = True
+    by_queue: bool = False
+    by_period: float | dt.timedelta | None = None
+    states: tuple[str, ...] = (
+        "scheduled",
+        "available",
+        "running",
+        "retryable",
+        "completed",
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSpec:
+    args_cls: type[JobArgs]
+    handler: Callable[..., Any]
+    queue: str = "default"
+    priority: int = PRIORITY_DEFAULT
+    max_attempts: int = MAX_ATTEMPTS_DEFAULT
+    deadline: float | None = None
+    unique: Unique | None = None
+    atomic: bool = False
+
+    @property
+    def kind(self) -> str:
+        return self.args_cls.kind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KindDefaults:
+    """What ``enqueue`` uses when the caller does not override it."""
+
+    queue: str = "default"
+    priority: int = PRIORITY_DEFAULT
+    max_attempts: int = MAX_ATTEMPTS_DEFAULT
+    unique: Unique | None = None
+
+
+class Registry:
+    """Kinds known to this process: args classes and their one handler each."""
+
+    def __init__(self) -> None:
+        self.args_classes: dict[str, type[JobArgs]] = {}
+        self.workers: dict[str, WorkerSpec] = {}
+
+    def defaults(self, kind: str) -> KindDefaults:
+        spec = self.workers.get(kind)
+        if spec is None:
+            return KindDefaults()
+        return KindDefaults(
+            queue=spec.queue,
+            priority=spec.priority,
+            max_attempts=spec.max_attempts,
+            unique=spec.unique,
+        )
+
+    def deadlines(self) -> dict[str, float]:
+        return {kind: spec.deadline for kind, spec in self.workers.items() if spec.deadline}
+
+
+registry = Registry()
+
+
+def worker(
+    args_cls: type[JobArgs],
+    *,
+    queue: str = "default",
+    priority: int = PRIORITY_DEFAULT,
+    max_attempts: int = MAX_ATTEMPTS_DEFAULT,
+    deadline: float | dt.timedelta | None = None,
+    unique: Unique | None = None,
+    atomic: bool = False,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register the one handler for ``args_cls.kind`` and its enqueue defaults."""
+    from .conf import QUEUE_NAME_RE, to_seconds
+
+    if not (isinstance(args_cls, type) and issubclass(args_cls, JobArgs)):
+        raise ImproperlyConfigured(f"@awa.worker() takes a JobArgs subclass, got {args_cls!r}")
+    if not dataclasses.is_dataclass(args_cls):
+        raise ImproperlyConfigured(f"{args_cls.__qualname__} must be a @dataclass")
+    where = f"@awa.worker({args_cls.__qualname__})"
+    if not isinstance(queue, str) or not QUEUE_NAME_RE.match(queue):
+        raise ValidationError(f"{where}: invalid queue name {queue!r}")
+    check_priority(priority, where)
+    check_max_attempts(max_attempts, where)
+    if unique is not None and not isinstance(unique, Unique):
+        raise ValidationError(f"{where}: unique must be an awa.Unique, got {unique!r}")
+    deadline_s = None
+    if deadline is not None:
+        try:
+            deadline_s = to_seconds(deadline)
+        except (TypeError, ValueError) as exc:
+            raise ValidationError(f"{where}: deadline: {exc}") from exc
+        if deadline_s <= 0:
+            raise ValidationError(f"{where}: deadline must be positive, got {deadline!r}")
+
+    def decorator(handler: Callable[..., Any]) -> Callable[..., Any]:
+        kind = args_cls.kind
+        previous = registry.workers.get(kind)
+        if previous is not None and _qualname(previous.handler) != _qualname(handler):
+            raise ImproperlyConfigured(
+                f"job kind {kind!r} has two handlers: {_qualname(previous.handler)} and "
+                f"{_qualname(handler)}"
+            )
+        registry.workers[kind] = WorkerSpec(
+            args_cls=args_cls,
+            handler=handler,
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            deadline=deadline_s,
+            unique=unique,
+            atomic=atomic,
+        )
+        return handler
+
+    return decorator
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def check_priority(priority: Any, where: str) -> None:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValidationError(f"{where}: priority must be an integer 1-4, got {priority!r}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValidationError(f"{where}: priority must be 1 (highest) to 4, got {priority}")
+
+
+def check_max_attempts(max_attempts: Any, where: str) -> None:
+    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool):
+        raise ValidationError(
+            f"{where}: max_attempts must be an integer 1-1000, got {max_attempts!r}"
+        )
+    if not MAX_ATTEMPTS_MIN <= max_attempts <= MAX_ATTEMPTS_MAX:
+        raise ValidationError(f"{where}: max_attempts must be 1 to 1000, got {max_attempts}")
+
+
+# --- args <-> JSON -------------------------------------------------------------
+
+
+class ArgsDecodeError(Exception):
+    """Stored args do not fit the kind's JobArgs class (a terminal failure)."""
+
+
+def encode_args(args: JobArgs) -> dict[str, Any]:
+    """The JSON object of ``args``' fields; :class:`ValidationError` if not encodable."""
+    if not isinstance(args, JobArgs) or not dataclasses.is_dataclass(args):
+        raise ValidationError(
+            f"expected a JobArgs dataclass instance, got {type(args).__name__}: {args!r}"
+        )
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(args):
+        try:
+            out[f.name] = _encode(getattr(args, f.name))
+        except (TypeError, ValueError) as exc:
+            raise ValidationError(
+                f"args of kind {args.kind!r}: field {f.name!r} cannot be stored as JSON: {exc}"
+            ) from exc
+    return out
+
+
+def _encode(value: Any) -> Any:
+    match value:
+        case None | bool() | int() | str():
+            return value
+        case float():
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"{value!r} is not a JSON number")
+            return value
+        case enum.Enum():
+            return _encode(value.value)
+        case dt.datetime() | dt.date() | dt.time():
+            return value.isoformat()
+        case dt.timedelta():
+            return value.total_seconds()
+        case decimal.Decimal() | uuid.UUID():
+            return str(value)
+        case list() | tuple() | set() | frozenset():
+            return [_encode(item) for item in value]
+        case dict():
+            for key in value:
+                if not isinstance(key, str):
+                    raise TypeError(f"dict key {key!r} is not a string")
+            return {key: _encode(item) for key, item in value.items()}
+        case _ if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        case _:
+            raise TypeError(f"{type(value).__name__} {value!r} is not JSON")
+
+
+def canonical_json(data: Any) -> str:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def decode_args(cls: type[JobArgs], data: Any) -> JobArgs:
+    """Rebuild ``cls`` from stored JSON; :class:`ArgsDecodeError` names kind and field."""
+    try:
+        return _decode_dataclass(cls, data, path="")
+    except ArgsDecodeError as exc:
+        raise ArgsDecodeError(f"cannot decode args of kind {cls.kind!r}: {exc}") from None
+
+
+def _decode_dataclass(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ArgsDecodeError(f"{path or 'args'}: expected a JSON object, got {data!r}")
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception as exc:  # noqa: BLE001 - an unresolvable annotation is a decode error
+        raise ArgsDecodeError(f"{path or 'args'}: cannot resolve type hints: {exc}") from exc
+    kwargs: dict[str, Any] = {}
+    names = set()
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        names.add(f.name)
+        where = f"{path}.{f.name}" if path else f.name
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ArgsDecodeError(f"field {where!r} is missing")
+            continue
+        kwargs[f.name] = _decode_value(hints.get(f.name, Any), data[f.name], where)
+    extra = sorted(set(data) - names)
+    if extra:
+        raise ArgsDecodeError(f"unexpected field {(path + '.' if path else '') + extra[0]!r}")
+    try:
+        return cls(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - __post_init__ may refuse the values
+        raise ArgsDecodeError(f"{path or 'args'}: {exc}") from exc
+
+
+def _decode_value(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one branch per type
+    origin = typing.get_origin(hint)
+    if hint is Any or hint is object:
+        return value
+    if origin is typing.Union or origin is types.UnionType:
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _decode_value(option, value, where)
+            except ArgsDecodeError as exc:
+                errors.append(str(exc))
+        raise ArgsDecodeError(errors[0] if errors else f"field {where!r}: no type fits {value!r}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise ArgsDecodeError(f"field {where!r}: {value!r} is not one of {typing.get_args(hint)}")
+        return value
+    if origin in (list, tuple, set, frozenset) or hint in (list, tuple, set, frozenset):
+        if not isinstance(value, list):
+            raise ArgsDecodeError(f"field {where!r}: expected a list, got {value!r}")
+        params = typing.get_args(hint)
+        container = origin or hint
+        if container is tuple and params and params[-1] is not Ellipsis:
+            if len(params) != len(value):
+                raise ArgsDecodeError(f"field {where!r}: expected {len(params)} items")
+            return tuple(
+                _decode_value(p, v, f"{where}[{i}]")
+                for i, (p, v) in enumerate(zip(params, value, strict=True))
+            )
+        item_hint = params[0] if params else Any
+        return container(_decode_value(item_hint, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ArgsDecodeError(f"field {where!r}: expected an object, got {value!r}")
+        params = typing.get_args(hint)
+        value_hint = params[1] if len(params) == 2 else Any
+        return {k: _decode_value(value_hint, v, f"{where}.{k}") for k, v in value.items()}
+    if origin is not None:
+        return value  # other generics: passed through as stored
+    if isinstance(hint, type):
+        return _decode_scalar(hint, value, where)
+    return value
+
+
+def _decode_scalar(hint: type, value: Any, where: str) -> Any:  # noqa: C901
+    def wrong(expected: str) -> ArgsDecodeError:
+        return ArgsDecodeError(f"field {where!r}: expected {expected}, got {value!r}")
+
+    try:
+        if dataclasses.is_dataclass(hint):
+            return _decode_dataclass(hint, value, where)
+        if issubclass(hint, enum.Enum):
+            return hint(value)
+        if hint is bool:
+            if not isinstance(value, bool):
+                raise wrong("a boolean")
+            return value
+        if hint is int:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise wrong("an integer")
+            return value
+        if hint is float:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise wrong("a number")
+            return float(value)
+        if hint is str:
+            if not isinstance(value, str):
+                raise wrong("a string")
+            return value
+        if hint is dt.datetime:
+            if not isinstance(value, str):
+                raise wrong("an ISO datetime string")
+            return dt.datetime.fromisoformat(value)
+        if hint is dt.date:
+            return dt.date.fromisoformat(value)
+        if hint is dt.time:
+            return dt.time.fromisoformat(value)
+        if hint is dt.timedelta:
+            return dt.timedelta(seconds=value)
+        if hint is decimal.Decimal:
+            return decimal.Decimal(value)
+        if hint is uuid.UUID:
+            return uuid.UUID(value)
+    except ArgsDecodeError:
+        raise
+    except (TypeError, ValueError, decimal.InvalidOperation) as exc:
+        raise ArgsDecodeError(f"field {where!r}: {exc}") from exc
+    return value

@@ -1,0 +1,227 @@
+"""Maintenance, run by the one worker holding the leader lock.
+
+Duties: promote due scheduled and retryable jobs (every tick), and every
+``MAINTENANCE_INTERVAL``: rescue stale, overdue and timed-out jobs, insert
+pending follow-ups, age priorities, fire periodic jobs, prune finished rows.
+Each duty is a method tests can call directly; ``run_once()`` runs them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.db import DatabaseError, connections, transaction
+from django.db.models import F
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from . import sql
+from .conf import AwaSettings, awa_settings
+from .execute import backoff
+from .finalize import dispatch, from_snapshot, keep_pending, send_signal
+from .followups import FollowupError, Outcome, RescueReason, followup_registry
+from .models import PendingFollowup, job_from_row
+
+logger = logging.getLogger(__name__)
+
+BATCH = 1000
+PRUNE_EVERY = 60.0
+
+
+class Maintenance:
+    def __init__(self, alias: str | None = None, conf: AwaSettings | None = None) -> None:
+        self.conf = conf or awa_settings()
+        self.alias = alias or self.conf.database
+        self._last_full = 0.0
+        self._last_prune = 0.0
+
+    # -- leadership --------------------------------------------------------------
+
+    def try_lead(self) -> bool:
+        """Take the session-level leader lock if free (held until this connection closes)."""
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.TRY_LEADER_LOCK, {"key": sql.LEADER_LOCK_KEY})
+            return bool(cursor.fetchone()[0])
+
+    def resign(self) -> None:
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.UNLOCK_LEADER, {"key": sql.LEADER_LOCK_KEY})
+
+    def tick(self, wake: Callable[[set[str]], None] | None = None) -> None:
+        """One leader tick: promotion always, the other duties when their interval passed."""
+        woken = self.promote()
+        now = time.monotonic()
+        if now - self._last_full >= self.conf.maintenance_interval:
+            self._last_full = now
+            woken |= self.rescue()
+            self.replay_pending()
+            self.age_priorities()
+            self.fire_periodic()
+            if now - self._last_prune >= PRUNE_EVERY:
+                self._last_prune = now
+                self.prune()
+        if wake and woken:
+            wake(woken)
+
+    def run_once(self) -> None:
+        """Every duty once, now (for tests and ``awa_worker --maintenance-once``)."""
+        self.promote()
+        self.rescue()
+        self.replay_pending()
+        self.age_priorities()
+        self.fire_periodic()
+        self.prune()
+
+    # -- duties ------------------------------------------------------------------------
+
+    def promote(self) -> set[str]:
+        """Make due scheduled and retryable jobs available; NOTIFY their queues."""
+        queues: set[str] = set()
+        while True:
+            with transaction.atomic(using=self.alias), connections[self.alias].cursor() as cursor:
+                cursor.execute(sql.PROMOTE_DUE, {"limit": BATCH})
+                promoted = [row[0] for row in cursor.fetchall()]
+                if promoted:
+                    cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(set(promoted))})
+            queues.update(promoted)
+            if len(promoted) < BATCH:
+                return queues
+
+    def rescue(self) -> set[str]:
+        """Take back stale, overdue and timed-out jobs; then insert their follow-ups.
+
+        The rescue commits first, together with a pending follow-up row per
+        rescued job that has ``on_rescued`` follow-ups; the follow-ups are
+        inserted afterwards, each pending row in its own transaction.
+        """
+        pending_ids: list[int] = []
+        queues: set[str] = set()
+        with transaction.atomic(using=self.alias):
+            with connections[self.alias].cursor() as cursor:
+                cursor.execute(sql.RESCUE, {"stale_after": self.conf.stale_after, "limit": BATCH})
+                rescued = cursor.fetchall()
+            for row in rescued:
+                reason = RescueReason(row[0])
+                job = job_from_row(row[1:], self.alias)
+                queues.add(job.queue)
+                logger.warning(
+                    "rescued job %s kind=%s attempt=%s (%s): now %s",
+                    job.id,
+                    job.kind,
+                    job.attempt,
+                    reason.value,
+                    job.state,
+                    extra={"job_id": job.id, "kind": job.kind, "queue": job.queue},
+                )
+                context = {"reason": reason.value}
+                if followup_registry.has(Outcome.RESCUED, job.kind):
+                    pending_ids.append(keep_pending(job, Outcome.RESCUED, context, self.alias).id)
+                send_signal(Outcome.RESCUED, job, {"reason": reason}, self.alias)
+        for pending_id in pending_ids:
+            self.replay_one(pending_id)
+        return queues
+
+    def replay_pending(self) -> int:
+        """Insert due pending follow-ups; returns how many were inserted."""
+        due = list(
+            PendingFollowup.objects.using(self.alias)
+            .filter(next_attempt_at__lte=Now())
+            .order_by("next_attempt_at", "id")
+            .values_list("id", flat=True)[:BATCH]
+        )
+        return sum(1 for pending_id in due if self.replay_one(pending_id))
+
+    def replay_one(self, pending_id: int) -> bool:
+        """Insert one pending row's follow-ups and delete it, in one transaction.
+
+        On failure the row stays, with its error and a backed-off retry time.
+        """
+        try:
+            with transaction.atomic(using=self.alias):
+                pending = (
+                    PendingFollowup.objects.using(self.alias)
+                    .select_for_update(skip_locked=True)
+                    .filter(id=pending_id)
+                    .first()
+                )
+                if pending is None:
+                    return False
+                job = from_snapshot(pending.snapshot, self.alias)
+                outcome = Outcome(pending.outcome)
+                ids = dispatch(outcome, job, _context(pending.context), self.alias)
+                pending.delete()
+        except (FollowupError, DatabaseError) as exc:
+            self._postpone(pending_id, exc)
+            return False
+        logger.info(
+            "inserted %s follow-up(s) of job %s kind=%s outcome=%s",
+            len(ids),
+            job.id,
+            job.kind,
+            outcome.value,
+        )
+        return True
+
+    def _postpone(self, pending_id: int, exc: Exception) -> None:
+        pending = PendingFollowup.objects.using(self.alias).filter(id=pending_id).first()
+        if pending is None:
+            return
+        delay = backoff(min(pending.attempts + 1, 12))
+        PendingFollowup.objects.using(self.alias).filter(id=pending_id).update(
+            attempts=F("attempts") + 1,
+            next_attempt_at=timezone.now() + timedelta(seconds=delay),
+            last_error=str(exc)[:10_000],
+        )
+        logger.warning(
+            "pending follow-ups %s (%s of job %s) failed again (try %s): %s; next try in %.0fs",
+            pending_id,
+            pending.outcome,
+            pending.job_id,
+            pending.attempts + 1,
+            exc,
+            delay,
+        )
+
+    def age_priorities(self) -> None:
+        interval = self.conf.priority_aging_interval
+        if interval is None:
+            return
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.AGE_PRIORITIES, {"interval": interval, "limit": BATCH})
+
+    def fire_periodic(self) -> None:
+        """Enqueue due periodic jobs (see ``periodic.py``)."""
+        from .schedules import fire_due
+
+        fire_due(self.alias)
+
+    def prune(self) -> int:
+        """Delete finished rows past retention, in batches; returns how many."""
+        total = 0
+        for states, retention in (
+            (["completed"], self.conf.completed_retention),
+            (["failed", "cancelled"], self.conf.failed_retention),
+        ):
+            if retention is None:
+                continue
+            for _ in range(100):
+                with connections[self.alias].cursor() as cursor:
+                    cursor.execute(
+                        sql.PRUNE_FINISHED,
+                        {"states": states, "retention": retention, "limit": BATCH},
+                    )
+                    deleted = cursor.rowcount
+                total += deleted
+                if deleted < BATCH:
+                    break
+        if total:
+            logger.info("pruned %s finished job(s)", total)
+        return total
+
+
+def _context(stored: dict[str, Any]) -> dict[str, Any]:
+    return dict(stored)

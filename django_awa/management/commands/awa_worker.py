@@ -1,0 +1,133 @@
+"""``manage.py awa_worker``: run the queues' jobs until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connections
+
+from django_awa.conf import DEFAULT_CONCURRENCY, QUEUE_NAME_RE, awa_settings
+from django_awa.exceptions import ConfigurationError
+from django_awa.worker import Worker
+
+logger = logging.getLogger("django_awa.worker")
+
+
+def parse_queue(value: str) -> tuple[str, int | None]:
+    name, sep, concurrency = value.partition("=")
+    if not QUEUE_NAME_RE.match(name):
+        raise CommandError(f"--queue {value!r}: invalid queue name {name!r}")
+    if not sep:
+        return name, None
+    try:
+        n = int(concurrency)
+    except ValueError:
+        raise CommandError(f"--queue {value!r}: concurrency must be a whole number") from None
+    if n < 1:
+        raise CommandError(f"--queue {value!r}: concurrency must be at least 1")
+    return name, n
+
+
+class Command(BaseCommand):
+    help = "Run django-awa jobs from AWA['QUEUES'] (or the --queue options) until stopped."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--queue",
+            action="append",
+            default=[],
+            metavar="NAME[=CONCURRENCY]",
+            help="A queue to run (repeatable). Without =N: its AWA['QUEUES'] concurrency, or "
+            f"{DEFAULT_CONCURRENCY}. Default: every queue in AWA['QUEUES'].",
+        )
+        parser.add_argument(
+            "--processes",
+            type=int,
+            default=1,
+            help="Worker processes to run (each runs every queue). Default 1.",
+        )
+        parser.add_argument(
+            "--database", default=None, help="Database alias (default AWA['DATABASE'])."
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            conf = awa_settings()
+        except ConfigurationError as exc:
+            raise CommandError(str(exc)) from exc
+        queues: dict[str, int] = {}
+        for value in options["queue"]:
+            name, n = parse_queue(value)
+            configured = conf.queues.get(name)
+            queues[name] = n or (configured.concurrency if configured else DEFAULT_CONCURRENCY)
+        if not queues:
+            queues = {name: q.concurrency for name, q in conf.queues.items()}
+        processes = options["processes"]
+        if processes < 1:
+            raise CommandError("--processes must be at least 1")
+        alias = options["database"] or conf.database
+        if connections[alias].vendor != "postgresql":
+            raise CommandError(f"django-awa needs PostgreSQL; database {alias!r} is not")
+        _configure_logging(options["verbosity"])
+        if processes == 1:
+            Worker(queues, alias=alias, conf=conf).run()
+            return
+        self._run_processes(processes, queues, alias)
+
+    def _run_processes(self, processes: int, queues: dict[str, int], alias: str) -> None:
+        # Fork before any thread or connection exists in this process.
+        connections.close_all()
+        context = multiprocessing.get_context("fork")
+        children = [
+            context.Process(target=_child, args=(queues, alias), name=f"awa-worker-{i}")
+            for i in range(processes)
+        ]
+        for child in children:
+            child.start()
+        logger.info(
+            "awa worker supervisor pid=%s started %s processes: %s",
+            os.getpid(),
+            processes,
+            ", ".join(str(c.pid) for c in children),
+        )
+
+        def forward(signum: int, _frame: Any) -> None:
+            for child in children:
+                if child.pid and child.is_alive():
+                    os.kill(child.pid, signum)
+
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
+        for child in children:
+            child.join()
+        failed = [c for c in children if c.exitcode not in (0, None)]
+        if failed:
+            sys.exit(1)
+
+
+def _child(queues: dict[str, int], alias: str) -> None:
+    Worker(queues, alias=alias).run()
+
+
+def _configure_logging(verbosity: int) -> None:
+    """Log to stderr unless the project configured django_awa's loggers itself."""
+    root = logging.getLogger("django_awa")
+    if root.handlers or logging.getLogger().handlers:
+        if root.level == logging.NOTSET:
+            root.setLevel(logging.DEBUG if verbosity >= 3 else logging.INFO)
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s [%(processName)s %(name)s] %(message)s")
+    )
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbosity >= 3 else logging.INFO)
+    if verbosity < 2:
+        # One line per job is too much at full speed: outcomes at -v 2.
+        logging.getLogger("django_awa.finalize").setLevel(logging.WARNING)

@@ -1,0 +1,294 @@
+"""The job row and its companions: queues and pending follow-ups."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import connections, models
+from django.db.models import Q
+from django.db.models.fields.json import KT
+from django.db.models.functions import Now
+from django.utils import timezone
+
+
+class JobState(models.TextChoices):
+    SCHEDULED = "scheduled"
+    AVAILABLE = "available"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    RETRYABLE = "retryable"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    WAITING_EXTERNAL = "waiting_external"
+
+
+FINAL_STATES = (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+WAITING_STATES = (JobState.SCHEDULED, JobState.RETRYABLE)
+# States from which an operator may cancel a job.
+CANCELLABLE_STATES = (
+    JobState.SCHEDULED,
+    JobState.AVAILABLE,
+    JobState.RUNNING,
+    JobState.RETRYABLE,
+    JobState.WAITING_EXTERNAL,
+)
+RETRIABLE_STATES = (JobState.FAILED, JobState.CANCELLED, JobState.RETRYABLE)
+
+
+class JobQuerySet(models.QuerySet["Job"]):
+    """Filters shared by the admin, control functions and maintenance."""
+
+    def runnable(self) -> JobQuerySet:
+        return self.filter(state=JobState.AVAILABLE, run_at__lte=Now())
+
+    def waiting(self) -> JobQuerySet:
+        return self.filter(state__in=WAITING_STATES)
+
+    def running(self) -> JobQuerySet:
+        return self.filter(state=JobState.RUNNING)
+
+    def finished(self) -> JobQuerySet:
+        return self.filter(state__in=FINAL_STATES)
+
+    def stale(self, cutoff: datetime) -> JobQuerySet:
+        return self.running().filter(heartbeat_at__lt=cutoff)
+
+    def in_queue(self, queue: str) -> JobQuerySet:
+        return self.filter(queue=queue)
+
+    def of_kind(self, kind: str) -> JobQuerySet:
+        return self.filter(kind=kind)
+
+    def followups_of(self, job_id: int) -> JobQuerySet:
+        """Jobs enqueued by follow-ups of job ``job_id`` (uses ``awa_job_trigger_idx``)."""
+        return self.filter(metadata__has_key="awa_trigger").alias(
+            trigger_job_id=KT("metadata__awa_trigger__job_id")
+        ).filter(trigger_job_id=str(job_id))
+
+
+class Job(models.Model):
+    """One job: a row in ``awa_job``.
+
+    Every column but ``kind``, ``queue`` and ``args`` has a default, so a row
+    created with the ORM alone is a valid ``available`` job.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    kind = models.CharField(max_length=255)
+    queue = models.CharField(max_length=128, default="default", db_default="default")
+    args = models.JSONField(default=dict, db_default={})
+    state = models.CharField(
+        max_length=32,
+        choices=JobState.choices,
+        default=JobState.AVAILABLE,
+        db_default=JobState.AVAILABLE,
+    )
+    priority = models.SmallIntegerField(default=2, db_default=2)
+    attempt = models.SmallIntegerField(default=0, db_default=0)
+    max_attempts = models.SmallIntegerField(default=25, db_default=25)
+    run_lease = models.BigIntegerField(default=0, db_default=0)
+    run_at = models.DateTimeField(default=timezone.now, db_default=Now())
+    created_at = models.DateTimeField(default=timezone.now, db_default=Now())
+    attempted_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    finalized_at = models.DateTimeField(null=True, blank=True)
+    errors = models.JSONField(default=list, db_default=[], blank=True)
+    metadata = models.JSONField(default=dict, db_default={}, blank=True)
+    tags = models.JSONField(default=list, db_default=[], blank=True)
+    progress = models.JSONField(null=True, blank=True)
+    callback_id = models.UUIDField(null=True, blank=True, unique=True)
+    callback_timeout_at = models.DateTimeField(null=True, blank=True)
+    # The run after a Snooze keeps the snoozed run's attempt number.
+    snoozed = models.BooleanField(default=False, db_default=False)
+    # Uniqueness is enforced by a partial unique index over these two columns.
+    unique_key = models.CharField(max_length=64, null=True, blank=True)
+    unique_states = models.JSONField(null=True, blank=True)
+
+    objects = JobQuerySet.as_manager()
+
+    class Meta:
+        db_table = "awa_job"
+        ordering = ("-id",)
+        indexes = [
+            # The claim: an index scan in (priority, run_at, id) order over the
+            # available rows of one queue, however many finished rows the table holds.
+            models.Index(
+                fields=["queue", "priority", "run_at", "id"],
+                name="awa_job_claim_idx",
+                condition=Q(state="available"),
+            ),
+            # Promotion of due scheduled and retryable jobs.
+            models.Index(
+                fields=["run_at"],
+                name="awa_job_due_idx",
+                condition=Q(state__in=["scheduled", "retryable"]),
+            ),
+            # Rescue of stale heartbeats and passed deadlines.
+            models.Index(
+                fields=["heartbeat_at"],
+                name="awa_job_running_idx",
+                condition=Q(state="running"),
+            ),
+            models.Index(
+                fields=["deadline_at"],
+                name="awa_job_deadline_idx",
+                condition=Q(state="running"),
+            ),
+            models.Index(
+                fields=["callback_timeout_at"],
+                name="awa_job_callback_idx",
+                condition=Q(state="waiting_external"),
+            ),
+            # Pruning finished rows past retention.
+            models.Index(
+                fields=["state", "finalized_at"],
+                name="awa_job_finalized_idx",
+                condition=Q(state__in=["completed", "failed", "cancelled"]),
+            ),
+            models.Index(fields=["kind", "state"], name="awa_job_kind_idx"),
+            # Lineage: follow-ups of a trigger.
+            models.Index(
+                KT("metadata__awa_trigger__job_id"),
+                name="awa_job_trigger_idx",
+                condition=Q(metadata__has_key="awa_trigger"),
+            ),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(priority__gte=1, priority__lte=4), name="awa_job_priority_range"
+            ),
+            models.CheckConstraint(
+                condition=Q(max_attempts__gte=1, max_attempts__lte=1000),
+                name="awa_job_max_attempts_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(state__in=JobState.values), name="awa_job_state_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} #{self.id} ({self.state})"
+
+    @property
+    def trigger_id(self) -> int | None:
+        trigger = (self.metadata or {}).get("awa_trigger")
+        if isinstance(trigger, dict) and isinstance(trigger.get("job_id"), int):
+            return trigger["job_id"]
+        return None
+
+    def trigger(self) -> Job | None:
+        """The job whose outcome enqueued this one, if it still exists."""
+        trigger_id = self.trigger_id
+        if trigger_id is None:
+            return None
+        return Job.objects.using(self._state.db).filter(id=trigger_id).first()
+
+    def followups(self) -> JobQuerySet:
+        """Jobs enqueued by this job's follow-ups, oldest first."""
+        return Job.objects.using(self._state.db).followups_of(self.id).order_by("id")
+
+    @property
+    def is_final(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+class Queue(models.Model):
+    """A queue's operator state. Queues exist without a row; a row records a pause."""
+
+    name = models.CharField(max_length=128, primary_key=True)
+    paused = models.BooleanField(default=False, db_default=False)
+    paused_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now, db_default=Now())
+
+    class Meta:
+        db_table = "awa_queue"
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return f"{self.name}{' (paused)' if self.paused else ''}"
+
+
+class PendingFollowup(models.Model):
+    """A committed outcome whose follow-ups are not inserted yet.
+
+    Written in the same transaction as a rescue (or a fallback transition whose
+    own follow-ups failed), deleted in the transaction that inserts the
+    follow-ups; maintenance retries it with backoff until then.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    job_id = models.BigIntegerField()
+    kind = models.CharField(max_length=255)
+    outcome = models.CharField(max_length=32)
+    context = models.JSONField(default=dict)
+    # The trigger's row as it stood after the transition.
+    snapshot = models.JSONField()
+    attempts = models.IntegerField(default=0, db_default=0)
+    next_attempt_at = models.DateTimeField(default=timezone.now, db_default=Now())
+    last_error = models.TextField(blank=True, default="", db_default="")
+    created_at = models.DateTimeField(default=timezone.now, db_default=Now())
+
+    class Meta:
+        db_table = "awa_pending_followup"
+        ordering = ("next_attempt_at", "id")
+        indexes = [models.Index(fields=["next_attempt_at"], name="awa_pending_due_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.outcome} follow-ups of {self.kind} #{self.job_id}"
+
+
+_JOB_FIELDS = Job._meta.concrete_fields
+_JOB_ATTNAMES = [f.attname for f in _JOB_FIELDS]
+_JSON_FIELDS = frozenset(
+    i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, models.JSONField)
+)
+
+
+def job_from_row(values: Sequence[Any], using: str) -> Job:
+    """A ``Job`` from a row of ``sql.JOB_COLUMNS``, read on connection ``using``."""
+    connection = connections[using]
+    converted = list(values)
+    for i in _JSON_FIELDS:
+        if isinstance(converted[i], str):
+            converted[i] = _JOB_FIELDS[i].from_db_value(converted[i], None, connection)
+    return Job.from_db(using, _JOB_ATTNAMES, converted)
+
+
+class PeriodicSchedule(models.Model):
+    """A periodic job's firing record: the last fire enqueued."""
+
+    name = models.CharField(max_length=255, primary_key=True)
+    cron = models.CharField(max_length=255)
+    timezone = models.CharField(max_length=64, default="UTC", db_default="UTC")
+    kind = models.CharField(max_length=255)
+    last_fire_at = models.DateTimeField(null=True, blank=True)
+    next_fire_at = models.DateTimeField(null=True, blank=True)
+    paused = models.BooleanField(default=False, db_default=False)
+
+    class Meta:
+        db_table = "awa_periodic"
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.cron})"
+
+
+class CallbackReceipt(models.Model):
+    """A signature the callback receiver accepted: a replay of it is refused.
+
+    Written in the transaction that resolves the callback, so a request that
+    failed (503) may be sent again as it was.
+    """
+
+    signature = models.CharField(max_length=64, primary_key=True)
+    received_at = models.DateTimeField(default=timezone.now, db_default=Now())
+
+    class Meta:
+        db_table = "awa_callback_receipt"
+        indexes = [models.Index(fields=["received_at"], name="awa_receipt_received_idx")]
+
+    def __str__(self) -> str:
+        return self.signature

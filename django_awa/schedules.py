@@ -1,0 +1,164 @@
+"""Periodic jobs: ``awa.periodic(name, cron, args, ...)`` declared in ``jobs.py``.
+
+The maintenance leader fires them. Each fire is enqueued in the transaction
+that advances the schedule's row (locked ``FOR UPDATE``), so it is enqueued
+exactly once however many workers run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import zoneinfo
+from dataclasses import dataclass
+
+from croniter import CroniterBadCronError, croniter
+from django.db import transaction
+from django.utils import timezone as dj_timezone
+
+from .enqueueing import EnqueueRequest, insert_one, prepare
+from .exceptions import UniqueConflict, ValidationError
+from .kinds import JobArgs, check_priority
+from .models import PeriodicSchedule
+
+logger = logging.getLogger(__name__)
+
+MAX_CATCH_UP = 1000
+MISSED_POLICIES = ("coalesce", "catch_up")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Periodic:
+    name: str
+    cron: str
+    args: JobArgs
+    timezone: str = "UTC"
+    queue: str | None = None
+    priority: int | None = None
+    missed: str = "coalesce"
+
+    def fires_between(self, after: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
+        """Fire times in (after, until], oldest first, at most MAX_CATCH_UP."""
+        tz = zoneinfo.ZoneInfo(self.timezone)
+        iterator = croniter(self.cron, after.astimezone(tz), second_at_beginning=True)
+        fires = []
+        while len(fires) < MAX_CATCH_UP:
+            fire = iterator.get_next(dt.datetime)
+            if fire > until:
+                break
+            fires.append(fire.astimezone(dt.UTC))
+        return fires
+
+    def next_after(self, moment: dt.datetime) -> dt.datetime:
+        tz = zoneinfo.ZoneInfo(self.timezone)
+        iterator = croniter(self.cron, moment.astimezone(tz), second_at_beginning=True)
+        return iterator.get_next(dt.datetime).astimezone(dt.UTC)
+
+
+schedules: dict[str, Periodic] = {}
+
+
+def periodic(
+    name: str,
+    cron: str,
+    args: JobArgs,
+    *,
+    timezone: str = "UTC",
+    queue: str | None = None,
+    priority: int | None = None,
+    missed: str = "coalesce",
+) -> Periodic:
+    """Declare a periodic job. Five-field cron, or six with seconds first.
+
+    Raises ``ValidationError`` naming what is wrong with the declaration.
+    """
+    where = f"periodic {name!r}"
+    if not isinstance(name, str) or not name or len(name) > 255:
+        raise ValidationError(f"periodic: name must be a non-empty string, got {name!r}")
+    if not isinstance(args, JobArgs):
+        raise ValidationError(f"{where}: args must be a JobArgs instance, got {args!r}")
+    if not isinstance(cron, str) or len(cron.split()) not in (5, 6):
+        raise ValidationError(
+            f"{where}: cron must have five fields (or six, seconds first), got {cron!r}"
+        )
+    try:
+        croniter(cron, second_at_beginning=True)
+    except (CroniterBadCronError, ValueError, KeyError) as exc:
+        raise ValidationError(f"{where}: invalid cron expression {cron!r}: {exc}") from exc
+    try:
+        zoneinfo.ZoneInfo(timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError) as exc:
+        raise ValidationError(f"{where}: unknown timezone {timezone!r}") from exc
+    if missed not in MISSED_POLICIES:
+        raise ValidationError(f"{where}: missed must be one of {MISSED_POLICIES}, got {missed!r}")
+    if priority is not None:
+        check_priority(priority, where)
+    prepare(args, queue=queue, priority=priority)  # validates args and queue now
+    schedule = Periodic(
+        name=name,
+        cron=cron,
+        args=args,
+        timezone=timezone,
+        queue=queue,
+        priority=priority,
+        missed=missed,
+    )
+    schedules[name] = schedule
+    return schedule
+
+
+def fire_due(alias: str, now: dt.datetime | None = None) -> int:
+    """Enqueue every due fire of every declared schedule; returns how many were enqueued."""
+    now = now or dj_timezone.now()
+    fired = 0
+    for schedule in list(schedules.values()):
+        try:
+            fired += _fire(schedule, alias, now)
+        except Exception:  # noqa: BLE001 - one bad schedule must not stop the others
+            logger.exception("periodic %r failed to fire", schedule.name)
+    return fired
+
+
+def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
+    with transaction.atomic(using=alias):
+        row, created = (
+            PeriodicSchedule.objects.using(alias)
+            .select_for_update()
+            .get_or_create(
+                name=schedule.name,
+                defaults={
+                    "cron": schedule.cron,
+                    "timezone": schedule.timezone,
+                    "kind": schedule.args.kind,
+                    "last_fire_at": now,
+                    "next_fire_at": schedule.next_after(now),
+                },
+            )
+        )
+        if created or row.paused:
+            return 0
+        changed = (row.cron, row.timezone) != (schedule.cron, schedule.timezone)
+        if changed:
+            row.cron, row.timezone, row.kind = schedule.cron, schedule.timezone, schedule.args.kind
+        fires = schedule.fires_between(row.last_fire_at or now, now)
+        if schedule.missed == "coalesce":
+            fires = fires[-1:]
+        for fire_at in fires:
+            request = EnqueueRequest(
+                schedule.args,
+                queue=schedule.queue,
+                priority=schedule.priority,
+                run_at=fire_at,
+                metadata={"awa_periodic": {"name": schedule.name, "fire_at": fire_at.isoformat()}},
+            )
+            try:
+                with transaction.atomic(using=alias):
+                    insert_one(prepare(request), alias)
+            except UniqueConflict:
+                logger.info("periodic %r fire at %s skipped: unique conflict", schedule.name, fire_at)
+        if fires:
+            row.last_fire_at = fires[-1]
+        if fires or changed:
+            row.next_fire_at = schedule.next_after(row.last_fire_at or now)
+            row.save(using=alias)
+        return len(fires)

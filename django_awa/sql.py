@@ -1,0 +1,310 @@
+"""Every hand-written statement, named.
+
+Each statement opens with its purpose, the locks it takes and the index it
+uses. Parameters are always bound (``%(name)s``); no SQL is assembled from
+user input. ``JOB_COLUMNS`` is the ``Job`` model's column list, so rows
+returned here can be turned into ``Job`` instances (``rows.job_from_row``).
+"""
+
+from __future__ import annotations
+
+from .models import Job
+
+JOB_COLUMNS = ", ".join(f'"{f.column}"' for f in Job._meta.concrete_fields)
+J_JOB_COLUMNS = ", ".join(f'j."{f.column}"' for f in Job._meta.concrete_fields)
+
+_INSERT_COLUMNS = (
+    "kind, queue, args, state, priority, max_attempts, run_at, tags, metadata, "
+    "unique_key, unique_states"
+)
+
+# -- INSERT_ONE --
+# Enqueue one job inside the caller's transaction. Unique jobs go through
+# INSERT_ONE_UNIQUE instead, whose ON CONFLICT names the partial unique index
+# awa_job_unique_idx so a conflict returns no row rather than aborting the
+# caller's transaction. pg_notify wakes idle workers of the queue when the
+# caller commits (Postgres delivers NOTIFY at commit, and not on rollback).
+INSERT_ONE = f"""
+WITH ins AS (
+    INSERT INTO awa_job ({_INSERT_COLUMNS})
+    VALUES (%(kind)s, %(queue)s, %(args)s::jsonb,
+            CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'available' END,
+            %(priority)s, %(max_attempts)s, coalesce(%(run_at)s::timestamptz, now()), %(tags)s::jsonb, %(metadata)s::jsonb,
+            %(unique_key)s, %(unique_states)s::jsonb)
+    {{on_conflict}}
+    RETURNING {JOB_COLUMNS}
+)
+SELECT ins.*, CASE WHEN ins.state = 'available' THEN pg_notify('awa_job', ins.queue) END
+FROM ins
+"""
+UNIQUE_CONFLICT_CLAUSE = (
+    "ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND unique_states ? state "
+    "DO NOTHING"
+)
+INSERT_ONE_UNIQUE = INSERT_ONE.format(on_conflict=UNIQUE_CONFLICT_CLAUSE)
+INSERT_ONE = INSERT_ONE.format(on_conflict="")
+
+# -- FIND_UNIQUE_HOLDER --
+# After a unique conflict: which job holds the key (for the error message).
+FIND_UNIQUE_HOLDER = """
+SELECT id FROM awa_job
+WHERE unique_key = %(unique_key)s AND unique_states ? state
+LIMIT 1
+"""
+
+# -- RESERVE_IDS --
+# Draw ids for a bulk insert up front, so the ids returned follow the input
+# order even when unique duplicates are skipped.
+RESERVE_IDS = """
+SELECT nextval(pg_get_serial_sequence('awa_job', 'id')) FROM generate_series(1, %(n)s)
+"""
+
+# -- INSERT_MANY --
+# Bulk enqueue in one statement from parallel arrays.
+# ON CONFLICT ... DO NOTHING skips unique duplicates, including duplicates
+# within the batch itself.
+INSERT_MANY = f"""
+INSERT INTO awa_job (id, {_INSERT_COLUMNS})
+SELECT d.id, d.kind, d.queue, d.args,
+       CASE WHEN d.run_at > now() THEN 'scheduled' ELSE 'available' END,
+       d.priority, d.max_attempts,
+       coalesce(d.run_at, now()),
+       d.tags, d.metadata, d.unique_key, d.unique_states
+FROM unnest(%(id)s::bigint[], %(kind)s::text[], %(queue)s::text[], %(args)s::jsonb[],
+            %(priority)s::smallint[], %(max_attempts)s::smallint[],
+            %(run_at)s::timestamptz[], %(tags)s::jsonb[], %(metadata)s::jsonb[],
+            %(unique_key)s::text[], %(unique_states)s::jsonb[])
+     AS d(id, kind, queue, args, priority, max_attempts, run_at, tags, metadata,
+          unique_key, unique_states)
+{UNIQUE_CONFLICT_CLAUSE}
+RETURNING id
+"""
+
+# -- NOTIFY_QUEUES --
+# Wake workers of these queues at commit. Postgres folds identical
+# notifications within one transaction into one.
+NOTIFY_QUEUES = "SELECT pg_notify('awa_job', q) FROM unnest(%(queues)s::text[]) AS q"
+
+# -- CLAIM --
+# Claim up to %(limit)s runnable jobs of one queue in one statement. The CTE
+# takes row locks with SKIP LOCKED, so concurrent workers never get the same
+# job and never wait on each other; the UPDATE starts a new attempt (a new
+# run_lease). Index: awa_job_claim_idx (queue, priority, run_at, id) WHERE
+# state = 'available'. A paused queue claims nothing.
+# Deadlines come per kind as a JSON object of seconds, else the default.
+CLAIM = f"""
+WITH picked AS (
+    SELECT id FROM awa_job
+    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
+    ORDER BY priority, run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE awa_job AS j
+SET state = 'running',
+    attempt = j.attempt + CASE WHEN j.snoozed THEN 0 ELSE 1 END,
+    snoozed = false,
+    run_lease = j.run_lease + 1,
+    attempted_at = now(),
+    heartbeat_at = now(),
+    deadline_at = now() + make_interval(
+        secs => coalesce((%(deadlines)s::jsonb ->> j.kind)::float8, %(default_deadline)s::float8)),
+    callback_id = NULL,
+    callback_timeout_at = NULL
+FROM picked
+WHERE j.id = picked.id
+RETURNING {J_JOB_COLUMNS}
+"""
+
+# -- FINALIZE --
+# Record the outcomes of attempts, one row each, in one statement. Guarded by
+# (id, run_lease) and state = 'running': a stale attempt (rescued, cancelled,
+# or claimed again) changes nothing and is absent from RETURNING. Primary key
+# lookups only. Error entries are stamped with the database clock.
+# callback_id is kept only for the waiting_external outcome, whose row must
+# carry the callback id the handler registered.
+_FINALIZE = """
+UPDATE awa_job AS j
+SET state = d.state,
+    run_at = CASE WHEN d.delay IS NULL THEN j.run_at
+                  ELSE now() + make_interval(secs => d.delay) END,
+    finalized_at = CASE WHEN d.state IN ('completed', 'failed', 'cancelled') THEN now() END,
+    errors = CASE WHEN d.error IS NULL THEN j.errors
+                  ELSE j.errors || jsonb_build_array(jsonb_build_object(
+                      'attempt', j.attempt, 'at', now(), 'error', d.error,
+                      'traceback', coalesce(d.traceback, ''))) END,
+    snoozed = d.snoozed,
+    attempt = CASE WHEN d.reset_attempts THEN 0 ELSE j.attempt END,
+    progress = coalesce(d.progress, j.progress),
+    heartbeat_at = CASE WHEN d.state = 'running' THEN j.heartbeat_at END,
+    deadline_at = NULL,
+    callback_id = CASE WHEN d.state = 'waiting_external' THEN j.callback_id END,
+    callback_timeout_at = CASE WHEN d.state = 'waiting_external' THEN j.callback_timeout_at END
+FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(state)s::text[],
+            %(delay)s::float8[], %(error)s::text[], %(traceback)s::text[],
+            %(snoozed)s::bool[], %(reset_attempts)s::bool[], %(progress)s::jsonb[])
+     AS d(id, run_lease, state, delay, error, traceback, snoozed, reset_attempts, progress)
+WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
+"""
+FINALIZE = _FINALIZE + "RETURNING j.id"
+FINALIZE_RETURNING_ROWS = _FINALIZE + f"RETURNING {J_JOB_COLUMNS}"
+
+# -- HEARTBEAT --
+# Mark this worker's running attempts alive. Returns the attempts still held:
+# one missing was cancelled, rescued or otherwise lost, and its handler is
+# told through JobContext.is_cancelled(). Primary key lookups.
+HEARTBEAT = """
+UPDATE awa_job AS j SET heartbeat_at = now()
+FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
+WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
+RETURNING j.id
+"""
+
+# -- SET_PROGRESS --
+# Store the progress reported by running attempts, guarded by (id, run_lease).
+SET_PROGRESS = """
+UPDATE awa_job AS j SET progress = d.progress
+FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(progress)s::jsonb[])
+     AS d(id, run_lease, progress)
+WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
+"""
+
+# -- REGISTER_CALLBACK --
+# A running attempt registers the callback id an outside system will answer.
+REGISTER_CALLBACK = """
+UPDATE awa_job
+SET callback_id = %(callback_id)s,
+    callback_timeout_at = now() + make_interval(secs => %(timeout)s)
+WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
+RETURNING id
+"""
+
+# -- RELEASE --
+# On shutdown, give back attempts that did not finish within the shutdown
+# timeout: available again at once, the attempt not counted (the run was
+# interrupted by us, not failed by the handler).
+RELEASE = """
+UPDATE awa_job AS j
+SET state = 'available', attempt = greatest(j.attempt - 1, 0), run_at = now(),
+    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
+FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
+WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
+RETURNING j.id, j.queue
+"""
+
+# -- PROMOTE_DUE --
+# Make due scheduled and retryable jobs available, in batches.
+# Index: awa_job_due_idx (run_at) WHERE state IN ('scheduled', 'retryable').
+PROMOTE_DUE = """
+WITH due AS (
+    SELECT id FROM awa_job
+    WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
+    ORDER BY run_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE awa_job AS j SET state = 'available'
+FROM due WHERE j.id = due.id
+RETURNING j.queue
+"""
+
+# -- RESCUE --
+# Take back running attempts whose heartbeat is stale or whose deadline
+# passed, and waiting_external jobs whose callback timed out. The attempt
+# counts: retryable with backoff, or failed when attempts are used up. The
+# error entry names the reason. Rows locked with SKIP LOCKED so a worker
+# finishing the same job at this instant either wins (row absent) or loses
+# (its guarded UPDATE then matches nothing).
+# Indexes: awa_job_running_idx, awa_job_deadline_idx, awa_job_callback_idx.
+RESCUE = f"""
+WITH candidates AS (
+    (SELECT id, 'stale_heartbeat' AS reason, 1 AS rank FROM awa_job
+     WHERE state = 'running' AND heartbeat_at < now() - make_interval(secs => %(stale_after)s)
+     LIMIT %(limit)s)
+    UNION ALL
+    (SELECT id, 'deadline_exceeded', 2 FROM awa_job
+     WHERE state = 'running' AND deadline_at < now()
+     LIMIT %(limit)s)
+    UNION ALL
+    (SELECT id, 'callback_timeout', 3 FROM awa_job
+     WHERE state = 'waiting_external' AND callback_timeout_at < now()
+     LIMIT %(limit)s)
+),
+victims AS (
+    SELECT DISTINCT ON (id) id, reason FROM candidates ORDER BY id, rank
+),
+locked AS (
+    -- Re-checked on the locked row version: a heartbeat or finalize that
+    -- committed since the scan keeps the job out.
+    SELECT j.id FROM awa_job AS j
+    WHERE j.id IN (SELECT id FROM victims)
+      AND ((j.state = 'running'
+            AND (j.heartbeat_at < now() - make_interval(secs => %(stale_after)s)
+                 OR j.deadline_at < now()))
+           OR (j.state = 'waiting_external' AND j.callback_timeout_at < now()))
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE awa_job AS j
+SET state = CASE WHEN j.attempt >= j.max_attempts THEN 'failed' ELSE 'retryable' END,
+    finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN now() END,
+    run_at = CASE WHEN j.attempt >= j.max_attempts THEN j.run_at
+             ELSE now() + make_interval(secs => least(
+                 power(2, j.attempt) * (1 + random() * 0.25), 86400)) END,
+    errors = j.errors || jsonb_build_array(jsonb_build_object(
+        'attempt', j.attempt, 'at', now(),
+        'error', 'rescued: ' || replace(v.reason, '_', ' '), 'traceback', '')),
+    heartbeat_at = NULL,
+    deadline_at = NULL,
+    callback_id = NULL,
+    callback_timeout_at = NULL
+FROM locked JOIN victims AS v ON v.id = locked.id
+WHERE j.id = locked.id
+RETURNING v.reason, {J_JOB_COLUMNS}
+"""
+
+# -- AGE_PRIORITIES --
+# Priority aging: an available job that has waited longer than the aging
+# interval moves up one priority level per interval waited, so a flood of
+# high-priority jobs cannot starve it. The original priority is kept in
+# metadata["awa_original_priority"]. Uses awa_job_claim_idx's state predicate.
+AGE_PRIORITIES = """
+UPDATE awa_job
+SET priority = greatest(1, priority - 1),
+    metadata = CASE WHEN metadata ? 'awa_original_priority' THEN metadata
+                    ELSE metadata || jsonb_build_object('awa_original_priority', priority) END,
+    run_at = now()
+WHERE id IN (
+    SELECT id FROM awa_job
+    WHERE state = 'available' AND priority > 1
+      AND run_at < now() - make_interval(secs => %(interval)s)
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+# -- PRUNE_FINISHED --
+# Delete finished rows past retention, one batch per call.
+# Index: awa_job_finalized_idx (state, finalized_at).
+PRUNE_FINISHED = """
+DELETE FROM awa_job WHERE id IN (
+    SELECT id FROM awa_job
+    WHERE state = ANY(%(states)s::text[])
+      AND finalized_at < now() - make_interval(secs => %(retention)s)
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+# -- TRY_LEADER_LOCK --
+# Maintenance runs on the one worker holding this session-level advisory lock.
+# The lock dies with the session, so a dead leader's lock is free at once.
+LEADER_LOCK_KEY = 0x61776121  # "awa!"
+TRY_LEADER_LOCK = "SELECT pg_try_advisory_lock(%(key)s)"
+UNLOCK_LEADER = "SELECT pg_advisory_unlock(%(key)s)"
+
+# -- QUEUE_STATS --
+# Counts per (queue, state), for queue_stats() and the admin.
+QUEUE_STATS = """
+SELECT queue, state, count(*) FROM awa_job GROUP BY queue, state
+"""

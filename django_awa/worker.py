@@ -1,0 +1,465 @@
+"""The worker process: claim loops, handler threads, the completer, heartbeats.
+
+Threads, each with its own database connection:
+
+* one producer per queue claims jobs while the queue has free slots and
+  sleeps on a wake-up event (LISTEN/NOTIFY) or the poll interval;
+* a pool of handler threads per queue runs handlers (its size is the queue's
+  concurrency);
+* the completer writes results in batches (``finalize``);
+* the listener holds a LISTEN connection and wakes producers;
+* the lifecycle thread heartbeats running attempts and stores progress;
+* the maintenance thread competes for leadership and runs maintenance.
+
+SIGTERM/SIGINT stop claiming; in-flight attempts get ``SHUTDOWN_TIMEOUT`` to
+finish; what is left is given back (``available``) before exit. A second
+signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue as queue_module
+import selectors
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import psycopg
+from django.db import DatabaseError, InterfaceError, connections
+
+from . import sql
+from .claim import claim
+from .conf import AwaSettings, awa_settings
+from .execute import (
+    Attempt,
+    AttemptResult,
+    resolve_handler,
+    run_atomic_attempt,
+    run_attempt,
+    write_progress,
+)
+from .finalize import finalize
+from .models import Job
+
+logger = logging.getLogger(__name__)
+
+NOTIFY_CHANNEL = "awa_job"
+CANCEL_CHANNEL = "awa_cancel"
+_DB_ERRORS = (DatabaseError, InterfaceError, psycopg.Error)
+
+
+def log_context(job: Job, worker: str = "") -> dict[str, Any]:
+    return {
+        "job_id": job.id,
+        "kind": job.kind,
+        "queue": job.queue,
+        "attempt": job.attempt,
+        "worker": worker,
+    }
+
+
+def close_broken_connections() -> None:
+    """Close this thread's connections that a handler left unusable.
+
+    Not ``close_old_connections()``: with the default CONN_MAX_AGE of 0 it
+    would reconnect after every job.
+    """
+    for conn in connections.all(initialized_only=True):
+        if conn.errors_occurred and not conn.is_usable():
+            conn.close()
+
+
+def listen_params(alias: str) -> dict[str, Any]:
+    """libpq parameters of Django connection ``alias``, for a dedicated psycopg connection."""
+    params = connections[alias].get_connection_params()
+    for key in ("cursor_factory", "context", "prepare_threshold", "pool"):
+        params.pop(key, None)
+    return params
+
+
+class Backoff:
+    """Exponential backoff for reconnecting: 0.1 s doubling to 5 s."""
+
+    def __init__(self) -> None:
+        self.delay = 0.1
+
+    def reset(self) -> None:
+        self.delay = 0.1
+
+    def wait(self, stop: threading.Event) -> None:
+        stop.wait(self.delay)
+        self.delay = min(self.delay * 2, 5.0)
+
+
+@dataclass(slots=True)
+class QueueRunner:
+    name: str
+    concurrency: int
+    pool: ThreadPoolExecutor
+    slots: threading.Semaphore
+    wake: threading.Event
+
+
+class Worker:
+    """One worker process. ``run()`` blocks until stopped."""
+
+    def __init__(
+        self,
+        queues: dict[str, int],
+        *,
+        alias: str | None = None,
+        conf: AwaSettings | None = None,
+        install_signal_handlers: bool = True,
+    ) -> None:
+        self.conf = conf or awa_settings()
+        self.alias = alias or self.conf.database
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.install_signal_handlers = install_signal_handlers
+        self.stopping = threading.Event()  # stop claiming
+        self.halt = threading.Event()  # stop everything now
+        self.results: queue_module.Queue[AttemptResult | None] = queue_module.Queue()
+        self.running: dict[int, Attempt] = {}
+        self.running_lock = threading.Lock()
+        self.queues = {
+            name: QueueRunner(
+                name=name,
+                concurrency=n,
+                pool=ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"awa-{name}"),
+                slots=threading.Semaphore(n),
+                wake=threading.Event(),
+            )
+            for name, n in queues.items()
+        }
+        self.threads: list[threading.Thread] = []
+        self.is_leader = False
+        self.processed = 0
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def run(self) -> None:
+        if self.install_signal_handlers:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        settings_dict = connections[self.alias].settings_dict
+        logger.info(
+            "awa worker %s starting: queues %s; database %r (%s:%s/%s)",
+            self.name,
+            ", ".join(f"{q.name}={q.concurrency}" for q in self.queues.values()),
+            self.alias,
+            settings_dict.get("HOST") or "local socket",
+            settings_dict.get("PORT") or 5432,
+            settings_dict.get("NAME"),
+        )
+        self._start(self._listen, "awa-listener")
+        self._start(self._complete, "awa-completer")
+        self._start(self._lifecycle, "awa-lifecycle")
+        self._start(self._maintain, "awa-maintenance")
+        producers = [
+            self._start(lambda r=runner: self._produce(r), f"awa-producer-{runner.name}")
+            for runner in self.queues.values()
+        ]
+        try:
+            while not self.stopping.is_set():
+                self.stopping.wait(0.5)
+        finally:
+            self._drain(producers)
+
+    def stop(self) -> None:
+        """Stop claiming; in-flight attempts may finish within SHUTDOWN_TIMEOUT."""
+        if self.stopping.is_set():
+            self.halt.set()
+        self.stopping.set()
+        for runner in self.queues.values():
+            runner.wake.set()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopping.is_set():
+            logger.warning("second %s: giving back in-flight jobs now", signal.Signals(signum).name)
+        else:
+            logger.info(
+                "%s received: finishing in-flight jobs (up to %.0fs), claiming no more",
+                signal.Signals(signum).name,
+                self.conf.shutdown_timeout,
+            )
+        self.stop()
+
+    def _start(self, target: Callable[[], None], name: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                target()
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return thread
+
+    def _drain(self, producers: list[threading.Thread]) -> None:
+        for thread in producers:
+            thread.join()
+        deadline = time.monotonic() + self.conf.shutdown_timeout
+        while self.running and time.monotonic() < deadline and not self.halt.is_set():
+            time.sleep(0.05)
+        self.results.put(None)  # the completer writes what it has, then exits
+        for thread in self.threads:
+            if thread.name == "awa-completer":
+                thread.join(timeout=max(5.0, deadline - time.monotonic()))
+        self._release_unfinished()
+        self.halt.set()
+        for runner in self.queues.values():
+            runner.pool.shutdown(wait=False, cancel_futures=True)
+        logger.info("awa worker %s stopped after %s jobs", self.name, self.processed)
+
+    def _release_unfinished(self) -> None:
+        with self.running_lock:
+            left = list(self.running.values())
+        if not left:
+            return
+        for attempt in left:
+            attempt.cancelled.set()
+        try:
+            with connections[self.alias].cursor() as cursor:
+                cursor.execute(
+                    sql.RELEASE,
+                    {"id": [a.job.id for a in left], "run_lease": [a.job.run_lease for a in left]},
+                )
+                released = cursor.fetchall()
+            logger.warning(
+                "gave back %s unfinished job(s) at shutdown: %s",
+                len(released),
+                ", ".join(str(r[0]) for r in released),
+            )
+        except _DB_ERRORS:
+            logger.exception("could not give back unfinished jobs; maintenance will rescue them")
+        finally:
+            connections.close_all()
+
+    # -- producer: claim and submit ---------------------------------------------
+
+    def _produce(self, runner: QueueRunner) -> None:
+        backoff = Backoff()
+        batch = self.conf.claim_batch_size
+        while not self.stopping.is_set():
+            # Wait for at least one free slot, then take every other free one.
+            if not runner.slots.acquire(timeout=0.5):
+                continue
+            free = 1
+            while free < min(runner.concurrency, batch) and runner.slots.acquire(blocking=False):
+                free += 1
+            runner.wake.clear()
+            try:
+                jobs = claim(runner.name, free, self.alias)
+                backoff.reset()
+            except _DB_ERRORS as exc:
+                logger.warning("claim on queue %s failed (%s); reconnecting", runner.name, exc)
+                self._reset_connection()
+                for _ in range(free):
+                    runner.slots.release()
+                backoff.wait(self.stopping)
+                continue
+            for _ in range(free - len(jobs)):
+                runner.slots.release()
+            for job in jobs:
+                attempt = Attempt(job=job, alias=self.alias)
+                with self.running_lock:
+                    self.running[job.id] = attempt
+                logger.debug("claimed job %s kind=%s attempt=%s", job.id, job.kind, job.attempt,
+                             extra=log_context(job, self.name))  # fmt: skip
+                runner.pool.submit(self._execute, runner, attempt)
+            if len(jobs) < free:
+                runner.wake.wait(self.conf.poll_interval)
+
+    def _execute(self, runner: QueueRunner, attempt: Attempt) -> None:
+        try:
+            resolved = resolve_handler(attempt.job)
+            if isinstance(resolved, AttemptResult):
+                self.results.put(resolved)
+                return
+            spec, args = resolved
+            if spec.atomic:
+                try:
+                    run_atomic_attempt(attempt, spec, args)
+                except _DB_ERRORS:
+                    # The transaction did not commit: the attempt is still running
+                    # in the database, and rescue will take it back.
+                    logger.exception("atomic job %s could not be finalized", attempt.job.id)
+                    self._reset_connection()
+                self._forget(attempt)
+                return
+            self.results.put(run_attempt(attempt, flush_progress=self._mark_progress))
+        except Exception:  # noqa: BLE001 - never lose a slot to an unexpected error
+            logger.exception("worker error running job %s", attempt.job.id)
+            self._forget(attempt)
+        finally:
+            runner.slots.release()
+            close_broken_connections()
+
+    @staticmethod
+    def _mark_progress(attempt: Attempt) -> None:
+        """Progress is stored by the lifecycle thread, which polls the dirty flag."""
+
+    def _forget(self, attempt: Attempt) -> None:
+        self._forget_id(attempt.job.id)
+
+    def _forget_id(self, job_id: int) -> None:
+        with self.running_lock:
+            self.running.pop(job_id, None)
+            self.processed += 1
+
+    @staticmethod
+    def _reset_connection() -> None:
+        with contextlib.suppress(Exception):
+            connections.close_all()
+
+    # -- completer: batched finalize --------------------------------------------
+
+    def _complete(self) -> None:
+        backoff = Backoff()
+        done = False
+        while not done:
+            first = self.results.get()
+            if first is None:
+                done = True
+                batch: list[AttemptResult] = []
+            else:
+                batch = [first]
+            while len(batch) < 500:
+                try:
+                    item = self.results.get_nowait()
+                except queue_module.Empty:
+                    break
+                if item is None:
+                    done = True
+                    break
+                batch.append(item)
+            while batch:
+                try:
+                    finalize(batch, self.alias)
+                    backoff.reset()
+                    break
+                except _DB_ERRORS as exc:
+                    # Finalize is guarded by run_lease, so writing the batch again
+                    # after a lost commit acknowledgement changes nothing twice.
+                    logger.warning("finalize failed (%s); retrying after reconnect", exc)
+                    self._reset_connection()
+                    if self.halt.is_set():
+                        break
+                    backoff.wait(self.halt)
+            for result in batch:
+                self._forget_id(result.job.id)
+
+    # -- listener: LISTEN/NOTIFY -----------------------------------------------
+
+    def _listen(self) -> None:
+        backoff = Backoff()
+        while not self.halt.is_set():
+            try:
+                with psycopg.connect(**listen_params(self.alias), autocommit=True) as conn:
+                    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    conn.execute(f"LISTEN {CANCEL_CHANNEL}")
+                    backoff.reset()
+                    # Anything enqueued while we were not listening: look now.
+                    for runner in self.queues.values():
+                        runner.wake.set()
+                    self._listen_loop(conn)
+            except psycopg.Error as exc:
+                if self.halt.is_set():
+                    return
+                logger.warning("LISTEN connection lost (%s); reconnecting", exc)
+                backoff.wait(self.halt)
+
+    def _listen_loop(self, conn: psycopg.Connection[Any]) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(conn.fileno(), selectors.EVENT_READ)
+            while not self.halt.is_set():
+                if not selector.select(timeout=1.0):
+                    conn.execute("SELECT 1")  # notice a dead connection
+                    continue
+                for notify in conn.notifies(timeout=0, stop_after=0):
+                    self._on_notify(notify.channel, notify.payload)
+
+    def _on_notify(self, channel: str, payload: str) -> None:
+        if channel == NOTIFY_CHANNEL:
+            runner = self.queues.get(payload)
+            if runner is not None:
+                runner.wake.set()
+        elif channel == CANCEL_CHANNEL:
+            with contextlib.suppress(ValueError):
+                attempt = self.running.get(int(payload))
+                if attempt is not None:
+                    attempt.cancelled.set()
+
+    # -- lifecycle: heartbeats and progress ------------------------------------
+
+    def _lifecycle(self) -> None:
+        last_beat = time.monotonic()
+        while not self.halt.wait(0.25):
+            with self.running_lock:
+                attempts = list(self.running.values())
+            try:
+                write_progress(attempts)
+                if time.monotonic() - last_beat >= self.conf.heartbeat_interval:
+                    last_beat = time.monotonic()
+                    self._heartbeat(attempts)
+            except _DB_ERRORS as exc:
+                logger.warning("heartbeat failed (%s); reconnecting", exc)
+                self._reset_connection()
+
+    def _heartbeat(self, attempts: list[Attempt]) -> None:
+        if not attempts:
+            return
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(
+                sql.HEARTBEAT,
+                {
+                    "id": [a.job.id for a in attempts],
+                    "run_lease": [a.job.run_lease for a in attempts],
+                },
+            )
+            alive = {row[0] for row in cursor.fetchall()}
+        for attempt in attempts:
+            if attempt.job.id not in alive and self.running.get(attempt.job.id) is attempt:
+                # Cancelled, rescued or finalized meanwhile: tell the handler.
+                attempt.cancelled.set()
+
+    # -- maintenance leadership ------------------------------------------------
+
+    def _maintain(self) -> None:
+        from .maintenance import Maintenance
+
+        maintenance = Maintenance(self.alias, self.conf)
+        while not self.halt.is_set():
+            try:
+                if not self.is_leader:
+                    self.is_leader = maintenance.try_lead()
+                    if self.is_leader:
+                        logger.info("worker %s is now the maintenance leader", self.name)
+                if self.is_leader:
+                    maintenance.tick(wake=self._wake_queues)
+            except _DB_ERRORS as exc:
+                if self.is_leader:
+                    logger.warning("maintenance leader lost its connection (%s)", exc)
+                self.is_leader = False
+                self._reset_connection()
+            except Exception:  # noqa: BLE001 - keep maintaining after a bug in one duty
+                logger.exception("maintenance failed")
+            self.halt.wait(min(1.0, self.conf.maintenance_interval))
+        if self.is_leader:
+            with contextlib.suppress(*_DB_ERRORS):
+                maintenance.resign()
+
+    def _wake_queues(self, names: set[str]) -> None:
+        for name in names:
+            runner = self.queues.get(name)
+            if runner is not None:
+                runner.wake.set()
