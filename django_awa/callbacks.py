@@ -95,6 +95,14 @@ def _lock(callback_id: uuid.UUID, alias: str) -> Job:
     return job_from_row(row, alias)
 
 
+def _early_for(job: Job, callback_id: uuid.UUID | None) -> dict[str, Any] | None:
+    """The early callback recorded on ``job`` for ``callback_id``, if any."""
+    early = (job.metadata or {}).get(EARLY_KEY)
+    if callback_id is None or not isinstance(early, dict):
+        return None
+    return early if early.get("callback_id") == str(callback_id) else None
+
+
 def _resolve(
     job: Job,
     action: str,
@@ -138,6 +146,17 @@ def _resolve(
     return row
 
 
+def _has_nul(value: Any) -> bool:
+    """Whether a JSON value holds U+0000, which PostgreSQL's jsonb and text refuse."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
 def _external(
     callback_id: uuid.UUID | str,
     action: str,
@@ -150,9 +169,11 @@ def _external(
     cid = _parse_id(callback_id)
     with transaction.atomic(using=alias):
         job = _lock(cid, alias)
-        if job.state == JobState.RUNNING and EARLY_KEY not in (job.metadata or {}):
-            # The handler registered the callback and has not returned yet.
-            early = {"action": action, "payload": payload, "error": error}
+        if job.state == JobState.RUNNING and not _early_for(job, cid):
+            # The handler registered the callback and has not returned yet. The
+            # record names the callback: one left by an earlier attempt (whose
+            # handler then raised, or was rescued) must not resolve this one.
+            early = {"callback_id": str(cid), "action": action, "payload": payload, "error": error}
             with connections[alias].cursor() as cursor:
                 cursor.execute(RECORD_EARLY, {"id": job.id, "early": json.dumps(early)})
             job.metadata = {**(job.metadata or {}), EARLY_KEY: early}
@@ -171,8 +192,11 @@ def complete_external(
     Raises ``CallbackNotFound``, ``FollowupError`` or ``ValidationError``."""
     try:
         json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        nul = _has_nul(payload)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ValidationError(f"complete_external: payload is not JSON: {exc}") from exc
+    if nul:
+        raise ValidationError("complete_external: payload holds a NUL character (\\u0000)")
     return _external(callback_id, "complete", payload=payload, using=using)
 
 
@@ -180,6 +204,8 @@ def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None
     """Fail the job waiting on ``callback_id`` whatever attempts remain (Exhausted follow-ups)."""
     if not isinstance(error, str):
         raise ValidationError(f"fail_external: error must be a string, got {error!r}")
+    if "\x00" in error:
+        raise ValidationError("fail_external: error holds a NUL character")
     return _external(callback_id, "fail", error=error, using=using)
 
 
@@ -216,8 +242,8 @@ def apply_early(row: Job, alias: str) -> Job | None:
     follow-ups fail, the job stays parked (and the early record stays) until
     the callback times out and is rescued.
     """
-    early = (row.metadata or {}).get(EARLY_KEY)
-    if not isinstance(early, dict):
+    early = _early_for(row, row.callback_id)
+    if early is None:
         return None
     try:
         with transaction.atomic(using=alias):
@@ -274,7 +300,7 @@ def _verify(request: HttpRequest, body: bytes) -> str | JsonResponse:
 def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
     try:
         data = json.loads(body or b"{}")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return _error(400, "body must be a JSON object")
     if not isinstance(data, dict):
         return _error(400, "body must be a JSON object")

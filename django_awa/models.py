@@ -148,7 +148,6 @@ class Job(models.Model):
                 name="awa_job_finalized_idx",
                 condition=Q(state__in=["completed", "failed", "cancelled"]),
             ),
-            models.Index(fields=["kind", "state"], name="awa_job_kind_idx"),
             # Lineage: follow-ups of a trigger.
             models.Index(
                 KT("metadata__awa_trigger__job_id"),

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 
-from django_awa.conf import DEFAULT_CONCURRENCY, QUEUE_NAME_RE, awa_settings
+from django_awa.conf import DEFAULT_CONCURRENCY, QUEUE_NAME_RE, AwaSettings, awa_settings
 from django_awa.exceptions import ConfigurationError
 from django_awa.worker import Worker
 
@@ -55,6 +57,13 @@ class Command(BaseCommand):
         parser.add_argument(
             "--database", default=None, help="Database alias (default AWA['DATABASE'])."
         )
+        parser.add_argument(
+            "--shutdown-timeout",
+            type=float,
+            default=None,
+            help="Seconds in-flight jobs get to finish after SIGTERM (default "
+            "AWA['SHUTDOWN_TIMEOUT']).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -74,18 +83,24 @@ class Command(BaseCommand):
         alias = options["database"] or conf.database
         if connections[alias].vendor != "postgresql":
             raise CommandError(f"django-awa needs PostgreSQL; database {alias!r} is not")
+        if options["shutdown_timeout"] is not None:
+            if options["shutdown_timeout"] < 0:
+                raise CommandError("--shutdown-timeout cannot be negative")
+            conf = dataclasses.replace(conf, shutdown_timeout=options["shutdown_timeout"])
         _configure_logging(options["verbosity"])
         if processes == 1:
             Worker(queues, alias=alias, conf=conf).run()
             return
-        self._run_processes(processes, queues, alias)
+        self._run_processes(processes, queues, alias, conf)
 
-    def _run_processes(self, processes: int, queues: dict[str, int], alias: str) -> None:
+    def _run_processes(
+        self, processes: int, queues: dict[str, int], alias: str, conf: AwaSettings
+    ) -> None:
         # Fork before any thread or connection exists in this process.
         connections.close_all()
         context = multiprocessing.get_context("fork")
         children = [
-            context.Process(target=_child, args=(queues, alias), name=f"awa-worker-{i}")
+            context.Process(target=_child, args=(queues, alias, conf), name=f"awa-worker-{i}")
             for i in range(processes)
         ]
         for child in children:
@@ -111,8 +126,20 @@ class Command(BaseCommand):
             sys.exit(1)
 
 
-def _child(queues: dict[str, int], alias: str) -> None:
-    Worker(queues, alias=alias).run()
+def _child(queues: dict[str, int], alias: str, conf: AwaSettings) -> None:
+    worker = Worker(queues, alias=alias, conf=conf)
+    parent = os.getppid()
+
+    def orphan_watch() -> None:
+        # The supervisor died without forwarding a signal (SIGKILL, OOM):
+        # drain and exit rather than run on unsupervised.
+        while not worker.stopping.wait(1.0):
+            if os.getppid() != parent:
+                logger.warning("supervisor %s is gone; stopping", parent)
+                worker.stop()
+
+    threading.Thread(target=orphan_watch, name="awa-orphan-watch", daemon=True).start()
+    worker.run()
 
 
 def _configure_logging(verbosity: int) -> None:

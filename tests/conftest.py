@@ -1,0 +1,150 @@
+"""Fixtures: real worker processes on the test database, and waiting helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_awa.models import Job
+from tests.testapp.followups import CALLS, FAIL
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class WorkerProcess:
+    """``python -m django awa_worker`` on the test database; reaped at teardown."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.log_path = log
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "django", "awa_worker", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, killed whole in close()
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 20) -> int:
+        self.signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def wait(self, timeout: float = 20) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"worker did not exit in {timeout}s:\n{self.output()}") from None
+
+    def close(self) -> None:
+        self.kill()
+        # --processes children too, should any outlive their supervisor.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+@pytest.fixture
+def start_worker(
+    transactional_db: Any, tmp_path: Path
+) -> Iterator[Callable[..., WorkerProcess]]:
+    started: list[WorkerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:
+        full_env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "tests.settings"),
+            "AWA_TEST_DB_NAME": connection.settings_dict["NAME"],
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            **(env or {}),
+        }
+        worker = WorkerProcess(
+            list(args) or ["--queue", "default"], full_env, tmp_path / f"worker{len(started)}.log"
+        )
+        started.append(worker)
+        return worker
+
+    yield start
+    for i, worker in enumerate(started):
+        worker.close()
+        # Shown by pytest only when the test failed.
+        print(f"--- worker {i} (pid {worker.pid}) output ---\n{worker.output()[-6000:]}")  # noqa: T201
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 15, message: str | Callable[[], str] = ""
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            text = message() if callable(message) else message
+            raise AssertionError(f"timed out after {timeout}s waiting: {text}")
+        time.sleep(0.05)
+
+
+def wait_for_state(job_id: int, state: str | tuple[str, ...], timeout: float = 15) -> Job:
+    """Poll until job ``job_id`` is in ``state``; fail showing its last state and errors."""
+    states = (state,) if isinstance(state, str) else state
+    last: dict[str, Job | None] = {"job": None}
+
+    def check() -> Job | None:
+        job = Job.objects.filter(id=job_id).first()
+        last["job"] = job
+        return job if job is not None and job.state in states else None
+
+    def describe() -> str:
+        job = last["job"]
+        if job is None:
+            return f"job {job_id} does not exist"
+        return f"job {job_id} is {job.state} (wanted {states}), errors={job.errors}"
+
+    return wait_for(check, timeout, describe)
+
+
+@pytest.fixture(autouse=True)
+def _reset_followup_switches() -> Iterator[None]:
+    saved = dict(FAIL)
+    yield
+    FAIL.clear()
+    FAIL.update(saved)
+    CALLS["rescued"] = 0
+
+
+def make_job(**fields: Any) -> Job:
+    """A row in any state, e.g. ``make_job(state="running", heartbeat_at=old)``."""
+    fields.setdefault("kind", "act")
+    fields.setdefault("queue", "default")
+    fields.setdefault("args", {"action": "ok"})
+    return Job.objects.create(**fields)

@@ -1,0 +1,303 @@
+"""Declaring and enqueueing: kinds, args encoding, options, validation, uniqueness."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+import django_awa as awa
+from django_awa.kinds import registry
+from django_awa.models import Job, JobState
+from tests.testapp.jobs import Act, Echo, Noop, Unhandled
+
+pytestmark = pytest.mark.django_db
+
+
+@dataclass
+class ChargeCard(awa.JobArgs):
+    order_id: int
+    amount_cents: int
+
+
+@dataclass
+class Custom(awa.JobArgs):
+    kind: ClassVar[str] = "billing.custom"
+    x: int = 0
+
+
+def test_kind_is_snake_case_of_the_class_name_unless_overridden():
+    assert ChargeCard.kind == "charge_card"
+    assert Custom.kind == "billing.custom"
+    assert registry.args_classes["charge_card"] is ChargeCard
+
+
+def test_enqueue_returns_the_available_row_with_the_kinds_defaults():
+    job = awa.enqueue(Echo(n=3, note="hi", tags=["a"]))
+    assert isinstance(job, Job) and isinstance(job.id, int)
+    row = Job.objects.get(id=job.id)
+    assert row.kind == "echo"
+    assert row.args == {"n": 3, "note": "hi", "tags": ["a"]}
+    assert row.state == JobState.AVAILABLE
+    assert (row.queue, row.priority, row.max_attempts, row.attempt) == ("default", 2, 5, 0)
+    assert row.errors == [] and row.finalized_at is None
+
+
+def test_enqueue_options_override_defaults():
+    run_at = timezone.now() + dt.timedelta(hours=1)
+    job = awa.enqueue(
+        Echo(n=1),
+        queue="other",
+        priority=4,
+        max_attempts=9,
+        run_at=run_at,
+        tags=["x", "y"],
+        metadata={"source": "test"},
+    )
+    row = Job.objects.get(id=job.id)
+    assert (row.queue, row.priority, row.max_attempts) == ("other", 4, 9)
+    assert row.state == JobState.SCHEDULED
+    assert row.run_at == run_at
+    assert row.tags == ["x", "y"] and row.metadata == {"source": "test"}
+
+
+def test_a_row_made_with_the_orm_alone_is_a_valid_available_job():
+    job = Job.objects.create(kind="echo", queue="default", args={"n": 1})
+    job.refresh_from_db()
+    assert job.state == JobState.AVAILABLE
+    assert (job.priority, job.attempt, job.max_attempts, job.run_lease) == (2, 0, 25, 0)
+    assert job.errors == [] and job.metadata == {} and job.tags == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_joins_the_callers_transaction_commit_and_rollback():
+    with transaction.atomic():
+        kept = awa.enqueue(Echo(n=1))
+    with pytest.raises(RuntimeError), transaction.atomic():
+        lost = awa.enqueue(Echo(n=2))
+        assert Job.objects.filter(id=lost.id).exists()  # visible inside
+        raise RuntimeError("business write failed")
+    assert Job.objects.filter(id=kept.id).exists()
+    assert not Job.objects.filter(id=lost.id).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_notifies_listeners_at_commit_only():
+    import psycopg
+
+    from django_awa.worker import listen_params
+
+    with psycopg.connect(**listen_params("default"), autocommit=True) as listener:
+        listener.execute("LISTEN awa_job")
+        with transaction.atomic():
+            awa.enqueue(Echo(n=1), queue="notify-me")
+            assert list(listener.notifies(timeout=0.3, stop_after=1)) == []
+        got = list(listener.notifies(timeout=5, stop_after=1))
+        assert [(n.channel, n.payload) for n in got] == [("awa_job", "notify-me")]
+
+
+def test_enqueue_many_inserts_in_bulk_and_returns_ids_in_input_order():
+    items = [Echo(n=i) for i in range(50)] + [
+        awa.EnqueueRequest(Echo(n=99), queue="other", priority=1)
+    ]
+    ids = awa.enqueue_many(items)
+    assert len(ids) == 51
+    rows = {j.id: j for j in Job.objects.filter(id__in=ids)}
+    assert [rows[i].args["n"] for i in ids] == [*range(50), 99]
+    assert (rows[ids[-1]].queue, rows[ids[-1]].priority) == ("other", 1)
+
+
+def test_enqueue_many_validates_everything_before_writing():
+    before = Job.objects.count()
+    with pytest.raises(awa.ValidationError, match="item 2"):
+        awa.enqueue_many([Echo(n=1), Echo(n=2), awa.EnqueueRequest(Echo(n=3), priority=0)])
+    assert Job.objects.count() == before
+
+
+def test_enqueue_many_skips_unique_duplicates_and_keeps_order():
+    unique = awa.Unique()
+    first = awa.enqueue(Echo(n=1), unique=unique)
+    ids = awa.enqueue_many(
+        [
+            awa.EnqueueRequest(Echo(n=1), unique=unique),  # held by `first`
+            awa.EnqueueRequest(Echo(n=2), unique=unique),
+            awa.EnqueueRequest(Echo(n=2), unique=unique),  # duplicate within the batch
+            Echo(n=3),
+        ]
+    )
+    assert len(ids) == 2 and first.id not in ids
+    assert [Job.objects.get(id=i).args["n"] for i in ids] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"priority": 0}, "priority must be 1"),
+        ({"priority": 5}, "priority must be 1"),
+        ({"priority": "high"}, "priority must be an integer"),
+        ({"max_attempts": 0}, "max_attempts must be 1 to 1000"),
+        ({"max_attempts": 1001}, "max_attempts must be 1 to 1000"),
+        ({"queue": "has space"}, "invalid queue name"),
+        ({"queue": ""}, "invalid queue name"),
+        ({"run_at": dt.datetime(2030, 1, 1)}, "naive datetime"),
+        ({"run_at": "tomorrow"}, "run_at must be a datetime"),
+        ({"tags": "one"}, "tags must be a list"),
+        ({"metadata": {"x": object()}}, "metadata cannot be stored as JSON"),
+        ({"unique": "yes"}, "unique must be an awa.Unique"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_problem_and_nothing_is_written(kwargs, message):
+    before = Job.objects.count()
+    with pytest.raises(awa.ValidationError, match=message):
+        awa.enqueue(Echo(n=1), **kwargs)
+    assert Job.objects.count() == before
+
+
+def test_args_that_are_not_json_are_refused_naming_the_field():
+    @dataclass
+    class Weird(awa.JobArgs):
+        blob: object
+
+    with pytest.raises(awa.ValidationError, match="field 'blob'"):
+        awa.enqueue(Weird(blob=object()))
+    with pytest.raises(awa.ValidationError, match="field 'blob'"):
+        awa.enqueue(Weird(blob=float("nan")))
+    assert not Job.objects.filter(kind="weird").exists()
+
+
+def test_args_that_would_not_decode_are_refused_at_enqueue():
+    with pytest.raises(awa.ValidationError, match="field 'n'"):
+        awa.enqueue(Echo(n="three"))  # type: ignore[arg-type]
+
+
+def test_not_a_jobargs_is_refused():
+    with pytest.raises(awa.ValidationError, match="expected JobArgs"):
+        awa.enqueue({"n": 1})  # type: ignore[arg-type]
+
+
+def test_oversized_args_are_refused_with_the_limit_named(settings):
+    settings.AWA = {**settings.AWA, "MAX_ARGS_BYTES": 1000}
+    with pytest.raises(awa.ValidationError, match="over the limit of 1000"):
+        awa.enqueue(Echo(n=1, note="x" * 2000))
+
+
+def test_args_round_trip_rich_types():
+    @dataclass
+    class Rich(awa.JobArgs):
+        when: dt.datetime
+        day: dt.date
+        items: list[int]
+        maybe: int | None = None
+
+    from django_awa.kinds import decode_args
+
+    when = timezone.now()
+    job = awa.enqueue(Rich(when=when, day=when.date(), items=[1, 2]))
+    decoded = decode_args(Rich, Job.objects.get(id=job.id).args)
+    assert decoded == Rich(when=when, day=when.date(), items=[1, 2])
+
+
+def test_unique_conflict_names_the_holder_and_leaves_the_transaction_usable():
+    first = awa.enqueue(Echo(n=7), unique=awa.Unique())
+    with transaction.atomic():
+        with pytest.raises(awa.UniqueConflict) as info:
+            awa.enqueue(Echo(n=7), unique=awa.Unique())
+        assert info.value.conflicting_id == first.id
+        assert str(first.id) in str(info.value)
+        # The transaction is not aborted: more work succeeds in it.
+        awa.enqueue(Echo(n=8), unique=awa.Unique())
+    assert Job.objects.filter(kind="echo").count() == 2
+
+
+def test_unique_by_args_queue_and_period():
+    awa.enqueue(Echo(n=1), unique=awa.Unique(by_args=False))
+    with pytest.raises(awa.UniqueConflict):
+        awa.enqueue(Echo(n=2), unique=awa.Unique(by_args=False))  # the kind alone is the key
+    awa.enqueue(Echo(n=1), queue="a", unique=awa.Unique(by_queue=True))
+    awa.enqueue(Echo(n=1), queue="b", unique=awa.Unique(by_queue=True))
+    hour = dt.timedelta(hours=1)
+    base = timezone.now().replace(minute=0, second=0, microsecond=0) + dt.timedelta(days=1)
+    awa.enqueue(Echo(n=5), run_at=base, unique=awa.Unique(by_period=hour))
+    with pytest.raises(awa.UniqueConflict):
+        awa.enqueue(Echo(n=5), run_at=base + dt.timedelta(minutes=5), unique=awa.Unique(by_period=hour))
+    awa.enqueue(Echo(n=5), run_at=base + hour, unique=awa.Unique(by_period=hour))
+
+
+def test_unique_key_is_released_outside_its_states():
+    job = awa.enqueue(Echo(n=1), unique=awa.Unique())
+    Job.objects.filter(id=job.id).update(state=JobState.FAILED)
+    again = awa.enqueue(Echo(n=1), unique=awa.Unique())  # failed does not hold the key
+    assert again.id != job.id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_unique_is_enforced_by_the_database_under_concurrency():
+    barrier = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def racer() -> None:
+        from django.db import connections
+
+        barrier.wait()
+        try:
+            awa.enqueue(Echo(n=42), unique=awa.Unique())
+            outcomes.append("inserted")
+        except awa.UniqueConflict:
+            outcomes.append("conflict")
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=racer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["conflict"] * 7 + ["inserted"]
+    assert Job.objects.filter(kind="echo").count() == 1
+
+
+def test_enqueueing_a_kind_without_a_local_handler_is_allowed():
+    job = awa.enqueue(Unhandled(x=1))
+    assert job.kind == "unhandled" and job.queue == "default"
+
+
+def test_worker_decorator_validates_its_options():
+    @dataclass
+    class Thing(awa.JobArgs):
+        pass
+
+    with pytest.raises(awa.ValidationError, match="priority"):
+        awa.worker(Thing, priority=7)
+    with pytest.raises(awa.ValidationError, match="max_attempts"):
+        awa.worker(Thing, max_attempts=0)
+    with pytest.raises(awa.ValidationError, match="queue"):
+        awa.worker(Thing, queue="no spaces please")
+    with pytest.raises(Exception, match="JobArgs"):
+        awa.worker(dict)  # type: ignore[arg-type]
+
+
+def test_enqueue_refuses_a_database_that_is_not_postgresql(settings):
+    from django_awa.enqueueing import database_alias
+
+    with pytest.raises(awa.ConfigurationError, match="no database alias 'nope'"):
+        database_alias("nope")
+
+
+def test_claim_uses_the_partial_index(django_db_blocker):
+    # Plenty of finished rows, a few available: the claim must be an index scan.
+    ids = awa.enqueue_many([Noop(n=i) for i in range(2000)])
+    Job.objects.filter(id__in=ids[:1990]).update(state=JobState.COMPLETED, finalized_at=timezone.now())
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE awa_job")
+        cursor.execute(
+            "EXPLAIN SELECT id FROM awa_job WHERE state = 'available' AND queue = 'bulk' "
+            "AND run_at <= now() ORDER BY priority, run_at, id LIMIT 10 FOR UPDATE SKIP LOCKED"
+        )
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "awa_job_claim_idx" in plan, plan
+    assert Act.kind == "act"

@@ -1,0 +1,243 @@
+"""The worker, end to end: real ``awa_worker`` processes on the test database."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import signal
+
+import pytest
+from django.db import connection
+from django.db.models import Count
+from django.utils import timezone
+
+import django_awa as awa
+from django_awa.models import Job, JobState
+from tests.conftest import make_job, wait_for, wait_for_state
+from tests.testapp.jobs import Act, Echo, Unhandled
+from tests.testapp.models import Ledger
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _at(entry: dict) -> dt.datetime:
+    return dt.datetime.fromisoformat(entry["at"])
+
+
+def test_every_handler_result_of_the_table(start_worker):
+    jobs = {
+        "ok": awa.enqueue(Act(action="ok")),
+        "retry_after": awa.enqueue(Act(action="retry_after", seconds=30)),
+        "retry_after_td": awa.enqueue(Act(action="retry_after_td", seconds=45)),
+        "snooze": awa.enqueue(Act(action="snooze", seconds=1)),
+        "cancel": awa.enqueue(Act(action="cancel")),
+        "callback": awa.enqueue(Act(action="callback", seconds=60)),
+        "terminal": awa.enqueue(Act(action="terminal")),
+        "raise": awa.enqueue(Act(action="raise")),
+        "last": awa.enqueue(Act(action="raise"), max_attempts=1),
+        "bad_return": awa.enqueue(Act(action="bad_return"), max_attempts=1),
+    }
+    start_worker("--queue", "default")
+
+    ok = wait_for_state(jobs["ok"].id, JobState.COMPLETED)
+    assert ok.attempt == 1 and ok.finalized_at is not None and ok.errors == []
+
+    retried = wait_for_state(jobs["retry_after"].id, JobState.RETRYABLE)
+    assert retried.attempt == 1 and retried.errors == [] and retried.finalized_at is None
+    assert 25 < (retried.run_at - retried.attempted_at).total_seconds() < 35
+    retried_td = wait_for_state(jobs["retry_after_td"].id, JobState.RETRYABLE)
+    assert 40 < (retried_td.run_at - retried_td.attempted_at).total_seconds() < 50
+
+    cancelled = wait_for_state(jobs["cancel"].id, JobState.CANCELLED)
+    assert cancelled.finalized_at is not None
+    assert "not needed any more" in cancelled.errors[-1]["error"]
+
+    waiting = wait_for_state(jobs["callback"].id, JobState.WAITING_EXTERNAL)
+    assert waiting.callback_id is not None and waiting.callback_timeout_at is not None
+    assert waiting.finalized_at is None
+
+    terminal = wait_for_state(jobs["terminal"].id, JobState.FAILED)
+    assert terminal.attempt == 1 and terminal.max_attempts == 3
+    assert "TerminalError: no point retrying" in terminal.errors[-1]["error"]
+
+    raised = wait_for_state(jobs["raise"].id, JobState.RETRYABLE)
+    entry = raised.errors[-1]
+    assert entry["attempt"] == 1 and "ValueError: boom on attempt 1" in entry["error"]
+    assert "Traceback" in entry["traceback"]
+    # The first retry comes 2 to 2.5 s after the failure.
+    delay = (raised.run_at - _at(entry)).total_seconds()
+    assert 1.95 <= delay <= 2.55, delay
+
+    exhausted = wait_for_state(jobs["last"].id, JobState.FAILED)
+    assert exhausted.attempt == 1 and len(exhausted.errors) == 1
+
+    bad = wait_for_state(jobs["bad_return"].id, JobState.FAILED)
+    assert "unsupported value" in bad.errors[-1]["error"]
+
+    # Snooze: scheduled without using an attempt, then the next run keeps the number.
+    snoozed = wait_for_state(jobs["snooze"].id, JobState.COMPLETED, timeout=20)
+    runs = list(Ledger.objects.filter(job_id=snoozed.id).values_list("attempt", flat=True))
+    assert runs == [1, 1] and snoozed.attempt == 1
+
+
+def test_a_failing_job_retries_with_backoff_until_it_succeeds(start_worker):
+    job = awa.enqueue(Act(action="ok", fail_until=1))
+    start_worker("--queue", "default")
+    done = wait_for_state(job.id, JobState.COMPLETED, timeout=20)
+    assert done.attempt == 2
+    assert [e["attempt"] for e in done.errors] == [1]
+    assert list(Ledger.objects.filter(job_id=job.id).values_list("attempt", flat=True)) == [1, 2]
+
+
+def test_retries_exhaust_the_job(start_worker):
+    job = awa.enqueue(Act(action="raise"), max_attempts=2)
+    start_worker("--queue", "default")
+    failed = wait_for_state(job.id, JobState.FAILED, timeout=20)
+    assert failed.attempt == 2 and [e["attempt"] for e in failed.errors] == [1, 2]
+    assert failed.finalized_at is not None
+
+
+def test_unknown_kind_and_undecodable_args_fail_terminally(start_worker):
+    unknown = awa.enqueue(Unhandled(x=1))
+    bad_args = make_job(kind="echo", args={"n": "not a number"})
+    missing = make_job(kind="echo", args={})
+    start_worker("--queue", "default")
+    failed = wait_for_state(unknown.id, JobState.FAILED)
+    assert failed.attempt == 1 and "unknown job kind 'unhandled'" in failed.errors[-1]["error"]
+    bad = wait_for_state(bad_args.id, JobState.FAILED)
+    assert "kind 'echo'" in bad.errors[-1]["error"] and "'n'" in bad.errors[-1]["error"]
+    gone = wait_for_state(missing.id, JobState.FAILED)
+    assert "field 'n' is missing" in gone.errors[-1]["error"]
+
+
+def test_two_worker_processes_never_run_the_same_attempt(start_worker):
+    ids = awa.enqueue_many([Echo(n=i) for i in range(2000)])
+    start_worker("--queue", "default=8")
+    start_worker("--queue", "default=8")
+    wait_for(
+        lambda: Job.objects.filter(id__in=ids, state=JobState.COMPLETED).count() == 2000,
+        timeout=90,
+        message=lambda: str(
+            Job.objects.filter(id__in=ids).values("state").annotate(n=Count("id"))
+        ),
+    )
+    runs = Ledger.objects.filter(job_id__in=ids).values("job_id").annotate(n=Count("id"))
+    counts = {row["job_id"]: row["n"] for row in runs}
+    assert len(counts) == 2000
+    assert set(counts.values()) == {1}
+
+
+def test_processes_option_runs_several_processes(start_worker):
+    ids = awa.enqueue_many([Act(action="pid") for _ in range(200)])
+    start_worker("--queue", "default=4", "--processes", "2")
+    wait_for(
+        lambda: Job.objects.filter(id__in=ids, state=JobState.COMPLETED).count() == 200,
+        timeout=60,
+    )
+    notes = set(Ledger.objects.filter(note__startswith="pid:").values_list("note", flat=True))
+    assert len(notes) == 2
+
+
+def test_a_sigkilled_workers_job_is_rescued_and_finished_by_another(start_worker):
+    job = awa.enqueue(Act(action="sleep", seconds=2))
+    victim = start_worker("--queue", "default")
+    running = wait_for_state(job.id, JobState.RUNNING)
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    victim.kill()
+    start_worker("--queue", "default")
+    # STALE_AFTER (3 s) plus a maintenance cycle, then a backoff of 2-2.5 s.
+    done = wait_for_state(job.id, JobState.COMPLETED, timeout=25)
+    assert done.attempt == 2 and done.run_lease > running.run_lease
+    assert "rescued: stale heartbeat" in done.errors[0]["error"]
+    assert list(Ledger.objects.filter(job_id=job.id).values_list("attempt", flat=True)) == [1, 2]
+
+
+def test_sigterm_lets_in_flight_jobs_finish_and_claims_no_more(start_worker):
+    job = awa.enqueue(Act(action="sleep", seconds=1.5))
+    worker = start_worker("--queue", "default=1")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    waiting = awa.enqueue(Act(action="ok"))
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+    assert Job.objects.get(id=waiting.id).state == JobState.AVAILABLE
+    assert "finishing in-flight jobs" in worker.output()
+
+
+def test_sigterm_gives_back_jobs_that_outlive_the_shutdown_timeout(start_worker):
+    job = awa.enqueue(Act(action="sleep", seconds=30))
+    worker = start_worker("--queue", "default", "--shutdown-timeout", "0.5")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    back = Job.objects.get(id=job.id)
+    assert back.state == JobState.AVAILABLE and back.attempt == 0
+    assert "gave back 1 unfinished job" in worker.output()
+
+
+def test_maintenance_leader_failover(start_worker):
+    first = start_worker("--queue", "default")
+    wait_for(lambda: "is now the maintenance leader" in first.output(), timeout=10)
+    second = start_worker("--queue", "default")
+    wait_for(lambda: "awa worker" in second.output() and "starting" in second.output())
+    assert "is now the maintenance leader" not in second.output()
+    first.kill()
+    wait_for(lambda: "is now the maintenance leader" in second.output(), timeout=10)
+    # The new leader does maintenance: a scheduled job becomes due and runs.
+    soon = awa.enqueue(Act(action="ok"), run_at=timezone.now() + dt.timedelta(seconds=1))
+    assert Job.objects.get(id=soon.id).state == JobState.SCHEDULED
+    wait_for_state(soon.id, JobState.COMPLETED, timeout=10)
+
+
+def test_cancel_reaches_the_running_handler_within_a_second(start_worker):
+    job = awa.enqueue(Act(action="sleep", seconds=20))
+    start_worker("--queue", "default")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    cancelled = awa.cancel(job.id, "operator said so")
+    assert cancelled.state == JobState.CANCELLED
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id, note="saw-cancel").exists(), timeout=1.5)
+    final = Job.objects.get(id=job.id)
+    assert final.state == JobState.CANCELLED  # the handler's return is discarded
+    assert "operator said so" in final.errors[-1]["error"]
+
+
+def test_progress_is_visible_while_the_job_runs(start_worker):
+    job = awa.enqueue(Act(action="progress", seconds=3))
+    start_worker("--queue", "default")
+    running = wait_for(
+        lambda: (j := Job.objects.get(id=job.id)).state == JobState.RUNNING and j.progress and j,
+        timeout=10,
+    )
+    assert running.progress == {"percent": 40, "message": "working", "metadata": {"step": 2}}
+    done = wait_for_state(job.id, JobState.COMPLETED)
+    assert done.progress["percent"] == 40
+
+
+def test_heartbeats_keep_a_long_job_alive(start_worker):
+    # Longer than STALE_AFTER (3 s): only heartbeats keep it from being rescued.
+    job = awa.enqueue(Act(action="sleep", seconds=5))
+    start_worker("--queue", "default")
+    done = wait_for_state(job.id, JobState.COMPLETED, timeout=20)
+    assert done.attempt == 1 and done.errors == []
+
+
+def test_worker_wakes_on_notify_without_waiting_for_the_poll(start_worker):
+    worker = start_worker("--queue", "default", env={"AWA_TEST_POLL_INTERVAL": "30"})
+    wait_for(lambda: "starting" in worker.output())
+    job = awa.enqueue(Act(action="ok"))
+    wait_for_state(job.id, JobState.COMPLETED, timeout=5)
+
+
+def test_startup_log_names_queues_concurrency_database_and_pid(start_worker):
+    worker = start_worker("--queue", "default=3", "--queue", "other")
+    wait_for(lambda: "starting" in worker.output())
+    line = next(x for x in worker.output().splitlines() if "starting" in x)
+    assert "default=3" in line and "other=10" in line
+    assert connection.settings_dict["NAME"] in line
+    assert re.search(rf":{worker.pid}\b", line)
+
+
+def test_bad_queue_option_is_refused(start_worker):
+    worker = start_worker("--queue", "bad name")
+    assert worker.wait(20) != 0
+    assert "invalid queue name" in worker.output()

@@ -1,0 +1,104 @@
+"""Follow-ups of the test kinds. ``Echo`` rows they enqueue carry a note naming
+the function, so tests can count them in SQL."""
+
+from __future__ import annotations
+
+import django_awa as awa
+from django_awa.followups import (
+    on_cancelled,
+    on_completed,
+    on_exhausted,
+    on_rescued,
+    on_retried,
+    on_waiting_for_callback,
+)
+
+from .jobs import Act, Echo, Parked, Pay
+
+# Tests flip these to make follow-up functions misbehave.
+FAIL = {"completed": False, "rescued_times": 0, "exhausted": False, "retried": False}
+CALLS = {"rescued": 0}
+
+
+@on_completed(Act)
+def act_completed(args: Act, job):
+    if FAIL["completed"] or args.tag == "fail-completed":
+        raise RuntimeError("completed follow-up exploded")
+    if args.tag == "unique-clash":
+        return awa.EnqueueRequest(Echo(n=job.id), unique=awa.Unique(by_args=False))
+    if args.tag == "override":
+        return awa.EnqueueRequest(
+            Echo(n=job.id, note="override"), queue="other", priority=1, max_attempts=7
+        )
+    if args.tag == "none":
+        return None
+    return Echo(n=job.id, note="completed-1")
+
+
+@on_completed(Act)
+def act_completed_second(args: Act, job):
+    if args.tag in ("fail-completed", "unique-clash", "override", "none"):
+        return None
+    return Echo(n=job.id, note="completed-2")
+
+
+@on_retried(Act)
+def act_retried(args: Act, job, error, attempt, next_run_at):
+    if FAIL["retried"] or args.tag == "fail-all":
+        raise RuntimeError("retried follow-up exploded")
+    return Echo(n=job.id, note=f"retried:{attempt}:{error[:60]}")
+
+
+@on_exhausted(Act)
+def act_exhausted(args: Act, job, error, attempt):
+    if FAIL["exhausted"] or args.tag == "fail-all":
+        raise RuntimeError("exhausted follow-up exploded")
+    return Echo(n=job.id, note=f"exhausted:{attempt}")
+
+
+@on_cancelled(Act)
+def act_cancelled(args: Act, job, reason):
+    return Echo(n=job.id, note=f"cancelled:{reason}")
+
+
+@on_rescued(Act)
+def act_rescued(args: Act, job, reason):
+    CALLS["rescued"] += 1
+    if FAIL["rescued_times"] > 0:
+        FAIL["rescued_times"] -= 1
+        raise RuntimeError("rescued follow-up exploded")
+    return Echo(n=job.id, note=f"rescued:{reason.value}")
+
+
+@on_waiting_for_callback(Parked)
+def parked_waiting(args: Parked, job):
+    return Echo(n=job.id, note=f"waiting:{job.callback_id}")
+
+
+@on_completed(Parked)
+def parked_completed(args: Parked, job):
+    if (job.metadata.get("awa_callback_result") or {}) == {"explode": True}:
+        raise RuntimeError("parked completion follow-up exploded")
+    return Echo(n=job.id, note="parked-completed")
+
+
+@on_exhausted(Parked)
+def parked_exhausted(args: Parked, job, error, attempt):
+    return Echo(n=job.id, note=f"parked-exhausted:{error}")
+
+
+@on_retried(Parked)
+def parked_retried(args: Parked, job, error, attempt, next_run_at):
+    return Echo(n=job.id, note=f"parked-retried:{error}:{attempt}")
+
+
+@on_rescued(Parked)
+def parked_rescued(args: Parked, job, reason):
+    return Echo(n=job.id, note=f"parked-rescued:{reason.value}")
+
+
+@on_completed(Pay)
+def pay_completed(args: Pay, job):
+    if args.reference.startswith("bad-followup"):
+        raise RuntimeError("receipt follow-up exploded")
+    return Echo(n=job.id, note=f"receipt:{args.reference}")

@@ -1,0 +1,139 @@
+"""Job kinds the test suite runs in real worker processes.
+
+``Act`` does what its ``action`` says, so one kind covers every row of the
+handler-result table; every run writes a ``Ledger`` row first.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import django_awa as awa
+from django_awa.exceptions import TerminalError
+
+from .models import Ledger, Order
+
+
+@dataclass
+class Act(awa.JobArgs):
+    action: str = "ok"
+    seconds: float = 0.0
+    tag: str = ""
+    fail_until: int = 0  # raise while attempt <= fail_until
+
+
+@dataclass
+class Echo(awa.JobArgs):
+    n: int
+    note: str = ""
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Pay(awa.JobArgs):
+    reference: str
+    fail: bool = False
+
+
+@dataclass
+class Parked(awa.JobArgs):
+    timeout: float = 60.0
+    hold: float = 0.0  # seconds to keep running after registering
+
+
+@dataclass
+class Unhandled(awa.JobArgs):
+    """A kind with no handler in any process."""
+
+    x: int = 0
+
+
+@dataclass
+class Noop(awa.JobArgs):
+    n: int = 0
+
+
+def _ledger(job: awa.JobContext, note: str = "") -> None:
+    Ledger.objects.create(
+        job_id=job.id, attempt=job.attempt, run_lease=job.row.run_lease, note=note
+    )
+
+
+@awa.worker(Act, max_attempts=3)
+def act(job: awa.JobContext):  # noqa: C901 - one branch per action
+    args = job.args
+    _ledger(job, args.action)
+    if args.fail_until and job.attempt <= args.fail_until:
+        raise RuntimeError(f"failing attempt {job.attempt}")
+    match args.action:
+        case "ok":
+            return None
+        case "raise":
+            raise ValueError(f"boom on attempt {job.attempt}")
+        case "terminal":
+            raise TerminalError("no point retrying")
+        case "retry_after":
+            return awa.RetryAfter(args.seconds)
+        case "retry_after_td":
+            return awa.RetryAfter(timedelta(seconds=args.seconds))
+        case "snooze":
+            if job.attempt == 1 and not job.metadata.get("snoozed_once"):
+                from django_awa.models import Job
+
+                Job.objects.filter(id=job.id).update(metadata={"snoozed_once": True})
+                return awa.Snooze(args.seconds)
+            return None
+        case "cancel":
+            return awa.Cancel("not needed any more")
+        case "callback":
+            token = job.register_callback(timeout=timedelta(seconds=args.seconds or 60))
+            return awa.WaitForCallback(token)
+        case "sleep":
+            deadline = time.monotonic() + args.seconds
+            while time.monotonic() < deadline:
+                if job.is_cancelled():
+                    _ledger(job, "saw-cancel")
+                    return None
+                time.sleep(0.02)
+            return None
+        case "progress":
+            job.set_progress(40, "working", step=2)
+            time.sleep(args.seconds)
+            return None
+        case "pid":
+            _ledger(job, f"pid:{os.getpid()}")
+            return None
+        case "bad_return":
+            return "not a result"
+        case _:
+            raise ValueError(f"unknown action {args.action!r}")
+
+
+@awa.worker(Echo, queue="default", max_attempts=5)
+def echo(job: awa.JobContext):
+    _ledger(job, f"echo:{job.args.n}")
+
+
+@awa.worker(Pay, atomic=True, max_attempts=2)
+def pay(job: awa.JobContext):
+    Order.objects.create(reference=job.args.reference, paid=True)
+    _ledger(job, "pay")
+    if job.args.fail:
+        raise RuntimeError("card declined")
+
+
+@awa.worker(Parked, max_attempts=2)
+def parked(job: awa.JobContext):
+    token = job.register_callback(timeout=job.args.timeout)
+    _ledger(job, f"callback:{token.id}")
+    if job.args.hold:
+        time.sleep(job.args.hold)
+    return awa.WaitForCallback(token)
+
+
+@awa.worker(Noop, queue="bulk")
+def noop(job: awa.JobContext):
+    return None
