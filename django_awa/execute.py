@@ -20,6 +20,8 @@ from typing import Any
 
 from django.db import connections, transaction
 
+from .compat import savepoint_create
+
 from . import sql
 from .conf import to_seconds
 from .exceptions import TerminalError, ValidationError
@@ -376,7 +378,7 @@ def run_atomic_attempt(
     alias = attempt.alias
     try:
         with transaction.atomic(using=alias):
-            handler_savepoint = transaction.savepoint(using=alias)
+            handler_savepoint = savepoint_create(using=alias)
             context = JobContext(attempt, args, flush_progress=lambda _a: None)
             try:
                 value = spec.handler(context)

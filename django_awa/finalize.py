@@ -25,6 +25,8 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, connections, transaction
 
+from .compat import savepoint_create
+
 from . import signals, sql
 from .enqueueing import PreparedJob, insert_reserved
 from .execute import AttemptResult, errored
@@ -134,7 +136,7 @@ def _write_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
     pending = list(results)
     applied: list[AttemptResult] = []
     while pending:
-        savepoint = transaction.savepoint(using=alias)
+        savepoint = savepoint_create(using=alias)
         try:
             done = _apply_with_followups(pending, alias)
         except _FollowupsFailed as exc:
@@ -186,7 +188,7 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
     )
     if not _has_followups(fallback):
         return _write([fallback], alias, rows=True)
-    savepoint = transaction.savepoint(using=alias)
+    savepoint = savepoint_create(using=alias)
     try:
         applied = _apply_with_followups([fallback], alias)
     except (_FollowupsFailed, DatabaseError) as second:
@@ -298,7 +300,7 @@ def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
     if not _has_followups(result):
         applied = _write([result], alias, rows=_wants_rows([result]))
     else:
-        savepoint = transaction.savepoint(using=alias)
+        savepoint = savepoint_create(using=alias)
         try:
             applied = _apply_with_followups([result], alias)
             transaction.savepoint_commit(savepoint, using=alias)

@@ -44,7 +44,7 @@ def test_enqueue_returns_the_available_row_with_the_kinds_defaults():
     assert row.kind == "echo"
     assert row.args == {"n": 3, "note": "hi", "tags": ["a"]}
     assert row.state == JobState.AVAILABLE
-    assert (row.queue, row.priority, row.max_attempts, row.attempt) == ("default", 2, 5, 0)
+    assert (row.queue, row.priority, row.max_attempts, row.attempt) == ("echo", 2, 5, 0)
     assert row.errors == [] and row.finalized_at is None
 
 

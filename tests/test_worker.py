@@ -99,8 +99,8 @@ def test_retries_exhaust_the_job(start_worker):
 
 def test_unknown_kind_and_undecodable_args_fail_terminally(start_worker):
     unknown = awa.enqueue(Unhandled(x=1))
-    bad_args = make_job(kind="echo", args={"n": "not a number"})
-    missing = make_job(kind="echo", args={})
+    bad_args = make_job(kind="echo", queue="default", args={"n": "not a number"})
+    missing = make_job(kind="echo", queue="default", args={})
     start_worker("--queue", "default")
     failed = wait_for_state(unknown.id, JobState.FAILED)
     assert failed.attempt == 1 and "unknown job kind 'unhandled'" in failed.errors[-1]["error"]
@@ -112,8 +112,8 @@ def test_unknown_kind_and_undecodable_args_fail_terminally(start_worker):
 
 def test_two_worker_processes_never_run_the_same_attempt(start_worker):
     ids = awa.enqueue_many([Echo(n=i) for i in range(2000)])
-    start_worker("--queue", "default=8")
-    start_worker("--queue", "default=8")
+    start_worker("--queue", "echo=8")
+    start_worker("--queue", "echo=8")
     wait_for(
         lambda: Job.objects.filter(id__in=ids, state=JobState.COMPLETED).count() == 2000,
         timeout=90,

@@ -3,6 +3,9 @@ the function, so tests can count them in SQL."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import django_awa as awa
 from django_awa.followups import (
     on_cancelled,
@@ -22,6 +25,10 @@ CALLS = {"rescued": 0}
 
 @on_completed(Act)
 def act_completed(args: Act, job):
+    if args.tag.startswith("slow-followup:") and job.attempt == 1:
+        # Stall inside the finalize transaction so a test can kill the worker here.
+        Path(args.tag.partition(":")[2]).touch()
+        time.sleep(30)
     if FAIL["completed"] or args.tag == "fail-completed":
         raise RuntimeError("completed follow-up exploded")
     if args.tag == "unique-clash":

@@ -112,7 +112,7 @@ def act(job: awa.JobContext):  # noqa: C901 - one branch per action
             raise ValueError(f"unknown action {args.action!r}")
 
 
-@awa.worker(Echo, queue="default", max_attempts=5)
+@awa.worker(Echo, queue="echo", max_attempts=5)
 def echo(job: awa.JobContext):
     _ledger(job, f"echo:{job.args.n}")
 

@@ -1,0 +1,475 @@
+"""Follow-ups: declared in followups.py, committed with the state change they follow."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import signal
+from dataclasses import dataclass
+
+import pytest
+from django.core import checks
+from django.db import connection, transaction
+from django.db.models import Count
+from django.utils import timezone
+
+import django_awa as awa
+from django_awa import signals
+from django_awa.claim import claim
+from django_awa.execute import Attempt, AttemptResult, completed, run_attempt
+from django_awa.finalize import finalize
+from django_awa.followups import (
+    FollowupSpec,
+    Outcome,
+    followup_registry,
+    on_completed,
+    on_retried,
+)
+from django_awa.maintenance import Maintenance
+from django_awa.models import Job, JobState, PendingFollowup
+from tests.conftest import make_job, wait_for, wait_for_state
+from tests.testapp.followups import CALLS, FAIL
+from tests.testapp.jobs import Act, Echo, Pay
+from tests.testapp.models import Ledger, Order
+
+db = pytest.mark.django_db
+
+
+def run_next(queue: str = "default") -> list[AttemptResult]:
+    """Claim one job and run and finalize it in this process."""
+    (job,) = claim(queue, 1, "default")
+    return finalize([run_attempt(Attempt(job=job, alias="default"))], "default")
+
+
+def followups_of(job_id: int) -> list[Job]:
+    return list(Job.objects.followups_of(job_id).order_by("id"))
+
+
+def notes(job_id: int) -> list[str]:
+    return [j.args["note"] for j in followups_of(job_id)]
+
+
+@db
+def test_completed_followups_run_in_declaration_order_with_trigger_lineage():
+    job = awa.enqueue(Act(action="ok"))
+    run_next()
+    trigger = Job.objects.get(id=job.id)
+    assert trigger.state == JobState.COMPLETED
+    children = followups_of(job.id)
+    assert [c.args for c in children] == [
+        {"n": job.id, "note": "completed-1", "tags": []},
+        {"n": job.id, "note": "completed-2", "tags": []},
+    ]
+    for child in children:
+        assert child.kind == "echo" and child.state == JobState.AVAILABLE
+        assert child.metadata["awa_trigger"] == {
+            "job_id": job.id,
+            "kind": "act",
+            "outcome": "completed",
+        }
+        assert child.trigger() == trigger
+    assert list(trigger.followups()) == children
+
+
+@db
+def test_retried_followup_gets_error_attempt_and_next_run_at():
+    job = awa.enqueue(Act(action="raise"))
+    run_next()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE
+    (child,) = followups_of(job.id)
+    assert child.args["note"].startswith("retried:1:ValueError: boom on attempt 1")
+    assert child.metadata["awa_trigger"]["outcome"] == "retried"
+
+
+@db
+def test_retried_followup_arguments_exactly():
+    seen = {}
+
+    @on_retried(Act)
+    def capture(args, job, error, attempt, next_run_at):
+        seen.update(args=args, job=job, error=error, attempt=attempt, next_run_at=next_run_at)
+
+    try:
+        job = awa.enqueue(Act(action="raise", tag="x"))
+        run_next()
+    finally:
+        _unregister(capture)
+    row = Job.objects.get(id=job.id)
+    assert seen["args"] == Act(action="raise", tag="x")
+    assert seen["job"].id == job.id and seen["job"].state == JobState.RETRYABLE
+    assert seen["error"] == "ValueError: boom on attempt 1"
+    assert seen["attempt"] == 1
+    assert seen["next_run_at"] == row.run_at and timezone.is_aware(seen["next_run_at"])
+
+
+@db
+def test_exhausted_followup_on_the_last_attempt_and_on_terminal_error():
+    last = awa.enqueue(Act(action="raise"), max_attempts=1)
+    run_next()
+    assert Job.objects.get(id=last.id).state == JobState.FAILED
+    assert notes(last.id) == ["exhausted:1"]
+    terminal = awa.enqueue(Act(action="terminal"))
+    run_next()
+    assert notes(terminal.id) == ["exhausted:1"]
+
+
+@db
+def test_cancelled_followup_gets_the_reason():
+    job = awa.enqueue(Act(action="cancel"))
+    run_next()
+    assert Job.objects.get(id=job.id).state == JobState.CANCELLED
+    assert notes(job.id) == ["cancelled:not needed any more"]
+
+
+@db
+def test_awa_cancel_dispatches_cancelled_followups_in_the_same_transaction():
+    job = awa.enqueue(Act(action="ok"))
+    awa.cancel(job.id, "by hand")
+    assert notes(job.id) == ["cancelled:by hand"]
+
+
+@db
+def test_waiting_for_callback_followup_sees_the_callback_id():
+    from tests.testapp.jobs import Parked
+
+    job = awa.enqueue(Parked(timeout=60))
+    run_next()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.WAITING_EXTERNAL and row.callback_id
+    assert notes(job.id) == [f"waiting:{row.callback_id}"]
+
+
+@db
+def test_a_function_returning_none_enqueues_nothing():
+    job = awa.enqueue(Act(action="ok", tag="none"))
+    run_next()
+    assert followups_of(job.id) == []
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+
+
+@db
+def test_enqueue_request_overrides_the_followups_options():
+    job = awa.enqueue(Act(action="ok", tag="override"))
+    run_next()
+    (child,) = followups_of(job.id)
+    assert (child.queue, child.priority, child.max_attempts) == ("other", 1, 7)
+
+
+@db
+def test_followup_run_at_and_unique_from_an_enqueue_request():
+    later = timezone.now() + dt.timedelta(hours=2)
+
+    @on_completed(Echo)
+    def delayed(args, job):
+        return awa.EnqueueRequest(Echo(n=-job.id), run_at=later, unique=awa.Unique())
+
+    try:
+        job = awa.enqueue(Echo(n=1))
+        run_next("echo")
+    finally:
+        _unregister(delayed)
+    (child,) = followups_of(job.id)
+    assert child.state == JobState.SCHEDULED and child.run_at == later
+    assert child.unique_key is not None
+
+
+@db
+def test_a_raising_followup_rolls_the_outcome_back_and_records_a_retry():
+    job = awa.enqueue(Act(action="ok", tag="fail-completed"))
+    run_next()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE and row.attempt == 1
+    error = row.errors[-1]["error"]
+    assert "tests.testapp.followups.act_completed" in error
+    assert "RuntimeError: completed follow-up exploded" in error
+    # No follow-up of the outcome that did not commit; the retry's own ones did.
+    assert [c.metadata["awa_trigger"]["outcome"] for c in followups_of(job.id)] == ["retried"]
+
+
+@db
+def test_a_raising_followup_on_the_last_attempt_fails_the_job():
+    job = awa.enqueue(Act(action="ok", tag="fail-completed"), max_attempts=1)
+    run_next()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.FAILED and row.finalized_at is not None
+    assert [c.metadata["awa_trigger"]["outcome"] for c in followups_of(job.id)] == ["exhausted"]
+
+
+@db
+def test_a_unique_conflict_from_a_followup_is_a_followup_failure():
+    awa.enqueue(Echo(n=0), unique=awa.Unique(by_args=False))  # holds the Echo kind's key
+    job = awa.enqueue(Act(action="ok", tag="unique-clash"))
+    run_next()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE
+    assert "UniqueConflict" in row.errors[-1]["error"]
+    assert "act_completed" in row.errors[-1]["error"]
+
+
+@db
+def test_when_the_fallbacks_followups_fail_too_they_are_kept_and_replayed():
+    FAIL["completed"] = True
+    FAIL["retried"] = True
+    job = awa.enqueue(Act(action="ok"))
+    run_next()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE  # the fallback transition committed
+    (pending,) = PendingFollowup.objects.filter(job_id=job.id)
+    assert pending.outcome == "retried" and "retried follow-up exploded" in pending.last_error
+    assert followups_of(job.id) == []
+    FAIL["retried"] = False
+    assert Maintenance().replay_pending() == 1
+    assert not PendingFollowup.objects.exists()
+    (child,) = followups_of(job.id)
+    assert child.args["note"].startswith("retried:1:follow-up tests.testapp.followups.act_completed")
+
+
+@db
+def test_a_stale_attempt_writes_nothing_and_inserts_no_followups():
+    job = awa.enqueue(Act(action="ok"))
+    (claimed,) = claim("default", 1, "default")
+    result = run_attempt(Attempt(job=claimed, alias="default"))
+    awa.cancel(job.id, "meanwhile")  # the attempt is no longer the running one
+    assert finalize([result], "default") == []
+    assert Job.objects.get(id=job.id).state == JobState.CANCELLED
+    assert notes(job.id) == ["cancelled:meanwhile"]
+
+
+@db
+def test_one_bad_followup_does_not_roll_back_the_rest_of_the_batch():
+    good = [awa.enqueue(Act(action="ok")) for _ in range(3)]
+    bad = awa.enqueue(Act(action="ok", tag="fail-completed"))
+    claimed = claim("default", 10, "default")
+    results = [run_attempt(Attempt(job=j, alias="default")) for j in claimed]
+    finalize(results, "default")
+    for job in good:
+        assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+        assert notes(job.id) == ["completed-1", "completed-2"]
+    assert Job.objects.get(id=bad.id).state == JobState.RETRYABLE
+
+
+@db
+def test_rescue_followups_fail_twice_then_are_inserted_exactly_once():
+    FAIL["rescued_times"] = 2
+    old = timezone.now() - dt.timedelta(minutes=5)
+    job = make_job(state=JobState.RUNNING, attempt=1, heartbeat_at=old, attempted_at=old)
+    maintenance = Maintenance()
+    maintenance.rescue()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE  # the rescue stands
+    assert "rescued: stale heartbeat" in row.errors[-1]["error"]
+    (pending,) = PendingFollowup.objects.filter(job_id=job.id)
+    assert pending.attempts == 1 and pending.next_attempt_at > timezone.now()
+    assert maintenance.replay_pending() == 0  # not due yet: backoff
+    PendingFollowup.objects.update(next_attempt_at=timezone.now())
+    assert maintenance.replay_pending() == 0  # fails the second time
+    assert PendingFollowup.objects.get().attempts == 2
+    PendingFollowup.objects.update(next_attempt_at=timezone.now())
+    assert maintenance.replay_pending() == 1
+    assert maintenance.replay_pending() == 0
+    assert not PendingFollowup.objects.exists()
+    assert notes(job.id) == ["rescued:stale_heartbeat"]
+    assert CALLS["rescued"] == 3
+
+
+@db
+def test_rescue_reasons_reach_the_followup():
+    past = timezone.now() - dt.timedelta(seconds=1)
+    overdue = make_job(
+        state=JobState.RUNNING, attempt=1, heartbeat_at=timezone.now(), deadline_at=past
+    )
+    Maintenance().rescue()
+    assert notes(overdue.id) == ["rescued:deadline_exceeded"]
+
+
+@db
+def test_rescue_on_the_last_attempt_fails_the_job():
+    old = timezone.now() - dt.timedelta(minutes=5)
+    job = make_job(state=JobState.RUNNING, attempt=3, max_attempts=3, heartbeat_at=old)
+    Maintenance().rescue()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.FAILED and row.finalized_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_atomic_handler_commits_its_writes_completion_and_followups_together():
+    job = awa.enqueue(Pay(reference="A-1"))
+    (claimed,) = claim("default", 1, "default")
+    from django_awa.execute import resolve_handler, run_atomic_attempt
+
+    spec, args = resolve_handler(claimed)
+    run_atomic_attempt(Attempt(job=claimed, alias="default"), spec, args)
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+    assert Order.objects.filter(reference="A-1", paid=True).count() == 1
+    assert notes(job.id) == ["receipt:A-1"]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("reference,fail", [("B-1", True), ("bad-followup-1", False)])
+def test_atomic_handler_writes_roll_back_when_it_or_its_followup_fails(reference, fail):
+    from django_awa.execute import resolve_handler, run_atomic_attempt
+
+    job = awa.enqueue(Pay(reference=reference, fail=fail))
+    (claimed,) = claim("default", 1, "default")
+    spec, args = resolve_handler(claimed)
+    run_atomic_attempt(Attempt(job=claimed, alias="default"), spec, args)
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE
+    assert not Order.objects.filter(reference=reference).exists()
+    assert not Ledger.objects.filter(job_id=job.id).exists()
+    assert notes(job.id) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_atomic_handler_of_a_stale_attempt_rolls_its_writes_back():
+    from django_awa.execute import resolve_handler, run_atomic_attempt
+
+    job = awa.enqueue(Pay(reference="C-1"))
+    (claimed,) = claim("default", 1, "default")
+    Job.objects.filter(id=job.id).update(run_lease=claimed.run_lease + 1)  # lost the lease
+    spec, args = resolve_handler(claimed)
+    assert run_atomic_attempt(Attempt(job=claimed, alias="default"), spec, args) is None
+    assert not Order.objects.filter(reference="C-1").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_signals_are_sent_after_commit_only():
+    received = []
+
+    def receiver(sender, job, **kwargs):
+        received.append((job.id, job.state, connection.in_atomic_block))
+
+    signals.job_completed.connect(receiver)
+    try:
+        job = awa.enqueue(Act(action="ok"))
+        with transaction.atomic():
+            (claimed,) = claim("default", 1, "default")
+            finalize([completed(claimed)], "default")
+            assert received == []
+        assert received == [(job.id, JobState.COMPLETED, False)]
+    finally:
+        signals.job_completed.disconnect(receiver)
+
+
+@db
+def test_checks_report_followups_for_non_jobargs_and_misfit_signatures():
+    @dataclass
+    class NotArgs:
+        x: int = 0
+
+    def wrong_arity(args):
+        return None
+
+    bad_class = FollowupSpec(outcome=Outcome.COMPLETED, trigger=NotArgs, function=wrong_arity)
+    followup_registry.add(bad_class)
+    try:
+        errors = checks.run_checks()
+    finally:
+        _unregister(wrong_arity)
+    ids = {e.id: e for e in errors if e.id and e.id.startswith("awa.")}
+    assert "awa.E201" in ids and "awa.E202" in ids
+    assert "test_followups" in ids["awa.E201"].msg and "wrong_arity" in ids["awa.E202"].msg
+    assert "args, job" in ids["awa.E202"].msg
+
+
+def _unregister(function) -> None:
+    for spec in list(followup_registry.all):
+        if spec.function is function:
+            followup_registry._remove(spec)
+
+
+# -- with real worker processes ------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sigkill_between_handler_return_and_commit_runs_again_with_one_set_of_followups(
+    start_worker, tmp_path
+):
+    marker = tmp_path / "in-commit"
+    job = awa.enqueue(Act(action="ok", tag=f"slow-followup:{marker}"))
+    victim = start_worker("--queue", "default")
+    # The follow-up function runs inside the finalize transaction and stalls there.
+    wait_for(marker.exists, timeout=15)
+    victim.signal(signal.SIGKILL)
+    victim.wait()
+    assert Job.objects.get(id=job.id).state == JobState.RUNNING  # nothing committed
+    assert followups_of(job.id) == []
+    start_worker("--queue", "default")
+    done = wait_for_state(job.id, JobState.COMPLETED, timeout=30)
+    assert done.attempt == 2
+    assert Ledger.objects.filter(job_id=job.id).count() == 2  # the handler ran twice
+    # One set of follow-ups per committed outcome: the rescue's, then the completion's.
+    assert notes(job.id) == ["rescued:stale_heartbeat", "completed-1", "completed-2"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_every_committed_outcome_has_exactly_its_followups_over_5000_jobs(start_worker):
+    rng = random.Random(20261130)
+    items = []
+    for _ in range(5000):
+        roll = rng.random()
+        if roll < 0.05:
+            items.append(Act(action="raise"))  # retried twice, then exhausted
+        elif roll < 0.25:
+            items.append(Act(action="ok", fail_until=rng.choice([1, 2])))
+        else:
+            items.append(Act(action="ok"))
+    ids = awa.enqueue_many(items)
+    start_worker("--queue", "default=10")
+    start_worker("--queue", "default=10")
+    wait_for(
+        lambda: Job.objects.filter(id__in=ids, state__in=["completed", "failed"]).count() == 5000,
+        timeout=120,
+        message=lambda: str(
+            Job.objects.filter(id__in=ids).values("state").annotate(n=Count("id"))
+        ),
+    )
+    with connection.cursor() as cursor:
+        # Per trigger: the outcomes its rows committed (errors, final state) against
+        # the follow-up rows that name it, counted in SQL.
+        cursor.execute(
+            """
+            WITH expected AS (
+                SELECT id,
+                       (SELECT count(*) FROM jsonb_array_elements(errors)) -
+                           CASE WHEN state = 'failed' THEN 1 ELSE 0 END AS retried,
+                       CASE WHEN state = 'failed' THEN 1 ELSE 0 END AS exhausted,
+                       CASE WHEN state = 'completed' THEN 2 ELSE 0 END AS completed
+                FROM awa_job WHERE id = ANY(%(ids)s)
+            ),
+            actual AS (
+                SELECT (metadata #>> '{awa_trigger,job_id}')::bigint AS id,
+                       count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'retried')
+                           AS retried,
+                       count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'exhausted')
+                           AS exhausted,
+                       count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'completed')
+                           AS completed
+                FROM awa_job WHERE metadata ? 'awa_trigger' GROUP BY 1
+            )
+            SELECT e.id, e.retried, e.exhausted, e.completed,
+                   coalesce(a.retried, 0), coalesce(a.exhausted, 0), coalesce(a.completed, 0)
+            FROM expected e LEFT JOIN actual a USING (id)
+            WHERE (e.retried, e.exhausted, e.completed)
+                  IS DISTINCT FROM (coalesce(a.retried, 0), coalesce(a.exhausted, 0),
+                                    coalesce(a.completed, 0))
+            """,
+            {"ids": ids},
+        )
+        mismatches = cursor.fetchall()
+        cursor.execute(
+            "SELECT state, count(*) FROM awa_job WHERE id = ANY(%(ids)s) GROUP BY state",
+            {"ids": ids},
+        )
+        by_state = dict(cursor.fetchall())
+    assert mismatches == []
+    assert by_state["failed"] > 100 and by_state["completed"] > 4000
+    # And each handler side effect happened once per attempt.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM (SELECT job_id, attempt FROM testapp_ledger "
+            "WHERE job_id = ANY(%(ids)s) GROUP BY 1, 2 HAVING count(*) > 1) d",
+            {"ids": ids},
+        )
+        assert cursor.fetchone()[0] == 0
