@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 import django_awa as awa
 from django_awa.kinds import registry
 from django_awa.models import Job, JobState
-from tests.testapp.jobs import Act, Echo, Noop, Unhandled
+from tests.testapp.jobs import Echo, Unhandled
 
 pytestmark = pytest.mark.django_db
 
@@ -286,18 +286,3 @@ def test_enqueue_refuses_a_database_that_is_not_postgresql(settings):
 
     with pytest.raises(awa.ConfigurationError, match="no database alias 'nope'"):
         database_alias("nope")
-
-
-def test_claim_uses_the_partial_index(django_db_blocker):
-    # Plenty of finished rows, a few available: the claim must be an index scan.
-    ids = awa.enqueue_many([Noop(n=i) for i in range(2000)])
-    Job.objects.filter(id__in=ids[:1990]).update(state=JobState.COMPLETED, finalized_at=timezone.now())
-    with connection.cursor() as cursor:
-        cursor.execute("ANALYZE awa_job")
-        cursor.execute(
-            "EXPLAIN SELECT id FROM awa_job WHERE state = 'available' AND queue = 'bulk' "
-            "AND run_at <= now() ORDER BY priority, run_at, id LIMIT 10 FOR UPDATE SKIP LOCKED"
-        )
-        plan = "\n".join(row[0] for row in cursor.fetchall())
-    assert "awa_job_claim_idx" in plan, plan
-    assert Act.kind == "act"

@@ -1,0 +1,94 @@
+"""Settings validation and system checks."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+
+import pytest
+from django.core import checks
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from django_awa.conf import awa_settings, problems
+
+
+def awa_errors() -> list[checks.CheckMessage]:
+    return [e for e in checks.run_checks() if (e.id or "").startswith("awa.")]
+
+
+def test_defaults_are_documented_values(settings):
+    settings.AWA = {}
+    conf = awa_settings()
+    assert conf.database == "default"
+    assert conf.queues["default"].concurrency == 10
+    assert (conf.poll_interval, conf.heartbeat_interval, conf.stale_after) == (1.0, 5.0, 30.0)
+    assert conf.shutdown_timeout == 30.0 and conf.callback_secret is None
+
+
+def test_durations_take_seconds_or_timedeltas(settings):
+    settings.AWA = {"STALE_AFTER": dt.timedelta(minutes=2), "POLL_INTERVAL": 0.5}
+    conf = awa_settings()
+    assert conf.stale_after == 120.0 and conf.poll_interval == 0.5
+
+
+@pytest.mark.parametrize(
+    ("awa", "key"),
+    [
+        ({"POLL_INTERVAL": "fast"}, "POLL_INTERVAL"),
+        ({"POLL_INTERVAL": -1}, "POLL_INTERVAL"),
+        ({"HEARTBEAT_INTERVAL": None}, "HEARTBEAT_INTERVAL"),
+        ({"STALE_AFTER": 1, "HEARTBEAT_INTERVAL": 5}, "STALE_AFTER"),
+        ({"QUEUES": {"default": {"concurrency": 0}}}, "QUEUES"),
+        ({"QUEUES": {"bad name": {}}}, "QUEUES"),
+        ({"QUEUES": {"q": {"speed": 3}}}, "QUEUES"),
+        ({"QUEUES": []}, "QUEUES"),
+        ({"DATABASE": "missing"}, "DATABASE"),
+        ({"CALLBACK_SECRET": 123}, "CALLBACK_SECRET"),
+        ({"COMPLETED_RETENTION": dt.timedelta(seconds=-5)}, "COMPLETED_RETENTION"),
+        ({"MAX_ARGS_BYTES": 0}, "MAX_ARGS_BYTES"),
+        ({"TYPO_SETTING": 1}, "TYPO_SETTING"),
+    ],
+)
+def test_a_wrong_setting_is_a_check_error_naming_the_key(settings, awa, key):
+    settings.AWA = awa
+    assert [k for k, _ in problems()] == [key]
+    errors = awa_errors()
+    assert len(errors) == 1 and errors[0].id == "awa.E001"
+    assert key in errors[0].msg
+    with pytest.raises(Exception, match=key):
+        awa_settings()
+
+
+def test_the_worker_command_refuses_bad_settings(settings):
+    settings.AWA = {"POLL_INTERVAL": "fast"}
+    with pytest.raises(CommandError, match="POLL_INTERVAL"):
+        call_command("awa_worker")
+
+
+def test_a_database_that_is_not_postgresql_is_refused():
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.sqlite_settings"}
+    check = subprocess.run(
+        [sys.executable, "-m", "django", "check"], env=env, capture_output=True, text=True
+    )
+    assert check.returncode != 0
+    assert "awa.E101" in check.stderr and "needs PostgreSQL" in check.stderr
+    enqueue = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import django; django.setup(); import django_awa as awa; "
+            "from tests.testapp.jobs import Echo; awa.enqueue(Echo(n=1))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert enqueue.returncode != 0
+    assert "ConfigurationError" in enqueue.stderr and "needs PostgreSQL" in enqueue.stderr
+
+
+def test_the_test_project_passes_its_checks():
+    assert awa_errors() == []

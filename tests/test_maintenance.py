@@ -1,0 +1,236 @@
+"""Maintenance duties, called directly: promotion, aging, pruning, periodic jobs."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+import django_awa as awa
+from django_awa.claim import claim
+from django_awa.maintenance import Maintenance
+from django_awa.models import Job, JobState, PeriodicSchedule
+from django_awa.schedules import fire_due, schedules
+from tests.conftest import make_job
+from tests.testapp.jobs import Act, Echo
+
+pytestmark = pytest.mark.django_db
+
+ago = lambda **kw: timezone.now() - dt.timedelta(**kw)  # noqa: E731
+
+
+def test_promote_makes_due_scheduled_and_retryable_jobs_available():
+    due_scheduled = make_job(state=JobState.SCHEDULED, run_at=ago(seconds=1))
+    due_retry = make_job(state=JobState.RETRYABLE, run_at=ago(seconds=1), attempt=1)
+    future = make_job(state=JobState.SCHEDULED, run_at=ago(seconds=-3600))
+    queues = Maintenance().promote()
+    assert queues == {"default"}
+    assert Job.objects.get(id=due_scheduled.id).state == JobState.AVAILABLE
+    assert Job.objects.get(id=due_retry.id).state == JobState.AVAILABLE
+    assert Job.objects.get(id=future.id).state == JobState.SCHEDULED
+
+
+def test_claim_order_is_priority_then_run_at_then_id():
+    low = make_job(priority=4, run_at=ago(seconds=30))
+    high_late = make_job(priority=1, run_at=ago(seconds=1))
+    high_early = make_job(priority=1, run_at=ago(seconds=5))
+    mid = make_job(priority=2, run_at=ago(seconds=60))
+    claimed = claim("default", 10, "default")
+    assert [j.id for j in claimed] == [high_early.id, high_late.id, mid.id, low.id]
+    assert all(j.state == JobState.RUNNING and j.attempt == 1 for j in claimed)
+    assert all(j.run_lease == 1 for j in claimed)
+
+
+def test_priority_aging_lets_a_starved_job_climb(settings):
+    settings.AWA = {**settings.AWA, "PRIORITY_AGING_INTERVAL": 10}
+    starved = make_job(priority=4, run_at=ago(seconds=30))
+    fresh = make_job(priority=4)
+    maintenance = Maintenance()
+    for _ in range(3):
+        maintenance.age_priorities()
+        Job.objects.filter(id=starved.id).update(run_at=ago(seconds=30))  # keeps waiting
+    aged = Job.objects.get(id=starved.id)
+    assert aged.priority == 1
+    assert aged.metadata["awa_original_priority"] == 4
+    assert Job.objects.get(id=fresh.id).priority == 4
+    # Behind a flood of priority-1 jobs that arrived later, it now comes first.
+    for _ in range(5):
+        make_job(priority=1)
+    assert claim("default", 1, "default")[0].id == starved.id
+
+
+def test_prune_deletes_finished_rows_past_retention_only(settings):
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60, "FAILED_RETENTION": 3600}
+    old_done = make_job(state=JobState.COMPLETED, finalized_at=ago(seconds=120))
+    new_done = make_job(state=JobState.COMPLETED, finalized_at=ago(seconds=10))
+    old_failed = make_job(state=JobState.FAILED, finalized_at=ago(seconds=120))
+    ancient_failed = make_job(state=JobState.CANCELLED, finalized_at=ago(days=1))
+    running = make_job(state=JobState.RUNNING, heartbeat_at=timezone.now())
+    assert Maintenance().prune() == 2
+    left = set(Job.objects.values_list("id", flat=True))
+    assert left == {new_done.id, old_failed.id, running.id}
+    assert ancient_failed.id not in left and old_done.id not in left
+
+
+def test_prune_works_in_batches(settings, monkeypatch):
+    from django_awa import maintenance
+
+    monkeypatch.setattr(maintenance, "BATCH", 7)
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 1}
+    Job.objects.bulk_create(
+        [
+            Job(kind="echo", queue="q", state=JobState.COMPLETED, finalized_at=ago(hours=1))
+            for _ in range(30)
+        ]
+    )
+    assert Maintenance().prune() == 30
+    assert not Job.objects.exists()
+
+
+def test_rescue_leaves_healthy_and_waiting_jobs_alone():
+    healthy = make_job(state=JobState.RUNNING, heartbeat_at=timezone.now(), attempt=1)
+    waiting = make_job(
+        state=JobState.WAITING_EXTERNAL,
+        callback_timeout_at=timezone.now() + dt.timedelta(minutes=5),
+    )
+    Maintenance().rescue()
+    assert Job.objects.get(id=healthy.id).state == JobState.RUNNING
+    assert Job.objects.get(id=waiting.id).state == JobState.WAITING_EXTERNAL
+
+
+def test_rescued_job_retries_with_backoff():
+    job = make_job(state=JobState.RUNNING, attempt=2, heartbeat_at=ago(minutes=1))
+    Maintenance().rescue()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE
+    delay = (row.run_at - dt.datetime.fromisoformat(row.errors[-1]["at"])).total_seconds()
+    assert 3.9 <= delay <= 5.1  # 2**2 plus up to 25%
+
+
+def test_leader_lock_is_held_by_one_session_at_a_time():
+    import psycopg
+
+    from django_awa import sql
+    from django_awa.worker import listen_params
+
+    first = Maintenance()
+    assert first.try_lead()
+    with psycopg.connect(**listen_params("default"), autocommit=True) as other:
+        taken = other.execute("SELECT pg_try_advisory_lock(%s)", [sql.LEADER_LOCK_KEY]).fetchone()
+        assert taken == (False,)
+        first.resign()
+        taken = other.execute("SELECT pg_try_advisory_lock(%s)", [sql.LEADER_LOCK_KEY]).fetchone()
+        assert taken == (True,)
+
+
+@dataclass
+class Report(awa.JobArgs):
+    day: str = "today"
+
+
+@pytest.fixture
+def periodic_schedule():
+    created = []
+
+    def declare(*args, **kwargs):
+        schedule = awa.periodic(*args, **kwargs)
+        created.append(schedule.name)
+        return schedule
+
+    yield declare
+    for name in created:
+        schedules.pop(name, None)
+
+
+def test_periodic_fires_once_per_due_time_and_coalesces_missed_fires(periodic_schedule):
+    periodic_schedule("every-minute", "* * * * *", Report())
+    start = timezone.now().replace(second=30, microsecond=0)
+    assert fire_due("default", now=start) == 0  # first sight: starts from now
+    assert fire_due("default", now=start + dt.timedelta(seconds=20)) == 0
+    assert fire_due("default", now=start + dt.timedelta(seconds=40)) == 1
+    assert fire_due("default", now=start + dt.timedelta(seconds=45)) == 0  # not twice
+    # Five minutes with no worker: coalesce enqueues only the last fire.
+    assert fire_due("default", now=start + dt.timedelta(minutes=5, seconds=40)) == 1
+    jobs = list(Job.objects.filter(kind="report").order_by("id"))
+    assert len(jobs) == 2
+    fire_at = dt.datetime.fromisoformat(jobs[-1].metadata["awa_periodic"]["fire_at"])
+    assert jobs[-1].metadata["awa_periodic"]["name"] == "every-minute"
+    assert jobs[-1].run_at == fire_at and fire_at.second == 0
+
+
+def test_periodic_catch_up_enqueues_every_missed_fire(periodic_schedule):
+    periodic_schedule("catch", "*/10 * * * * *", Report(day="x"), missed="catch_up")
+    start = timezone.now().replace(microsecond=0)
+    fire_due("default", now=start)
+    assert fire_due("default", now=start + dt.timedelta(seconds=60)) == 6
+    assert PeriodicSchedule.objects.get(name="catch").last_fire_at is not None
+
+
+@pytest.mark.parametrize(
+    ("cron", "kwargs", "message"),
+    [
+        ("not a cron", {}, "cron must have five fields"),
+        ("61 * * * *", {}, "invalid cron expression"),
+        ("* * * * *", {"timezone": "Mars/Olympus"}, "unknown timezone"),
+        ("* * * * *", {"missed": "sometimes"}, "missed must be one of"),
+        ("* * * * *", {"priority": 9}, "priority"),
+    ],
+)
+def test_periodic_declarations_are_validated(cron, kwargs, message):
+    with pytest.raises(awa.ValidationError, match=message):
+        awa.periodic("bad", cron, Report(), **kwargs)
+
+
+def test_queue_controls_pause_resume_and_stats():
+    awa.enqueue(Act(action="ok"))
+    awa.enqueue(Echo(n=1))
+    awa.pause_queue("default")
+    assert claim("default", 5, "default") == []
+    stats = awa.queue_stats()
+    assert stats["default"]["paused"] is True and stats["default"]["available"] == 1
+    assert stats["echo"]["available"] == 1 and stats["echo"]["failed"] == 0
+    awa.resume_queue("default")
+    assert len(claim("default", 5, "default")) == 1
+    assert awa.queue_stats()["default"]["running"] == 1
+
+
+def test_retry_makes_a_failed_job_available_with_attempts_reset():
+    job = make_job(state=JobState.FAILED, attempt=3, max_attempts=3, finalized_at=timezone.now())
+    retried = awa.retry(job.id)
+    assert retried.state == JobState.AVAILABLE and retried.attempt == 0
+    assert retried.finalized_at is None
+    running = make_job(state=JobState.RUNNING, heartbeat_at=timezone.now())
+    assert awa.retry(running.id).state == JobState.RUNNING  # left alone
+    with pytest.raises(awa.JobNotFound):
+        awa.retry(10**12)
+
+
+def test_cancel_a_finished_job_changes_nothing():
+    job = make_job(state=JobState.COMPLETED, finalized_at=timezone.now())
+    assert awa.cancel(job.id, "late").state == JobState.COMPLETED
+    assert Job.objects.get(id=job.id).errors == []
+    with pytest.raises(awa.JobNotFound):
+        awa.cancel(10**12, "nope")
+
+
+def test_claim_is_an_index_scan_with_many_finished_rows():
+    # 50,000 finished rows and a handful available: the claim reads the partial index.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO awa_job (kind, queue, args, state, finalized_at) "
+            "SELECT 'echo', 'default', '{}', 'completed', now() FROM generate_series(1, 50000)"
+        )
+        cursor.execute("ANALYZE awa_job")
+    for _ in range(5):
+        make_job()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "EXPLAIN SELECT id FROM awa_job WHERE state = 'available' AND queue = 'default' "
+            "AND run_at <= now() ORDER BY priority, run_at, id LIMIT 10 FOR UPDATE SKIP LOCKED"
+        )
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "Index Scan using awa_job_claim_idx" in plan, plan
+    assert "Seq Scan" not in plan
