@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
@@ -32,6 +33,7 @@ from django.http import (
 )
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
@@ -97,6 +99,25 @@ SELECT queue FROM queues WHERE queue IS NOT NULL
 # The planner's row estimate for awa_job (-1 before the first ANALYZE).
 ESTIMATED_ROWS = "SELECT reltuples::bigint FROM pg_class WHERE oid = 'awa_job'::regclass"
 
+# -- TABLE_BYTES --
+# The size of awa_job's heap: below SMALL_TABLE_BYTES a sequential scan is cheap.
+TABLE_BYTES = "SELECT pg_relation_size('awa_job'::regclass)"
+
+# -- DISTINCT_QUEUES --
+# Every queue name: a sequential scan, run only on a small table.
+DISTINCT_QUEUES = "SELECT DISTINCT queue FROM awa_job LIMIT %(limit)s"
+
+# -- SAMPLED_QUEUES --
+# Queue names in the planner's statistics of awa_job.queue, as of the last
+# (auto)ANALYZE: most common values and histogram bounds. A catalog read.
+SAMPLED_QUEUES = """
+SELECT unnest(coalesce(most_common_vals::text::text[], '{}')
+              || coalesce(histogram_bounds::text::text[], '{}'))
+FROM pg_stats
+WHERE schemaname = current_schema() AND tablename = 'awa_job' AND attname = 'queue'
+"""
+SMALL_TABLE_BYTES = 64 * 1024 * 1024
+
 
 def _alias() -> str:
     """The connection the admin reads and writes jobs on: ``AWA["DATABASE"]``."""
@@ -108,6 +129,38 @@ def _pretty_json(value: Any) -> SafeString:
         return format_html('<span class="awa-empty">{}</span>', "(none)")
     text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
     return format_html('<pre class="awa-json">{}</pre>', text)
+
+
+def _to_datetime(value: datetime | str | None) -> datetime | None:
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if value is not None and timezone.is_aware(value):
+        value = timezone.localtime(value)
+    return value
+
+
+def _short_time(value: datetime | None) -> SafeString | str:
+    """``2026-01-31 13:05`` in the current time zone, seconds in the tooltip."""
+    moment = _to_datetime(value)
+    if moment is None:
+        return "-"
+    return format_html(
+        '<time datetime="{}" title="{}">{}</time>',
+        moment.isoformat(),
+        moment.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        moment.strftime("%Y-%m-%d %H:%M"),
+    )
+
+
+def _long_time(value: datetime | str | None) -> str:
+    """``2026-01-31 13:05:09 UTC`` in the current time zone."""
+    moment = _to_datetime(value)
+    if moment is None:
+        return str(value or "")
+    return moment.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
 
 
 def _job_link(job_id: int, label: str) -> SafeString:
@@ -160,10 +213,12 @@ class KindFilter(admin.SimpleListFilter):
 
 
 def known_queues() -> set[str]:
-    """Queue names found cheaply: settings, declarations, queue rows, available jobs.
+    """Queue names for the filter, without reading a large job table.
 
-    A queue that holds only finished jobs and is named nowhere else is missed;
-    ``?queue=<name>`` still filters by it.
+    A small table is scanned. A large one: the queues of settings,
+    declarations and queue rows, those holding available jobs (claim index)
+    and those in the planner's statistics; a rare queue holding only finished
+    jobs may be missed, and ``?queue=<name>`` still filters by it.
     """
     alias = _alias()
     names = set(awa_settings().queues)
@@ -171,7 +226,14 @@ def known_queues() -> set[str]:
     names.update(p.queue for p in schedules.values() if p.queue)
     names.update(Queue.objects.using(alias).values_list("name", flat=True))
     with connections[alias].cursor() as cursor:
-        cursor.execute(AVAILABLE_QUEUES, {"limit": MAX_FILTER_CHOICES})
+        cursor.execute(TABLE_BYTES)
+        small = cursor.fetchone()[0] <= SMALL_TABLE_BYTES
+        if small:
+            cursor.execute(DISTINCT_QUEUES, {"limit": MAX_FILTER_CHOICES})
+        else:
+            cursor.execute(AVAILABLE_QUEUES, {"limit": MAX_FILTER_CHOICES})
+            names.update(row[0] for row in cursor.fetchall())
+            cursor.execute(SAMPLED_QUEUES)
         names.update(row[0] for row in cursor.fetchall())
     return names
 
@@ -218,8 +280,8 @@ class JobAdmin(admin.ModelAdmin):
         "state_badge",
         "priority",
         "attempts",
-        "run_at",
-        "finalized_at",
+        "run_at_short",
+        "finalized_at_short",
     )
     list_display_links = ("id", "kind")
     list_filter = ("state", QueueFilter, KindFilter, TriggerFilter)
@@ -257,17 +319,16 @@ class JobAdmin(admin.ModelAdmin):
         "unique_key",
     )
     fieldsets = (
-        (None, {"fields": ("id", "kind", "queue", "state_badge", "priority", "attempts", "tag_list")}),
+        (
+            None,
+            {"fields": (("kind", "queue", "state_badge"), ("priority", "attempts", "tag_list"))},
+        ),
         (
             "Timing",
             {
                 "fields": (
-                    "run_at",
-                    "created_at",
-                    "attempted_at",
-                    "heartbeat_at",
-                    "deadline_at",
-                    "finalized_at",
+                    ("run_at", "created_at", "attempted_at"),
+                    ("heartbeat_at", "deadline_at", "finalized_at"),
                 )
             },
         ),
@@ -280,10 +341,8 @@ class JobAdmin(admin.ModelAdmin):
             {
                 "fields": (
                     "metadata_json",
-                    "callback_id",
-                    "callback_timeout_at",
-                    "run_lease",
-                    "unique_key",
+                    ("callback_id", "callback_timeout_at"),
+                    ("run_lease", "unique_key"),
                 )
             },
         ),
@@ -301,6 +360,14 @@ class JobAdmin(admin.ModelAdmin):
     @admin.display(description="attempt", ordering="attempt")
     def attempts(self, obj: Job) -> str:
         return f"{obj.attempt}/{obj.max_attempts}"
+
+    @admin.display(description="run at", ordering="run_at")
+    def run_at_short(self, obj: Job) -> SafeString | str:
+        return _short_time(obj.run_at)
+
+    @admin.display(description="finalized at", ordering="finalized_at")
+    def finalized_at_short(self, obj: Job) -> SafeString | str:
+        return _short_time(obj.finalized_at)
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet, search_term: str
@@ -328,7 +395,7 @@ class JobAdmin(admin.ModelAdmin):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        context = {**self._links(request), **(extra_context or {})}
+        context = {"title": "Jobs", **self._links(request), **(extra_context or {})}
         return super().changelist_view(request, extra_context=context)
 
     def _links(self, request: HttpRequest) -> dict[str, str]:
@@ -390,7 +457,7 @@ class JobAdmin(admin.ModelAdmin):
                 (
                     (
                         entry.get("attempt", "?"),
-                        entry.get("at", ""),
+                        _long_time(entry.get("at")),
                         entry.get("error", ""),
                         format_html('<pre class="awa-traceback">{}</pre>', entry["traceback"])
                         if entry.get("traceback")
@@ -519,9 +586,7 @@ class JobAdmin(admin.ModelAdmin):
             "select_across": request.POST.get("select_across", "0"),
             "action_name": "discard_jobs",
         }
-        return TemplateResponse(
-            request, "admin/django_awa/job/discard_confirmation.html", context
-        )
+        return TemplateResponse(request, "admin/django_awa/job/discard_confirmation.html", context)
 
     def retry_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         return self._object_operation(request, object_id, "retry")
@@ -529,7 +594,9 @@ class JobAdmin(admin.ModelAdmin):
     def cancel_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         return self._object_operation(request, object_id, "cancel")
 
-    def _object_operation(self, request: HttpRequest, object_id: str, operation: str) -> HttpResponse:
+    def _object_operation(
+        self, request: HttpRequest, object_id: str, operation: str
+    ) -> HttpResponse:
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
         if not self.has_change_permission(request):
@@ -584,7 +651,9 @@ class JobAdmin(admin.ModelAdmin):
             self.message_user(request, f"Could not {verb} job #{job_id}: {error}", messages.ERROR)
         if len(failed) > 10:
             self.message_user(
-                request, f"… and {len(failed) - 10} more jobs could not be {past.lower()}.", messages.ERROR
+                request,
+                f"… and {len(failed) - 10} more jobs could not be {past.lower()}.",
+                messages.ERROR,
             )
 
     def _each(
@@ -602,9 +671,13 @@ class JobAdmin(admin.ModelAdmin):
             # An operator's batch goes on past one job whose follow-up function
             # (user code, any exception) or unique key refused it; that job's
             # own transaction rolled back and the error is shown.
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 logger.warning(
-                    "admin %s of job %s failed: %s job_id=%s", verb, job_id, exc, job_id,
+                    "admin %s of job %s failed: %s job_id=%s",
+                    verb,
+                    job_id,
+                    exc,
+                    job_id,
                     exc_info=True,
                 )
                 failed.append((job_id, Truncator(str(exc) or type(exc).__name__).chars(200)))
@@ -669,7 +742,9 @@ class QueueAdmin(admin.ModelAdmin):
                         {
                             "state": state,
                             "count": entry[state],
-                            "url": f"{jobs_url}?{urlencode({'queue': name, 'state__exact': state})}",
+                            "url": jobs_url
+                            + "?"
+                            + urlencode({"queue": name, "state__exact": state}),
                         }
                         for state in JobState.values
                     ],

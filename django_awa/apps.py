@@ -1,4 +1,7 @@
+from importlib import import_module
+
 from django.apps import AppConfig
+from django.conf import settings
 from django.utils.module_loading import autodiscover_modules
 
 
@@ -15,3 +18,10 @@ class AwaConfig(AppConfig):
         # is skipped; an error inside one that exists is raised.
         autodiscover_modules("jobs")
         autodiscover_modules("followups")
+        # Workers serve Django Tasks only once the backend's resolver is registered.
+        backends = getattr(settings, "TASKS", None) or {}
+        if any(
+            isinstance(conf, dict) and conf.get("BACKEND") == "django_awa.backends.AwaTaskBackend"
+            for conf in backends.values()
+        ):
+            import_module("django_awa.backends")

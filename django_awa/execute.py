@@ -332,7 +332,7 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:  # noqa: C901 - o
 
 def resolve_handler(job: Job) -> tuple[WorkerSpec, JobArgs] | AttemptResult:
     """The kind's handler and decoded args, or a terminal failure explaining why not."""
-    spec = registry.workers.get(job.kind)
+    spec = registry.handler_for(job.kind)
     if spec is None:
         return failed_terminally(job, f"unknown job kind {job.kind!r}: no handler is registered")
     try:

@@ -10,6 +10,7 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
+import functools
 import json
 import re
 import types
@@ -114,6 +115,16 @@ class Registry:
     def __init__(self) -> None:
         self.args_classes: dict[str, type[JobArgs]] = {}
         self.workers: dict[str, WorkerSpec] = {}
+        # Families of kinds served by one handler (Django Tasks: "task:<path>").
+        self.resolvers: dict[str, Callable[[str], WorkerSpec | None]] = {}
+
+    def handler_for(self, kind: str) -> WorkerSpec | None:
+        spec = self.workers.get(kind)
+        if spec is None:
+            prefix, sep, _ = kind.partition(":")
+            resolver = self.resolvers.get(prefix) if sep else None
+            spec = resolver(kind) if resolver else None
+        return spec
 
     def defaults(self, kind: str) -> KindDefaults:
         spec = self.workers.get(kind)
@@ -278,14 +289,12 @@ def _decode_dataclass(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ArgsDecodeError(f"{path or 'args'}: expected a JSON object, got {data!r}")
     try:
-        hints = typing.get_type_hints(cls)
+        hints, fields = _shape(cls)
     except Exception as exc:  # noqa: BLE001 - an unresolvable annotation is a decode error
         raise ArgsDecodeError(f"{path or 'args'}: cannot resolve type hints: {exc}") from exc
     kwargs: dict[str, Any] = {}
     names = set()
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
+    for f in fields:
         names.add(f.name)
         where = f"{path}.{f.name}" if path else f.name
         if f.name not in data:
@@ -300,6 +309,13 @@ def _decode_dataclass(cls: type, data: Any, path: str) -> Any:
         return cls(**kwargs)
     except Exception as exc:  # noqa: BLE001 - __post_init__ may refuse the values
         raise ArgsDecodeError(f"{path or 'args'}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=1024)
+def _shape(cls: type) -> tuple[dict[str, Any], tuple[dataclasses.Field[Any], ...]]:
+    """A dataclass's resolved type hints and init fields (resolved once per class)."""
+    fields = tuple(f for f in dataclasses.fields(cls) if f.init)
+    return typing.get_type_hints(cls), fields
 
 
 def _decode_value(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one branch per type

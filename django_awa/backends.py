@@ -1,0 +1,239 @@
+"""Django Tasks on awa: ``TASKS = {"default": {"BACKEND": "django_awa.backends.AwaTaskBackend"}}``.
+
+A ``@task`` function becomes an awa job of kind ``task:<module path>``:
+``enqueue`` joins the caller's transaction, ``awa_worker`` runs it,
+``get_result`` reads its row. Works with ``django.tasks`` (Django 6) and the
+``django-tasks`` backport (Django 5.2).
+
+The function is looked up by its module path only among tasks of this
+backend: registered when their module was imported, or imported on demand
+from a module of an installed app. Nothing else named in a row is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from django.apps import apps
+from django.db import connections
+
+try:  # Django 6
+    from django.tasks import TaskContext, TaskResult, TaskResultStatus
+    from django.tasks.backends.base import BaseTaskBackend
+    from django.tasks.base import Task, TaskError
+    from django.tasks.exceptions import TaskResultDoesNotExist
+    from django.tasks.signals import task_enqueued, task_started
+except ImportError:  # Django 5.2 with the django-tasks backport
+    from django_tasks import TaskContext, TaskResult, TaskResultStatus  # type: ignore[no-redef]
+    from django_tasks.backends.base import BaseTaskBackend  # type: ignore[no-redef]
+    from django_tasks.base import Task, TaskError  # type: ignore[no-redef]
+    from django_tasks.exceptions import TaskResultDoesNotExist  # type: ignore[no-redef]
+    from django_tasks.signals import (  # type: ignore[no-redef]
+        task_enqueued,
+        task_started,
+    )
+
+from .enqueueing import EnqueueRequest, database_alias, insert_one, prepare
+from .execute import JobContext
+from .kinds import JobArgs, WorkerSpec, check_max_attempts, registry
+from .models import Job, JobState
+
+KIND_PREFIX = "task"
+RETURN_KEY = "awa_task_return"
+ERRORS_KEY = "awa_task_errors"
+
+STATUS = {
+    JobState.SCHEDULED: TaskResultStatus.READY,
+    JobState.AVAILABLE: TaskResultStatus.READY,
+    JobState.RETRYABLE: TaskResultStatus.READY,
+    JobState.RUNNING: TaskResultStatus.RUNNING,
+    JobState.WAITING_EXTERNAL: TaskResultStatus.RUNNING,
+    JobState.COMPLETED: TaskResultStatus.SUCCESSFUL,
+    JobState.FAILED: TaskResultStatus.FAILED,
+    JobState.CANCELLED: TaskResultStatus.FAILED,
+}
+
+_tasks: dict[str, Task] = {}
+
+STORE_RETURN = """
+UPDATE awa_job SET metadata = metadata || %(patch)s::jsonb
+WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
+"""
+
+RECORD_TASK_ERROR = """
+UPDATE awa_job
+SET metadata = jsonb_set(metadata, '{awa_task_errors}',
+                         coalesce(metadata -> 'awa_task_errors', '[]'::jsonb) || %(error)s::jsonb)
+WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
+"""
+
+
+def awa_priority(priority: int) -> int:
+    """Django's -100..100 onto awa's 4..1."""
+    if priority >= 50:
+        return 1
+    if priority >= 0:
+        return 2
+    if priority >= -50:
+        return 3
+    return 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AwaTask(Task):
+    """A Django Task with awa's extra option: ``@task(max_attempts=N)`` (default 1)."""
+
+    max_attempts: int = 1
+
+    def __post_init__(self) -> None:
+        check_max_attempts(self.max_attempts, f"@task {self.func.__qualname__}")
+        Task.__post_init__(self)  # not super(): slots=True makes a new class
+        _tasks[self.module_path] = self
+
+
+@dataclass
+class TaskCall(JobArgs):
+    """The stored call of a Django Task (its args are JSON, as Django's own)."""
+
+    kind = "task"
+    args: list[Any] = dataclasses.field(default_factory=list)
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    backend: str = "default"
+
+
+def _task_for(path: str) -> Task | None:
+    task = _tasks.get(path)
+    if task is not None:
+        return task
+    module_name = path.rpartition(".")[0]
+    # Import on demand, but only modules of installed apps.
+    owner = module_name.split(".")
+    if not any(
+        owner[: len(app.name.split("."))] == app.name.split(".") for app in apps.get_app_configs()
+    ):
+        return None
+    try:
+        importlib.import_module(module_name)
+    except ImportError:
+        return None
+    return _tasks.get(path)
+
+
+def _resolve(kind: str) -> WorkerSpec | None:
+    task = _task_for(kind.partition(":")[2])
+    if task is None:
+        return None
+    return WorkerSpec(
+        args_cls=TaskCall,
+        handler=_run_task,
+        queue=task.queue_name,
+        max_attempts=getattr(task, "max_attempts", 1),
+    )
+
+
+registry.resolvers[KIND_PREFIX] = _resolve
+
+
+def _run_task(job: JobContext) -> None:
+    task = _task_for(job.kind.partition(":")[2])
+    assert task is not None  # resolved just before
+    backend = task.get_backend()
+    result = backend.result_from_job(job.row, task)
+    task_started.send(sender=type(backend), task_result=result)
+    alias = job.row._state.db
+    try:
+        if task.takes_context:
+            value = task.call(TaskContext(task_result=result), *job.args.args, **job.args.kwargs)
+        else:
+            value = task.call(*job.args.args, **job.args.kwargs)
+        encoded = json.dumps({RETURN_KEY: value})
+    except Exception as exc:
+        error = {
+            "exception_class_path": f"{type(exc).__module__}.{type(exc).__qualname__}",
+            "traceback": "".join(traceback.format_exception(exc)),
+        }
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                RECORD_TASK_ERROR,
+                {"error": json.dumps([error]), "id": job.id, "run_lease": job.row.run_lease},
+            )
+        raise
+    with connections[alias].cursor() as cursor:
+        cursor.execute(STORE_RETURN, {"patch": encoded, "id": job.id, "run_lease": job.row.run_lease})
+    return None
+
+
+class AwaTaskBackend(BaseTaskBackend):
+    task_class = AwaTask
+    supports_defer = True
+    supports_async_task = True
+    supports_get_result = True
+    supports_priority = True
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.database = self.options.get("DATABASE")
+
+    def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
+        """Insert the task as an awa job in the caller's transaction."""
+        self.validate_task(task)
+        alias = database_alias(self.database)
+        call = TaskCall(args=list(args), kwargs=dict(kwargs), backend=self.alias)
+        prepared = prepare(
+            EnqueueRequest(
+                call,
+                queue=task.queue_name,
+                priority=awa_priority(task.priority),
+                run_at=task.run_after,
+                max_attempts=getattr(task, "max_attempts", 1),
+            )
+        )
+        prepared.kind = f"{KIND_PREFIX}:{task.module_path}"
+        job = insert_one(prepared, alias)
+        result = self.result_from_job(job, task)
+        task_enqueued.send(sender=type(self), task_result=result)
+        return result
+
+    def get_result(self, result_id: str) -> TaskResult:
+        alias = database_alias(self.database)
+        try:
+            job = Job.objects.using(alias).get(id=int(result_id), kind__startswith="task:")
+        except (ValueError, Job.DoesNotExist):
+            raise TaskResultDoesNotExist(result_id) from None
+        task = _task_for(job.kind.partition(":")[2])
+        if task is None:
+            raise TaskResultDoesNotExist(f"{result_id}: task {job.kind} is not known here")
+        return self.result_from_job(job, task)
+
+    def result_from_job(self, job: Job, task: Task) -> TaskResult:
+        metadata = job.metadata or {}
+        values = {
+            "task": task,
+            "id": str(job.id),
+            "status": STATUS[JobState(job.state)],
+            "enqueued_at": job.created_at,
+            "started_at": job.attempted_at,
+            "finished_at": job.finalized_at,
+            "last_attempted_at": job.attempted_at,
+            "args": (job.args or {}).get("args", []),
+            "kwargs": (job.args or {}).get("kwargs", {}),
+            "backend": self.alias,
+            "errors": [
+                TaskError(
+                    exception_class_path=e.get("exception_class_path", "builtins.Exception"),
+                    traceback=e.get("traceback", ""),
+                )
+                for e in metadata.get(ERRORS_KEY, [])
+            ],
+            "worker_ids": ["awa"] * job.attempt,
+        }
+        names = {f.name for f in dataclasses.fields(TaskResult) if f.init}
+        result = TaskResult(**{k: v for k, v in values.items() if k in names})
+        if RETURN_KEY in metadata:
+            object.__setattr__(result, "_return_value", metadata[RETURN_KEY])
+        return result

@@ -1,0 +1,86 @@
+"""Django Tasks (``django.tasks`` / the django-tasks backport) on the awa backend."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+
+from django_awa.backends import awa_priority
+from django_awa.models import Job, JobState
+from tests.conftest import wait_for_state
+
+try:
+    from django.tasks import TaskResultStatus
+    from django.tasks.exceptions import TaskResultDoesNotExist
+except ImportError:
+    from django_tasks import TaskResultStatus
+    from django_tasks.exceptions import TaskResultDoesNotExist
+
+from tests.testapp import tasks
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_priority_mapping():
+    assert [awa_priority(p) for p in (100, 50, 49, 0, -1, -50, -51, -100)] == [
+        1, 1, 2, 2, 3, 3, 4, 4,
+    ]  # fmt: skip
+
+
+def test_enqueue_joins_the_transaction_and_the_worker_runs_it(start_worker):
+    with pytest.raises(RuntimeError), transaction.atomic():
+        lost = tasks.add.enqueue(1, 1)
+        raise RuntimeError("rolled back")
+    assert not Job.objects.filter(id=int(lost.id)).exists()
+
+    result = tasks.add.enqueue(2, 3)
+    assert result.status == TaskResultStatus.READY and result.id.isdigit()
+    job = Job.objects.get(id=int(result.id))
+    assert job.kind == "task:tests.testapp.tasks.add" and job.max_attempts == 1
+    start_worker("--queue", "default")
+    wait_for_state(job.id, JobState.COMPLETED)
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 5
+    assert tasks.add.get_result(result.id).return_value == 5
+
+
+def test_priority_queue_and_run_after_are_honoured():
+    later = timezone.now() + dt.timedelta(hours=1)
+    result = tasks.urgent.using(run_after=later).enqueue()
+    job = Job.objects.get(id=int(result.id))
+    assert (job.priority, job.queue, job.state) == (1, "default", JobState.SCHEDULED)
+    assert job.run_at == later
+
+
+def test_a_failing_task_gets_one_attempt_and_reports_its_error(start_worker):
+    result = tasks.explode.enqueue()
+    start_worker("--queue", "default")
+    wait_for_state(int(result.id), JobState.FAILED)
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert result.errors[0].exception_class_path == "builtins.ValueError"
+    assert "task exploded" in result.errors[0].traceback
+    with pytest.raises(ValueError, match="failed"):
+        result.return_value  # noqa: B018
+
+
+def test_max_attempts_asks_for_retries(start_worker):
+    result = tasks.flaky.enqueue("flaky-1")
+    assert Job.objects.get(id=int(result.id)).max_attempts == 3
+    start_worker("--queue", "default")
+    wait_for_state(int(result.id), JobState.COMPLETED, timeout=20)
+    result.refresh()
+    assert result.return_value == 2 and result.attempts == 2
+
+
+def test_context_and_unknown_results(start_worker):
+    result = tasks.with_context.enqueue("ctx")
+    start_worker("--queue", "default")
+    wait_for_state(int(result.id), JobState.COMPLETED)
+    assert tasks.with_context.get_result(result.id).return_value == "ctx:1"
+    with pytest.raises(TaskResultDoesNotExist):
+        tasks.add.get_backend().get_result("999999999")

@@ -1,0 +1,39 @@
+"""Django Tasks run by awa (``TASKS`` uses ``AwaTaskBackend`` in tests/settings.py)."""
+
+from __future__ import annotations
+
+try:
+    from django.tasks import task
+except ImportError:  # Django 5.2: the backport
+    from django_tasks import task
+
+
+@task()
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@task(priority=60)
+def urgent() -> str:
+    return "done"
+
+
+@task()
+def explode() -> None:
+    raise ValueError("task exploded")
+
+
+@task(max_attempts=3)
+def flaky(marker: str) -> int:
+    from tests.testapp.models import Ledger
+
+    Ledger.objects.create(job_id=0, attempt=0, run_lease=0, note=marker)
+    runs = Ledger.objects.filter(note=marker).count()
+    if runs < 2:
+        raise RuntimeError(f"flaky run {runs}")
+    return runs
+
+
+@task(takes_context=True)
+def with_context(context, label: str) -> str:
+    return f"{label}:{context.attempt}"
