@@ -53,7 +53,40 @@ _EXPORTS = {
     "ConfigurationError": "exceptions",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AwaError",
+    "CallbackNotFound",
+    "CallbackToken",
+    "Cancel",
+    "ConfigurationError",
+    "EnqueueRequest",
+    "JobArgs",
+    "JobContext",
+    "JobNotFound",
+    "JobState",
+    "Outcome",
+    "RescueReason",
+    "RetryAfter",
+    "Snooze",
+    "TerminalError",
+    "Unique",
+    "UniqueConflict",
+    "ValidationError",
+    "WaitForCallback",
+    "cancel",
+    "complete_external",
+    "enqueue",
+    "enqueue_many",
+    "fail_external",
+    "heartbeat_callback",
+    "pause_queue",
+    "periodic",
+    "queue_stats",
+    "resume_queue",
+    "retry",
+    "retry_external",
+    "worker",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -82,7 +115,7 @@ if TYPE_CHECKING:
         UniqueConflict,
         ValidationError,
     )
-    from .execute import Cancel, CallbackToken, JobContext, RetryAfter, Snooze, WaitForCallback
+    from .execute import CallbackToken, Cancel, JobContext, RetryAfter, Snooze, WaitForCallback
     from .followups import Outcome, RescueReason
     from .kinds import JobArgs, Unique, worker
     from .models import JobState

@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import connections
@@ -58,29 +59,33 @@ logger = logging.getLogger(__name__)
 
 # Follow-ups listed on a job's page; the rest are one click away (?trigger=<id>).
 FOLLOWUPS_SHOWN = 50
-# Filter choices read by loose index scans stop after this many values.
+# Filter choices stop after this many values.
 MAX_FILTER_CHOICES = 200
 # Above this many rows (pg_class estimate) the unfiltered list shows an estimate.
 ESTIMATE_ABOVE = 100_000
+# Below this heap size a sequential scan of awa_job is cheap.
+SMALL_TABLE_BYTES = 64 * 1024 * 1024
+
+# -- TABLE_BYTES --
+# The size of awa_job's heap, from the catalog.
+TABLE_BYTES = "SELECT pg_relation_size('awa_job'::regclass)"
+
+# -- ESTIMATED_ROWS --
+# The planner's row estimate for awa_job (-1 before the first ANALYZE).
+ESTIMATED_ROWS = "SELECT reltuples::bigint FROM pg_class WHERE oid = 'awa_job'::regclass"
+
+# -- DISTINCT_QUEUES --
+# Every queue name: a sequential scan, run only on a small table.
+DISTINCT_QUEUES = "SELECT DISTINCT queue FROM awa_job LIMIT %(limit)s"
 
 # -- DISTINCT_KINDS --
-# Kinds present in awa_job, by a loose index scan of awa_job_kind_idx
-# (kind, state): one index probe per kind instead of reading every row.
-DISTINCT_KINDS = """
-WITH RECURSIVE kinds(kind, n) AS (
-    (SELECT kind, 1 FROM awa_job ORDER BY kind LIMIT 1)
-    UNION ALL
-    SELECT (SELECT j.kind FROM awa_job AS j WHERE j.kind > kinds.kind ORDER BY j.kind LIMIT 1),
-           kinds.n + 1
-    FROM kinds
-    WHERE kinds.kind IS NOT NULL AND kinds.n < %(limit)s
-)
-SELECT kind FROM kinds WHERE kind IS NOT NULL
-"""
+# Every kind: a sequential scan, run only on a small table.
+DISTINCT_KINDS = "SELECT DISTINCT kind FROM awa_job LIMIT %(limit)s"
 
 # -- AVAILABLE_QUEUES --
 # Queues holding available jobs, by a loose index scan of the partial claim
-# index awa_job_claim_idx (queue, priority, run_at, id) WHERE state = 'available'.
+# index awa_job_claim_idx (queue, priority, run_at, id) WHERE state = 'available':
+# one index probe per queue.
 AVAILABLE_QUEUES = """
 WITH RECURSIVE queues(queue, n) AS (
     (SELECT queue, 1 FROM awa_job WHERE state = 'available' ORDER BY queue LIMIT 1)
@@ -95,28 +100,15 @@ WITH RECURSIVE queues(queue, n) AS (
 SELECT queue FROM queues WHERE queue IS NOT NULL
 """
 
-# -- ESTIMATED_ROWS --
-# The planner's row estimate for awa_job (-1 before the first ANALYZE).
-ESTIMATED_ROWS = "SELECT reltuples::bigint FROM pg_class WHERE oid = 'awa_job'::regclass"
-
-# -- TABLE_BYTES --
-# The size of awa_job's heap: below SMALL_TABLE_BYTES a sequential scan is cheap.
-TABLE_BYTES = "SELECT pg_relation_size('awa_job'::regclass)"
-
-# -- DISTINCT_QUEUES --
-# Every queue name: a sequential scan, run only on a small table.
-DISTINCT_QUEUES = "SELECT DISTINCT queue FROM awa_job LIMIT %(limit)s"
-
-# -- SAMPLED_QUEUES --
-# Queue names in the planner's statistics of awa_job.queue, as of the last
+# -- SAMPLED_VALUES --
+# Values of one awa_job column in the planner's statistics, as of the last
 # (auto)ANALYZE: most common values and histogram bounds. A catalog read.
-SAMPLED_QUEUES = """
+SAMPLED_VALUES = """
 SELECT unnest(coalesce(most_common_vals::text::text[], '{}')
               || coalesce(histogram_bounds::text::text[], '{}'))
 FROM pg_stats
-WHERE schemaname = current_schema() AND tablename = 'awa_job' AND attname = 'queue'
+WHERE schemaname = current_schema() AND tablename = 'awa_job' AND attname = %(column)s
 """
-SMALL_TABLE_BYTES = 64 * 1024 * 1024
 
 
 def _alias() -> str:
@@ -194,22 +186,30 @@ class EstimatedCountPaginator(Paginator):
         return super().count
 
 
-class KindFilter(admin.SimpleListFilter):
-    title = "kind"
-    parameter_name = "kind"
+def _is_small(alias: str) -> bool:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(TABLE_BYTES)
+        return cursor.fetchone()[0] <= SMALL_TABLE_BYTES
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        with connections[_alias()].cursor() as cursor:
-            cursor.execute(DISTINCT_KINDS, {"limit": MAX_FILTER_CHOICES})
-            kinds = {row[0] for row in cursor.fetchall()}
-        if self.value():
-            kinds.add(self.value())
-        return [(kind, kind) for kind in sorted(kinds)]
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
-        if self.value():
-            return queryset.of_kind(self.value())
-        return queryset
+def _column_values(alias: str, statement: str, params: dict[str, Any]) -> set[str]:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(statement, params)
+        return {row[0] for row in cursor.fetchall()}
+
+
+def known_kinds() -> set[str]:
+    """Kinds for the filter, without reading a large job table.
+
+    A small table is scanned. A large one: the kinds declared in this process
+    and those in the planner's statistics; a rare undeclared kind may be
+    missed, and ``?kind=<name>`` still filters by it.
+    """
+    alias = _alias()
+    if _is_small(alias):
+        return _column_values(alias, DISTINCT_KINDS, {"limit": MAX_FILTER_CHOICES})
+    sampled = _column_values(alias, SAMPLED_VALUES, {"column": "kind"})
+    return set(registry.workers) | set(registry.args_classes) | sampled
 
 
 def known_queues() -> set[str]:
@@ -225,17 +225,28 @@ def known_queues() -> set[str]:
     names.update(spec.queue for spec in registry.workers.values())
     names.update(p.queue for p in schedules.values() if p.queue)
     names.update(Queue.objects.using(alias).values_list("name", flat=True))
-    with connections[alias].cursor() as cursor:
-        cursor.execute(TABLE_BYTES)
-        small = cursor.fetchone()[0] <= SMALL_TABLE_BYTES
-        if small:
-            cursor.execute(DISTINCT_QUEUES, {"limit": MAX_FILTER_CHOICES})
-        else:
-            cursor.execute(AVAILABLE_QUEUES, {"limit": MAX_FILTER_CHOICES})
-            names.update(row[0] for row in cursor.fetchall())
-            cursor.execute(SAMPLED_QUEUES)
-        names.update(row[0] for row in cursor.fetchall())
+    if _is_small(alias):
+        names |= _column_values(alias, DISTINCT_QUEUES, {"limit": MAX_FILTER_CHOICES})
+    else:
+        names |= _column_values(alias, AVAILABLE_QUEUES, {"limit": MAX_FILTER_CHOICES})
+        names |= _column_values(alias, SAMPLED_VALUES, {"column": "queue"})
     return names
+
+
+class KindFilter(admin.SimpleListFilter):
+    title = "kind"
+    parameter_name = "kind"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        kinds = known_kinds()
+        if self.value():
+            kinds.add(self.value())
+        return [(kind, kind) for kind in sorted(kinds)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        if self.value():
+            return queryset.of_kind(self.value())
+        return queryset
 
 
 class QueueFilter(admin.SimpleListFilter):
@@ -582,7 +593,7 @@ class JobAdmin(admin.ModelAdmin):
             "opts": self.opts,
             "count": count,
             "sample": list(queryset.only("id", "kind", "queue", "state")[:20]),
-            "selected": request.POST.getlist(admin.helpers.ACTION_CHECKBOX_NAME),
+            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
             "select_across": request.POST.get("select_across", "0"),
             "action_name": "discard_jobs",
         }

@@ -141,7 +141,8 @@ registry.resolvers[KIND_PREFIX] = _resolve
 
 def _run_task(job: JobContext) -> None:
     task = _task_for(job.kind.partition(":")[2])
-    assert task is not None  # resolved just before
+    if task is None:  # pragma: no cover - resolved just before
+        raise RuntimeError(f"task {job.kind} vanished")
     backend = task.get_backend()
     result = backend.result_from_job(job.row, task)
     task_started.send(sender=type(backend), task_result=result)
@@ -164,7 +165,9 @@ def _run_task(job: JobContext) -> None:
             )
         raise
     with connections[alias].cursor() as cursor:
-        cursor.execute(STORE_RETURN, {"patch": encoded, "id": job.id, "run_lease": job.row.run_lease})
+        cursor.execute(
+            STORE_RETURN, {"patch": encoded, "id": job.id, "run_lease": job.row.run_lease}
+        )
     return None
 
 

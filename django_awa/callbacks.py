@@ -17,6 +17,7 @@ signature; ``sign()`` makes the headers for senders written in Python.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import hmac
 import json
@@ -25,7 +26,8 @@ import time
 import uuid
 from typing import Any
 
-from django.db import connections, transaction
+from django.core.exceptions import RequestDataTooBig
+from django.db import DatabaseError, connections, transaction
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -45,6 +47,9 @@ SIGNATURE_HEADER = "X-Awa-Signature"
 TIMESTAMP_HEADER = "X-Awa-Timestamp"
 MAX_SKEW = 300
 MAX_BODY = 1_000_000
+# A receipt outlives every replay of its request that the clock check would let
+# through: a timestamp up to MAX_SKEW ahead stays acceptable 2 * MAX_SKEW.
+RECEIPT_RETENTION = 2 * MAX_SKEW + 60
 
 LOCK_BY_CALLBACK = f"""
 SELECT {sql.JOB_COLUMNS} FROM awa_job WHERE callback_id = %(callback_id)s FOR UPDATE
@@ -70,6 +75,13 @@ RETURNING {sql.JOB_COLUMNS}
 RECORD_EARLY = """
 UPDATE awa_job SET metadata = metadata || jsonb_build_object('awa_early_callback', %(early)s::jsonb)
 WHERE id = %(id)s
+"""
+
+# -- PRUNE_RECEIPTS --
+# Forget receipts whose request would be refused as stale anyway.
+# Index: awa_receipt_received_idx (received_at).
+PRUNE_RECEIPTS = """
+DELETE FROM awa_callback_receipt WHERE received_at < now() - make_interval(secs => %(keep)s)
 """
 
 EXTEND = f"""
@@ -143,6 +155,11 @@ def _resolve(
         context["next_run_at"] = row.run_at
     dispatch(outcome, row, context, alias)
     send_signal(outcome, row, context, alias)
+    logger.info(
+        "job %s kind=%s attempt=%s -> %s by callback %s (%s)",
+        row.id, row.kind, job.attempt, row.state, job.callback_id, action,
+        extra={"job_id": row.id, "kind": row.kind, "queue": row.queue, "attempt": job.attempt},
+    )  # fmt: skip
     return row
 
 
@@ -180,7 +197,9 @@ def _external(
             logger.info("callback %s for job %s arrived early; applied when it parks", cid, job.id)
             return job
         if job.state != JobState.WAITING_EXTERNAL:
-            raise CallbackNotFound(f"callback {cid} is already resolved (job {job.id} is {job.state})")
+            raise CallbackNotFound(
+                f"callback {cid} is already resolved (job {job.id} is {job.state})"
+            )
         return _resolve(job, action, payload=payload, error=error, alias=alias)
 
 
@@ -210,12 +229,15 @@ def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None
 
 
 def retry_external(callback_id: uuid.UUID | str, *, using: str | None = None) -> Job:
-    """Make the job waiting on ``callback_id`` available now, attempts reset (Retried follow-ups)."""
+    """Make the job waiting on ``callback_id`` available now with its attempts reset.
+
+    Retried follow-ups get ``error="retried externally"``, the attempt before
+    the reset and ``next_run_at`` now."""
     return _external(callback_id, "retry", using=using)
 
 
 def heartbeat_callback(
-    callback_id: uuid.UUID | str, timeout: float | Any, *, using: str | None = None
+    callback_id: uuid.UUID | str, timeout: float | dt.timedelta, *, using: str | None = None
 ) -> Job:
     """Push the callback's timeout to ``timeout`` from now. Raises ``CallbackNotFound``."""
     try:
@@ -229,7 +251,9 @@ def heartbeat_callback(
     with transaction.atomic(using=alias):
         job = _lock(cid, alias)
         if job.state not in (JobState.WAITING_EXTERNAL, JobState.RUNNING):
-            raise CallbackNotFound(f"callback {cid} is already resolved (job {job.id} is {job.state})")
+            raise CallbackNotFound(
+                f"callback {cid} is already resolved (job {job.id} is {job.state})"
+            )
         with connections[alias].cursor() as cursor:
             cursor.execute(EXTEND, {"id": job.id, "timeout": seconds})
             return job_from_row(cursor.fetchone(), alias)
@@ -245,21 +269,46 @@ def apply_early(row: Job, alias: str) -> Job | None:
     early = _early_for(row, row.callback_id)
     if early is None:
         return None
+    action = early.get("action")
+    if action not in ("complete", "fail", "retry"):
+        logger.error("job %s: ignoring an early callback with action %r", row.id, action)
+        return None
     try:
         with transaction.atomic(using=alias):
             return _resolve(
                 row,
-                early.get("action", "complete"),
+                action,
                 payload=early.get("payload"),
                 error=early.get("error"),
                 alias=alias,
             )
-    except FollowupError:
-        logger.exception("early callback for job %s could not be applied", row.id)
+    except (FollowupError, DatabaseError):
+        # Caught, not raised: finalize's transaction must still commit the park
+        # (the savepoint above rolled back only the resolution). Re-raising
+        # would make the worker write the same batch again, forever.
+        logger.exception(
+            "job %s kind=%s: the early callback %s could not be applied; the job waits on it",
+            row.id,
+            row.kind,
+            row.callback_id,
+            extra={"job_id": row.id, "kind": row.kind, "queue": row.queue},
+        )
         return None
 
 
 # -- the HTTP receiver ------------------------------------------------------------
+
+
+def prune_receipts(using: str | None = None) -> int:
+    """Delete receipts of accepted requests too old to be replayed; returns how many.
+
+    For maintenance's prune duty: without it ``awa_callback_receipt`` keeps one
+    row per accepted request for ever.
+    """
+    alias = database_alias(using)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(PRUNE_RECEIPTS, {"keep": RECEIPT_RETENTION})
+        return cursor.rowcount
 
 
 def signature(body: bytes, secret: str, timestamp: str) -> str:
@@ -312,8 +361,10 @@ def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
         return _error(400, 'fail needs {"error": "<non-empty string>"}')
     if action == "heartbeat":
         timeout = data.get("timeout")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-            0 < timeout <= 365 * 86400
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not (0 < timeout <= 365 * 86400)
         ):
             return _error(400, 'heartbeat needs {"timeout": <seconds, positive>}')
     return data
@@ -331,7 +382,12 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
     length = request.headers.get("Content-Length") or "0"
     if not length.isdigit() or int(length) > MAX_BODY:
         return _error(413, f"body over {MAX_BODY} bytes")
-    body = request.body
+    try:
+        body = request.body
+    except RequestDataTooBig:  # DATA_UPLOAD_MAX_MEMORY_SIZE is below MAX_BODY
+        return _error(413, "body over DATA_UPLOAD_MAX_MEMORY_SIZE")
+    if len(body) > MAX_BODY:  # no Content-Length (chunked): judged once read
+        return _error(413, f"body over {MAX_BODY} bytes")
     verified = _verify(request, body)
     if isinstance(verified, JsonResponse):
         return verified

@@ -182,7 +182,9 @@ def _check_tags(tags: Iterable[str] | None, where: str) -> list[str]:
     tag_list = list(tags)
     for tag in tag_list:
         if not isinstance(tag, str) or not tag or len(tag) > 255:
-            raise ValidationError(f"{where}: each tag must be a string of 1-255 characters: {tag!r}")
+            raise ValidationError(
+                f"{where}: each tag must be a string of 1-255 characters: {tag!r}"
+            )
     return tag_list
 
 
@@ -283,7 +285,9 @@ def insert_one(prepared: PreparedJob, alias: str) -> Job:
     return job_from_row(row[:-1], alias)
 
 
-def enqueue_many(items: Iterable[JobArgs | EnqueueRequest], *, using: str | None = None) -> list[int]:
+def enqueue_many(
+    items: Iterable[JobArgs | EnqueueRequest], *, using: str | None = None
+) -> list[int]:
     """Insert many jobs in bulk; return the inserted ids in input order.
 
     Every item is validated before anything is written: one bad item raises

@@ -20,9 +20,8 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from .compat import savepoint_create
-
 from . import sql
+from .compat import savepoint_create
 from .conf import to_seconds
 from .exceptions import TerminalError, ValidationError
 from .followups import Outcome
@@ -280,7 +279,7 @@ def from_exception(job: Job, exc: BaseException) -> AttemptResult:
     return errored(job, f"{type(exc).__name__}: {exc}", tb)
 
 
-def from_value(attempt: Attempt, value: Any) -> AttemptResult:  # noqa: C901 - one arm per result
+def from_value(attempt: Attempt, value: Any) -> AttemptResult:
     job = attempt.job
     match value:
         case None:
@@ -360,13 +359,11 @@ def run_attempt(
     return result
 
 
-class StaleAttempt(Exception):  # noqa: N818 - internal control flow
+class StaleAttempt(Exception):
     """The attempt's guarded finalize matched no row: roll its writes back."""
 
 
-def run_atomic_attempt(
-    attempt: Attempt, spec: WorkerSpec, args: JobArgs
-) -> AttemptResult | None:
+def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> AttemptResult | None:
     """Run an ``atomic=True`` handler inside the transaction that finalizes it.
 
     The handler's writes, the state change and its follow-ups commit together.

@@ -25,9 +25,8 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, connections, transaction
 
-from .compat import savepoint_create
-
 from . import signals, sql
+from .compat import savepoint_create
 from .enqueueing import PreparedJob, insert_reserved
 from .execute import AttemptResult, errored
 from .followups import FollowupError, FollowupSpec, Outcome, build, followup_registry
@@ -44,7 +43,7 @@ _SIGNALS = {
 }
 
 
-class _FollowupsFailed(Exception):  # noqa: N818 - internal control flow
+class _FollowupsFailed(Exception):
     def __init__(self, failures: dict[int, tuple[AttemptResult, Exception]]) -> None:
         super().__init__(f"{len(failures)} follow-up failure(s)")
         self.failures = failures
@@ -95,7 +94,7 @@ def followup_context(result: AttemptResult) -> dict[str, Any]:
 def _insert(
     batch: Sequence[tuple[AttemptResult, list[tuple[FollowupSpec, PreparedJob]]]], alias: str
 ) -> dict[int, tuple[AttemptResult, Exception]]:
-    """Insert every prepared follow-up in one statement; report triggers whose insert was refused."""
+    """Insert every prepared follow-up in one statement; report refused triggers."""
     flat = [(result, spec, job) for result, items in batch for spec, job in items]
     if not flat:
         return {}
@@ -120,7 +119,8 @@ def _apply_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
     failures: dict[int, tuple[AttemptResult, Exception]] = {}
     batch = []
     for result in applied:
-        assert result.outcome is not None and result.row is not None
+        if result.outcome is None or result.row is None:  # pragma: no cover - by construction
+            raise RuntimeError(f"job {result.job.id}: follow-ups without an outcome or row")
         try:
             batch.append((result, build(result.outcome, result.row, followup_context(result))))
         except FollowupError as exc:
@@ -211,7 +211,8 @@ def keep_pending(
     error: Exception | None = None,
 ) -> PendingFollowup:
     """Record follow-ups to insert later, in the current transaction."""
-    assert row is not None and outcome is not None
+    if row is None or outcome is None:  # pragma: no cover - by construction
+        raise RuntimeError("a pending follow-up needs the trigger's row and outcome")
     pending = PendingFollowup.objects.using(alias).create(
         job_id=row.id,
         kind=row.kind,
@@ -295,8 +296,7 @@ def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
     On a follow-up failure the handler's writes are rolled back with the
     transition (to ``handler_savepoint``) before the fallback is written.
     """
-    alias = result.job._state.db
-    assert alias is not None
+    alias = result.job._state.db or "default"
     if not _has_followups(result):
         applied = _write([result], alias, rows=_wants_rows([result]))
     else:

@@ -115,7 +115,9 @@ class FollowupRegistry:
 followup_registry = FollowupRegistry()
 
 
-def _decorator(outcome: Outcome) -> Callable[[Any], Callable[[Callable[..., Any]], Callable[..., Any]]]:
+def _decorator(
+    outcome: Outcome,
+) -> Callable[[Any], Callable[[Callable[..., Any]], Callable[..., Any]]]:
     params = ", ".join(("args", "job", *CONTEXT_PARAMETERS[outcome]))
 
     def declare(trigger: type[JobArgs]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -172,7 +174,9 @@ def context_values(outcome: Outcome, context: dict[str, Any]) -> tuple[Any, ...]
     return tuple(values)
 
 
-def build(outcome: Outcome, job: Job, context: dict[str, Any]) -> list[tuple[FollowupSpec, PreparedJob]]:
+def build(
+    outcome: Outcome, job: Job, context: dict[str, Any]
+) -> list[tuple[FollowupSpec, PreparedJob]]:
     """Call every follow-up function of (outcome, job.kind) and validate what they return.
 
     Raises ``FollowupError`` naming the function on the first failure.
@@ -202,7 +206,7 @@ def build(outcome: Outcome, job: Job, context: dict[str, Any]) -> list[tuple[Fol
             prepared.append((spec, prepare(dataclasses.replace(request, metadata=metadata))))
         except ArgsDecodeError as exc:
             raise FollowupError(f"follow-up {spec.name} failed: {exc}", spec=spec) from exc
-        except Exception as exc:  # noqa: BLE001 - user code: any failure is the function's
+        except Exception as exc:
             raise FollowupError(
                 f"follow-up {spec.name} failed: {type(exc).__name__}: {exc}", spec=spec
             ) from exc

@@ -290,7 +290,7 @@ def _decode_dataclass(cls: type, data: Any, path: str) -> Any:
         raise ArgsDecodeError(f"{path or 'args'}: expected a JSON object, got {data!r}")
     try:
         hints, fields = _shape(cls)
-    except Exception as exc:  # noqa: BLE001 - an unresolvable annotation is a decode error
+    except Exception as exc:
         raise ArgsDecodeError(f"{path or 'args'}: cannot resolve type hints: {exc}") from exc
     kwargs: dict[str, Any] = {}
     names = set()
@@ -307,7 +307,7 @@ def _decode_dataclass(cls: type, data: Any, path: str) -> Any:
         raise ArgsDecodeError(f"unexpected field {(path + '.' if path else '') + extra[0]!r}")
     try:
         return cls(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - __post_init__ may refuse the values
+    except Exception as exc:
         raise ArgsDecodeError(f"{path or 'args'}: {exc}") from exc
 
 
@@ -318,7 +318,7 @@ def _shape(cls: type) -> tuple[dict[str, Any], tuple[dataclasses.Field[Any], ...
     return typing.get_type_hints(cls), fields
 
 
-def _decode_value(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one branch per type
+def _decode_value(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if hint is Any or hint is object:
         return value
@@ -337,7 +337,9 @@ def _decode_value(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one
         raise ArgsDecodeError(errors[0] if errors else f"field {where!r}: no type fits {value!r}")
     if origin is typing.Literal:
         if value not in typing.get_args(hint):
-            raise ArgsDecodeError(f"field {where!r}: {value!r} is not one of {typing.get_args(hint)}")
+            raise ArgsDecodeError(
+                f"field {where!r}: {value!r} is not one of {typing.get_args(hint)}"
+            )
         return value
     if origin in (list, tuple, set, frozenset) or hint in (list, tuple, set, frozenset):
         if not isinstance(value, list):
@@ -366,7 +368,7 @@ def _decode_value(hint: Any, value: Any, where: str) -> Any:  # noqa: C901 - one
     return value
 
 
-def _decode_scalar(hint: type, value: Any, where: str) -> Any:  # noqa: C901
+def _decode_scalar(hint: type, value: Any, where: str) -> Any:
     def wrong(expected: str) -> ArgsDecodeError:
         return ArgsDecodeError(f"field {where!r}: expected {expected}, got {value!r}")
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from django.db import connections, models
@@ -63,9 +63,11 @@ class JobQuerySet(models.QuerySet["Job"]):
 
     def followups_of(self, job_id: int) -> JobQuerySet:
         """Jobs enqueued by follow-ups of job ``job_id`` (uses ``awa_job_trigger_idx``)."""
-        return self.filter(metadata__has_key="awa_trigger").alias(
-            trigger_job_id=KT("metadata__awa_trigger__job_id")
-        ).filter(trigger_job_id=str(job_id))
+        return (
+            self.filter(metadata__has_key="awa_trigger")
+            .alias(trigger_job_id=KT("metadata__awa_trigger__job_id"))
+            .filter(trigger_job_id=str(job_id))
+        )
 
 
 class Job(models.Model):
@@ -104,7 +106,8 @@ class Job(models.Model):
     # The run after a Snooze keeps the snoozed run's attempt number.
     snoozed = models.BooleanField(default=False, db_default=False)
     # Uniqueness is enforced by a partial unique index over these two columns.
-    unique_key = models.CharField(max_length=64, null=True, blank=True)
+    # NULL, not "", for "no key": the partial unique index skips NULLs.
+    unique_key = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
     unique_states = models.JSONField(null=True, blank=True)
 
     objects = JobQuerySet.as_manager()
@@ -241,9 +244,7 @@ class PendingFollowup(models.Model):
 
 _JOB_FIELDS = Job._meta.concrete_fields
 _JOB_ATTNAMES = [f.attname for f in _JOB_FIELDS]
-_JSON_FIELDS = frozenset(
-    i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, models.JSONField)
-)
+_JSON_FIELDS = frozenset(i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, models.JSONField))
 
 
 def job_from_row(values: Sequence[Any], using: str) -> Job:

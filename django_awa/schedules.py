@@ -114,7 +114,7 @@ def fire_due(alias: str, now: dt.datetime | None = None) -> int:
     for schedule in list(schedules.values()):
         try:
             fired += _fire(schedule, alias, now)
-        except Exception:  # noqa: BLE001 - one bad schedule must not stop the others
+        except Exception:
             logger.exception("periodic %r failed to fire", schedule.name)
     return fired
 
@@ -155,7 +155,9 @@ def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
                 with transaction.atomic(using=alias):
                     insert_one(prepare(request), alias)
             except UniqueConflict:
-                logger.info("periodic %r fire at %s skipped: unique conflict", schedule.name, fire_at)
+                logger.info(
+                    "periodic %r fire at %s skipped: unique conflict", schedule.name, fire_at
+                )
         if fires:
             row.last_fire_at = fires[-1]
         if fires or changed:

@@ -29,8 +29,8 @@ WITH ins AS (
     INSERT INTO awa_job ({_INSERT_COLUMNS})
     VALUES (%(kind)s, %(queue)s, %(args)s::jsonb,
             CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'available' END,
-            %(priority)s, %(max_attempts)s, coalesce(%(run_at)s::timestamptz, now()), %(tags)s::jsonb, %(metadata)s::jsonb,
-            %(unique_key)s, %(unique_states)s::jsonb)
+            %(priority)s, %(max_attempts)s, coalesce(%(run_at)s::timestamptz, now()),
+            %(tags)s::jsonb, %(metadata)s::jsonb, %(unique_key)s, %(unique_states)s::jsonb)
     {{on_conflict}}
     RETURNING {JOB_COLUMNS}
 )
@@ -38,8 +38,7 @@ SELECT ins.*, CASE WHEN ins.state = 'available' THEN pg_notify('awa_job', ins.qu
 FROM ins
 """
 UNIQUE_CONFLICT_CLAUSE = (
-    "ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND unique_states ? state "
-    "DO NOTHING"
+    "ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND unique_states ? state DO NOTHING"
 )
 INSERT_ONE_UNIQUE = INSERT_ONE.format(on_conflict=UNIQUE_CONFLICT_CLAUSE)
 INSERT_ONE = INSERT_ONE.format(on_conflict="")

@@ -297,7 +297,7 @@ class Worker:
                 self._forget(attempt)
                 return
             self.results.put(run_attempt(attempt, flush_progress=self._mark_progress))
-        except Exception:  # noqa: BLE001 - never lose a slot to an unexpected error
+        except Exception:
             logger.exception("worker error running job %s", attempt.job.id)
             self._forget(attempt)
         finally:
@@ -451,7 +451,7 @@ class Worker:
                     logger.warning("maintenance leader lost its connection (%s)", exc)
                 self.is_leader = False
                 self._reset_connection()
-            except Exception:  # noqa: BLE001 - keep maintaining after a bug in one duty
+            except Exception:
                 logger.exception("maintenance failed")
             self.halt.wait(min(1.0, self.conf.maintenance_interval))
         if self.is_leader:

@@ -74,9 +74,7 @@ class WorkerProcess:
 
 
 @pytest.fixture
-def start_worker(
-    transactional_db: Any, tmp_path: Path
-) -> Iterator[Callable[..., WorkerProcess]]:
+def start_worker(transactional_db: Any, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:

@@ -224,7 +224,9 @@ def test_unique_by_args_queue_and_period():
     base = timezone.now().replace(minute=0, second=0, microsecond=0) + dt.timedelta(days=1)
     awa.enqueue(Echo(n=5), run_at=base, unique=awa.Unique(by_period=hour))
     with pytest.raises(awa.UniqueConflict):
-        awa.enqueue(Echo(n=5), run_at=base + dt.timedelta(minutes=5), unique=awa.Unique(by_period=hour))
+        awa.enqueue(
+            Echo(n=5), run_at=base + dt.timedelta(minutes=5), unique=awa.Unique(by_period=hour)
+        )
     awa.enqueue(Echo(n=5), run_at=base + hour, unique=awa.Unique(by_period=hour))
 
 

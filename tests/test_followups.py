@@ -222,7 +222,9 @@ def test_when_the_fallbacks_followups_fail_too_they_are_kept_and_replayed():
     assert Maintenance().replay_pending() == 1
     assert not PendingFollowup.objects.exists()
     (child,) = followups_of(job.id)
-    assert child.args["note"].startswith("retried:1:follow-up tests.testapp.followups.act_completed")
+    assert child.args["note"].startswith(
+        "retried:1:follow-up tests.testapp.followups.act_completed"
+    )
 
 
 @db
@@ -421,9 +423,7 @@ def test_every_committed_outcome_has_exactly_its_followups_over_5000_jobs(start_
     wait_for(
         lambda: Job.objects.filter(id__in=ids, state__in=["completed", "failed"]).count() == 5000,
         timeout=120,
-        message=lambda: str(
-            Job.objects.filter(id__in=ids).values("state").annotate(n=Count("id"))
-        ),
+        message=lambda: str(Job.objects.filter(id__in=ids).values("state").annotate(n=Count("id"))),
     )
     with connection.cursor() as cursor:
         # Per trigger: the outcomes its rows committed (errors, final state) against

@@ -117,9 +117,7 @@ def test_two_worker_processes_never_run_the_same_attempt(start_worker):
     wait_for(
         lambda: Job.objects.filter(id__in=ids, state=JobState.COMPLETED).count() == 2000,
         timeout=90,
-        message=lambda: str(
-            Job.objects.filter(id__in=ids).values("state").annotate(n=Count("id"))
-        ),
+        message=lambda: str(Job.objects.filter(id__in=ids).values("state").annotate(n=Count("id"))),
     )
     runs = Ledger.objects.filter(job_id__in=ids).values("job_id").annotate(n=Count("id"))
     counts = {row["job_id"]: row["n"] for row in runs}

@@ -63,7 +63,7 @@ def _ledger(job: awa.JobContext, note: str = "") -> None:
 
 
 @awa.worker(Act, max_attempts=3)
-def act(job: awa.JobContext):  # noqa: C901 - one branch per action
+def act(job: awa.JobContext):
     args = job.args
     _ledger(job, args.action)
     if args.fail_until and job.attempt <= args.fail_until:

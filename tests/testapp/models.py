@@ -12,6 +12,9 @@ class Ledger(models.Model):
     class Meta:
         app_label = "testapp"
 
+    def __str__(self) -> str:
+        return f"run of job {self.job_id} attempt {self.attempt}"
+
 
 class Order(models.Model):
     """A business row written by atomic handlers."""
@@ -21,3 +24,6 @@ class Order(models.Model):
 
     class Meta:
         app_label = "testapp"
+
+    def __str__(self) -> str:
+        return self.reference
