@@ -637,10 +637,11 @@ class JobAdmin(admin.ModelAdmin):
                 return control.cancel(job_id, reason, using=alias)
 
         skipped = queryset.exclude(state__in=list(states)).count()
-        done, failed = self._each(request, queryset.filter(state__in=list(states)), apply, verb)
-        # A job may have finished between the SELECT and its UPDATE: unchanged.
-        skipped += sum(1 for job in done if job.state != done_state)
-        changed = len(done) - sum(1 for job in done if job.state != done_state)
+        changed, unchanged, failed = self._each(
+            queryset.filter(state__in=list(states)), apply, done_state, verb
+        )
+        # A job may have moved on between the SELECT and its UPDATE: unchanged.
+        skipped += unchanged
         if changed or not (skipped or failed):
             self.message_user(
                 request,
@@ -669,16 +670,17 @@ class JobAdmin(admin.ModelAdmin):
 
     def _each(
         self,
-        request: HttpRequest,
         queryset: QuerySet,
         apply: Callable[[int], Job],
+        done_state: str,
         verb: str,
-    ) -> tuple[list[Job], list[tuple[int, str]]]:
-        done: list[Job] = []
+    ) -> tuple[int, int, list[tuple[int, str]]]:
+        """Apply to each job id in turn: (changed, unchanged, [(id, error), ...])."""
+        changed = unchanged = 0
         failed: list[tuple[int, str]] = []
         for job_id in queryset.order_by("id").values_list("id", flat=True).iterator(chunk_size=500):
             try:
-                done.append(apply(job_id))
+                job = apply(job_id)
             # An operator's batch goes on past one job whose follow-up function
             # (user code, any exception) or unique key refused it; that job's
             # own transaction rolled back and the error is shown.
@@ -692,7 +694,12 @@ class JobAdmin(admin.ModelAdmin):
                     exc_info=True,
                 )
                 failed.append((job_id, Truncator(str(exc) or type(exc).__name__).chars(200)))
-        return done, failed
+                continue
+            if job.state == done_state:
+                changed += 1
+            else:
+                unchanged += 1
+        return changed, unchanged, failed
 
 
 @admin.register(Queue)

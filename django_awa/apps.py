@@ -2,6 +2,7 @@ from importlib import import_module
 
 from django.apps import AppConfig
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import autodiscover_modules
 
 
@@ -24,4 +25,11 @@ class AwaConfig(AppConfig):
             isinstance(conf, dict) and conf.get("BACKEND") == "django_awa.backends.AwaTaskBackend"
             for conf in backends.values()
         ):
-            import_module("django_awa.backends")
+            try:
+                import_module("django_awa.backends")
+            except ImportError as exc:
+                raise ImproperlyConfigured(
+                    "TASKS uses django_awa.backends.AwaTaskBackend, which needs Django 6 "
+                    "(django.tasks) or, on Django 5.2, the django-tasks backport "
+                    f"(pip install 'django-awa[tasks]'): {exc}"
+                ) from exc

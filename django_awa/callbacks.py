@@ -263,8 +263,9 @@ def apply_early(row: Job, alias: str) -> Job | None:
     """After a job parked: apply a callback that arrived while its handler ran.
 
     Runs inside finalize's transaction, in a savepoint: if the resolution's
-    follow-ups fail, the job stays parked (and the early record stays) until
-    the callback times out and is rescued.
+    follow-ups fail, the job stays parked on the same callback id, which a
+    later call may still resolve, until the callback times out and is rescued.
+    Only a record naming the callback the job parked on is applied.
     """
     early = _early_for(row, row.callback_id)
     if early is None:

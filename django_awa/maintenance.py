@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -108,7 +109,7 @@ class Maintenance:
                 reason = RescueReason(row[0])
                 job = job_from_row(row[1:], self.alias)
                 queues.add(job.queue)
-                logger.warning(
+                logger.debug(
                     "rescued job %s kind=%s attempt=%s (%s): now %s",
                     job.id,
                     job.kind,
@@ -121,6 +122,15 @@ class Maintenance:
                 if followup_registry.has(Outcome.RESCUED, job.kind):
                     pending_ids.append(keep_pending(job, Outcome.RESCUED, context, self.alias).id)
                 send_signal(Outcome.RESCUED, job, {"reason": reason}, self.alias)
+        if rescued:
+            reasons = Counter(row[0] for row in rescued)
+            logger.warning(
+                "rescued %s job(s) (%s): %s%s",
+                len(rescued),
+                ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in reasons.items()),
+                ", ".join(str(row[1]) for row in rescued[:20]),
+                " ..." if len(rescued) > 20 else "",
+            )
         for pending_id in pending_ids:
             self.replay_one(pending_id)
         return queues

@@ -150,14 +150,27 @@ FINALIZE = _FINALIZE + "RETURNING j.id"
 FINALIZE_RETURNING_ROWS = _FINALIZE + f"RETURNING {J_JOB_COLUMNS}"
 
 # -- HEARTBEAT --
-# Mark this worker's running attempts alive. Returns the attempts still held:
+# Mark this worker's running attempts alive and report which are still held:
 # one missing was cancelled, rescued or otherwise lost, and its handler is
-# told through JobContext.is_cancelled(). Primary key lookups.
+# told through JobContext.is_cancelled(). Rows locked by a concurrent write
+# (the completer finalizing them) are skipped, not waited for, so a heartbeat
+# never deadlocks with a batched finalize; they still count as held when the
+# statement's snapshot shows them running. Primary key lookups.
 HEARTBEAT = """
-UPDATE awa_job AS j SET heartbeat_at = now()
-FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
-WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
-RETURNING j.id
+WITH held AS (
+    SELECT j.id FROM awa_job AS j
+    JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
+      ON j.id = d.id AND j.run_lease = d.run_lease
+    WHERE j.state = 'running'
+),
+beat AS (
+    UPDATE awa_job AS j SET heartbeat_at = now()
+    FROM (SELECT id FROM awa_job WHERE id IN (SELECT id FROM held)
+          ORDER BY id FOR UPDATE SKIP LOCKED) AS l
+    WHERE j.id = l.id
+    RETURNING j.id
+)
+SELECT id FROM held
 """
 
 # -- SET_PROGRESS --

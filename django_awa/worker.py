@@ -28,7 +28,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -142,6 +143,9 @@ class Worker:
         self.threads: list[threading.Thread] = []
         self.is_leader = False
         self.processed = 0
+        # Results waiting for the completer: past this, producers stop claiming,
+        # so claimed-but-unrecorded jobs stay bounded when the database is slow.
+        self.backlog_limit = max(100, 2 * sum(queues.values()))
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -217,8 +221,27 @@ class Worker:
         self._release_unfinished()
         self.halt.set()
         for runner in self.queues.values():
+            futures_wait(self._close_pool_connections(runner), timeout=3.0)
             runner.pool.shutdown(wait=False, cancel_futures=True)
+        for thread in self.threads:
+            thread.join(timeout=2.0)
         logger.info("awa worker %s stopped after %s jobs", self.name, self.processed)
+
+    @staticmethod
+    def _close_pool_connections(runner: QueueRunner) -> list[Future[None]]:
+        """Close each handler thread's database connection (one task per thread).
+
+        A thread still stuck in a handler misses the barrier and keeps its
+        connection until the process exits.
+        """
+        barrier = threading.Barrier(runner.concurrency)
+
+        def close() -> None:
+            connections.close_all()
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(timeout=1.0)
+
+        return [runner.pool.submit(close) for _ in range(runner.concurrency)]
 
     def _release_unfinished(self) -> None:
         with self.running_lock:
@@ -250,6 +273,9 @@ class Worker:
         backoff = Backoff()
         batch = self.conf.claim_batch_size
         while not self.stopping.is_set():
+            if self.results.qsize() > self.backlog_limit:
+                self.stopping.wait(0.01)
+                continue
             # Wait for at least one free slot, then take every other free one.
             if not runner.slots.acquire(timeout=0.5):
                 continue

@@ -106,6 +106,8 @@ class Migration(migrations.Migration):
             options={
                 'db_table': 'awa_pending_followup',
                 'ordering': ('next_attempt_at', 'id'),
+                'verbose_name': 'pending follow-up',
+                'verbose_name_plural': 'pending follow-ups (dead letters)',
                 'indexes': [models.Index(fields=['next_attempt_at'], name='awa_pending_due_idx')],
             },
         ),

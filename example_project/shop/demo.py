@@ -1,0 +1,610 @@
+"""The moving parts of ``manage.py awa_demo``, one process, several threads:
+
+* the worker: a django_awa ``Worker`` running the queues (``run()`` in a thread);
+* the producer: creates orders at a steady rate, each ``Order`` row and its
+  ``ChargeCard`` job in one transaction, plus a stream of cheap jobs;
+* the carrier: answers parked ``ShipOrder`` jobs after a short delay, by a
+  signed ``POST`` to the callback receiver (``http``) or by calling
+  ``awa.complete_external`` (``direct``);
+* the main thread: one line of statistics a second, then a summary.
+
+Each thread uses its own database connections (Django's are per thread) and
+closes them when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TextIO
+
+from django.conf import settings
+from django.db import DatabaseError, connections, transaction
+from django.db.models.functions import Now
+from django.http.request import validate_host
+from django.urls import NoReverseMatch, reverse
+
+import django_awa as awa
+from django_awa.callbacks import sign
+from django_awa.conf import awa_settings
+from django_awa.models import FINAL_STATES, Job, JobState
+
+from .jobs import ChargeCard, ResizeImage, ShipOrder, SyncInventory, is_cancelled, is_declined
+from .models import Order
+
+# Share of produced jobs that are orders (a ChargeCard each); the rest are cheap kinds.
+ORDER_SHARE = 0.5
+DECLINED_SHARE = 0.03  # amounts ending in 13: charge exhausts, order refunded
+CANCELLED_SHARE = 0.05  # amounts ending in 7: customer cancels
+TICK = 0.05  # the producer enqueues every TICK seconds
+STATES = (
+    JobState.AVAILABLE,
+    JobState.RUNNING,
+    JobState.RETRYABLE,
+    JobState.SCHEDULED,
+    JobState.WAITING_EXTERNAL,
+    JobState.COMPLETED,
+    JobState.FAILED,
+    JobState.CANCELLED,
+)
+# Loggers quietened while the demo runs: one line per retry or exhausted job
+# (django_awa.finalize) or per rescued job (django_awa.maintenance, e.g. parked
+# jobs a previous run left behind) is what the statistics line summarises.
+QUIET_LOGGERS = {
+    "django_awa": logging.WARNING,
+    "django_awa.finalize": logging.CRITICAL,
+    "django_awa.maintenance": logging.ERROR,
+    "django.request": logging.ERROR,
+    "django.server": logging.ERROR,
+}
+
+
+@contextmanager
+def quiet_logging() -> Iterator[None]:
+    saved = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    for name, level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def pick_amount(rng: random.Random) -> int:
+    """An order amount; its last digits decide what the pretend provider does."""
+    dollars = rng.randint(5, 400)
+    roll = rng.random()
+    if roll < DECLINED_SHARE:
+        return dollars * 100 + 13
+    if roll < DECLINED_SHARE + CANCELLED_SHARE:
+        return dollars * 100 + rng.randrange(0, 100, 10) + 7
+    while True:
+        amount = dollars * 100 + rng.randrange(100)
+        if not (is_declined(amount) or is_cancelled(amount)):
+            return amount
+
+
+class Service(threading.Thread):
+    """A daemon thread with a stop event that closes its connections on exit."""
+
+    def __init__(self, name: str, err: TextIO) -> None:
+        super().__init__(name=name, daemon=True)
+        self.stopping = threading.Event()
+        self.err = err
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self.step()
+                except DatabaseError as exc:
+                    self.err.write(f"{self.name}: database error ({exc}); reconnecting\n")
+                    connections.close_all()
+                    self.stopping.wait(1.0)
+        finally:
+            connections.close_all()
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+
+class Producer(Service):
+    """Enqueues ``rate`` jobs a second: orders and cheap kinds, half and half.
+
+    The demo runs several, like concurrent web requests: one order per
+    transaction costs a commit each, more than one thread sustains at 100/s.
+    """
+
+    def __init__(self, rate: float, alias: str, err: TextIO, name: str = "demo-producer") -> None:
+        super().__init__(name, err)
+        self.rate = rate
+        self.alias = alias
+        self.rng = random.Random()  # noqa: S311 - a simulation, not crypto
+        self.carry = 0.0
+        self.next_at = 0.0
+        self.orders = 0
+        self.others = 0
+        self.showcase: list[int] = []  # amounts to place first
+
+    def step(self) -> None:
+        if not self.next_at:
+            self.next_at = time.monotonic()
+        self.carry += self.rate * TICK
+        count = int(self.carry)
+        self.carry -= count
+        orders = sum(self.rng.random() < ORDER_SHARE for _ in range(count))
+        for _ in range(orders):
+            self.place_order()
+        others = [self.cheap_job() for _ in range(count - orders)]
+        if others:
+            awa.enqueue_many(others, using=self.alias)
+            self.others += len(others)
+        self.next_at += TICK
+        behind = time.monotonic() - self.next_at
+        if behind > 1.0:  # the database is slower than the rate: don't burst to catch up
+            self.next_at = time.monotonic()
+        self.stopping.wait(max(0.0, -behind))
+
+    def place_order(self) -> None:
+        amount = self.showcase.pop(0) if self.showcase else pick_amount(self.rng)
+        # The order and its charge commit together, or neither exists.
+        with transaction.atomic(using=self.alias):
+            order = Order.objects.using(self.alias).create(
+                reference=f"ORD-{uuid.uuid4().hex[:10].upper()}", amount_cents=amount
+            )
+            awa.enqueue(ChargeCard(order_id=order.id, amount_cents=amount), using=self.alias)
+        self.orders += 1
+
+    def cheap_job(self) -> awa.JobArgs:
+        if self.rng.random() < 0.5:
+            return ResizeImage(image=f"img/{self.rng.randrange(10_000)}.jpg", width=400)
+        return SyncInventory(sku=f"SKU-{self.rng.randrange(1_000):04d}")
+
+
+class Carrier(Service):
+    """Answers each parked ``ShipOrder`` job ``delay`` seconds after it started.
+
+    This thread finds the parked jobs in the database, as an integration polling
+    an outbox would (so it also answers jobs parked by other worker processes),
+    and hands their callback ids to ``COURIERS`` threads that deliver the answers:
+    one at a time, a round trip each, a single thread would fall behind.
+    """
+
+    COURIERS = 4
+    mode = "direct"
+
+    def __init__(self, delay: float, alias: str, err: TextIO) -> None:
+        super().__init__("demo-carrier", err)
+        self.delay = delay
+        self.alias = alias
+        self.answered = 0
+        self.gone = 0  # resolved meanwhile (timed out, or answered twice)
+        self.errors = 0
+        self.lock = threading.Lock()
+        self.in_flight: set[uuid.UUID] = set()
+        self.outbox: queue.Queue[uuid.UUID] = queue.Queue()
+        self.couriers = [
+            threading.Thread(target=self.courier, name=f"demo-courier-{i}", daemon=True)
+            for i in range(self.COURIERS)
+        ]
+
+    def run(self) -> None:
+        for courier in self.couriers:
+            courier.start()
+        try:
+            super().run()
+        finally:
+            for courier in self.couriers:
+                courier.join(15)
+
+    def step(self) -> None:
+        with self.lock:
+            busy = list(self.in_flight)
+        # The database clock judges "delay seconds ago", as the worker's does.
+        due = list(
+            Job.objects.using(self.alias)
+            .filter(
+                kind=ShipOrder.kind,
+                state=JobState.WAITING_EXTERNAL,
+                attempted_at__lte=Now() - timedelta(seconds=self.delay),
+            )
+            .exclude(callback_id__in=busy)
+            .order_by("attempted_at")
+            .values_list("callback_id", flat=True)[:500]
+        )
+        with self.lock:
+            self.in_flight.update(due)
+        for callback_id in due:
+            self.outbox.put(callback_id)
+        self.stopping.wait(0.2)
+
+    def courier(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                try:
+                    callback_id = self.outbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                try:
+                    self.deliver(callback_id)
+                except DatabaseError as exc:
+                    self.errors += 1
+                    self.err.write(f"carrier: {exc} for callback {callback_id}\n")
+                    connections.close_all()
+                finally:
+                    with self.lock:
+                        self.in_flight.discard(callback_id)
+        finally:
+            connections.close_all()
+
+    @staticmethod
+    def payload(callback_id: uuid.UUID) -> dict[str, Any]:
+        return {"tracking": f"1Z{callback_id.hex[:12].upper()}", "carrier": "demo-express"}
+
+    def deliver(self, callback_id: uuid.UUID) -> None:
+        try:
+            awa.complete_external(callback_id, self.payload(callback_id), using=self.alias)
+            self.answered += 1
+        except awa.CallbackNotFound:
+            self.gone += 1
+
+    def describe(self) -> str:
+        return "calls awa.complete_external() in-process"
+
+
+class HttpCarrier(Carrier):
+    """Posts a signed ``complete`` to the callback receiver served on ``base_url``."""
+
+    mode = "http"
+    COURIERS = 8
+
+    def __init__(self, delay: float, alias: str, err: TextIO, base_url: str, secret: str) -> None:
+        super().__init__(delay, alias, err)
+        self.base_url = base_url
+        self.secret = secret
+
+    def deliver(self, callback_id: uuid.UUID) -> None:
+        path = reverse(
+            "django_awa:callback", kwargs={"callback_id": callback_id, "action": "complete"}
+        )
+        # The payload names the callback, so no two bodies (and signatures) are alike:
+        # the receiver refuses a signature it has seen.
+        body = json.dumps({"payload": self.payload(callback_id)}).encode()
+        request = urllib.request.Request(  # noqa: S310 - our own http://127.0.0.1 server
+            self.base_url + path,
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json", **sign(body, self.secret)},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+                response.read()
+            self.answered += 1
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                self.gone += 1
+            else:  # 503: a follow-up failed; the job still waits, so a later poll retries
+                self.errors += 1
+                self.err.write(f"carrier: HTTP {exc.code} for callback {callback_id}\n")
+        except OSError as exc:
+            self.errors += 1
+            self.err.write(f"carrier: {exc} for callback {callback_id}\n")
+
+    def describe(self) -> str:
+        zero = uuid.UUID(int=0)
+        path = reverse("django_awa:callback", kwargs={"callback_id": zero, "action": "complete"})
+        return f"signed POSTs to {self.base_url}{path.replace(str(zero), '<id>')}"
+
+
+def http_carrier_problem() -> str | None:
+    """Why callbacks cannot go over HTTP in this project, or ``None`` if they can."""
+    if not awa_settings().callback_secret:
+        return "AWA['CALLBACK_SECRET'] is not set"
+    try:
+        reverse("django_awa:callback", kwargs={"callback_id": uuid.uuid4(), "action": "complete"})
+    except NoReverseMatch:
+        return 'the URLconf does not include path("awa/", include("django_awa.urls"))'
+    allowed = settings.ALLOWED_HOSTS
+    if settings.DEBUG and not allowed:
+        allowed = [".localhost", "127.0.0.1", "[::1]"]
+    if not validate_host("127.0.0.1", allowed):
+        return "ALLOWED_HOSTS does not allow 127.0.0.1"
+    return None
+
+
+class CallbackServer:
+    """This project's WSGI application on an ephemeral 127.0.0.1 port, in a thread."""
+
+    def __init__(self) -> None:
+        from django.core.handlers.wsgi import WSGIHandler
+        from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler
+
+        class QuietHandler(WSGIRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadedWSGIServer(("127.0.0.1", 0), QuietHandler)
+        # Not get_wsgi_application(): it runs django.setup() again, whose logging
+        # configuration would undo quiet_logging().
+        self.httpd.set_app(WSGIHandler())
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@dataclass(slots=True)
+class Marks:
+    """The highest ids before the run: the summary covers only rows after them."""
+
+    job: int
+    order: int
+
+    @classmethod
+    def now(cls, alias: str) -> Marks:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                "SELECT (SELECT coalesce(max(id), 0) FROM awa_job),"
+                " (SELECT coalesce(max(id), 0) FROM shop_order)"
+            )
+            job, order = cursor.fetchone()
+        return cls(job=job, order=order)
+
+
+class Producers:
+    """``count`` producers sharing ``rate``."""
+
+    def __init__(self, rate: float, alias: str, err: TextIO, count: int = 4) -> None:
+        self.members = [
+            Producer(rate / count, alias, err, name=f"demo-producer-{i}") for i in range(count)
+        ]
+        # Every run shows each path early, however short: a declined card
+        # (exhausted, then refunded) and a customer who cancels.
+        self.members[0].showcase = [4213, 2507]
+
+    def start(self) -> None:
+        for producer in self.members:
+            producer.start()
+
+    def stop(self) -> None:
+        for producer in self.members:
+            producer.stop()
+
+    def join(self, timeout: float) -> None:
+        for producer in self.members:
+            producer.join(timeout)
+
+    @property
+    def orders(self) -> int:
+        return sum(p.orders for p in self.members)
+
+    @property
+    def others(self) -> int:
+        return sum(p.others for p in self.members)
+
+
+@dataclass(slots=True)
+class Ticker:
+    """The once-a-second line: throughput, counts per state, follow-ups."""
+
+    alias: str
+    started: float = field(default_factory=time.monotonic)
+    last_completed: int | None = None
+    last_at: float = 0.0
+
+    def prime(self) -> None:
+        """Take the first sample, so that the first line has a rate."""
+        self.last_completed, self.last_at = self.totals()[JobState.COMPLETED], time.monotonic()
+
+    def totals(self) -> dict[str, int]:
+        totals = dict.fromkeys(STATES, 0)
+        for counts in awa.queue_stats(using=self.alias).values():
+            for state in STATES:
+                totals[state] += counts.get(state, 0)
+        return totals
+
+    def line(self, note: str = "") -> str:
+        totals = self.totals()
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM awa_job WHERE metadata ? 'awa_trigger'")
+            (followups,) = cursor.fetchone()
+        now = time.monotonic()
+        completed = totals[JobState.COMPLETED]
+        rate = 0.0
+        if self.last_completed is not None and now > self.last_at:
+            rate = max(0, completed - self.last_completed) / (now - self.last_at)
+        self.last_completed, self.last_at = completed, now
+        states = " ".join(f"{state}={totals[state]}" for state in STATES)
+        text = f"{now - self.started:6.1f}s {rate:6.0f} completed/s | {states}"
+        text += f" | follow-ups={followups}"
+        return f"{text}  {note}" if note else text
+
+
+def unfinished(alias: str, marks: Marks) -> int:
+    return Job.objects.using(alias).filter(id__gt=marks.job).exclude(state__in=FINAL_STATES).count()
+
+
+# -- the summary -------------------------------------------------------------------
+
+KIND_STATES = """
+SELECT kind, state, count(*) FROM awa_job WHERE id > %(job)s GROUP BY kind, state ORDER BY kind
+"""
+
+SHOP_COUNTS = """
+SELECT
+    (SELECT count(*) FROM shop_receipt r WHERE r.order_id > %(order)s),
+    (SELECT count(*) FROM shop_refund f WHERE f.order_id > %(order)s),
+    (SELECT count(*) FROM shop_notice n WHERE n.order_id > %(order)s),
+    (SELECT count(*) FROM awa_job j WHERE j.id > %(job)s AND j.metadata ? 'awa_trigger')
+"""
+
+ORDER_STATUSES = """
+SELECT status, count(*) FROM shop_order WHERE id > %(order)s GROUP BY status ORDER BY status
+"""
+
+# Each check counts the rows that break it; 0 is a pass. Follow-ups are found by
+# ``metadata #>> '{awa_trigger,job_id}'``, the expression awa_job_trigger_idx covers.
+# ``settled``: holds once the follow-up jobs have run; else at every instant.
+CHECKS: list[tuple[str, bool, str]] = [
+    (
+        "every paid order has exactly one receipt",
+        True,
+        """
+        SELECT count(*) FROM shop_order o
+        WHERE o.id > %(order)s AND o.status IN ('paid', 'shipping')
+          AND (SELECT count(*) FROM shop_receipt r WHERE r.order_id = o.id) <> 1
+        """,
+    ),
+    (
+        "every exhausted charge has exactly one refund",
+        True,
+        """
+        SELECT count(*) FROM awa_job j
+        WHERE j.id > %(job)s AND j.kind = 'charge_card' AND j.state = 'failed'
+          AND (SELECT count(*) FROM shop_refund f
+               WHERE f.order_id = (j.args->>'order_id')::bigint) <> 1
+        """,
+    ),
+    (
+        "every order is paid if and only if its charge completed",
+        False,
+        """
+        SELECT count(*) FROM shop_order o
+        JOIN awa_job j ON j.kind = 'charge_card' AND (j.args->>'order_id')::bigint = o.id
+        WHERE o.id > %(order)s AND j.id > %(job)s
+          AND (o.status IN ('paid', 'shipping')) <> (j.state = 'completed')
+        """,
+    ),
+    (
+        "every completed charge enqueued one SendReceipt and one ShipOrder",
+        False,
+        """
+        SELECT count(*) FROM awa_job j
+        WHERE j.id > %(job)s AND j.kind = 'charge_card' AND j.state = 'completed'
+          AND (SELECT count(*) FILTER (WHERE f.kind = 'send_receipt') <> 1
+                   OR count(*) FILTER (WHERE f.kind = 'ship_order') <> 1
+               FROM awa_job f
+               WHERE f.metadata ? 'awa_trigger'
+                 AND f.metadata #>> '{awa_trigger,job_id}' = j.id::text)
+        """,
+    ),
+    (
+        "every exhausted charge enqueued one RefundOrder",
+        False,
+        """
+        SELECT count(*) FROM awa_job j
+        WHERE j.id > %(job)s AND j.kind = 'charge_card' AND j.state = 'failed'
+          AND (SELECT count(*) FROM awa_job f
+               WHERE f.kind = 'refund_order' AND f.metadata ? 'awa_trigger'
+                 AND f.metadata #>> '{awa_trigger,job_id}' = j.id::text) <> 1
+        """,
+    ),
+]
+
+
+@dataclass(slots=True)
+class Summary:
+    kinds: dict[str, dict[str, int]]
+    orders: dict[str, int]
+    receipts: int
+    refunds: int
+    notices: int
+    followups: int
+    unfinished: int
+    checks: list[tuple[str, bool, int]]  # (description, settled, violations)
+
+    @property
+    def failed_checks(self) -> list[str]:
+        return [name for name, settled, bad in self.checks if bad and not self.skipped(settled)]
+
+    def skipped(self, settled: bool) -> bool:
+        return settled and self.unfinished > 0
+
+    @property
+    def totals(self) -> dict[str, int]:
+        totals = dict.fromkeys(STATES, 0)
+        for states in self.kinds.values():
+            for state, count in states.items():
+                totals[state] = totals.get(state, 0) + count
+        return totals
+
+    @classmethod
+    def collect(cls, alias: str, marks: Marks) -> Summary:
+        params = {"job": marks.job, "order": marks.order}
+        kinds: dict[str, dict[str, int]] = {}
+        with connections[alias].cursor() as cursor:
+            cursor.execute(KIND_STATES, params)
+            for kind, state, count in cursor.fetchall():
+                kinds.setdefault(kind, {})[state] = count
+            cursor.execute(ORDER_STATUSES, params)
+            orders = dict(cursor.fetchall())
+            cursor.execute(SHOP_COUNTS, params)
+            receipts, refunds, notices, followups = cursor.fetchone()
+            checks = []
+            for name, settled, query in CHECKS:
+                cursor.execute(query, params)
+                checks.append((name, settled, cursor.fetchone()[0]))
+        return cls(
+            kinds=kinds,
+            orders=orders,
+            receipts=receipts,
+            refunds=refunds,
+            notices=notices,
+            followups=followups,
+            unfinished=unfinished(alias, marks),
+            checks=checks,
+        )
+
+    def render(self, write: Callable[[str], None]) -> None:
+        totals = self.totals
+        write(f"jobs this run: {sum(totals.values())}")
+        write("  " + " ".join(f"{state}={totals[state]}" for state in STATES if totals[state]))
+        width = max((len(kind) for kind in self.kinds), default=4)
+        for kind, states in sorted(self.kinds.items()):
+            parts = " ".join(f"{state}={states[state]}" for state in STATES if state in states)
+            write(f"  {kind:<{width}}  {parts}")
+        write("orders: " + " ".join(f"{status}={n}" for status, n in self.orders.items()))
+        write(
+            f"receipts={self.receipts} refunds={self.refunds} notices={self.notices} "
+            f"follow-up jobs={self.followups}"
+        )
+        for name, settled, bad in self.checks:
+            if self.skipped(settled) and bad:
+                verdict = f"not yet ({bad}; {self.unfinished} jobs unfinished)"
+            else:
+                verdict = "ok" if not bad else f"FAILED ({bad} rows)"
+            write(f"check: {name}: {verdict}")
+
+
+def write_line(out: TextIO) -> Callable[[str], None]:
+    def write(text: str) -> None:
+        out.write(text + "\n")
+        out.flush()
+
+    return write

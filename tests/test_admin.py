@@ -1,0 +1,504 @@
+"""The admin of SPEC §8 in a real browser: Playwright on Debian's Chromium, live_server.
+
+Every test works the pages as an operator would (filters, search, links,
+actions, buttons) and checks the database afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from django.conf import settings
+from django.contrib.auth.models import Permission, User
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+from django.utils import timezone
+
+from django_awa import admin as awa_admin
+from django_awa.models import Job, JobState, PendingFollowup, PeriodicSchedule, Queue
+from tests.browser import chromium
+from tests.conftest import make_job
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Locator, Page
+
+# Playwright's sync API keeps an event loop running in this thread; the ORM
+# calls the tests make between page actions are still plain synchronous code.
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+JOBS_URL = "/admin/django_awa/job/"
+# Screenshots of the job list and a job page, to look at: /tmp/awa-admin-*.png.
+SCREENSHOTS = Path(os.environ.get("AWA_SCREENSHOT_DIR", tempfile.gettempdir()))
+QUEUES_URL = "/admin/django_awa/queue/"
+
+
+def change_url(job: Job) -> str:
+    return reverse("admin:django_awa_job_change", args=[job.id])
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with chromium() as browser:
+        yield browser
+
+
+@pytest.fixture
+def superuser(transactional_db: Any) -> User:
+    return User.objects.create_superuser("admin", "admin@example.com", password=None)
+
+
+@pytest.fixture
+def viewer(transactional_db: Any) -> User:
+    """Staff with ``view_job`` only: may look, may not retry, cancel or discard."""
+    user = User.objects.create_user("viewer", "viewer@example.com", password=None, is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_job"))
+    return user
+
+
+@pytest.fixture
+def login(browser: Browser, live_server: Any) -> Iterator[Callable[[User], Page]]:
+    """A browser page logged in as a user (a session cookie: no password hashing)."""
+    contexts = []
+
+    def login_as(user: User) -> Page:
+        client = Client()
+        client.force_login(user)
+        context = browser.new_context(
+            base_url=live_server.url, viewport={"width": 1400, "height": 900}
+        )
+        contexts.append(context)
+        session = client.cookies[settings.SESSION_COOKIE_NAME].value
+        context.add_cookies(
+            [{"name": settings.SESSION_COOKIE_NAME, "value": session, "url": live_server.url}]
+        )
+        page = context.new_page()
+        page.set_default_timeout(10_000)
+        page.goto("/admin/")
+        assert page.locator("#user-tools").get_by_text(user.username).count() == 1
+        return page
+
+    yield login_as
+    for context in contexts:
+        context.close()
+
+
+def result_ids(page: Page) -> list[int]:
+    """Job ids of the change list rows, top to bottom."""
+    return [
+        int(text) for text in page.locator("#result_list tbody th.field-id a").all_inner_texts()
+    ]
+
+
+def submit(page: Page, target: Locator) -> None:
+    """Click ``target`` and wait for the page it loads (often the same URL again)."""
+    with page.expect_navigation():
+        target.click()
+
+
+def click_filter(page: Page, title: str, choice: str) -> None:
+    links = page.locator(f'#changelist-filter details[data-filter-title="{title}"] a')
+    submit(page, links.get_by_text(choice, exact=True))
+
+
+def run_action(page: Page, action: str, job_ids: list[int]) -> None:
+    for job_id in job_ids:
+        page.check(f'input.action-select[value="{job_id}"]')
+    page.select_option("select[name=action]", action)
+    submit(page, page.locator("button[name=index]"))
+
+
+def messages(page: Page) -> list[str]:
+    return page.locator("ul.messagelist li").all_inner_texts()
+
+
+def failed_job(**fields: Any) -> Job:
+    now = timezone.now()
+    return make_job(
+        **{
+            "state": JobState.FAILED,
+            "attempt": 3,
+            "max_attempts": 3,
+            "finalized_at": now,
+            "attempted_at": now,
+            "errors": [
+                {"attempt": 3, "at": now.isoformat(), "error": "ValueError: boom", "traceback": ""}
+            ],
+            **fields,
+        }
+    )
+
+
+def test_list_columns_filters_and_search(login: Callable[[User], Page], superuser: User) -> None:
+    available = [make_job(kind="act", queue="default") for _ in range(3)]
+    failed = [failed_job(kind="echo", queue="mail", args={"n": i}) for i in range(2)]
+    mail_available = make_job(kind="echo", queue="mail", args={"n": 9}, priority=1)
+    completed = make_job(kind="act", state=JobState.COMPLETED, finalized_at=timezone.now())
+    page = login(superuser)
+
+    page.goto(JOBS_URL)
+    headers = page.locator("#result_list thead th").all_inner_texts()
+    for column in ("ID", "KIND", "QUEUE", "STATE", "PRIORITY", "ATTEMPT", "RUN AT", "FINALIZED AT"):
+        assert column in [h.strip().upper() for h in headers], headers
+    assert result_ids(page) == sorted(
+        [j.id for j in [*available, *failed, mail_available, completed]], reverse=True
+    )
+    row = page.locator("#result_list tbody tr").filter(
+        has=page.locator(f'a:text-is("{failed[0].id}")')
+    )
+    assert row.locator("td.field-attempts").inner_text() == "3/3"
+    assert row.locator("td.field-state_badge .awa-state-failed").inner_text() == "Failed"
+    page.screenshot(path=SCREENSHOTS / "awa-admin-list.png", full_page=True)
+
+    click_filter(page, "state", "Failed")
+    assert sorted(result_ids(page)) == sorted(j.id for j in failed)
+    click_filter(page, "state", "All")
+    click_filter(page, "queue", "mail")
+    assert sorted(result_ids(page)) == sorted([*(j.id for j in failed), mail_available.id])
+    click_filter(page, "kind", "act")  # narrows within queue "mail": none
+    assert result_ids(page) == []
+    click_filter(page, "queue", "All")
+    assert sorted(result_ids(page)) == sorted([*(j.id for j in available), completed.id])
+
+    page.goto(JOBS_URL)
+    page.fill("#searchbar", str(failed[1].id))
+    with page.expect_navigation():
+        page.press("#searchbar", "Enter")
+    assert result_ids(page) == [failed[1].id]
+    page.fill("#searchbar", "mail")
+    with page.expect_navigation():
+        page.press("#searchbar", "Enter")
+    assert sorted(result_ids(page)) == sorted([*(j.id for j in failed), mail_available.id])
+
+    # The "Failed jobs" shortcut is the list filtered to state=failed.
+    page.goto(JOBS_URL)
+    submit(page, page.locator(".object-tools").get_by_text("Failed jobs"))
+    assert sorted(result_ids(page)) == sorted(j.id for j in failed)
+
+
+def test_detail_shows_args_errors_progress_and_followup_chain_both_ways(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    now = timezone.now()
+    trigger = make_job(
+        kind="act",
+        args={"action": "raise", "tag": "nested", "fail_until": 2},
+        state=JobState.FAILED,
+        attempt=2,
+        max_attempts=2,
+        finalized_at=now,
+        progress={"percent": 40, "message": "halfway there"},
+        errors=[
+            {
+                "attempt": 1,
+                "at": (now - dt.timedelta(minutes=1)).isoformat(),
+                "error": "ValueError: first failure",
+                "traceback": 'Traceback (most recent call last):\n  File "handler.py", line 10\n'
+                "ValueError: first failure",
+            },
+            {
+                "attempt": 2,
+                "at": now.isoformat(),
+                "error": "ValueError: second failure",
+                "traceback": 'Traceback (most recent call last):\n  File "handler.py", line 12\n'
+                "ValueError: second failure",
+            },
+        ],
+    )
+    lineage = {"job_id": trigger.id, "kind": "act", "outcome": "exhausted"}
+    followup = make_job(kind="echo", args={"n": trigger.id}, metadata={"awa_trigger": lineage})
+    other = make_job(kind="echo", args={"n": 0})  # enqueued directly: in no chain
+    page = login(superuser)
+
+    page.goto(change_url(trigger))
+    args = page.locator(".field-args_json pre").inner_text()
+    assert '"action": "raise"' in args
+    assert '"fail_until": 2' in args
+    errors = page.locator(".field-error_list li.awa-error")
+    assert errors.count() == 2
+    assert "Attempt 1" in errors.nth(0).inner_text()
+    assert (
+        "ValueError: first failure" in errors.nth(0).locator("pre.awa-error-message").inner_text()
+    )
+    assert "line 10" in errors.nth(0).locator("pre.awa-traceback").inner_text()
+    assert "second failure" in errors.nth(1).inner_text()
+    assert "line 12" in errors.nth(1).locator("pre.awa-traceback").inner_text()
+    assert errors.nth(1).locator("pre.awa-traceback").is_visible()
+    assert "halfway there" in page.locator(".field-progress_json").inner_text()
+    assert page.locator("input[name=_save]").count() == 0  # read-only page
+    assert "no trigger" in page.locator(".field-trigger_link").inner_text()
+    followup_links = page.locator(".field-followup_links a")
+    assert followup_links.all_inner_texts() == [f"echo #{followup.id}"]
+    page.screenshot(path=SCREENSHOTS / "awa-admin-detail.png", full_page=True)
+
+    followup_links.first.click()
+    page.wait_for_url(f"**{change_url(followup)}")
+    trigger_cell = page.locator(".field-trigger_link")
+    assert "exhausted" in trigger_cell.inner_text()
+    assert '"awa_trigger"' in page.locator(".field-metadata_json").inner_text()
+    trigger_cell.get_by_role("link", name=f"act #{trigger.id}").click()
+    page.wait_for_url(f"**{change_url(trigger)}")
+    assert "first failure" in page.locator(".field-error_list").inner_text()
+
+    page.goto(change_url(other))
+    assert "no trigger" in page.locator(".field-trigger_link").inner_text()
+    assert page.locator(".field-followup_links").inner_text().strip().endswith("(none)")
+
+
+def test_retry_action_makes_failed_job_available_with_attempts_reset(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    failed = failed_job()
+    completed = make_job(state=JobState.COMPLETED, attempt=1, finalized_at=timezone.now())
+    page = login(superuser)
+    page.goto(JOBS_URL)
+    before = timezone.now()
+
+    run_action(page, "retry_jobs", [failed.id, completed.id])
+
+    failed.refresh_from_db()
+    assert failed.state == JobState.AVAILABLE
+    assert failed.attempt == 0
+    assert failed.finalized_at is None
+    assert before - dt.timedelta(seconds=5) <= failed.run_at <= timezone.now()
+    completed.refresh_from_db()
+    assert completed.state == JobState.COMPLETED
+    assert any("Retried 1 job." in m for m in messages(page))
+    assert any("1 job was not retried" in m for m in messages(page))
+
+
+def test_cancel_action_cancels_available_job_with_an_errors_entry(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    job = make_job(kind="act", args={"action": "ok"})
+    untouched = make_job(kind="act", args={"action": "ok"})
+    page = login(superuser)
+    page.goto(JOBS_URL)
+
+    run_action(page, "cancel_jobs", [job.id])
+
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED
+    assert job.finalized_at is not None
+    assert job.errors[-1]["error"] == "cancelled: cancelled in admin by admin"
+    untouched.refresh_from_db()
+    assert untouched.state == JobState.AVAILABLE
+    assert any("Cancelled 1 job." in m for m in messages(page))
+    # Act's on_cancelled follow-up was enqueued with the cancel.
+    assert [f.kind for f in job.followups()] == ["echo"]
+
+
+def test_detail_page_retry_and_cancel_buttons(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    job = make_job(kind="echo", args={"n": 1})
+    page = login(superuser)
+    page.goto(change_url(job))
+    assert page.get_by_role("button", name="Retry now").count() == 0  # available: nothing to retry
+
+    submit(page, page.get_by_role("button", name="Cancel job"))
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED
+    assert page.locator(".field-state_badge .awa-state").inner_text() == "Cancelled"
+
+    submit(page, page.get_by_role("button", name="Retry now"))
+    job.refresh_from_db()
+    assert (job.state, job.attempt) == (JobState.AVAILABLE, 0)
+    assert any("Retried 1 job." in m for m in messages(page))
+
+
+def test_discard_action_deletes_after_confirmation(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    doomed = failed_job()
+    kept = failed_job()
+    page = login(superuser)
+    page.goto(JOBS_URL)
+
+    run_action(page, "discard_jobs", [doomed.id])
+    assert "Discard (delete) 1 job?" in page.locator("#content").inner_text()
+    assert Job.objects.filter(id=doomed.id).exists()  # not before confirming
+    submit(page, page.get_by_role("button", name="Yes, discard"))
+
+    assert not Job.objects.filter(id=doomed.id).exists()
+    assert Job.objects.filter(id=kept.id).exists()
+    assert any("Discarded 1 job." in m for m in messages(page))
+    assert result_ids(page) == [kept.id]
+
+
+def test_limited_user_is_neither_offered_nor_allowed_the_actions(
+    login: Callable[[User], Page], viewer: User
+) -> None:
+    failed = failed_job()
+    available = make_job()
+    page = login(viewer)
+
+    page.goto(JOBS_URL)
+    assert sorted(result_ids(page)) == sorted([failed.id, available.id])  # may look
+    offered = page.locator("select[name=action] option").evaluate_all(
+        "options => options.map(o => o.value)"
+    )
+    for name in ("retry_jobs", "cancel_jobs", "discard_jobs", "delete_selected"):
+        assert name not in offered
+    assert page.locator("input.action-select").count() == 0  # no action at all: no checkboxes
+    page.goto(change_url(failed))
+    assert page.get_by_role("button", name="Retry now").count() == 0
+    assert page.get_by_role("button", name="Cancel job").count() == 0
+
+    # Forged POSTs with the viewer's valid session and CSRF token.
+    csrf = next(c["value"] for c in page.context.cookies() if c["name"] == "csrftoken")
+    for action, job in (
+        ("retry_jobs", failed),
+        ("cancel_jobs", available),
+        ("discard_jobs", failed),
+    ):
+        response = page.request.post(
+            JOBS_URL,
+            form={
+                "csrfmiddlewaretoken": csrf,
+                "action": action,
+                "index": "0",
+                "select_across": "0",
+                "_selected_action": str(job.id),
+                "confirm": "yes",
+            },
+        )
+        assert response.status in (200, 403), response.status
+    for url in (f"{change_url(failed)}retry/", f"{change_url(available)}cancel/"):
+        response = page.request.post(url, form={"csrfmiddlewaretoken": csrf})
+        assert response.status == 403
+    response = page.request.post(
+        QUEUES_URL, form={"csrfmiddlewaretoken": csrf, "queue": "default", "operation": "pause"}
+    )
+    assert response.status == 403
+
+    failed.refresh_from_db()
+    available.refresh_from_db()
+    assert (failed.state, failed.attempt) == (JobState.FAILED, 3)
+    assert available.state == JobState.AVAILABLE
+    assert available.errors == []
+    assert Job.objects.count() == 2
+    assert not Queue.objects.filter(paused=True).exists()
+
+
+def test_queue_overview_counts_and_pause_resume(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    make_job(queue="default")
+    make_job(queue="default")
+    failed_job(queue="default")
+    make_job(queue="mail", state=JobState.COMPLETED, finalized_at=timezone.now())
+    page = login(superuser)
+
+    page.goto("/admin/django_awa/")
+    page.locator("#awa-shortcuts").get_by_role("link", name="Queue overview").click()
+    page.wait_for_url(f"**{QUEUES_URL}")
+    default = page.locator('tr[data-queue="default"]')
+    mail = page.locator('tr[data-queue="mail"]')
+    assert default.locator('td[data-state="available"]').inner_text() == "2"
+    assert default.locator('td[data-state="failed"]').inner_text() == "1"
+    assert default.locator("td.total").inner_text() == "3"
+    assert mail.locator('td[data-state="completed"]').inner_text() == "1"
+    assert default.locator("td.status").inner_text() == "running"
+
+    submit(page, default.get_by_role("button", name="Pause"))
+    assert Queue.objects.get(name="default").paused
+    assert default.locator("td.status").inner_text() == "paused"
+    assert mail.locator("td.status").inner_text() == "running"
+    assert any("Paused queue default" in m for m in messages(page))
+
+    submit(page, default.get_by_role("button", name="Resume"))
+    assert not Queue.objects.get(name="default").paused
+    assert default.locator("td.status").inner_text() == "running"
+
+    submit(page, default.locator('td[data-state="failed"] a'))
+    assert len(result_ids(page)) == 1
+
+
+def test_dead_letters_and_periodic_schedules_are_listed_read_only(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    job = make_job(kind="act", state=JobState.RETRYABLE, attempt=1)
+    pending = PendingFollowup.objects.create(
+        job_id=job.id,
+        kind="act",
+        outcome="rescued",
+        context={"reason": "stale_heartbeat"},
+        snapshot={"id": job.id},
+        attempts=4,
+        last_error="RuntimeError: rescued follow-up exploded",
+    )
+    PeriodicSchedule.objects.create(name="nightly-report", cron="0 3 * * *", kind="act")
+    page = login(superuser)
+
+    page.goto(JOBS_URL)
+    submit(page, page.locator(".object-tools").get_by_text("Dead letters"))
+    row = page.locator("#result_list tbody tr")
+    assert row.count() == 1
+    assert "rescued follow-up exploded" in row.inner_text()
+    assert row.locator("td.field-attempts").inner_text() == "4"
+    assert page.locator(".object-tools a.addlink").count() == 0
+    row.get_by_role("link", name=f"#{job.id}").click()
+    page.wait_for_url(f"**{change_url(job)}")
+
+    page.goto(reverse("admin:django_awa_pendingfollowup_change", args=[pending.id]))
+    assert "stale_heartbeat" in page.locator(".field-context_json").inner_text()
+    assert page.locator("input[name=_save]").count() == 0
+
+    page.goto(JOBS_URL)
+    submit(page, page.locator(".object-tools").get_by_text("Periodic schedules"))
+    assert "nightly-report" in page.locator("#result_list").inner_text()
+    assert "0 3 * * *" in page.locator("#result_list").inner_text()
+
+
+def test_job_list_queries_do_not_grow_with_rows(
+    client: Any, superuser: User, django_assert_max_num_queries: Any
+) -> None:
+    """No per-row queries: one page of 50 costs what a page of 2 does."""
+    client.force_login(superuser)
+    parent = make_job()
+    make_job(metadata={"awa_trigger": {"job_id": parent.id, "kind": "act", "outcome": "completed"}})
+    with django_assert_max_num_queries(100) as small:
+        assert client.get(JOBS_URL).status_code == 200
+    for i in range(60):
+        make_job(kind=f"kind{i % 7}", queue=f"q{i % 3}", state=JobState.FAILED, tags=["t"])
+    with django_assert_max_num_queries(len(small.captured_queries)):
+        response = client.get(JOBS_URL)
+    assert response.status_code == 200
+    assert response.content.count(b'class="action-select"') == 50
+
+
+def test_job_list_on_a_large_table_reads_catalogs_not_rows(
+    client: Any, superuser: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past SMALL_TABLE_BYTES the filter choices and the count come from the catalogs."""
+    monkeypatch.setattr(awa_admin, "SMALL_TABLE_BYTES", -1)
+    monkeypatch.setattr(awa_admin, "ESTIMATE_ABOVE", 1)
+    for _ in range(3):
+        failed_job(kind="legacy_kind", queue="archive")
+    make_job(kind="echo", queue="mail")
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE awa_job")
+    client.force_login(superuser)
+
+    with CaptureQueriesContext(connection) as queries:
+        response = client.get(JOBS_URL)
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    for choice in ("?queue=archive", "?queue=mail", "?kind=legacy_kind", "?kind=echo"):
+        assert f'href="{choice}"' in html, choice
+    reads = [q["sql"] for q in queries.captured_queries if re.search(r'FROM "?awa_job\b', q["sql"])]
+    assert reads  # the page of rows itself
+    assert not [sql for sql in reads if re.search(r"DISTINCT|COUNT\(", sql, re.IGNORECASE)]
+    assert response.context["cl"].result_count == 4  # reltuples after ANALYZE

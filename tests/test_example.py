@@ -1,0 +1,158 @@
+"""The example project's demo, run as users run it: ``manage.py migrate`` then
+``manage.py awa_demo`` in subprocesses with ``example_project.settings``.
+
+It gets a throwaway database of its own on the test server (``DATABASE_URL``,
+which runtests.py always exports), not pytest-django's: the example app is not
+installed in the test settings (its ``charge_card`` kind would clash with
+test_enqueue's), and the demo's worker, producers and carrier all commit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def with_database(url: str, name: str) -> str:
+    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+
+
+@pytest.fixture
+def example_database() -> Iterator[str]:
+    """A fresh database on the test server; dropped afterwards, whatever happened."""
+    server = os.environ.get("DATABASE_URL") or DEFAULT_URL
+    name = f"awa_example_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield with_database(server, name)
+    finally:
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def manage(url: str, *args: str, timeout: float) -> str:
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("DJANGO_SETTINGS_MODULE", "AWA_TEST_DB_NAME")
+    }
+    env |= {
+        "DATABASE_URL": url,
+        "DJANGO_SETTINGS_MODULE": "example_project.settings",
+        "PYTHONPATH": str(ROOT),
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(
+            f"manage.py {' '.join(args)} ran over {timeout}s:\n{exc.stdout}"
+        ) from None
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"manage.py {' '.join(args)} exited {done.returncode}:\n{output}"
+    return output
+
+
+def rows(url: str, query: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(query).fetchall()
+
+
+def scalar(url: str, query: str) -> Any:
+    return rows(url, query)[0][0]
+
+
+def test_demo_runs_orders_through_every_follow_up(example_database: str) -> None:
+    url = example_database
+    manage(url, "migrate", "--noinput", timeout=120)
+    # Exits non-zero if one of its own SQL consistency checks fails.
+    output = manage(
+        url, "awa_demo", "--duration", "8", "--rate", "100", "--drain", "60", timeout=180
+    )
+    assert "summary after" in output, output
+    assert "FAILED" not in output and "not yet" not in output, output
+
+    # Everything settled.
+    states = dict(rows(url, "SELECT state, count(*) FROM awa_job GROUP BY state"))
+    assert set(states) <= {"completed", "failed", "cancelled"}, (states, output)
+    assert scalar(url, "SELECT count(*) FROM awa_job WHERE kind = 'charge_card'"
+                       " AND state = 'completed'") > 0, output  # fmt: skip
+
+    # Every paid order (shipping, once ShipOrder ran) has exactly one receipt, and
+    # no other order has one.
+    paid = scalar(url, "SELECT count(*) FROM shop_order WHERE status IN ('paid', 'shipping')")
+    assert paid > 0, output
+    assert (
+        scalar(
+            url,
+            "SELECT count(*) FROM shop_order o WHERE o.status IN ('paid', 'shipping')"
+            " AND (SELECT count(*) FROM shop_receipt r WHERE r.order_id = o.id) <> 1",
+        )
+        == 0
+    )
+    assert scalar(url, "SELECT count(*) FROM shop_receipt") == paid
+
+    # Every exhausted charge has one refund, and its order is refunded; the demo
+    # always places one declined card.
+    exhausted = {
+        order_id
+        for (order_id,) in rows(
+            url,
+            "SELECT (args->>'order_id')::bigint FROM awa_job"
+            " WHERE kind = 'charge_card' AND state = 'failed'",
+        )
+    }
+    assert exhausted, output
+    refunds = rows(url, "SELECT f.order_id, o.status FROM shop_refund f JOIN shop_order o"
+                        " ON o.id = f.order_id")  # fmt: skip
+    assert sorted(order_id for order_id, _ in refunds) == sorted(exhausted)
+    assert {status for _, status in refunds} == {"refunded"}
+
+    # Cancelled charges told their customer; shipped orders got the carrier's tracking.
+    cancelled = scalar(url, "SELECT count(*) FROM shop_order WHERE status = 'cancelled'")
+    assert cancelled > 0, output
+    assert (
+        scalar(url, "SELECT count(*) FROM shop_notice WHERE message = 'customer cancelled'")
+        == cancelled
+    )
+    assert scalar(
+        url, "SELECT count(*) FROM shop_notice WHERE message LIKE 'shipped, tracking 1Z%'"
+    ) == scalar(url, "SELECT count(*) FROM shop_order WHERE status = 'shipping'")
+
+    # Each follow-up row names its trigger and outcome; the refund has its overrides.
+    assert (
+        scalar(
+            url,
+            "SELECT count(*) FROM awa_job WHERE kind = 'send_receipt'"
+            " AND metadata->'awa_trigger'->>'outcome' = 'completed'",
+        )
+        == paid
+    )
+    assert scalar(
+        url,
+        "SELECT count(*) FROM awa_job WHERE kind = 'refund_order' AND queue = 'billing'"
+        " AND priority = 1 AND metadata->'awa_trigger'->>'outcome' = 'exhausted'",
+    ) == len(exhausted)
