@@ -399,7 +399,11 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
     try:
         with transaction.atomic(using=alias):
             # A replayed request is refused; the receipt commits only with success.
-            _, created = CallbackReceipt.objects.using(alias).get_or_create(signature=verified)
+            # Keyed by signature and target: the signature covers only timestamp
+            # and body (SPEC §7), so identical bodies sent to two callbacks in
+            # the same second are two requests, not a replay.
+            receipt = hashlib.sha256(f"{verified}:{callback_id}:{action}".encode()).hexdigest()
+            _, created = CallbackReceipt.objects.using(alias).get_or_create(signature=receipt)
             if not created:
                 return _error(403, "replayed request")
             if action == "complete":

@@ -228,6 +228,9 @@ class Maintenance:
                 total += deleted
                 if deleted < BATCH:
                     break
+        from .callbacks import prune_receipts
+
+        prune_receipts(self.alias)
         if total:
             logger.info("pruned %s finished job(s)", total)
         return total

@@ -1,0 +1,897 @@
+"""External callbacks (SPEC §7): the four functions, their follow-ups, and the signed receiver.
+
+Jobs that must be parked by a worker are parked by a real ``awa_worker``
+process; the receiver's status codes are checked against rows made in any
+state with ``make_job``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test import Client
+from django.urls import reverse
+
+import django_awa as awa
+from django_awa.callbacks import (
+    EARLY_KEY,
+    MAX_BODY,
+    RECEIPT_RETENTION,
+    RESULT_KEY,
+    prune_receipts,
+    sign,
+)
+from django_awa.execute import AttemptResult
+from django_awa.finalize import finalize
+from django_awa.followups import FollowupError, FollowupSpec, Outcome, followup_registry
+from django_awa.maintenance import Maintenance
+from django_awa.models import CallbackReceipt, Job, JobState
+from tests.conftest import make_job, wait_for, wait_for_state
+from tests.testapp.followups import FAIL
+from tests.testapp.jobs import Parked
+from tests.testapp.models import Ledger
+
+# Resolution commits (or not) on its own or with the caller: every test here commits.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SECRET = "test-secret"
+ACTIONS = ("complete", "fail", "retry", "heartbeat")
+
+
+class Rollback(Exception):
+    """Raised inside an outer atomic() to roll it back."""
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+def db_now() -> dt.datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        return cursor.fetchone()[0]
+
+
+def close_to(value: dt.datetime | None, expected: dt.datetime, slack: float = 5.0) -> bool:
+    return value is not None and abs((value - expected).total_seconds()) <= slack
+
+
+def followups(job_id: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """(outcome, kind, args) of each follow-up of ``job_id``, oldest first."""
+    return [
+        (f.metadata["awa_trigger"]["outcome"], f.kind, f.args)
+        for f in Job.objects.followups_of(job_id).order_by("id")
+    ]
+
+
+def echo(job_id: int, note: str) -> dict[str, Any]:
+    return {"n": job_id, "note": note, "tags": []}
+
+
+def parked_row(**fields: Any) -> Job:
+    """A ``parked`` job waiting on a fresh callback, as a worker leaves it (attempt 1 of 2)."""
+    fields.setdefault("kind", "parked")
+    fields.setdefault("args", {"timeout": 60.0, "hold": 0.0})
+    fields.setdefault("state", JobState.WAITING_EXTERNAL)
+    fields.setdefault("attempt", 1)
+    fields.setdefault("max_attempts", 2)
+    fields.setdefault("run_lease", 1)
+    fields.setdefault("callback_id", uuid.uuid4())
+    fields.setdefault("callback_timeout_at", db_now() + dt.timedelta(seconds=60))
+    return make_job(**fields)
+
+
+def snapshot(job_id: int) -> dict[str, Any]:
+    row = Job.objects.get(id=job_id)
+    return {f.attname: getattr(row, f.attname) for f in Job._meta.concrete_fields}
+
+
+def call(action: str, callback_id: uuid.UUID | str) -> Job:
+    if action == "complete":
+        return awa.complete_external(callback_id, {"ok": True, "n": 7})
+    if action == "fail":
+        return awa.fail_external(callback_id, "declined by the bank")
+    if action == "retry":
+        return awa.retry_external(callback_id)
+    return awa.heartbeat_callback(callback_id, 3600)
+
+
+def park(start_worker: Callable[..., Any], count: int = 1, **args: Any) -> list[Job]:
+    """Enqueue ``count`` Parked jobs, let a real worker park them, then stop it."""
+    worker = start_worker("--queue", "default")
+    ids = [awa.enqueue(Parked(**args)).id for _ in range(count)]
+    jobs = [wait_for_state(job_id, JobState.WAITING_EXTERNAL) for job_id in ids]
+    assert worker.stop() == 0, worker.output()
+    for job in jobs:
+        assert job.callback_id is not None and job.attempt == 1
+    return jobs
+
+
+@pytest.fixture
+def spy() -> Iterator[list[tuple[Any, ...]]]:
+    """Extra follow-ups of Parked that record exactly what they receive (and enqueue nothing)."""
+    calls: list[tuple[Any, ...]] = []
+
+    def completed(args, job):
+        calls.append(("completed", args, job))
+
+    def exhausted(args, job, error, attempt):
+        calls.append(("exhausted", args, job, error, attempt))
+
+    def retried(args, job, error, attempt, next_run_at):
+        calls.append(("retried", args, job, error, attempt, next_run_at))
+
+    specs = [
+        FollowupSpec(outcome=Outcome.COMPLETED, trigger=Parked, function=completed),
+        FollowupSpec(outcome=Outcome.EXHAUSTED, trigger=Parked, function=exhausted),
+        FollowupSpec(outcome=Outcome.RETRIED, trigger=Parked, function=retried),
+    ]
+    for spec in specs:
+        followup_registry.add(spec)
+    yield calls
+    for spec in specs:
+        followup_registry._remove(spec)
+
+
+# -- the four functions, on jobs a worker parked --------------------------------------
+
+
+def test_a_parked_job_carries_its_callback_and_its_waiting_followup_sees_it(start_worker):
+    (job,) = park(start_worker, timeout=90)
+    assert job.state == JobState.WAITING_EXTERNAL
+    assert close_to(job.callback_timeout_at, db_now() + dt.timedelta(seconds=90), slack=30)
+    assert Ledger.objects.filter(job_id=job.id).values_list("note", flat=True)[0] == (
+        f"callback:{job.callback_id}"
+    )
+    assert followups(job.id) == [
+        ("waiting_for_callback", "echo", echo(job.id, f"waiting:{job.callback_id}"))
+    ]
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "outer-atomic"])
+def test_complete_external_completes_with_payload_and_completed_followups(start_worker, spy, outer):
+    (job,) = park(start_worker)
+    payload = {"ok": True, "items": [1, 2], "note": "ü"}
+    with transaction.atomic() if outer else nullcontext():
+        done = awa.complete_external(str(job.callback_id), payload)
+        if outer:
+            Ledger.objects.create(job_id=job.id, attempt=0, run_lease=0, note="business")
+    assert (done.id, done.state) == (job.id, JobState.COMPLETED)
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.COMPLETED and row.finalized_at is not None
+    assert row.metadata[RESULT_KEY] == payload and EARLY_KEY not in row.metadata
+    assert row.callback_timeout_at is None and row.errors == [] and row.attempt == 1
+    assert followups(job.id) == [
+        ("waiting_for_callback", "echo", echo(job.id, f"waiting:{job.callback_id}")),
+        ("completed", "echo", echo(job.id, "parked-completed")),
+    ]
+    [(outcome, args, seen)] = spy
+    assert outcome == "completed" and args == Parked()
+    assert seen.state == JobState.COMPLETED and seen.metadata[RESULT_KEY] == payload
+    assert Ledger.objects.filter(note="business").count() == (1 if outer else 0)
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "outer-atomic"])
+def test_fail_external_fails_whatever_attempts_remain_with_exhausted_followups(
+    start_worker, spy, outer
+):
+    (job,) = park(start_worker)
+    with transaction.atomic() if outer else nullcontext():
+        done = awa.fail_external(job.callback_id, "declined by the bank")
+    assert done.state == JobState.FAILED
+    row = Job.objects.get(id=job.id)
+    assert (row.state, row.attempt, row.max_attempts) == (JobState.FAILED, 1, 2)
+    assert row.finalized_at is not None and row.callback_timeout_at is None
+    [entry] = row.errors
+    assert (entry["attempt"], entry["error"]) == (1, "declined by the bank")
+    assert close_to(dt.datetime.fromisoformat(entry["at"]), db_now())
+    assert followups(job.id)[1:] == [
+        ("exhausted", "echo", echo(job.id, "parked-exhausted:declined by the bank"))
+    ]
+    [(outcome, args, seen, error, attempt)] = spy
+    assert (outcome, args, error, attempt) == ("exhausted", Parked(), "declined by the bank", 1)
+    assert seen.state == JobState.FAILED
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "outer-atomic"])
+def test_retry_external_makes_the_job_available_now_with_attempts_reset(start_worker, spy, outer):
+    (job,) = park(start_worker)
+    with transaction.atomic() if outer else nullcontext():
+        done = awa.retry_external(job.callback_id)
+    now = db_now()
+    assert done.state == JobState.AVAILABLE
+    row = Job.objects.get(id=job.id)
+    assert (row.state, row.attempt) == (JobState.AVAILABLE, 0)
+    assert close_to(row.run_at, now) and row.run_at <= now
+    assert row.callback_id is None and row.callback_timeout_at is None
+    assert row.finalized_at is None
+    assert followups(job.id)[1:] == [
+        ("retried", "echo", echo(job.id, "parked-retried:retried externally:1"))
+    ]
+    [(outcome, args, seen, error, attempt, next_run_at)] = spy
+    assert (outcome, args, error, attempt) == ("retried", Parked(), "retried externally", 1)
+    assert next_run_at.tzinfo is not None and next_run_at == row.run_at
+    assert seen.state == JobState.AVAILABLE and seen.attempt == 0
+    # The old callback is gone; a worker runs the job again as attempt 1.
+    with pytest.raises(awa.CallbackNotFound):
+        awa.complete_external(job.callback_id)
+    start_worker("--queue", "default")
+    again = wait_for(
+        lambda: Job.objects.filter(
+            id=job.id, state=JobState.WAITING_EXTERNAL, callback_id__isnull=False
+        ).first()
+    )
+    assert again.attempt == 1 and again.callback_id != job.callback_id
+    assert Ledger.objects.filter(job_id=job.id).count() == 2
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "outer-atomic"])
+def test_heartbeat_callback_extends_the_timeout(start_worker, outer):
+    (job,) = park(start_worker, timeout=60)
+    with transaction.atomic() if outer else nullcontext():
+        beat = awa.heartbeat_callback(job.callback_id, dt.timedelta(hours=2))
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.WAITING_EXTERNAL and row.callback_id == job.callback_id
+    assert close_to(row.callback_timeout_at, db_now() + dt.timedelta(hours=2))
+    assert beat.callback_timeout_at == row.callback_timeout_at > job.callback_timeout_at
+    assert len(followups(job.id)) == 1  # only the waiting one
+    awa.heartbeat_callback(job.callback_id, 30)
+    row = Job.objects.get(id=job.id)
+    assert close_to(row.callback_timeout_at, db_now() + dt.timedelta(seconds=30))
+
+
+# -- the caller's transaction ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ACTIONS)
+def test_a_rolled_back_outer_transaction_changes_nothing(action):
+    job = parked_row()
+    before = snapshot(job.id)
+    with pytest.raises(Rollback), transaction.atomic():
+        Ledger.objects.create(job_id=job.id, attempt=0, run_lease=0, note="business")
+        result = call(action, job.callback_id)
+        assert result.id == job.id
+        raise Rollback
+    assert snapshot(job.id) == before
+    assert followups(job.id) == [] and not Ledger.objects.exists()
+    # The callback is still good.
+    assert call(action, job.callback_id).id == job.id
+
+
+def _seen_elsewhere(job_id: int) -> tuple[str, dt.datetime | None, uuid.UUID | None]:
+    """The row as another (autocommit) connection sees it."""
+    import psycopg
+
+    params = {
+        k: v
+        for k, v in connection.get_connection_params().items()
+        if k in ("dbname", "user", "password", "host", "port")
+    }
+    with psycopg.connect(**params, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT state, callback_timeout_at, callback_id FROM awa_job WHERE id = %s", [job_id]
+        ).fetchone()
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "outer-atomic"])
+@pytest.mark.parametrize("action", ACTIONS)
+def test_each_function_commits_with_the_caller_or_at_once(action, outer):
+    job = parked_row()
+    before = _seen_elsewhere(job.id)
+    with transaction.atomic() if outer else nullcontext():
+        done = call(action, job.callback_id)
+        seen = _seen_elsewhere(job.id)
+        if outer:
+            assert seen == before  # nothing visible before the caller commits
+    after = _seen_elsewhere(job.id)
+    assert after != before
+    assert after == (done.state, done.callback_timeout_at, done.callback_id)
+    if not outer:
+        assert seen == after
+
+
+# -- CallbackNotFound -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ACTIONS)
+def test_unknown_callback_ids_raise_callback_not_found(action):
+    parked_row()
+    for unknown in (uuid.uuid4(), str(uuid.uuid4()), "not-a-uuid"):
+        with pytest.raises(awa.CallbackNotFound):
+            call(action, unknown)
+
+
+@pytest.mark.parametrize("first", ["complete", "fail", "retry"])
+@pytest.mark.parametrize("then", ACTIONS)
+def test_an_already_resolved_callback_raises_callback_not_found(first, then):
+    job = parked_row()
+    call(first, job.callback_id)
+    after = snapshot(job.id)
+    count = len(followups(job.id))
+    with transaction.atomic():
+        with pytest.raises(awa.CallbackNotFound):
+            call(then, job.callback_id)
+        # The caller's transaction is still usable.
+        Ledger.objects.create(job_id=job.id, attempt=0, run_lease=0, note="after")
+    assert snapshot(job.id) == after and len(followups(job.id)) == count
+    assert Ledger.objects.filter(note="after").exists()
+
+
+def test_callback_not_found_is_an_awa_error():
+    assert issubclass(awa.CallbackNotFound, awa.AwaError)
+
+
+# -- a failing follow-up during resolution -------------------------------------------
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "outer-atomic"])
+def test_a_failing_followup_reaches_the_caller_and_the_job_keeps_waiting(outer):
+    job = parked_row()
+    before = snapshot(job.id)
+    with transaction.atomic() if outer else nullcontext():
+        with pytest.raises(FollowupError, match="parked completion follow-up exploded") as info:
+            awa.complete_external(job.callback_id, {"explode": True})
+        if outer:
+            # Only the resolution's savepoint rolled back.
+            Ledger.objects.create(job_id=job.id, attempt=0, run_lease=0, note="still usable")
+    assert isinstance(info.value, awa.AwaError)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.WAITING_EXTERNAL and row.callback_id == job.callback_id
+    assert snapshot(job.id) == before and followups(job.id) == []
+    assert Ledger.objects.filter(note="still usable").count() == (1 if outer else 0)
+    # The sender tries again with a payload the follow-up accepts.
+    assert awa.complete_external(job.callback_id, {"explode": False}).state == JobState.COMPLETED
+    assert followups(job.id) == [("completed", "echo", echo(job.id, "parked-completed"))]
+
+
+# -- a callback that arrives while the handler still runs ---------------------------
+
+
+def _registered_while_running(job_id: int) -> Job:
+    return wait_for(
+        lambda: Job.objects.filter(
+            id=job_id, state=JobState.RUNNING, callback_id__isnull=False
+        ).first(),
+        message=lambda: f"job {job_id} never registered its callback",
+    )
+
+
+def test_early_complete_is_applied_once_the_job_parks(start_worker):
+    start_worker("--queue", "default")
+    job = awa.enqueue(Parked(timeout=60, hold=3.0))
+    running = _registered_while_running(job.id)
+    early = awa.complete_external(running.callback_id, {"early": True})
+    assert (early.id, early.state) == (job.id, JobState.RUNNING)
+    # A second early callback for the same id is refused: one is already recorded.
+    with pytest.raises(awa.CallbackNotFound):
+        awa.fail_external(running.callback_id, "too late")
+    row = wait_for_state(job.id, JobState.COMPLETED, timeout=20)
+    assert row.metadata[RESULT_KEY] == {"early": True} and EARLY_KEY not in row.metadata
+    assert row.finalized_at is not None and row.callback_timeout_at is None
+    assert followups(job.id) == [
+        ("waiting_for_callback", "echo", echo(job.id, f"waiting:{running.callback_id}")),
+        ("completed", "echo", echo(job.id, "parked-completed")),
+    ]
+    assert Ledger.objects.filter(job_id=job.id).count() == 1
+    with pytest.raises(awa.CallbackNotFound):
+        awa.complete_external(running.callback_id)
+
+
+def test_early_fail_over_http_is_applied_once_the_job_parks(start_worker):
+    start_worker("--queue", "default")
+    job = awa.enqueue(Parked(timeout=60, hold=3.0))
+    running = _registered_while_running(job.id)
+    response = post(running.callback_id, "fail", {"error": "rejected upstream"})
+    assert response.status_code == 200, response.content
+    assert response.json() == {"id": job.id, "state": "running"}
+    row = wait_for_state(job.id, JobState.FAILED, timeout=20)
+    assert [e["error"] for e in row.errors] == ["rejected upstream"]
+    assert EARLY_KEY not in row.metadata
+    assert followups(job.id) == [
+        ("waiting_for_callback", "echo", echo(job.id, f"waiting:{running.callback_id}")),
+        ("exhausted", "echo", echo(job.id, "parked-exhausted:rejected upstream")),
+    ]
+
+
+def test_early_heartbeat_extends_the_timeout_the_parked_job_keeps(start_worker):
+    start_worker("--queue", "default")
+    job = awa.enqueue(Parked(timeout=60, hold=3.0))
+    running = _registered_while_running(job.id)
+    awa.heartbeat_callback(running.callback_id, 7200)
+    row = wait_for_state(job.id, JobState.WAITING_EXTERNAL, timeout=20)
+    assert row.callback_id == running.callback_id
+    assert close_to(row.callback_timeout_at, db_now() + dt.timedelta(seconds=7200), slack=30)
+
+
+def _park_in_process(job_id: int) -> Job:
+    """Finalize the running attempt of ``job_id`` as ``WaitForCallback``, as a worker would."""
+    running = Job.objects.get(id=job_id)
+    result = AttemptResult(
+        job=running, state=JobState.WAITING_EXTERNAL, outcome=Outcome.WAITING_FOR_CALLBACK
+    )
+    assert finalize([result], "default") == [result]
+    return Job.objects.get(id=job_id)
+
+
+def _left_by_attempt_1() -> dict[str, Any]:
+    """What attempt 1 left: its callback was answered early, then its handler raised."""
+    return {
+        EARLY_KEY: {
+            "callback_id": str(uuid.uuid4()),
+            "action": "complete",
+            "payload": {"stale": True},
+            "error": None,
+        }
+    }
+
+
+def test_an_early_callback_left_by_an_earlier_attempt_is_not_applied():
+    job = parked_row(state=JobState.RUNNING, attempt=2, run_lease=2, metadata=_left_by_attempt_1())
+    row = _park_in_process(job.id)
+    assert row.state == JobState.WAITING_EXTERNAL and row.callback_id == job.callback_id
+    assert awa.complete_external(job.callback_id, {"late": True}).state == JobState.COMPLETED
+    assert Job.objects.get(id=job.id).metadata == {RESULT_KEY: {"late": True}}
+
+
+def test_an_earlier_attempts_early_callback_does_not_block_this_ones():
+    job = parked_row(state=JobState.RUNNING, attempt=2, run_lease=2, metadata=_left_by_attempt_1())
+    early = awa.complete_external(job.callback_id, {"current": True})
+    assert early.state == JobState.RUNNING
+    assert early.metadata[EARLY_KEY]["callback_id"] == str(job.callback_id)
+    row = _park_in_process(job.id)
+    assert row.state == JobState.COMPLETED
+    assert row.metadata == {RESULT_KEY: {"current": True}}
+    assert [f[2]["note"] for f in followups(job.id)] == [
+        f"waiting:{job.callback_id}",
+        "parked-completed",
+    ]
+
+
+def test_an_early_callback_whose_followup_fails_leaves_the_job_parked():
+    job = parked_row(state=JobState.RUNNING, run_lease=1)
+    awa.complete_external(job.callback_id, {"explode": True})
+    row = _park_in_process(job.id)
+    assert row.state == JobState.WAITING_EXTERNAL and row.callback_id == job.callback_id
+    assert [f[2]["note"] for f in followups(job.id)] == [f"waiting:{job.callback_id}"]
+    # The sender (or an operator) can still resolve it.
+    assert awa.complete_external(job.callback_id, {"ok": 1}).state == JobState.COMPLETED
+
+
+# -- callback timeout -----------------------------------------------------------------
+
+
+def test_a_timed_out_callback_is_rescued_by_maintenance(start_worker):
+    (job,) = park(start_worker)
+    Job.objects.filter(id=job.id).update(callback_timeout_at=db_now() - dt.timedelta(seconds=1))
+    Maintenance().run_once()
+    row = Job.objects.get(id=job.id)
+    assert (row.state, row.attempt) == (JobState.RETRYABLE, 1)
+    assert row.callback_id is None and row.callback_timeout_at is None
+    assert row.errors[-1]["error"] == "rescued: callback timeout"
+    assert row.errors[-1]["attempt"] == 1
+    assert followups(job.id)[1:] == [
+        ("rescued", "echo", echo(job.id, f"parked-rescued:{awa.RescueReason.CALLBACK_TIMEOUT}"))
+    ]
+    with pytest.raises(awa.CallbackNotFound):
+        awa.complete_external(job.callback_id)
+
+
+def test_a_timed_out_callback_on_the_last_attempt_fails():
+    job = parked_row(attempt=2, callback_timeout_at=db_now() - dt.timedelta(seconds=1))
+    Maintenance().run_once()
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.FAILED and row.finalized_at is not None
+    assert [f[2]["note"] for f in followups(job.id)] == ["parked-rescued:callback_timeout"]
+
+
+def test_a_heartbeat_keeps_the_callback_from_timing_out():
+    job = parked_row(callback_timeout_at=db_now() + dt.timedelta(seconds=1))
+    awa.heartbeat_callback(job.callback_id, 600)
+    Job.objects.filter(id=job.id).update(callback_timeout_at=db_now() - dt.timedelta(seconds=1))
+    awa.heartbeat_callback(job.callback_id, 600)  # just in time
+    Maintenance().run_once()
+    assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
+
+
+@pytest.mark.parametrize("timeout", [0, -5, "60", None, True, float("nan")])
+def test_heartbeat_refuses_a_bad_timeout(timeout):
+    job = parked_row()
+    before = snapshot(job.id)
+    with pytest.raises(awa.ValidationError):
+        awa.heartbeat_callback(job.callback_id, timeout)
+    assert snapshot(job.id) == before
+
+
+@pytest.mark.parametrize(
+    ("function", "bad"),
+    [
+        (awa.complete_external, {"when": dt.datetime(2024, 1, 1)}),
+        (awa.complete_external, {"x": float("inf")}),
+        (awa.complete_external, {"nul": "a\x00b"}),
+        (awa.fail_external, 42),
+        (awa.fail_external, "nul \x00 inside"),
+    ],
+)
+def test_values_postgres_cannot_store_are_refused_before_any_write(function, bad):
+    job = parked_row()
+    before = snapshot(job.id)
+    with transaction.atomic():
+        with pytest.raises(awa.ValidationError):
+            function(job.callback_id, bad)
+        Ledger.objects.create(job_id=job.id, attempt=0, run_lease=0, note="usable")
+    assert snapshot(job.id) == before and Ledger.objects.count() == 1
+
+
+# -- the HTTP receiver ----------------------------------------------------------------
+
+
+def url(callback_id: uuid.UUID | str, action: str) -> str:
+    return reverse("django_awa:callback", args=[callback_id, action])
+
+
+def post(
+    callback_id: uuid.UUID | str,
+    action: str,
+    body: Any,
+    *,
+    headers: dict[str, str] | None = None,
+    client: Client | None = None,
+):
+    raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    client = client or Client(enforce_csrf_checks=True)
+    return client.post(
+        url(callback_id, action),
+        data=raw,
+        content_type="application/json",
+        headers=sign(raw, SECRET) if headers is None else headers,
+    )
+
+
+def test_sign_is_the_hmac_of_timestamp_dot_body():
+    body = b'{"payload":{"ok":true}}'
+    headers = sign(body, SECRET, timestamp=1_700_000_000)
+    expected = hmac.new(SECRET.encode(), b"1700000000." + body, hashlib.sha256).hexdigest()
+    assert headers == {"X-Awa-Timestamp": "1700000000", "X-Awa-Signature": expected}
+    assert sign(body.decode(), SECRET, 1_700_000_000) == headers
+    assert abs(int(sign(body, SECRET)["X-Awa-Timestamp"]) - time.time()) < 5
+
+
+def test_the_receiver_is_mounted_under_the_prefix():
+    cid = uuid.uuid4()
+    assert url(cid, "complete") == f"/awa/callbacks/{cid}/complete"
+
+
+@pytest.mark.parametrize(
+    ("action", "body", "state"),
+    [
+        ("complete", {"payload": {"ok": True}}, "completed"),
+        ("complete", {}, "completed"),
+        ("fail", {"error": "card declined"}, "failed"),
+        ("retry", {}, "available"),
+        ("heartbeat", {"timeout": 120}, "waiting_external"),
+        ("heartbeat", {"timeout": 90.5}, "waiting_external"),
+    ],
+)
+def test_each_action_answers_200_with_id_and_state(action, body, state):
+    job = parked_row()
+    response = post(job.callback_id, action, body)
+    assert response.status_code == 200, response.content
+    assert response.json() == {"id": job.id, "state": state}
+    row = Job.objects.get(id=job.id)
+    assert row.state == state
+    if action == "complete":
+        assert row.metadata[RESULT_KEY] == body.get("payload")
+        assert followups(job.id) == [("completed", "echo", echo(job.id, "parked-completed"))]
+    elif action == "fail":
+        assert row.errors[-1]["error"] == "card declined"
+        assert followups(job.id) == [
+            ("exhausted", "echo", echo(job.id, "parked-exhausted:card declined"))
+        ]
+    elif action == "retry":
+        assert row.attempt == 0
+        assert followups(job.id) == [
+            ("retried", "echo", echo(job.id, "parked-retried:retried externally:1"))
+        ]
+    else:
+        seconds = body["timeout"]
+        assert close_to(row.callback_timeout_at, db_now() + dt.timedelta(seconds=seconds))
+        assert followups(job.id) == []
+
+
+def test_no_csrf_token_is_needed_even_with_a_session():
+    job = parked_row()
+    client = Client(enforce_csrf_checks=True)
+    client.cookies["csrftoken"] = "x" * 32  # a browser-like client; still no token sent
+    response = post(job.callback_id, "complete", {"payload": 1}, client=client)
+    assert response.status_code == 200, response.content
+
+
+def _unchanged(job: Job, before: dict[str, Any]) -> None:
+    assert snapshot(job.id) == before
+    assert followups(job.id) == []
+
+
+@pytest.mark.parametrize(
+    "make_headers",
+    [
+        pytest.param(lambda raw: {}, id="no-headers"),
+        pytest.param(lambda raw: {"X-Awa-Timestamp": str(int(time.time()))}, id="no-signature"),
+        pytest.param(
+            lambda raw: {"X-Awa-Signature": sign(raw, SECRET)["X-Awa-Signature"]},
+            id="no-timestamp",
+        ),
+        pytest.param(lambda raw: sign(raw, "not-the-secret"), id="wrong-secret"),
+        pytest.param(lambda raw: sign(raw + " ", SECRET), id="other-body"),
+        pytest.param(
+            lambda raw: {**sign(raw, SECRET), "X-Awa-Signature": "0" * 64}, id="forged-hex"
+        ),
+        pytest.param(
+            lambda raw: {
+                "X-Awa-Timestamp": str(int(time.time()) + 1),
+                "X-Awa-Signature": sign(raw, SECRET)["X-Awa-Signature"],
+            },
+            id="timestamp-not-signed",
+        ),
+        pytest.param(lambda raw: sign(raw, SECRET, int(time.time()) - 301), id="stale"),
+        pytest.param(lambda raw: sign(raw, SECRET, int(time.time()) + 400), id="future"),
+        pytest.param(
+            lambda raw: {"X-Awa-Timestamp": "yesterday", "X-Awa-Signature": "ab" * 32},
+            id="timestamp-not-a-number",
+        ),
+    ],
+)
+@pytest.mark.parametrize("action", ACTIONS)
+def test_a_missing_forged_or_stale_signature_is_refused_with_403(action, make_headers):
+    job = parked_row()
+    before = snapshot(job.id)
+    raw = json.dumps(
+        {
+            "complete": {"payload": {"ok": True}},
+            "fail": {"error": "x"},
+            "retry": {},
+            "heartbeat": {"timeout": 999},
+        }[action]
+    )
+    response = post(job.callback_id, action, raw, headers=make_headers(raw))
+    assert response.status_code == 403, response.content
+    assert "error" in response.json()
+    _unchanged(job, before)
+    assert not CallbackReceipt.objects.exists()
+
+
+def test_a_timestamp_within_300_seconds_is_accepted():
+    job = parked_row()
+    raw = json.dumps({"timeout": 100})
+    response = post(job.callback_id, "heartbeat", raw, headers=sign(raw, SECRET, time.time() - 250))
+    assert response.status_code == 200, response.content
+
+
+def test_a_replayed_request_is_refused_with_403():
+    job = parked_row()
+    raw = json.dumps({"timeout": 120})
+    headers = sign(raw, SECRET)
+    assert post(job.callback_id, "heartbeat", raw, headers=headers).status_code == 200
+    after = snapshot(job.id)
+    # The same timestamp, body and signature again to the same callback and action.
+    response = post(job.callback_id, "heartbeat", raw, headers=headers)
+    assert response.status_code == 403 and "replay" in response.json()["error"]
+    assert snapshot(job.id) == after
+    # The signature covers timestamp and body only (SPEC §7): the same body sent to
+    # another callback in the same second is a request of its own, not a replay.
+    other = parked_row()
+    assert post(other.callback_id, "heartbeat", raw, headers=headers).status_code == 200
+    # Another timestamp makes another request.
+    stamp = int(headers["X-Awa-Timestamp"]) - 1
+    response = post(job.callback_id, "heartbeat", raw, headers=sign(raw, SECRET, stamp))
+    assert response.status_code == 200
+
+
+def test_a_replayed_completion_is_refused_with_403_not_404():
+    job = parked_row()
+    raw = json.dumps({"payload": {"n": 1}})
+    headers = sign(raw, SECRET)
+    assert post(job.callback_id, "complete", raw, headers=headers).status_code == 200
+    assert post(job.callback_id, "complete", raw, headers=headers).status_code == 403
+    assert len(followups(job.id)) == 1
+
+
+@pytest.mark.parametrize("action", ACTIONS)
+def test_an_unknown_callback_is_404(action):
+    parked_row()
+    body = {"complete": {}, "fail": {"error": "x"}, "retry": {}, "heartbeat": {"timeout": 5}}
+    response = post(uuid.uuid4(), action, body[action])
+    assert response.status_code == 404, response.content
+    assert "error" in response.json()
+    assert not CallbackReceipt.objects.exists()
+
+
+@pytest.mark.parametrize("first", ["complete", "fail", "retry"])
+def test_a_resolved_callback_is_404(first):
+    job = parked_row()
+    body = {"complete": {}, "fail": {"error": "x"}, "retry": {}}
+    assert post(job.callback_id, first, body[first]).status_code == 200
+    after = snapshot(job.id)
+    # (Bodies differ from the first request's, which would otherwise be a replay: 403.)
+    for action, again in [
+        ("complete", {"payload": "again"}),
+        ("fail", {"error": "y"}),
+        ("retry", {}),
+        ("heartbeat", {"timeout": 9}),
+    ]:
+        headers = sign(json.dumps(again), SECRET, time.time() - 10)
+        assert post(job.callback_id, action, again, headers=headers).status_code == 404
+    assert snapshot(job.id) == after
+
+
+def test_unknown_actions_and_malformed_ids_are_404():
+    job = parked_row()
+    raw = "{}"
+    client = Client(enforce_csrf_checks=True)
+    for path in (
+        f"/awa/callbacks/{job.callback_id}/explode",
+        "/awa/callbacks/not-a-uuid/complete",
+    ):
+        response = client.post(
+            path, data=raw, content_type="application/json", headers=sign(raw, SECRET)
+        )
+        assert response.status_code == 404
+    assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
+
+
+@pytest.mark.parametrize(
+    ("action", "raw"),
+    [
+        ("complete", "not json"),
+        ("complete", "{'payload': 1}"),
+        ("complete", "[1, 2]"),
+        ("complete", '"a string"'),
+        ("complete", b"\xff\xfe{}"),
+        ("complete", '{"payload": 1, "extra": 2}'),
+        ("complete", '{"error": "wrong field for complete"}'),
+        ("complete", '{"payload": NaN}'),
+        ("complete", '{"payload": "nul \\u0000 inside"}'),
+        ("complete", "[" * 100_000 + "]" * 100_000),
+        ("fail", "{}"),
+        ("fail", '{"error": 42}'),
+        ("fail", '{"error": ""}'),
+        ("fail", '{"error": ["a"]}'),
+        ("fail", '{"error": "x", "payload": 1}'),
+        ("fail", '{"error": "nul \\u0000"}'),
+        ("retry", '{"payload": 1}'),
+        ("retry", "[]"),
+        ("heartbeat", "{}"),
+        ("heartbeat", '{"timeout": "60"}'),
+        ("heartbeat", '{"timeout": true}'),
+        ("heartbeat", '{"timeout": 0}'),
+        ("heartbeat", '{"timeout": -5}'),
+        ("heartbeat", '{"timeout": null}'),
+        ("heartbeat", '{"timeout": 1e400}'),
+        ("heartbeat", '{"timeout": NaN}'),
+        ("heartbeat", '{"timeout": 999999999999}'),
+        ("heartbeat", '{"timeout": 60, "extra": 1}'),
+    ],
+)
+def test_a_bad_body_is_400_and_changes_nothing(action, raw):
+    job = parked_row()
+    before = snapshot(job.id)
+    response = post(job.callback_id, action, raw)
+    assert response.status_code == 400, response.content
+    assert "error" in response.json()
+    _unchanged(job, before)
+    assert not CallbackReceipt.objects.exists()
+
+
+@pytest.mark.parametrize("method", ["get", "put", "delete", "patch"])
+def test_other_methods_are_405(method):
+    job = parked_row()
+    client = Client(enforce_csrf_checks=True)
+    response = getattr(client, method)(url(job.callback_id, "complete"))
+    assert response.status_code == 405
+    assert response["Allow"] == "POST"
+    assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
+
+
+def test_an_oversize_body_is_413():
+    job = parked_row()
+    before = snapshot(job.id)
+    raw = json.dumps({"payload": "x" * MAX_BODY})
+    assert len(raw) > MAX_BODY
+    response = post(job.callback_id, "complete", raw)
+    assert response.status_code == 413
+    _unchanged(job, before)
+
+
+def test_a_body_at_the_limit_is_accepted():
+    job = parked_row()
+    filler = MAX_BODY - len(json.dumps({"payload": ""}))
+    raw = json.dumps({"payload": "x" * filler})
+    assert len(raw) == MAX_BODY
+    assert post(job.callback_id, "complete", raw).status_code == 200
+
+
+def test_a_failing_followup_is_503_and_the_same_request_succeeds_once_fixed():
+    job = make_job(
+        kind="act",
+        args={"action": "callback"},
+        state=JobState.WAITING_EXTERNAL,
+        attempt=1,
+        max_attempts=3,
+        run_lease=1,
+        callback_id=uuid.uuid4(),
+        callback_timeout_at=db_now() + dt.timedelta(minutes=5),
+    )
+    before = snapshot(job.id)
+    raw = json.dumps({"payload": {"order": 5}})
+    headers = sign(raw, SECRET)
+    FAIL["completed"] = True
+    response = post(job.callback_id, "complete", raw, headers=headers)
+    assert response.status_code == 503, response.content
+    assert "error" in response.json()
+    _unchanged(job, before)
+    assert not CallbackReceipt.objects.exists()
+    FAIL["completed"] = False  # fixed
+    response = post(job.callback_id, "complete", raw, headers=headers)
+    assert response.status_code == 200, response.content
+    assert response.json() == {"id": job.id, "state": "completed"}
+    assert Job.objects.get(id=job.id).metadata[RESULT_KEY] == {"order": 5}
+    assert [f[2]["note"] for f in followups(job.id)] == ["completed-1", "completed-2"]
+
+
+def test_a_payload_that_makes_the_followup_fail_is_503():
+    job = parked_row()
+    before = snapshot(job.id)
+    response = post(job.callback_id, "complete", {"payload": {"explode": True}})
+    assert response.status_code == 503
+    _unchanged(job, before)
+    assert post(job.callback_id, "complete", {"payload": {"ok": True}}).status_code == 200
+
+
+def test_without_a_callback_secret_every_request_is_refused(settings):
+    settings.AWA = {**settings.AWA, "CALLBACK_SECRET": None}
+    job = parked_row()
+    before = snapshot(job.id)
+    response = post(job.callback_id, "complete", {"payload": 1})
+    assert response.status_code == 403
+    _unchanged(job, before)
+
+
+def test_a_body_over_data_upload_max_memory_size_is_413(settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 100
+    job = parked_row()
+    before = snapshot(job.id)
+    response = post(job.callback_id, "complete", {"payload": "x" * 200})
+    assert response.status_code == 413
+    _unchanged(job, before)
+
+
+def test_receipts_too_old_to_replay_are_pruned():
+    job = parked_row()
+    assert post(job.callback_id, "heartbeat", {"timeout": 60}).status_code == 200
+    assert prune_receipts() == 0
+    CallbackReceipt.objects.update(received_at=db_now() - dt.timedelta(seconds=RECEIPT_RETENTION))
+    assert prune_receipts() == 1 and not CallbackReceipt.objects.exists()
+
+
+def test_an_early_callback_that_cannot_be_applied_does_not_block_the_park(monkeypatch):
+    from django.db import DatabaseError
+
+    def broken(*args: Any) -> list[int]:
+        raise DatabaseError("insert failed")
+
+    job = parked_row(state=JobState.RUNNING)
+    awa.complete_external(job.callback_id, {"ok": True})
+    monkeypatch.setattr("django_awa.callbacks.dispatch", broken)
+    row = _park_in_process(job.id)
+    assert row.state == JobState.WAITING_EXTERNAL and row.callback_id == job.callback_id
+    monkeypatch.undo()
+    assert awa.complete_external(job.callback_id, {"ok": 2}).state == JobState.COMPLETED
