@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 
-from django.db import connections
-
-from . import sql
+from . import db, sql
 from .conf import awa_settings
 from .kinds import registry
 from .models import Job, job_from_row
@@ -20,7 +18,7 @@ def claim(queue: str, limit: int, alias: str) -> list[Job]:
     visible to other workers' SKIP LOCKED and to maintenance.
     """
     conf = awa_settings()
-    with connections[alias].cursor() as cursor:
+    with db.cursor(alias) as cursor:
         cursor.execute(
             sql.CLAIM,
             {

@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "PRIORITY_AGING_INTERVAL": 60.0,
     "CLAIM_BATCH_SIZE": 100,
     "MAX_ARGS_BYTES": 1_000_000,
+    "PREPARED_STATEMENTS": True,
 }
 
 _DURATIONS = {
@@ -75,6 +76,7 @@ class AwaSettings:
     priority_aging_interval: float | None
     claim_batch_size: int
     max_args_bytes: int
+    prepared_statements: bool = True
 
 
 def to_seconds(value: Any) -> float:
@@ -131,6 +133,8 @@ def problems(raw: dict[str, Any] | None = None) -> list[tuple[str, str]]:
             value = raw[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 found.append((key, f"AWA[{key!r}] must be a positive integer, got {value!r}"))
+    if "PREPARED_STATEMENTS" in raw and not isinstance(raw["PREPARED_STATEMENTS"], bool):
+        found.append(("PREPARED_STATEMENTS", "AWA['PREPARED_STATEMENTS'] must be True or False"))
     if "QUEUES" in raw:
         found.extend(_queue_problems(raw["QUEUES"]))
     stale = raw.get("STALE_AFTER", DEFAULTS["STALE_AFTER"])
@@ -202,6 +206,7 @@ def awa_settings() -> AwaSettings:
         priority_aging_interval=duration("PRIORITY_AGING_INTERVAL"),
         claim_batch_size=merged["CLAIM_BATCH_SIZE"],
         max_args_bytes=merged["MAX_ARGS_BYTES"],
+        prepared_statements=merged["PREPARED_STATEMENTS"],
     )
 
 
@@ -209,3 +214,6 @@ def awa_settings() -> AwaSettings:
 def _reset(*, setting: str, **kwargs: Any) -> None:
     if setting in ("AWA", "DATABASES"):
         awa_settings.cache_clear()
+        from . import db
+
+        db._prepare.clear()

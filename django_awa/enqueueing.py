@@ -19,7 +19,7 @@ from django.conf import settings
 from django.db import connections, transaction
 from django.utils import timezone
 
-from . import sql
+from . import db, sql
 from .conf import QUEUE_NAME_RE, awa_settings, to_seconds
 from .exceptions import ConfigurationError, UniqueConflict, ValidationError
 from .kinds import (
@@ -270,7 +270,7 @@ def enqueue(
 def insert_one(prepared: PreparedJob, alias: str) -> Job:
     """Insert a validated job on ``alias``; ``UniqueConflict`` if its key is held."""
     statement = sql.INSERT_ONE_UNIQUE if prepared.unique_key else sql.INSERT_ONE
-    with connections[alias].cursor() as cursor:
+    with db.cursor(alias) as cursor:
         cursor.execute(statement, prepared.params())
         row = cursor.fetchone()
         if row is None:
@@ -315,7 +315,7 @@ def insert_many(prepared: Sequence[PreparedJob], alias: str) -> list[int]:
 
 def insert_reserved(prepared: Sequence[PreparedJob], alias: str) -> tuple[list[int], set[int]]:
     """Insert validated jobs; return the id reserved for each and the set actually inserted."""
-    with transaction.atomic(using=alias, savepoint=False), connections[alias].cursor() as cursor:
+    with transaction.atomic(using=alias, savepoint=False), db.cursor(alias) as cursor:
         cursor.execute(sql.RESERVE_IDS, {"n": len(prepared)})
         ids = [row[0] for row in cursor.fetchall()]
         cursor.execute(

@@ -20,7 +20,7 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from . import sql
+from . import db, sql
 from .compat import savepoint_create
 from .conf import to_seconds
 from .exceptions import TerminalError, ValidationError
@@ -197,7 +197,7 @@ def write_progress(attempts: list[Attempt]) -> None:
         return
     for a in dirty:
         a.progress_dirty = False
-    with connections[dirty[0].alias].cursor() as cursor:
+    with db.cursor(dirty[0].alias) as cursor:
         cursor.execute(
             sql.SET_PROGRESS,
             {

@@ -23,9 +23,9 @@ from functools import partial
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, transaction
 
-from . import signals, sql
+from . import db, signals, sql
 from .compat import savepoint_create
 from .enqueueing import PreparedJob, insert_reserved
 from .execute import AttemptResult, errored
@@ -72,7 +72,7 @@ def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[
     for result in results:
         for key, value in result.params().items():
             params[key].append(value)
-    with connections[alias].cursor() as cursor:
+    with db.cursor(alias) as cursor:
         cursor.execute(sql.FINALIZE_RETURNING_ROWS if rows else sql.FINALIZE, params)
         returned = cursor.fetchall()
     applied = []

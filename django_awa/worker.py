@@ -37,7 +37,7 @@ from typing import Any
 import psycopg
 from django.db import DatabaseError, InterfaceError, connections
 
-from . import sql
+from . import db, sql
 from .claim import claim
 from .conf import AwaSettings, awa_settings
 from .execute import (
@@ -444,7 +444,7 @@ class Worker:
     def _heartbeat(self, attempts: list[Attempt]) -> None:
         if not attempts:
             return
-        with connections[self.alias].cursor() as cursor:
+        with db.cursor(self.alias) as cursor:
             cursor.execute(
                 sql.HEARTBEAT,
                 {

@@ -34,7 +34,7 @@ import os
 import warnings
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -144,7 +144,10 @@ def database_settings(url: str) -> dict[str, Any]:
         "PORT": port,
         "OPTIONS": {},
     }
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+    # Percent-decoding only, as libpq does: a "+" stays a plus.
+    for pair in filter(None, parts.query.split("&")):
+        raw_key, _, raw_value = pair.partition("=")
+        key, value = unquote(raw_key), unquote(raw_value)
         if key in _QUERY_TO_SETTING:
             entry[_QUERY_TO_SETTING[key]] = value
         else:

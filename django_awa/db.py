@@ -1,0 +1,61 @@
+"""The hot path's statements, run with server-side binding and prepared plans.
+
+Django's PostgreSQL cursors bind parameters on the client: every value is
+quoted into the SQL text in Python and each statement is planned again. The
+statements django-awa runs per job (claim, finalize, heartbeat, enqueue) go
+instead through a plain psycopg cursor on the *same* connection, so they
+join the caller's transaction exactly as the ORM does, but bind parameters
+on the server and reuse a prepared plan. Errors are wrapped into Django's
+database exceptions, as the ORM's are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from django.db import connections
+
+# Prepared statements are per connection; a transaction-mode pooler that does
+# not track them (PgBouncer before 1.21) needs AWA["PREPARED_STATEMENTS"] off.
+_prepare: dict[str, bool] = {}
+
+
+def use_prepared(alias: str) -> bool:
+    if alias not in _prepare:
+        from .conf import awa_settings
+
+        _prepare[alias] = awa_settings().prepared_statements
+    return _prepare[alias]
+
+
+@contextmanager
+def cursor(alias: str) -> Iterator[Cursor]:
+    wrapper = connections[alias]
+    wrapper.ensure_connection()
+    with wrapper.wrap_database_errors, psycopg.Cursor(wrapper.connection) as raw:
+        yield Cursor(raw, use_prepared(alias))
+
+
+class Cursor:
+    __slots__ = ("_prepare", "_raw")
+
+    def __init__(self, raw: psycopg.Cursor[Any], prepare: bool) -> None:
+        self._raw = raw
+        self._prepare = prepare
+
+    def execute(self, statement: str, params: Mapping[str, Any] | None = None) -> Cursor:
+        self._raw.execute(statement, params, prepare=self._prepare or None)  # type: ignore[arg-type]
+        return self
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        return self._raw.fetchone()
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        return self._raw.fetchall()
+
+    @property
+    def rowcount(self) -> int:
+        return self._raw.rowcount
