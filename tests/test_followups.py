@@ -430,16 +430,32 @@ def test_every_committed_outcome_has_exactly_its_followups_over_5000_jobs(start_
         # the follow-up rows that name it, counted in SQL.
         cursor.execute(
             """
-            WITH expected AS (
-                SELECT id,
-                       (SELECT count(*) FROM jsonb_array_elements(errors)) -
-                           CASE WHEN state = 'failed' THEN 1 ELSE 0 END AS retried,
-                       CASE WHEN state = 'failed' THEN 1 ELSE 0 END AS exhausted,
+            WITH entries AS (
+                SELECT id, state,
+                       count(*) FILTER (WHERE e ->> 'error' LIKE 'rescued:%%') AS rescued,
+                       count(*) FILTER (WHERE e ->> 'error' NOT LIKE 'rescued:%%') AS raised,
+                       (array_agg(e ->> 'error' ORDER BY n DESC))[1] AS last_error
+                FROM awa_job
+                LEFT JOIN LATERAL jsonb_array_elements(errors) WITH ORDINALITY AS x(e, n) ON true
+                WHERE id = ANY(%(ids)s)
+                GROUP BY id, state
+            ),
+            expected AS (
+                -- A rescue (a worker starved past STALE_AFTER under load) is its
+                -- own outcome; a failed job exhausted unless a rescue failed it.
+                SELECT id, rescued,
+                       raised - CASE WHEN state = 'failed'
+                                      AND last_error NOT LIKE 'rescued:%%' THEN 1 ELSE 0 END
+                           AS retried,
+                       CASE WHEN state = 'failed' AND last_error NOT LIKE 'rescued:%%'
+                            THEN 1 ELSE 0 END AS exhausted,
                        CASE WHEN state = 'completed' THEN 2 ELSE 0 END AS completed
-                FROM awa_job WHERE id = ANY(%(ids)s)
+                FROM entries
             ),
             actual AS (
                 SELECT (metadata #>> '{awa_trigger,job_id}')::bigint AS id,
+                       count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'rescued')
+                           AS rescued,
                        count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'retried')
                            AS retried,
                        count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'exhausted')
@@ -448,12 +464,13 @@ def test_every_committed_outcome_has_exactly_its_followups_over_5000_jobs(start_
                            AS completed
                 FROM awa_job WHERE metadata ? 'awa_trigger' GROUP BY 1
             )
-            SELECT e.id, e.retried, e.exhausted, e.completed,
-                   coalesce(a.retried, 0), coalesce(a.exhausted, 0), coalesce(a.completed, 0)
+            SELECT e.id, e.rescued, e.retried, e.exhausted, e.completed,
+                   coalesce(a.rescued, 0), coalesce(a.retried, 0), coalesce(a.exhausted, 0),
+                   coalesce(a.completed, 0)
             FROM expected e LEFT JOIN actual a USING (id)
-            WHERE (e.retried, e.exhausted, e.completed)
-                  IS DISTINCT FROM (coalesce(a.retried, 0), coalesce(a.exhausted, 0),
-                                    coalesce(a.completed, 0))
+            WHERE (e.rescued, e.retried, e.exhausted, e.completed)
+                  IS DISTINCT FROM (coalesce(a.rescued, 0), coalesce(a.retried, 0),
+                                    coalesce(a.exhausted, 0), coalesce(a.completed, 0))
             """,
             {"ids": ids},
         )
