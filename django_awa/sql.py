@@ -276,20 +276,24 @@ RETURNING v.reason, {J_JOB_COLUMNS}
 """
 
 # -- AGE_PRIORITIES --
-# Priority aging: an available job that has waited longer than the aging
-# interval moves up one priority level per interval waited, so a flood of
-# high-priority jobs cannot starve it. The original priority is kept in
-# metadata["awa_original_priority"]. Uses awa_job_claim_idx's state predicate.
-AGE_PRIORITIES = """
+# Priority aging: an available job moves up one priority level per aging
+# interval it has waited past its run_at, so a flood of high-priority jobs
+# cannot starve it. The original priority is kept in
+# metadata["awa_original_priority"]; run_at is left alone, so the job keeps
+# its place among jobs of its new priority. Only rows whose level changes are
+# written. Uses awa_job_claim_idx's state predicate.
+_AGED = """greatest(1, coalesce((metadata ->> 'awa_original_priority')::int, priority)
+                  - floor(extract(epoch FROM now() - run_at) / %(interval)s)::int)"""
+AGE_PRIORITIES = f"""
 UPDATE awa_job
-SET priority = greatest(1, priority - 1),
-    metadata = CASE WHEN metadata ? 'awa_original_priority' THEN metadata
+SET metadata = CASE WHEN metadata ? 'awa_original_priority' THEN metadata
                     ELSE metadata || jsonb_build_object('awa_original_priority', priority) END,
-    run_at = now()
+    priority = {_AGED}
 WHERE id IN (
     SELECT id FROM awa_job
     WHERE state = 'available' AND priority > 1
       AND run_at < now() - make_interval(secs => %(interval)s)
+      AND priority > {_AGED}
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )

@@ -46,16 +46,20 @@ def test_claim_order_is_priority_then_run_at_then_id():
 
 def test_priority_aging_lets_a_starved_job_climb(settings):
     settings.AWA = {**settings.AWA, "PRIORITY_AGING_INTERVAL": 10}
-    starved = make_job(priority=4, run_at=ago(seconds=30))
+    waited = ago(seconds=25)
+    starved = make_job(priority=4, run_at=waited)  # 2.5 intervals: two levels up
     fresh = make_job(priority=4)
     maintenance = Maintenance()
-    for _ in range(3):
-        maintenance.age_priorities()
-        Job.objects.filter(id=starved.id).update(run_at=ago(seconds=30))  # keeps waiting
+    maintenance.age_priorities()
     aged = Job.objects.get(id=starved.id)
-    assert aged.priority == 1
+    assert aged.priority == 2 and aged.run_at == waited
     assert aged.metadata["awa_original_priority"] == 4
     assert Job.objects.get(id=fresh.id).priority == 4
+    maintenance.age_priorities()  # nothing more to do until it waits longer
+    assert Job.objects.get(id=starved.id).priority == 2
+    Job.objects.filter(id=starved.id).update(run_at=ago(seconds=45))
+    maintenance.age_priorities()
+    assert Job.objects.get(id=starved.id).priority == 1
     # Behind a flood of priority-1 jobs that arrived later, it now comes first.
     for _ in range(5):
         make_job(priority=1)
