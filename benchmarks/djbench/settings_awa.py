@@ -1,0 +1,14 @@
+"""django-awa: the bench app declares the no-op kind in its jobs.py."""
+
+from djbench.settings_common import *  # noqa: F403
+
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django_awa",
+    "djbench.awa_app",
+]
+
+AWA = {
+    "QUEUES": {"bench": {"concurrency": 100}},
+}

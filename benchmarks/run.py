@@ -1,0 +1,610 @@
+#!/usr/bin/env python3
+"""Benchmark django-awa against pgqueuer, awa-pg, procrastinate and django-tasks-db.
+
+    python benchmarks/run.py [--quick] [--repeats 3] [--systems a,b] [--jobs N]
+
+Runs in benchmarks/.venv (made by bootstrap.sh on first use, then re-executed
+into). Each repeat runs every system in turn (the order rotates between
+repeats), each on a fresh database ``awa_bench_<system>`` on 127.0.0.1 that
+is dropped afterwards, through these workloads, all with no-op handlers:
+
+  bulk     enqueue N jobs with the system's bulk API, batches of --batch
+  drain    start the worker on those N jobs; time until the database shows
+           all N finished; peak RSS of the worker processes meanwhile
+  latency  an idle worker; a producer enqueues one job every 1/--rate s for
+           --latency-seconds; each handler records now - enqueue time
+  single   enqueue --single jobs, one transaction each, one client
+  followups (django-awa only) drain N jobs that each have an on_completed
+           follow-up
+
+It prints a table of medians with min, max and the ratio to django-awa, and
+writes every measurement to benchmarks/results/. No test asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+VENV = BENCH_DIR / ".venv"
+VENV_PYTHON = VENV / "bin" / "python"
+RESULTS_DIR = BENCH_DIR / "results"
+
+
+# --------------------------------------------------------------- environment
+def _stamp_expected() -> dict[str, str]:
+    requirements = hashlib.sha256((BENCH_DIR / "requirements.txt").read_bytes()).hexdigest()
+    packaging = hashlib.sha256()
+    for name in ("setup.cfg", "pyproject.toml", "setup.py"):
+        path = REPO_ROOT / name
+        if path.exists():
+            packaging.update(path.read_bytes())
+    return {"requirements": requirements, "packaging": packaging.hexdigest()}
+
+
+def _needs_bootstrap() -> bool:
+    stamp_path = VENV / ".bench-stamp"
+    if not VENV_PYTHON.exists() or not stamp_path.exists():
+        return True
+    stamp = dict(line.split("=", 1) for line in stamp_path.read_text().split() if "=" in line)
+    expected = _stamp_expected()
+    return any(stamp.get(key) != value for key, value in expected.items())
+
+
+def ensure_venv() -> None:
+    """Re-exec into benchmarks/.venv, bootstrapping it first when needed."""
+    if Path(sys.prefix).resolve() == VENV.resolve():
+        return
+    if "--no-bootstrap" not in sys.argv and _needs_bootstrap():
+        sys.stderr.write("run.py: preparing benchmarks/.venv (bootstrap.sh)…\n")
+        subprocess.run(["bash", str(BENCH_DIR / "bootstrap.sh")], check=True)
+    if not VENV_PYTHON.exists():
+        raise SystemExit("run.py: benchmarks/.venv is missing; run benchmarks/bootstrap.sh")
+    os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), str(Path(__file__).resolve()), *sys.argv[1:]])
+
+
+# ------------------------------------------------------------------ metrics
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    title: str
+    unit: str
+    higher_is_better: bool
+    fmt: str  # format spec for one value
+    only: str | None = None  # the one system that has it
+    ratio_to: str | None = None  # compare with this metric of the reference
+
+
+def metrics(args: argparse.Namespace) -> list[Metric]:
+    n, single, rate = args.jobs, args.single, args.rate
+    return [
+        Metric(
+            "drain", f"drain {n:,} queued jobs (worker start -> all finished)", "s", False, ".2f"
+        ),
+        Metric(
+            "enqueue_single",
+            f"enqueue {single:,} jobs, one transaction each",
+            "jobs/s",
+            True,
+            ",.0f",
+        ),
+        Metric(
+            "enqueue_bulk",
+            f"enqueue {n:,} jobs in bulk, batches of {args.batch:,}",
+            "jobs/s",
+            True,
+            ",.0f",
+        ),
+        Metric("latency_p50", f"pickup latency p50 at {rate:g} jobs/s", "ms", False, ".1f"),
+        Metric("latency_p99", f"pickup latency p99 at {rate:g} jobs/s", "ms", False, ".1f"),
+        Metric(
+            "drain_rss", "peak RSS of the worker processes during the drain", "MB", False, ",.0f"
+        ),
+        Metric(
+            "drain_followups",
+            f"drain {n:,} jobs, each with an on_completed follow-up",
+            "s",
+            False,
+            ".2f",
+            only="django-awa",
+            ratio_to="drain",
+        ),
+    ]
+
+
+# ----------------------------------------------------------------- progress
+class Progress:
+    """One live status line on stderr (a plain log line per step when not a tty)."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total = max(1, total_steps)
+        self.done = 0
+        self.tty = sys.stderr.isatty()
+        self.prefix = ""
+        self.started = time.monotonic()
+        self._last = 0.0
+
+    def step(self, prefix: str) -> None:
+        self.prefix = prefix
+        if not self.tty:
+            elapsed = time.monotonic() - self.started
+            sys.stderr.write(f"[{self.done}/{self.total} {elapsed:5.0f}s] {prefix}\n")
+            sys.stderr.flush()
+        self.live("")
+
+    def live(self, detail: str, force: bool = False) -> None:
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < 0.1:
+            return
+        self._last = now
+        width = 20
+        filled = int(width * self.done / self.total)
+        bar = "#" * filled + "-" * (width - filled)
+        elapsed = now - self.started
+        line = f"[{bar}] {self.done}/{self.total} {elapsed:4.0f}s  {self.prefix}  {detail}"
+        columns = _terminal_columns()
+        sys.stderr.write("\r\x1b[K" + line[: columns - 1])
+        sys.stderr.flush()
+
+    def finish_step(self) -> None:
+        self.done += 1
+        self.live("", force=True)
+
+    def note(self, text: str) -> None:
+        """A line that stays (errors, skips), above the live line."""
+        if self.tty:
+            sys.stderr.write("\r\x1b[K")
+        sys.stderr.write(text.rstrip() + "\n")
+        sys.stderr.flush()
+        self.live("", force=True)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+def _terminal_columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except OSError:
+        return 120
+
+
+# ---------------------------------------------------------------- workloads
+@dataclass
+class Results:
+    # system -> metric key -> values, one per repeat
+    values: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, system: str, key: str, value: float) -> None:
+        self.values.setdefault(system, {}).setdefault(key, []).append(value)
+
+    def error(self, system: str, message: str) -> None:
+        self.errors.setdefault(system, []).append(message)
+
+    def note(self, system: str, message: str) -> None:
+        notes = self.notes.setdefault(system, [])
+        if message not in notes:
+            notes.append(message)
+
+
+def tree_rss(pids: list[int]) -> int:
+    import psutil
+
+    total = 0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            family = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for member in family:
+            with contextlib.suppress(psutil.Error):
+                total += member.memory_info().rss
+    return total
+
+
+def wait_done(
+    system, target: int, timeout: float, progress: Progress, label: str, rss: bool = False
+):
+    """Poll count_done() until it reaches target; returns (seconds since worker start, peak RSS)."""
+    from systems.base import SystemUnavailable
+
+    group = system.workers
+    peak = 0
+    deadline = time.perf_counter() + timeout
+    interval = 0.05
+    while True:
+        done = system.count_done()
+        now = time.perf_counter()
+        if rss:
+            peak = max(peak, tree_rss(group.pids()))
+        if done >= target:
+            return now - group.started_at, peak
+        dead = group.dead()
+        if dead:
+            raise SystemUnavailable(f"{label}: {dead}\n    {system.worker_log_tail()}")
+        if now > deadline:
+            raise SystemUnavailable(
+                f"{label}: timed out after {timeout:.0f}s with {done:,}/{target:,} finished\n"
+                f"    {system.worker_log_tail()}"
+            )
+        progress.live(f"{label} {done:,}/{target:,}  {now - group.started_at:5.1f}s")
+        time.sleep(interval)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def run_drain(system, args, progress: Progress, results: Results, mode: str = "drain") -> float:
+    base = system.count_done()
+    system.start_worker(mode)
+    try:
+        seconds, peak = wait_done(
+            system, base + args.jobs, args.timeout, progress, mode, rss=(mode == "drain")
+        )
+    finally:
+        system.stop_worker()
+    if mode == "drain":
+        results.add(system.name, "drain", seconds)
+        results.add(system.name, "drain_rss", peak / 2**20)
+    return seconds
+
+
+def run_latency(system, args, progress: Progress, results: Results) -> None:
+    from systems.base import SystemUnavailable
+
+    with tempfile.TemporaryDirectory(prefix="awa-bench-latency-") as tmp:
+        base = system.count_done()
+        system.start_worker("latency", latency_dir=Path(tmp))
+        try:
+            # One unrecorded job (t=0) proves the worker is up and claiming;
+            # then it idles a moment before the paced producer starts.
+            system.enqueue_bulk(1, 1)
+            wait_done(system, base + 1, args.timeout, progress, "latency: worker start-up")
+            time.sleep(1.0)
+            progress.live(
+                f"latency: enqueue at {args.rate:g}/s for {args.latency_seconds:g}s", force=True
+            )
+            sent = system.pace(args.rate, args.latency_seconds)
+            wait_done(system, base + 1 + sent, 120, progress, "latency: finishing")
+        finally:
+            system.stop_worker()
+        values: list[float] = []
+        for path in Path(tmp).glob("latency-*.txt"):
+            values.extend(float(line) for line in path.read_text().split())
+    if len(values) < sent:
+        raise SystemUnavailable(f"latency: {len(values)} handler records for {sent} jobs")
+    values.sort()
+    results.add(system.name, "latency_p50", percentile(values, 50) * 1000)
+    results.add(system.name, "latency_p99", percentile(values, 99) * 1000)
+
+
+def run_followups(system, args, progress: Progress, results: Results) -> None:
+    from systems.base import SystemUnavailable
+
+    progress.live("follow-ups: enqueueing (not timed)", force=True)
+    system.enqueue_bulk(args.jobs, args.batch)
+    before = system.count_followups()
+    seconds = run_drain(system, args, progress, results, mode="followups")
+    made = system.count_followups() - before
+    if made != args.jobs:
+        raise SystemUnavailable(
+            f"follow-ups: {made:,} follow-up jobs for {args.jobs:,} completions"
+        )
+    results.add(system.name, "drain_followups", seconds)
+
+
+def workloads_for(system_name: str, extra: tuple[str, ...]) -> list[str]:
+    return ["bulk", "drain", "latency", "single", *extra]
+
+
+def run_system(system, args, progress: Progress, results: Results, rep: int) -> bool:
+    """All workloads of one system in one repeat; False if the system failed."""
+    import psycopg
+    from systems.base import SystemUnavailable
+
+    steps = workloads_for(system.name, system.extra_workloads)
+    first_step = progress.done
+    label = f"rep {rep + 1}/{args.repeats} {system.name}"
+    try:
+        progress.step(f"{label}: setup")
+        try:
+            system.setup_db()
+        except SystemUnavailable as exc:
+            raise SystemUnavailable(f"setup: {exc}") from exc
+        progress.finish_step()
+        for workload in steps:
+            progress.step(f"{label}: {workload}")
+            if workload == "bulk":
+                elapsed = system.enqueue_bulk(args.jobs, args.batch)
+                results.add(system.name, "enqueue_bulk", args.jobs / elapsed)
+            elif workload == "drain":
+                run_drain(system, args, progress, results)
+            elif workload == "latency":
+                run_latency(system, args, progress, results)
+            elif workload == "single":
+                elapsed = system.enqueue_single(args.single)
+                results.add(system.name, "enqueue_single", args.single / elapsed)
+            elif workload == "followups":
+                run_followups(system, args, progress, results)
+            progress.finish_step()
+        return True
+    except Exception as exc:  # noqa: BLE001 - one system's failure must not end the run
+        if isinstance(exc, (SystemUnavailable, psycopg.Error, OSError)):
+            detail = str(exc)
+        else:  # a bug in an adapter: keep where it happened
+            detail = "".join(traceback.format_exception(exc)[-6:]).rstrip()
+        message = (
+            f"{system.name} (repeat {rep + 1}, {progress.prefix.rsplit(': ', 1)[-1]}): {detail}"
+        )
+        results.error(system.name, message)
+        progress.note(f"SKIP {message}")
+        return False
+    finally:
+        progress.done = first_step + 1 + len(steps)
+        system.teardown_db()
+
+
+# -------------------------------------------------------------------- table
+def render_table(results: Results, systems: list, args: argparse.Namespace) -> str:
+    from systems import REFERENCE
+
+    names = [s.name for s in systems]
+    rows: list[list[str]] = []
+    header = ["", "median", "min", "max", f"vs {REFERENCE}"]
+    lines: list[str] = []
+    for metric in metrics(args):
+        present = [
+            n
+            for n in names
+            if results.values.get(n, {}).get(metric.key)
+            and (metric.only is None or metric.only == n)
+        ]
+        if not present:
+            continue
+        better = "higher is better" if metric.higher_is_better else "lower is better"
+        rows.append([f"{metric.title}, {metric.unit} ({better})"])
+        ref_values = results.values.get(REFERENCE, {}).get(metric.ratio_to or metric.key)
+        ref = statistics.median(ref_values) if ref_values else None
+        for name in present:
+            values = results.values[name][metric.key]
+            med = statistics.median(values)
+            if ref:
+                ratio = f"{med / ref:.2f}x"
+                if metric.ratio_to:
+                    ratio += f" of its {metric.ratio_to}"
+            else:
+                ratio = "n/a"
+            rows.append(
+                [
+                    f"  {name}",
+                    format(med, metric.fmt),
+                    format(min(values), metric.fmt),
+                    format(max(values), metric.fmt),
+                    ratio,
+                ]
+            )
+    widths = [0] * len(header)
+    for row in [header, *rows]:
+        if len(row) == 1:
+            continue
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def fmt_row(row: list[str]) -> str:
+        first = row[0].ljust(widths[0])
+        rest = [cell.rjust(widths[i + 1]) for i, cell in enumerate(row[1:])]
+        return "  ".join([first, *rest]).rstrip()
+
+    rule = "-" * len(fmt_row(header))
+    lines.append(fmt_row(header))
+    lines.append(rule)
+    for row in rows:
+        lines.append(row[0] if len(row) == 1 else fmt_row(row))
+    lines.append(rule)
+    lines.append(f"vs {REFERENCE}: the system's median divided by {REFERENCE}'s median.")
+    return "\n".join(lines)
+
+
+def render_footer(results: Results, systems: list, args: argparse.Namespace, load: tuple) -> str:
+    lines = ["", "Systems (version; drain setting):"]
+    for s in systems:
+        lines.append(f"  {s.name:<16} {s.version():<8} {s.describe()}")
+    lines.append(
+        f"Repeats: {args.repeats}, interleaved (system order rotates each repeat); "
+        f"a fresh database per system per repeat on 127.0.0.1."
+    )
+    lines.append(
+        f"Machine: {os.cpu_count()} CPUs shared with PostgreSQL; load average "
+        f"{load[0][0]:.1f} at start, {load[1][0]:.1f} at end."
+    )
+    for name, notes in results.notes.items():
+        for note in notes:
+            lines.append(f"Note ({name}): {note}")
+    if results.errors:
+        lines.append("Skipped or failed:")
+        for messages in results.errors.values():
+            for message in messages:
+                lines.append("  " + message.replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------- main
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from systems import SYSTEMS
+
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Systems: " + ", ".join(SYSTEMS),
+    )
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="comma-separated (default: all)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="jobs to drain and to bulk-enqueue (default 20000)"
+    )
+    parser.add_argument(
+        "--single", type=int, default=None, help="jobs enqueued one per transaction (default 2000)"
+    )
+    parser.add_argument("--batch", type=int, default=1000, help="bulk batch size (default 1000)")
+    parser.add_argument(
+        "--rate", type=float, default=50.0, help="pickup-latency enqueue rate, jobs/s (default 50)"
+    )
+    parser.add_argument(
+        "--latency-seconds", type=float, default=None, help="pickup-latency duration (default 10)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds a drain may take (default 600)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller workloads: 5,000 jobs, 500 single enqueues, 5 s of latency",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SYSTEM.KEY=VALUE",
+        help="override a drain setting, e.g. --set pgqueuer.batch_size=20 (repeatable)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="where to write the measurements (default benchmarks/results/bench-<time>.json)",
+    )
+    parser.add_argument("--no-bootstrap", action="store_true", help="never run bootstrap.sh")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.jobs = args.jobs or (5_000 if quick else 20_000)
+    args.single = args.single or (500 if quick else 2_000)
+    args.latency_seconds = args.latency_seconds or (5.0 if quick else 10.0)
+    args.timeout = args.timeout or (300.0 if quick else 600.0)
+    if args.repeats < 1 or args.jobs < 1 or args.single < 1 or args.batch < 1 or args.rate <= 0:
+        parser.error("--repeats, --jobs, --single, --batch and --rate must be positive")
+    return args
+
+
+def single_run_lock():
+    """Hold an exclusive lock for the run: two runs would drop each other's databases."""
+    import fcntl
+
+    RESULTS_DIR.mkdir(exist_ok=True)
+    handle = open(RESULTS_DIR / ".run.lock", "w")  # held until the run ends
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        raise SystemExit(
+            "run.py: another benchmark run is in progress (benchmarks/results/.run.lock)"
+        ) from exc
+    return handle
+
+
+def main(argv: list[str]) -> int:
+    ensure_venv()
+    sys.path.insert(0, str(BENCH_DIR))
+    from systems import REFERENCE, SYSTEMS, load, resolve
+    from systems.base import admin_execute
+
+    args = parse_args(argv)
+    try:
+        chosen = [resolve(n) for n in args.systems.split(",") if n.strip()]
+    except KeyError as exc:
+        raise SystemExit(f"--systems: unknown system {exc} (known: {', '.join(SYSTEMS)})") from exc
+    overrides: dict[str, dict[str, str]] = {}
+    for item in args.set:
+        target, _, value = item.partition("=")
+        system_name, _, key = target.partition(".")
+        try:
+            overrides.setdefault(resolve(system_name), {})[key] = value
+        except KeyError as exc:
+            raise SystemExit(f"--set {item}: unknown system") from exc
+    # The reference first, then the peers in the registry's order.
+    chosen = sorted(dict.fromkeys(chosen), key=list(SYSTEMS).index)
+    systems = [load(name, overrides.get(name)) for name in chosen]
+
+    lock = single_run_lock()
+    try:
+        admin_execute("SELECT 1")
+    except Exception as exc:
+        raise SystemExit(
+            f"run.py: PostgreSQL at 127.0.0.1:5432 (user postgres) is not reachable: {exc}"
+        ) from exc
+
+    total = sum((1 + len(workloads_for(s.name, s.extra_workloads))) * args.repeats for s in systems)
+    progress = Progress(total)
+    results = Results()
+    load_start = os.getloadavg()
+    failed: set[str] = set()
+    started = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        for rep in range(args.repeats):
+            shift = rep % len(systems)
+            for system in systems[shift:] + systems[:shift]:
+                if system.name in failed:
+                    progress.done += 1 + len(workloads_for(system.name, system.extra_workloads))
+                    continue
+                if not run_system(system, args, progress, results, rep):
+                    # Skip it in later repeats too: what failed once (a
+                    # missing engine, a crash at start-up) fails again, and
+                    # each try can cost a whole drain timeout.
+                    failed.add(system.name)
+    except KeyboardInterrupt:
+        progress.note("interrupted: printing what was measured")
+    finally:
+        progress.close()
+        for system in systems:
+            with contextlib.suppress(Exception):
+                system.teardown_db()
+    load_end = os.getloadavg()
+    if "django-awa" in failed or REFERENCE not in chosen:
+        results.note(REFERENCE, "no reference measurements: ratios are n/a where it is missing")
+
+    table = render_table(results, systems, args)
+    footer = render_footer(results, systems, args, (load_start, load_end))
+    sys.stdout.write(table + "\n" + footer + "\n")
+
+    RESULTS_DIR.mkdir(exist_ok=True)
+    payload = {
+        "started": started,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "systems": {s.name: {"version": s.version(), "settings": s.settings} for s in systems},
+        "values": results.values,
+        "errors": results.errors,
+        "load_average": {"start": load_start, "end": load_end},
+    }
+    out = args.json or RESULTS_DIR / f"bench-{started}.json"
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    sys.stdout.write(f"Measurements: {out}\n")
+    lock.close()
+    return 0 if results.values else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,114 @@
+"""Helpers for the code that runs *inside* the benchmark subprocesses.
+
+Producers (enqueue commands) and workers import this module; the
+orchestrator (run.py) does not. Everything is configured through the
+environment the orchestrator sets:
+
+- ``BENCH_DSN``: libpq URL of this run's database (always on 127.0.0.1).
+- ``BENCH_LATENCY_DIR``: when set, handlers that get a job whose ``t``
+  argument is non-zero append ``time.time() - t`` (seconds) to a file of
+  their own in that directory, one value a line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+QUEUE = "bench"  # the queue (or entrypoint) the workers run
+SINGLE_QUEUE = "bench_single"  # enqueue-single target; no worker runs it
+
+_latency_fd: int | None = None
+_latency_pid: int | None = None
+
+
+def dsn() -> str:
+    return os.environ["BENCH_DSN"]
+
+
+def record_latency(enqueued_at: float) -> None:
+    """Record the pickup latency of one job, from inside its handler.
+
+    One file per process (workers may fork), opened lazily, written with a
+    single O_APPEND write per value so concurrent handlers never interleave.
+    """
+    global _latency_fd, _latency_pid
+    if not enqueued_at:
+        return
+    latency = time.time() - enqueued_at
+    directory = os.environ.get("BENCH_LATENCY_DIR")
+    if not directory:
+        return
+    pid = os.getpid()
+    if _latency_fd is None or _latency_pid != pid:
+        path = os.path.join(directory, f"latency-{pid}.txt")
+        _latency_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        _latency_pid = pid
+    os.write(_latency_fd, f"{latency:.6f}\n".encode())
+
+
+def batches(total: int, size: int) -> Iterator[range]:
+    for start in range(0, total, size):
+        yield range(start, min(start + size, total))
+
+
+def paced(rate: float, duration: float) -> Iterator[int]:
+    """Yield 0, 1, 2… on an absolute schedule of ``rate`` per second.
+
+    The caller enqueues one job per value. A slow enqueue does not shift the
+    later ones (no drift); if the producer falls behind, the overdue values
+    come back to back until it is on schedule again.
+    """
+    interval = 1.0 / rate
+    count = round(rate * duration)
+    start = time.perf_counter()
+    for i in range(count):
+        delay = start + i * interval - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        yield i
+
+
+async def apaced(rate: float, duration: float) -> AsyncIterator[int]:
+    """paced() for asyncio producers."""
+    import asyncio
+
+    interval = 1.0 / rate
+    count = round(rate * duration)
+    start = time.perf_counter()
+    for i in range(count):
+        delay = start + i * interval - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        yield i
+
+
+def emit(**result: object) -> None:
+    """Print the command's result as the last stdout line (read by run.py)."""
+    sys.stdout.write("BENCH-RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+def client_main(commands: dict[str, Callable[..., object]], argv: list[str] | None = None) -> None:
+    """Dispatch ``python -m systems.<name> COMMAND [ARGS…]``.
+
+    Integer-looking arguments are passed as ints, others as floats or strings.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in commands:
+        sys.stderr.write(f"usage: COMMAND [ARGS…], COMMAND one of {', '.join(commands)}\n")
+        raise SystemExit(2)
+    name, raw = args[0], args[1:]
+    values: list[object] = []
+    for item in raw:
+        try:
+            values.append(int(item))
+        except ValueError:
+            try:
+                values.append(float(item))
+            except ValueError:
+                values.append(item)
+    commands[name](*values)

@@ -1,0 +1,164 @@
+"""django-awa, this repository (SPEC §2, §3, §5, §6).
+
+- schema: ``python -m django migrate`` (settings ``djbench.settings_awa``);
+- enqueue: ``awa.enqueue(Noop(n=…), queue=…)`` inside ``transaction.atomic()``;
+  bulk: ``awa.enqueue_many([...])`` per batch, inside ``transaction.atomic()``;
+- worker: ``python -m django awa_worker --queue bench=C --processes P``
+  (``--processes`` is used only when the command offers it; otherwise P
+  separate worker commands run);
+- finished jobs: ``awa_job`` rows of the bench queue in state ``completed``;
+- extra workloads: a drain whose every job has an ``on_completed`` follow-up
+  (settings ``djbench.settings_awa_followups``; the follow-ups go to a queue no
+  worker runs, and the run checks that there is one per job).
+
+django-awa is imported from the repository root (on PYTHONPATH), whether or
+not bootstrap.sh could install it editable.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from systems import _common as common
+from systems.base import REPO_ROOT, System
+
+SETTINGS = "djbench.settings_awa"
+FOLLOWUP_SETTINGS = "djbench.settings_awa_followups"
+FOLLOWUP_QUEUE = "bench_followups"
+
+
+class DjangoAwa(System):
+    name = "django-awa"
+    module = "django_awa"
+    distribution = "django-awa"
+    count_done_sql = "SELECT count(*) FROM awa_job WHERE state = 'completed' AND queue = 'bench'"
+    count_followups_sql = f"SELECT count(*) FROM awa_job WHERE queue = '{FOLLOWUP_QUEUE}'"  # noqa: S608
+    settings = {"processes": 2, "concurrency": 50}
+    extra_workloads = ("followups",)
+
+    _has_processes_option: bool | None = None
+
+    def version(self) -> str:
+        version = super().version()
+        if version == "?":
+            return "repo"
+        return version
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = super().env(**{"DJANGO_SETTINGS_MODULE": SETTINGS, **extra})
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO_ROOT)])
+        return env
+
+    def worker_env(self, mode: str) -> dict[str, str]:
+        if mode == "followups":
+            return self.env(DJANGO_SETTINGS_MODULE=FOLLOWUP_SETTINGS)
+        return self.env()
+
+    def count_followups(self) -> int:
+        row = self.connection().execute(self.count_followups_sql).fetchone()
+        return int(row[0]) if row else 0
+
+    def worker_commands(self, mode: str) -> list[list[str]]:
+        processes = int(self.settings["processes"])
+        argv = [
+            sys.executable,
+            "-m",
+            "django",
+            "awa_worker",
+            "--queue",
+            f"{common.QUEUE}={self.settings['concurrency']}",
+        ]
+        if processes > 1 and self._supports_processes():
+            return [[*argv, "--processes", str(processes)]]
+        return [argv for _ in range(processes)]
+
+    def _supports_processes(self) -> bool:
+        if DjangoAwa._has_processes_option is None:
+            proc = subprocess.run(
+                [sys.executable, "-m", "django", "awa_worker", "--help"],
+                env=self.env(),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            DjangoAwa._has_processes_option = "--processes" in proc.stdout
+        return DjangoAwa._has_processes_option
+
+
+ADAPTER = DjangoAwa
+
+
+# ------------------------------------------------------------- producer side
+def _django() -> None:
+    import django
+
+    django.setup()
+
+
+def cmd_setup() -> None:
+    _django()
+    from django.core.management import call_command
+
+    call_command("migrate", interactive=False, verbosity=0)
+    common.emit(ok=True)
+
+
+def cmd_enqueue_single(n: int) -> None:
+    _django()
+    from django.db import connection, transaction
+    from djbench.awa_app.jobs import Noop
+
+    import django_awa as awa
+
+    connection.ensure_connection()
+    start = time.perf_counter()
+    for i in range(n):
+        with transaction.atomic():
+            awa.enqueue(Noop(n=i), queue=common.SINGLE_QUEUE)
+    common.emit(elapsed=time.perf_counter() - start, count=n)
+
+
+def cmd_enqueue_bulk(n: int, batch: int) -> None:
+    _django()
+    from django.db import connection, transaction
+    from djbench.awa_app.jobs import Noop
+
+    import django_awa as awa
+
+    connection.ensure_connection()
+    start = time.perf_counter()
+    for chunk in common.batches(n, batch):
+        with transaction.atomic():
+            awa.enqueue_many([Noop(n=i) for i in chunk])
+    common.emit(elapsed=time.perf_counter() - start, count=n)
+
+
+def cmd_pace(rate: float, duration: float) -> None:
+    _django()
+    from django.db import connection, transaction
+    from djbench.awa_app.jobs import Noop
+
+    import django_awa as awa
+
+    connection.ensure_connection()
+    count = 0
+    for i in common.paced(rate, duration):
+        with transaction.atomic():
+            awa.enqueue(Noop(n=i, t=time.time()))
+        count += 1
+    common.emit(count=count)
+
+
+if __name__ == "__main__":
+    common.client_main(
+        {
+            "setup": cmd_setup,
+            "enqueue-single": cmd_enqueue_single,
+            "enqueue-bulk": cmd_enqueue_bulk,
+            "pace": cmd_pace,
+        }
+    )

@@ -1,0 +1,29 @@
+"""The procrastinate App the CLI loads (``--app=systems.procrastinate_app.app``).
+
+A module of its own because ``--app`` must name an App instance, built at
+import time; the adapter module stays importable without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from procrastinate import App, PsycopgConnector
+
+from systems import _common as common
+
+_pool_size = int(os.environ.get("BENCH_POOL_SIZE", "10"))
+
+app = App(
+    connector=PsycopgConnector(
+        conninfo=os.environ.get("BENCH_DSN", ""),
+        min_size=min(4, _pool_size),
+        max_size=_pool_size,
+    )
+)
+
+
+@app.task(name="noop", queue=common.QUEUE)
+async def noop(n: int = 0, t: float = 0.0) -> None:
+    # async: the worker's --concurrency only applies to async tasks.
+    common.record_latency(t)
