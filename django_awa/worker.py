@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 NOTIFY_CHANNEL = "awa_job"
 CANCEL_CHANNEL = "awa_cancel"
 _DB_ERRORS = (DatabaseError, InterfaceError, psycopg.Error)
+# How long a busy queue's producer may wait for more free slots to claim together.
+GATHER_SECONDS = 0.005
 
 
 def log_context(job: Job, worker: str = "") -> dict[str, Any]:
@@ -271,7 +273,8 @@ class Worker:
 
     def _produce(self, runner: QueueRunner) -> None:
         backoff = Backoff()
-        batch = self.conf.claim_batch_size
+        most = min(runner.concurrency, self.conf.claim_batch_size)
+        busy = False  # the last claim filled every free slot: more jobs are waiting
         while not self.stopping.is_set():
             if self.results.qsize() > self.backlog_limit:
                 self.stopping.wait(0.01)
@@ -279,9 +282,7 @@ class Worker:
             # Wait for at least one free slot, then take every other free one.
             if not runner.slots.acquire(timeout=0.5):
                 continue
-            free = 1
-            while free < min(runner.concurrency, batch) and runner.slots.acquire(blocking=False):
-                free += 1
+            free = 1 + self._take_slots(runner, most - 1, GATHER_SECONDS if busy else 0.0)
             runner.wake.clear()
             try:
                 jobs = claim(runner.name, free, self.alias)
@@ -293,6 +294,7 @@ class Worker:
                     runner.slots.release()
                 backoff.wait(self.stopping)
                 continue
+            busy = len(jobs) == free
             for _ in range(free - len(jobs)):
                 runner.slots.release()
             for job in jobs:
@@ -304,6 +306,30 @@ class Worker:
                 runner.pool.submit(self._execute, runner, attempt)
             if len(jobs) < free:
                 runner.wake.wait(self.conf.poll_interval)
+
+    @staticmethod
+    def _take_slots(runner: QueueRunner, most: int, gather: float) -> int:
+        """Take up to ``most`` more free slots; under load, wait ``gather`` s to fill a batch.
+
+        While a queue is busy, handlers free their slots one by one: claiming at
+        the first free slot would mean one claim statement (and one commit) per
+        job. Waiting a moment for half the slots keeps batches large; an idle
+        queue (gather 0) claims at once, so pickup latency does not suffer.
+        """
+        taken = 0
+        while taken < most and runner.slots.acquire(blocking=False):
+            taken += 1
+        if gather <= 0:
+            return taken
+        deadline = time.monotonic() + gather
+        while taken < most // 2:
+            left = deadline - time.monotonic()
+            if left <= 0 or not runner.slots.acquire(timeout=left):
+                break
+            taken += 1
+        while taken < most and runner.slots.acquire(blocking=False):
+            taken += 1
+        return taken
 
     def _execute(self, runner: QueueRunner, attempt: Attempt) -> None:
         try:
