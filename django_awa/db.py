@@ -11,7 +11,7 @@ database exceptions, as the ORM's are.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -55,6 +55,12 @@ class Cursor:
 
     def fetchall(self) -> list[tuple[Any, ...]]:
         return self._raw.fetchall()
+
+    def copy_rows(self, statement: str, rows: Iterable[Sequence[Any]]) -> None:
+        """``COPY ... FROM STDIN`` of ``rows``, in the cursor's transaction."""
+        with self._raw.copy(statement) as copy:
+            for row in rows:
+                copy.write_row(row)
 
     @property
     def rowcount(self) -> int:

@@ -83,7 +83,7 @@ class Unique:
     )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
     args_cls: type[JobArgs]
     handler: Callable[..., Any]
@@ -97,6 +97,15 @@ class WorkerSpec:
     @property
     def kind(self) -> str:
         return self.args_cls.kind
+
+    @functools.cached_property
+    def defaults(self) -> KindDefaults:
+        return KindDefaults(
+            queue=self.queue,
+            priority=self.priority,
+            max_attempts=self.max_attempts,
+            unique=self.unique,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,18 +138,14 @@ class Registry:
     def defaults(self, kind: str) -> KindDefaults:
         spec = self.workers.get(kind)
         if spec is None:
-            return KindDefaults()
-        return KindDefaults(
-            queue=spec.queue,
-            priority=spec.priority,
-            max_attempts=spec.max_attempts,
-            unique=spec.unique,
-        )
+            return _NO_DEFAULTS
+        return spec.defaults
 
     def deadlines(self) -> dict[str, float]:
         return {kind: spec.deadline for kind, spec in self.workers.items() if spec.deadline}
 
 
+_NO_DEFAULTS = KindDefaults()
 registry = Registry()
 
 

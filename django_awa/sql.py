@@ -79,6 +79,13 @@ FROM unnest(%(id)s::bigint[], %(kind)s::text[], %(queue)s::text[], %(args)s::jso
 RETURNING id
 """
 
+# -- COPY_AVAILABLE --
+# Bulk enqueue of jobs to run now, streamed with COPY (ids drawn beforehand
+# with RESERVE_IDS). state and run_at take their defaults: available, now().
+COPY_AVAILABLE = (
+    "COPY awa_job (id, kind, queue, args, priority, max_attempts, tags, metadata) FROM STDIN"
+)
+
 # -- NOTIFY_QUEUES --
 # Wake workers of these queues at commit. Postgres folds identical
 # notifications within one transaction into one.
