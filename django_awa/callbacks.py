@@ -37,6 +37,7 @@ from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
 from .finalize import dispatch, send_signal
 from .followups import FollowupError, Outcome
+from .kinds import check_storable, check_text
 from .models import CallbackReceipt, Job, JobState, job_from_row
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ SIGNATURE_HEADER = "X-Awa-Signature"
 TIMESTAMP_HEADER = "X-Awa-Timestamp"
 MAX_SKEW = 300
 MAX_BODY = 1_000_000
+MAX_CALLBACK_TIMEOUT = 365 * 86400.0  # as the HTTP receiver allows
 # A receipt outlives every replay of its request that the clock check would let
 # through: a timestamp up to MAX_SKEW ahead stays acceptable 2 * MAX_SKEW.
 RECEIPT_RETENTION = 2 * MAX_SKEW + 60
@@ -163,17 +165,6 @@ def _resolve(
     return row
 
 
-def _has_nul(value: Any) -> bool:
-    """Whether a JSON value holds U+0000, which PostgreSQL's jsonb and text refuse."""
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return any(_has_nul(v) for v in value)
-    return False
-
-
 def _external(
     callback_id: uuid.UUID | str,
     action: str,
@@ -211,11 +202,9 @@ def complete_external(
     Raises ``CallbackNotFound``, ``FollowupError`` or ``ValidationError``."""
     try:
         json.dumps(payload, allow_nan=False)
-        nul = _has_nul(payload)
+        check_storable(payload)
     except (TypeError, ValueError, RecursionError) as exc:
-        raise ValidationError(f"complete_external: payload is not JSON: {exc}") from exc
-    if nul:
-        raise ValidationError("complete_external: payload holds a NUL character (\\u0000)")
+        raise ValidationError(f"complete_external: payload cannot be stored: {exc}") from exc
     return _external(callback_id, "complete", payload=payload, using=using)
 
 
@@ -223,8 +212,10 @@ def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None
     """Fail the job waiting on ``callback_id`` whatever attempts remain (Exhausted follow-ups)."""
     if not isinstance(error, str):
         raise ValidationError(f"fail_external: error must be a string, got {error!r}")
-    if "\x00" in error:
-        raise ValidationError("fail_external: error holds a NUL character")
+    try:
+        check_text(error)
+    except ValueError as exc:
+        raise ValidationError(f"fail_external: error: {exc}") from None
     return _external(callback_id, "fail", error=error, using=using)
 
 
@@ -244,8 +235,11 @@ def heartbeat_callback(
         seconds = to_seconds(timeout)
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"heartbeat_callback: timeout: {exc}") from exc
-    if seconds <= 0:
-        raise ValidationError(f"heartbeat_callback: timeout must be positive, got {timeout!r}")
+    if not 0 < seconds <= MAX_CALLBACK_TIMEOUT:
+        raise ValidationError(
+            f"heartbeat_callback: timeout must be positive and at most "
+            f"{MAX_CALLBACK_TIMEOUT:.0f}s, got {timeout!r}"
+        )
     alias = database_alias(using)
     cid = _parse_id(callback_id)
     with transaction.atomic(using=alias):

@@ -25,7 +25,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
 @checks.register()
 def check_database(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     alias = conf.raw_settings().get("DATABASE", conf.DEFAULTS["DATABASE"])
-    if alias not in settings.DATABASES:
+    if not isinstance(alias, str) or alias not in settings.DATABASES:
         return []  # reported by check_settings
     vendor = connections[alias].vendor
     if vendor != "postgresql":

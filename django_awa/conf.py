@@ -84,7 +84,12 @@ def to_seconds(value: Any) -> float:
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            raise ValueError(
+                f"expected a finite duration, got an integer of {value.bit_length()} bits"
+            ) from None
     else:
         raise TypeError(f"expected seconds (int or float) or a timedelta, got {value!r}")
     if seconds != seconds or seconds in (float("inf"), float("-inf")):

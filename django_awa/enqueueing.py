@@ -29,6 +29,8 @@ from .kinds import (
     canonical_json,
     check_max_attempts,
     check_priority,
+    check_storable,
+    check_text,
     decode_args,
     encode_args,
     registry,
@@ -186,6 +188,10 @@ def _check_tags(tags: Iterable[str] | None, where: str) -> list[str]:
             raise ValidationError(
                 f"{where}: each tag must be a string of 1-255 characters: {tag!r}"
             )
+        try:
+            check_text(tag)
+        except ValueError as exc:
+            raise ValidationError(f"{where}: tag {tag!r}: {exc}") from None
     return tag_list
 
 
@@ -194,12 +200,15 @@ def _check_metadata(metadata: dict[str, Any] | None, where: str) -> dict[str, An
         return {}
     if not isinstance(metadata, dict):
         raise ValidationError(f"{where}: metadata must be a dict, got {metadata!r}")
-    try:
-        json.loads(json.dumps(metadata, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise ValidationError(f"{where}: metadata cannot be stored as JSON: {exc}") from exc
     if any(not isinstance(key, str) for key in metadata):
         raise ValidationError(f"{where}: metadata keys must be strings")
+    try:
+        json.loads(json.dumps(metadata, allow_nan=False))
+        check_storable(metadata)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"{where}: metadata cannot be stored as JSON: {exc}") from exc
+    except RecursionError:
+        raise ValidationError(f"{where}: metadata is nested too deeply to be stored") from None
     return dict(metadata)
 
 
@@ -213,8 +222,12 @@ def _unique_key(
 ) -> tuple[str, list[str]]:
     if not isinstance(unique, Unique):
         raise ValidationError(f"{where}: unique must be an awa.Unique, got {unique!r}")
+    if not isinstance(unique.states, (list, tuple, set, frozenset)):
+        raise ValidationError(
+            f"{where}: Unique.states must be a tuple of states, got {unique.states!r}"
+        )
     states = list(unique.states)
-    bad = [s for s in states if s not in JobState.values]
+    bad = [s for s in states if not isinstance(s, str) or s not in JobState.values]
     if bad or not states:
         raise ValidationError(f"{where}: Unique.states has invalid states {bad or states!r}")
     parts: list[Any] = [kind]
@@ -230,7 +243,10 @@ def _unique_key(
         if period <= 0:
             raise ValidationError(f"{where}: Unique.by_period must be positive")
         moment = run_at or timezone.now()
-        parts.append(math.floor(moment.timestamp() / period))
+        try:
+            parts.append(math.floor(moment.timestamp() / period))
+        except (OverflowError, ValueError) as exc:
+            raise ValidationError(f"{where}: Unique.by_period {unique.by_period!r}: {exc}") from exc
     digest = hashlib.sha256(canonical_json(parts).encode()).hexdigest()
     return digest, states
 

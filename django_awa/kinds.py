@@ -246,12 +246,60 @@ def encode_args(args: JobArgs) -> dict[str, Any]:
             raise ValidationError(
                 f"args of kind {args.kind!r}: field {f.name!r} cannot be stored as JSON: {exc}"
             ) from exc
+        except RecursionError:
+            raise ValidationError(
+                f"args of kind {args.kind!r}: field {f.name!r} is nested too deeply "
+                f"(or contains itself) to be stored as JSON"
+            ) from None
     return out
+
+
+# Python refuses to print longer ints (sys.get_int_max_str_digits(), 4300 digits).
+MAX_INT_BITS = 14_000
+
+
+def check_text(value: str) -> str:
+    """``value`` if PostgreSQL can store it in text and jsonb; else ``ValueError``."""
+    if "\x00" in value:
+        raise ValueError("a string holds a NUL character (\\u0000), which PostgreSQL cannot store")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"a string holds a lone surrogate, which is not valid UTF-8: {value[:40]!r}"
+        ) from None
+    return value
+
+
+def check_storable(value: Any) -> None:
+    """``ValueError`` if JSON ``value`` holds text or numbers PostgreSQL's jsonb refuses."""
+    match value:
+        case str():
+            check_text(value)
+        case bool() | None:
+            pass
+        case int():
+            if value.bit_length() > MAX_INT_BITS:
+                raise ValueError("an integer is too large to be stored as JSON")
+        case dict():
+            for key, item in value.items():
+                if isinstance(key, str):
+                    check_text(key)
+                check_storable(item)
+        case list() | tuple():
+            for item in value:
+                check_storable(item)
 
 
 def _encode(value: Any) -> Any:
     match value:
-        case None | bool() | int() | str():
+        case None | bool():
+            return value
+        case str():
+            return check_text(value)
+        case int():
+            if value.bit_length() > MAX_INT_BITS:
+                raise ValueError("an integer is too large to be stored as JSON")
             return value
         case float():
             if value != value or value in (float("inf"), float("-inf")):
@@ -271,6 +319,7 @@ def _encode(value: Any) -> Any:
             for key in value:
                 if not isinstance(key, str):
                     raise TypeError(f"dict key {key!r} is not a string")
+                check_text(key)
             return {key: _encode(item) for key, item in value.items()}
         case _ if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -414,6 +463,6 @@ def _decode_scalar(hint: type, value: Any, where: str) -> Any:
             return uuid.UUID(value)
     except ArgsDecodeError:
         raise
-    except (TypeError, ValueError, decimal.InvalidOperation) as exc:
+    except (TypeError, ValueError, OverflowError, decimal.InvalidOperation) as exc:
         raise ArgsDecodeError(f"field {where!r}: {exc}") from exc
     return value

@@ -12,13 +12,13 @@ import logging
 import zoneinfo
 from dataclasses import dataclass
 
-from croniter import CroniterBadCronError, croniter
+from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 from django.db import transaction
 from django.utils import timezone as dj_timezone
 
 from .enqueueing import EnqueueRequest, insert_one, prepare
 from .exceptions import UniqueConflict, ValidationError
-from .kinds import JobArgs, check_priority
+from .kinds import JobArgs, check_priority, check_text
 from .models import PeriodicSchedule
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,10 @@ def periodic(
     where = f"periodic {name!r}"
     if not isinstance(name, str) or not name or len(name) > 255:
         raise ValidationError(f"periodic: name must be a non-empty string, got {name!r}")
+    try:
+        check_text(name)
+    except ValueError as exc:
+        raise ValidationError(f"periodic {name!r}: name: {exc}") from None
     if not isinstance(args, JobArgs):
         raise ValidationError(f"{where}: args must be a JobArgs instance, got {args!r}")
     if not isinstance(cron, str) or len(cron.split()) not in (5, 6):
@@ -82,8 +86,9 @@ def periodic(
             f"{where}: cron must have five fields (or six, seconds first), got {cron!r}"
         )
     try:
-        croniter(cron, second_at_beginning=True)
-    except (CroniterBadCronError, ValueError, KeyError) as exc:
+        # get_next: a cron naming no real date (February 30th) parses, but never fires.
+        croniter(cron, second_at_beginning=True).get_next(dt.datetime)
+    except (CroniterBadCronError, CroniterBadDateError, ValueError, KeyError) as exc:
         raise ValidationError(f"{where}: invalid cron expression {cron!r}: {exc}") from exc
     try:
         zoneinfo.ZoneInfo(timezone)

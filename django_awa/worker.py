@@ -12,7 +12,7 @@ Threads, each with its own database connection:
 * the maintenance thread competes for leadership and runs maintenance.
 
 SIGTERM/SIGINT stop claiming; in-flight attempts get ``SHUTDOWN_TIMEOUT`` to
-finish; what is left is given back (``available``) before exit. A second
+finish; what is left is given back (``available``, the attempt counted) before exit. A second
 signal skips the wait.
 """
 

@@ -169,7 +169,9 @@ def test_sigterm_gives_back_jobs_that_outlive_the_shutdown_timeout(start_worker)
     worker.signal(signal.SIGTERM)
     assert worker.wait(20) == 0
     back = Job.objects.get(id=job.id)
-    assert back.state == JobState.AVAILABLE and back.attempt == 0
+    # The interrupted attempt counts: the next run is attempt 2, never attempt 1 again.
+    assert back.state == JobState.AVAILABLE and back.attempt == 1
+    assert "worker shut down" in back.errors[-1]["error"]
     assert "gave back 1 unfinished job" in worker.output()
 
 

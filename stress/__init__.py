@@ -1,0 +1,1 @@
+"""Long-running reliability runs (not tests): see crash_soak.py."""

@@ -1,0 +1,151 @@
+"""Loss and duplication audits, counted in SQL, shared by tests/test_faults.py and crash_soak.py.
+
+Each function takes a DB-API cursor on the job database and the ids of the
+jobs a run enqueued (its triggers), and returns rows that break a guarantee:
+an empty list means the guarantee held.
+
+The follow-ups expected of a trigger are derived from what its row committed,
+for the test kinds of ``tests/testapp`` (``Act``: two Completed follow-ups,
+one per Retried, Exhausted, Cancelled and Rescued; ``Parked``: one per
+Completed, Exhausted, Retried, Rescued and per committed park):
+
+* every ``errors`` entry of a rescue is one committed Rescued outcome;
+* every other entry is a handler failure: a Retried outcome, except the
+  last one of a ``failed`` job (Exhausted, unless a rescue failed it) and
+  of a ``cancelled`` one (the cancel reason);
+* a ``completed`` job committed one Completed outcome, a ``cancelled`` one Cancelled.
+
+A Parked job parks once per committed park; its waiting follow-ups carry the
+callback id (``note = "waiting:<uuid>"``), so no callback id may have two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FINAL_STATES = ("completed", "failed", "cancelled")
+
+_OUTCOME_MISMATCHES = """
+WITH entries AS (
+    SELECT id, kind, state,
+           count(e) FILTER (WHERE e ->> 'error' LIKE 'rescued:%%') AS rescued,
+           count(e) FILTER (WHERE e ->> 'error' NOT LIKE 'rescued:%%') AS raised,
+           (array_agg(e ->> 'error' ORDER BY n DESC))[1] AS last_error
+    FROM awa_job
+    LEFT JOIN LATERAL jsonb_array_elements(errors) WITH ORDINALITY AS x(e, n) ON true
+    WHERE id = ANY(%(ids)s) AND kind IN ('act', 'parked')
+    GROUP BY id, kind, state
+),
+expected AS (
+    SELECT id, kind, rescued,
+           raised - CASE WHEN state IN ('failed', 'cancelled')
+                              AND last_error NOT LIKE 'rescued:%%'
+                         THEN 1 ELSE 0 END AS retried,
+           CASE WHEN state = 'failed' AND last_error NOT LIKE 'rescued:%%'
+                THEN 1 ELSE 0 END AS exhausted,
+           CASE WHEN state = 'completed' THEN (CASE kind WHEN 'act' THEN 2 ELSE 1 END)
+                ELSE 0 END AS completed,
+           CASE WHEN state = 'cancelled' AND kind = 'act' THEN 1 ELSE 0 END AS cancelled
+    FROM entries
+),
+actual AS (
+    SELECT (metadata #>> '{awa_trigger,job_id}')::bigint AS id,
+           count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'rescued') AS rescued,
+           count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'retried') AS retried,
+           count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'exhausted')
+               AS exhausted,
+           count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'completed')
+               AS completed,
+           count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'cancelled')
+               AS cancelled
+    FROM awa_job
+    WHERE metadata ? 'awa_trigger'
+      AND (metadata #>> '{awa_trigger,job_id}')::bigint = ANY(%(ids)s)
+    GROUP BY 1
+)
+SELECT e.id, e.kind,
+       e.rescued, e.retried, e.exhausted, e.completed, e.cancelled,
+       coalesce(a.rescued, 0), coalesce(a.retried, 0), coalesce(a.exhausted, 0),
+       coalesce(a.completed, 0), coalesce(a.cancelled, 0)
+FROM expected e LEFT JOIN actual a USING (id)
+WHERE (e.rescued, e.retried, e.exhausted, e.completed, e.cancelled)
+      IS DISTINCT FROM (coalesce(a.rescued, 0), coalesce(a.retried, 0),
+                        coalesce(a.exhausted, 0), coalesce(a.completed, 0),
+                        coalesce(a.cancelled, 0))
+ORDER BY e.id
+"""
+
+_DOUBLE_PARKS = """
+SELECT args ->> 'note' AS note, count(*)
+FROM awa_job
+WHERE kind = 'echo' AND metadata #>> '{awa_trigger,outcome}' = 'waiting_for_callback'
+  AND (metadata #>> '{awa_trigger,job_id}')::bigint = ANY(%(ids)s)
+GROUP BY 1 HAVING count(*) > 1
+"""
+
+# A completed Parked job was completed through the callback it parked on:
+# that park committed, so it has its waiting follow-up.
+_COMPLETED_WITHOUT_PARK = """
+SELECT j.id FROM awa_job AS j
+WHERE j.id = ANY(%(ids)s) AND j.kind = 'parked' AND j.state = 'completed'
+  AND NOT EXISTS (
+      SELECT 1 FROM awa_job AS f
+      WHERE f.kind = 'echo'
+        AND f.metadata #>> '{awa_trigger,job_id}' = j.id::text
+        AND f.args ->> 'note' = 'waiting:' || j.callback_id::text)
+"""
+
+_LEDGER_DUPLICATES = """
+SELECT job_id, attempt, count(*) FROM testapp_ledger
+WHERE job_id = ANY(%(ids)s)
+GROUP BY 1, 2 HAVING count(*) > 1
+ORDER BY 1, 2
+"""
+
+_NOT_FINAL = """
+SELECT id, kind, state FROM awa_job
+WHERE id = ANY(%(ids)s) AND state NOT IN ('completed', 'failed', 'cancelled')
+ORDER BY id
+"""
+
+
+def _rows(cursor: Any, statement: str, ids: list[int]) -> list[tuple[Any, ...]]:
+    cursor.execute(statement, {"ids": list(ids)})
+    return list(cursor.fetchall())
+
+
+def outcome_mismatches(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
+    """Triggers whose follow-ups differ from their committed outcomes:
+    (id, kind, expected rescued/retried/exhausted/completed/cancelled, actual ...)."""
+    return (
+        _rows(cursor, _OUTCOME_MISMATCHES, ids)
+        + [("double park", *r) for r in _rows(cursor, _DOUBLE_PARKS, ids)]
+        + [("completed without park", *r) for r in _rows(cursor, _COMPLETED_WITHOUT_PARK, ids)]
+    )
+
+
+def ledger_duplicates(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
+    """(job_id, attempt, runs) for each attempt whose handler ran more than once."""
+    return _rows(cursor, _LEDGER_DUPLICATES, ids)
+
+
+def not_final(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
+    return _rows(cursor, _NOT_FINAL, ids)
+
+
+def followup_ids(cursor: Any, ids: list[int]) -> list[int]:
+    """Ids of the follow-up jobs of ``ids`` (which must run to a final state too)."""
+    cursor.execute(
+        "SELECT id FROM awa_job WHERE metadata ? 'awa_trigger' "
+        "AND (metadata #>> '{awa_trigger,job_id}')::bigint = ANY(%(ids)s)",
+        {"ids": list(ids)},
+    )
+    return [row[0] for row in cursor.fetchall()]
+
+
+def by_state(cursor: Any, ids: list[int]) -> dict[str, int]:
+    cursor.execute(
+        "SELECT state, count(*) FROM awa_job WHERE id = ANY(%(ids)s) GROUP BY 1 ORDER BY 1",
+        {"ids": list(ids)},
+    )
+    return dict(cursor.fetchall())

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Crash soak: many jobs, three workers, one SIGKILLed every few seconds. Nothing may be lost.
+
+    DATABASE_URL=postgresql://postgres@127.0.0.1:5432/postgres \\
+        python stress/crash_soak.py --jobs 20000 --timeout 1200
+
+It creates its own database on that server (``awa_soak_<pid>``), migrates it,
+enqueues ``--jobs`` jobs of the test kinds (tests/testapp), most of them
+succeeding, some failing at random (retried, exhausted, terminal, cancelled),
+some parking on a callback that a sender thread answers with
+``awa.complete_external`` (or ``fail_external``); every one has follow-ups.
+Three ``awa_worker`` processes run them while a controller SIGKILLs a random
+worker every ``--kill-every`` seconds (jittered) and starts it again.
+
+At the end it prints, counted in SQL: jobs by final state, workers killed,
+handler runs duplicated within one (job, attempt) (must be 0), triggers whose
+follow-ups differ from their committed outcomes (must be 0), and jobs not
+final. It exits 1 on any of these, or when ``--timeout`` passes first, and
+drops its database unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER_QUEUES = ["--queue", "default=8", "--queue", "echo=4"]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=20_000)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--kill-every", type=float, default=3.0, help="seconds, jittered")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
+        help="a server to create the soak database on (its path names the maintenance db)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the soak database")
+    return parser.parse_args()
+
+
+def with_db(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{name}"))
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)  # noqa: T201
+
+
+class Workers:
+    """``--workers`` awa_worker processes; ``kill_one`` SIGKILLs one and starts it again."""
+
+    def __init__(self, n: int, env: dict[str, str], logdir: Path) -> None:
+        self.env = env
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.started = 0
+        self.killed = 0
+        for _ in range(n):
+            self.procs.append(self._spawn())
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        self.started += 1
+        out = (self.logdir / f"worker{self.started}.log").open("wb")
+        return subprocess.Popen(  # noqa: S603 - our own interpreter and arguments
+            [sys.executable, "-m", "django", "awa_worker", *WORKER_QUEUES],
+            cwd=ROOT,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def kill_one(self, rng: random.Random) -> None:
+        i = rng.randrange(len(self.procs))
+        proc = self.procs[i]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            self.killed += 1
+        self.procs[i] = self._spawn()
+
+    def dead(self) -> list[int]:
+        return [p.pid for p in self.procs if p.poll() is not None]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def main() -> int:
+    opts = parse_args()
+    seed = opts.seed if opts.seed is not None else random.randrange(2**32)  # noqa: S311
+    rng = random.Random(seed)  # noqa: S311 - reproducible, not secret
+    name = f"awa_soak_{os.getpid()}"
+    url = with_db(opts.database_url, name)
+    import psycopg
+
+    admin_url = opts.database_url
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    log(f"seed {seed}; database {name}; {opts.jobs} jobs; {opts.workers} workers")
+    env = {k: v for k, v in os.environ.items() if k != "AWA_TEST_DB_NAME"}
+    env.update(
+        DATABASE_URL=url,
+        DJANGO_SETTINGS_MODULE="tests.settings",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    os.environ.update(env)
+    os.environ.pop("AWA_TEST_DB_NAME", None)
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "django", "migrate", "--run-syncdb", "-v0"],
+            cwd=ROOT,
+            env=env,
+            check=True,
+        )
+        return soak(opts, rng, env)
+    finally:
+        if not opts.keep:
+            with psycopg.connect(admin_url, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            log(f"dropped {name}")
+        else:
+            log(f"kept {name}: {url}")
+
+
+def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> int:
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    from django.db import connection, connections
+
+    import django_awa as awa
+    from stress import audit
+    from tests.testapp.jobs import Act, Parked
+
+    # -- enqueue ------------------------------------------------------------------------
+    requests = []
+    for _ in range(opts.jobs):
+        roll = rng.random()
+        if roll < 0.04:
+            requests.append(awa.EnqueueRequest(Act(action="raise"), max_attempts=3))
+        elif roll < 0.06:
+            requests.append(awa.EnqueueRequest(Act(action="terminal"), max_attempts=10))
+        elif roll < 0.08:
+            requests.append(awa.EnqueueRequest(Act(action="cancel"), max_attempts=10))
+        elif roll < 0.18:
+            requests.append(
+                awa.EnqueueRequest(Act(action="ok", fail_until=rng.choice([1, 2])), max_attempts=10)
+            )
+        elif roll < 0.28:
+            requests.append(awa.EnqueueRequest(Parked(timeout=120.0), max_attempts=10))
+        else:
+            seconds = rng.choice([0.0, 0.0, 0.01, 0.05, 0.2])
+            requests.append(
+                awa.EnqueueRequest(Act(action="sleep", seconds=seconds), max_attempts=10)
+            )
+    ids: list[int] = []
+    for start in range(0, len(requests), 2000):
+        ids.extend(awa.enqueue_many(requests[start : start + 2000]))
+    if len(ids) != opts.jobs:
+        raise RuntimeError(f"enqueued {len(ids)} of {opts.jobs} jobs")
+    log(f"enqueued {len(ids)} jobs")
+
+    # -- run ------------------------------------------------------------------------------
+    logdir = Path(tempfile.mkdtemp(prefix="awa-soak-"))
+    workers = Workers(opts.workers, env, logdir)
+    stop = threading.Event()
+    answered = {"complete": 0, "fail": 0, "gone": 0}
+    sender_rng = random.Random(rng.random())  # noqa: S311 - one Random per thread
+
+    def sender() -> None:
+        # Answers parked jobs as an outside system would, racing kills and rescues.
+        while not stop.is_set():
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT callback_id FROM awa_job WHERE kind = 'parked' "
+                        "AND state = 'waiting_external' LIMIT 200"
+                    )
+                    waiting = [row[0] for row in cursor.fetchall()]
+                for callback_id in waiting:
+                    try:
+                        if sender_rng.random() < 0.9:
+                            awa.complete_external(callback_id, {"ok": True})
+                            answered["complete"] += 1
+                        else:
+                            awa.fail_external(callback_id, "declined by the outside system")
+                            answered["fail"] += 1
+                    except awa.CallbackNotFound:
+                        answered["gone"] += 1
+            except Exception as exc:  # noqa: BLE001 - the soak goes on; shown in the log
+                log(f"sender: {type(exc).__name__}: {exc}")
+                connection.close()
+            stop.wait(0.2)
+        connections.close_all()
+
+    def controller() -> None:
+        while not stop.wait(opts.kill_every * rng.uniform(0.5, 1.5)):
+            workers.kill_one(rng)
+
+    threads = [threading.Thread(target=sender), threading.Thread(target=controller)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + opts.timeout
+    started = time.monotonic()
+    timed_out = False
+    last_report = 0.0
+    try:
+        while True:
+            with connection.cursor() as cursor:
+                everything = ids + audit.followup_ids(cursor, ids)
+                left = audit.not_final(cursor, everything)
+            if not left:
+                break
+            if time.monotonic() - last_report > 10:
+                last_report = time.monotonic()
+                with connection.cursor() as cursor:
+                    states = audit.by_state(cursor, everything)
+                log(
+                    f"{len(left)} of {len(everything)} not final; {states}; killed {workers.killed}"
+                )
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        workers.stop()
+    elapsed = time.monotonic() - started
+
+    # -- audit ---------------------------------------------------------------------------
+    with connection.cursor() as cursor:
+        followups = audit.followup_ids(cursor, ids)
+        states = audit.by_state(cursor, ids)
+        followup_states = audit.by_state(cursor, followups)
+        dups = audit.ledger_duplicates(cursor, ids + followups)
+        mismatches = audit.outcome_mismatches(cursor, ids)
+        left = audit.not_final(cursor, ids + followups)
+        cursor.execute("SELECT count(*) FROM awa_job WHERE id = ANY(%(ids)s)", {"ids": ids})
+        present = cursor.fetchone()[0]
+        cursor.execute(
+            "SELECT count(*) FROM awa_job WHERE id = ANY(%(ids)s) AND errors @> "
+            """'[{"error": "rescued: stale heartbeat"}]'""",
+            {"ids": ids},
+        )
+        rescued = cursor.fetchone()[0]
+    print()  # noqa: T201
+    print(f"jobs: {opts.jobs} enqueued, {present} present, in {elapsed:.0f}s")  # noqa: T201
+    print(f"final states of the jobs: {states}")  # noqa: T201
+    print(f"follow-ups: {len(followups)}, states {followup_states}")  # noqa: T201
+    print(f"workers killed (SIGKILL): {workers.killed}; started: {workers.started}")  # noqa: T201
+    print(f"jobs rescued after a stale heartbeat: {rescued}")  # noqa: T201
+    print(f"callbacks answered: {answered}")  # noqa: T201
+    print(f"ledger duplicates per (job, attempt): {len(dups)} {dups[:10]}")  # noqa: T201
+    print(f"outcome vs follow-up mismatches: {len(mismatches)} {mismatches[:10]}")  # noqa: T201
+    print(f"jobs not final: {len(left)} {left[:10]}")  # noqa: T201
+    print(f"worker logs: {logdir}")  # noqa: T201
+    lost = present != opts.jobs or bool(dups) or bool(mismatches) or bool(left) or timed_out
+    print("RESULT:", "LOSS OR DUPLICATION" if lost else "OK", "(timed out)" if timed_out else "")  # noqa: T201
+    connections.close_all()
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
