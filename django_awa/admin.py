@@ -233,36 +233,46 @@ def known_queues() -> set[str]:
     return names
 
 
-class KindFilter(admin.SimpleListFilter):
+class _ColumnFilter(admin.SimpleListFilter):
+    """A filter whose choices are the known values of one column (plus the one in use)."""
+
+    def known(self) -> set[str]:
+        raise NotImplementedError
+
+    def narrow(self, queryset: QuerySet, value: str) -> QuerySet:
+        raise NotImplementedError
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        values = self.known()
+        if self.value():
+            values.add(self.value())
+        return [(value, value) for value in sorted(values)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        value = self.value()
+        return self.narrow(queryset, value) if value else queryset
+
+
+class KindFilter(_ColumnFilter):
     title = "kind"
     parameter_name = "kind"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        kinds = known_kinds()
-        if self.value():
-            kinds.add(self.value())
-        return [(kind, kind) for kind in sorted(kinds)]
+    def known(self) -> set[str]:
+        return known_kinds()
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
-        if self.value():
-            return queryset.of_kind(self.value())
-        return queryset
+    def narrow(self, queryset: QuerySet, value: str) -> QuerySet:
+        return queryset.of_kind(value)
 
 
-class QueueFilter(admin.SimpleListFilter):
+class QueueFilter(_ColumnFilter):
     title = "queue"
     parameter_name = "queue"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        names = known_queues()
-        if self.value():
-            names.add(self.value())
-        return [(name, name) for name in sorted(names)]
+    def known(self) -> set[str]:
+        return known_queues()
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
-        if self.value():
-            return queryset.in_queue(self.value())
-        return queryset
+    def narrow(self, queryset: QuerySet, value: str) -> QuerySet:
+        return queryset.in_queue(value)
 
 
 class TriggerFilter(admin.SimpleListFilter):
