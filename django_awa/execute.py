@@ -341,10 +341,16 @@ def resolve_handler(job: Job) -> tuple[WorkerSpec, JobArgs] | AttemptResult:
 
 
 def run_attempt(
-    attempt: Attempt, flush_progress: Callable[[Attempt], None] | None = None
+    attempt: Attempt,
+    flush_progress: Callable[[Attempt], None] | None = None,
+    resolved: tuple[WorkerSpec, JobArgs] | AttemptResult | None = None,
 ) -> AttemptResult:
-    """Run the handler of a claimed, non-atomic attempt and interpret its result."""
-    resolved = resolve_handler(attempt.job)
+    """Run the handler of a claimed, non-atomic attempt and interpret its result.
+
+    ``resolved`` is ``resolve_handler(attempt.job)`` when the caller has it already.
+    """
+    if resolved is None:
+        resolved = resolve_handler(attempt.job)
     if isinstance(resolved, AttemptResult):
         return resolved
     spec, args = resolved

@@ -348,7 +348,7 @@ class Worker:
                     self._reset_connection()
                 self._forget(attempt)
                 return
-            self.results.put(run_attempt(attempt, flush_progress=self._mark_progress))
+            self.results.put(run_attempt(attempt, self._mark_progress, resolved))
         except Exception:
             logger.exception("worker error running job %s", attempt.job.id)
             self._forget(attempt)

@@ -1,7 +1,7 @@
 """django-awa, this repository (SPEC §2, §3, §5, §6).
 
 - schema: ``python -m django migrate`` (settings ``djbench.settings_awa``);
-- enqueue: ``awa.enqueue(Noop(n=…), queue=…)`` inside ``transaction.atomic()``;
+- enqueue: ``awa.enqueue(Noop(n=…), queue=…)``, each its own transaction;
   bulk: ``awa.enqueue_many([...])`` per batch, inside ``transaction.atomic()``;
 - worker: ``python -m django awa_worker --queue bench=C --processes P``
   (``--processes`` is used only when the command offers it; otherwise P
@@ -109,7 +109,7 @@ def cmd_setup() -> None:
 
 def cmd_enqueue_single(n: int) -> None:
     _django()
-    from django.db import connection, transaction
+    from django.db import connection
     from djbench.awa_app.jobs import Noop
 
     import django_awa as awa
@@ -117,8 +117,9 @@ def cmd_enqueue_single(n: int) -> None:
     connection.ensure_connection()
     start = time.perf_counter()
     for i in range(n):
-        with transaction.atomic():
-            awa.enqueue(Noop(n=i), queue=common.SINGLE_QUEUE)
+        # Outside transaction.atomic() each enqueue is its own transaction (one
+        # INSERT, committed at once), as each peer's single enqueue is.
+        awa.enqueue(Noop(n=i), queue=common.SINGLE_QUEUE)
     common.emit(elapsed=time.perf_counter() - start, count=n)
 
 
