@@ -39,6 +39,8 @@ DEFAULTS: dict[str, Any] = {
     "CLAIM_BATCH_SIZE": 100,
     "MAX_ARGS_BYTES": 1_000_000,
     "PREPARED_STATEMENTS": True,
+    # Absent: the DATABASE alias. None: no direct session (poll, per-tick leader lock).
+    "DIRECT_DATABASE": "",
 }
 
 _DURATIONS = {
@@ -77,6 +79,7 @@ class AwaSettings:
     claim_batch_size: int
     max_args_bytes: int
     prepared_statements: bool = True
+    direct_database: str | None = "default"
 
 
 def to_seconds(value: Any) -> float:
@@ -129,6 +132,16 @@ def problems(raw: dict[str, Any] | None = None) -> list[tuple[str, str]]:
         alias = raw["DATABASE"]
         if not isinstance(alias, str) or alias not in settings.DATABASES:
             found.append(("DATABASE", f"AWA['DATABASE'] names no entry of DATABASES: {alias!r}"))
+    if "DIRECT_DATABASE" in raw:
+        direct = raw["DIRECT_DATABASE"]
+        if direct is not None and (not isinstance(direct, str) or direct not in settings.DATABASES):
+            found.append(
+                (
+                    "DIRECT_DATABASE",
+                    f"AWA['DIRECT_DATABASE'] names no entry of DATABASES: {direct!r} "
+                    f"(None: no direct connection)",
+                )
+            )
     if "CALLBACK_SECRET" in raw:
         secret = raw["CALLBACK_SECRET"]
         if secret is not None and (not isinstance(secret, str) or not secret):
@@ -212,6 +225,7 @@ def awa_settings() -> AwaSettings:
         claim_batch_size=merged["CLAIM_BATCH_SIZE"],
         max_args_bytes=merged["MAX_ARGS_BYTES"],
         prepared_statements=merged["PREPARED_STATEMENTS"],
+        direct_database=raw["DIRECT_DATABASE"] if "DIRECT_DATABASE" in raw else merged["DATABASE"],
     )
 
 

@@ -37,23 +37,43 @@ class Maintenance:
     def __init__(self, alias: str | None = None, conf: AwaSettings | None = None) -> None:
         self.conf = conf or awa_settings()
         self.alias = alias or self.conf.database
+        # The session-level leader lock needs a direct connection. Without one
+        # (DIRECT_DATABASE None: only a transaction-mode pooler), each tick runs
+        # in a transaction holding a transaction-level lock instead.
+        self.lock_alias = self.conf.direct_database
         self._last_full = 0.0
         self._last_prune = 0.0
 
     # -- leadership --------------------------------------------------------------
 
     def try_lead(self) -> bool:
-        """Take the session-level leader lock if free (held until this connection closes)."""
-        with connections[self.alias].cursor() as cursor:
+        """Take the session-level leader lock if free (held until this connection closes).
+
+        Without a direct connection every worker may try each tick (see ``tick``).
+        """
+        if self.lock_alias is None:
+            return True
+        with connections[self.lock_alias].cursor() as cursor:
             cursor.execute(sql.TRY_LEADER_LOCK, {"key": sql.LEADER_LOCK_KEY})
             return bool(cursor.fetchone()[0])
 
     def resign(self) -> None:
-        with connections[self.alias].cursor() as cursor:
+        if self.lock_alias is None:
+            return
+        with connections[self.lock_alias].cursor() as cursor:
             cursor.execute(sql.UNLOCK_LEADER, {"key": sql.LEADER_LOCK_KEY})
 
     def tick(self, wake: Callable[[set[str]], None] | None = None) -> None:
         """One leader tick: promotion always, the other duties when their interval passed."""
+        if self.lock_alias is None:
+            with transaction.atomic(using=self.alias), connections[self.alias].cursor() as cursor:
+                cursor.execute(sql.TRY_TICK_LOCK, {"key": sql.LEADER_LOCK_KEY})
+                if cursor.fetchone()[0]:
+                    self._tick(wake)
+            return
+        self._tick(wake)
+
+    def _tick(self, wake: Callable[[set[str]], None] | None) -> None:
         woken = self.promote()
         now = time.monotonic()
         if now - self._last_full >= self.conf.maintenance_interval:

@@ -332,6 +332,9 @@ DELETE FROM awa_job WHERE id IN (
 LEADER_LOCK_KEY = 0x61776121  # "awa!"
 TRY_LEADER_LOCK = "SELECT pg_try_advisory_lock(%(key)s)"
 UNLOCK_LEADER = "SELECT pg_advisory_unlock(%(key)s)"
+# Without a direct connection (a transaction-mode pooler only), one tick at a
+# time holds this transaction-level lock instead.
+TRY_TICK_LOCK = "SELECT pg_try_advisory_xact_lock(%(key)s)"
 
 # -- QUEUE_STATS --
 # Counts per (queue, state), for queue_stats() and the admin.

@@ -165,7 +165,14 @@ class Worker:
             settings_dict.get("PORT") or 5432,
             settings_dict.get("NAME"),
         )
-        self._start(self._listen, "awa-listener")
+        if self.conf.direct_database is None:
+            logger.info(
+                "no direct database connection (AWA['DIRECT_DATABASE'] is None): polling "
+                "every %.1fs instead of LISTEN",
+                self.conf.poll_interval,
+            )
+        else:
+            self._start(self._listen, "awa-listener")
         self._start(self._complete, "awa-completer")
         self._start(self._lifecycle, "awa-lifecycle")
         self._start(self._maintain, "awa-maintenance")
@@ -416,7 +423,8 @@ class Worker:
         backoff = Backoff()
         while not self.halt.is_set():
             try:
-                with psycopg.connect(**listen_params(self.alias), autocommit=True) as conn:
+                direct = self.conf.direct_database or self.alias
+                with psycopg.connect(**listen_params(direct), autocommit=True) as conn:
                     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     conn.execute(f"LISTEN {CANCEL_CHANNEL}")
                     backoff.reset()
@@ -494,7 +502,7 @@ class Worker:
             try:
                 if not self.is_leader:
                     self.is_leader = maintenance.try_lead()
-                    if self.is_leader:
+                    if self.is_leader and maintenance.lock_alias is not None:
                         logger.info("worker %s is now the maintenance leader", self.name)
                 if self.is_leader:
                     maintenance.tick(wake=self._wake_queues)

@@ -1,0 +1,174 @@
+"""Enqueueing and workers through PgBouncer in transaction pooling mode.
+
+LISTEN and the leader's session lock need a direct session: with
+``AWA["DIRECT_DATABASE"]`` naming a direct alias the worker listens there
+(NOTIFY sent through the pooler still wakes it); with ``None`` it polls and
+takes a transaction-level lock per maintenance tick.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from django_awa.models import Job, JobState
+from tests.conftest import ROOT, wait_for, wait_for_state
+
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        not os.path.exists(PGBOUNCER) and not os.environ.get("CI"),
+        reason="PgBouncer is not installed (apt-get install pgbouncer)",
+    ),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def pooled_url(transactional_db) -> Iterator[str]:
+    """A PgBouncer in transaction mode in front of the test database's server."""
+    params = connection.settings_dict
+    host = params["HOST"] or "/var/run/postgresql"
+    port = params["PORT"] or 5432
+    user = params["USER"] or "postgres"
+    listen = _free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="awa-pgbouncer-"))
+    workdir.chmod(0o777)
+    config = workdir / "pgbouncer.ini"
+    config.write_text(
+        f"""[databases]
+* = host={host} port={port} user={user}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {listen}
+unix_socket_dir =
+auth_type = any
+pool_mode = transaction
+max_client_conn = 500
+default_pool_size = 40
+ignore_startup_parameters = extra_float_digits,options
+logfile = {workdir}/pgbouncer.log
+pidfile = {workdir}/pgbouncer.pid
+"""
+    )
+    config.chmod(0o644)
+    # PgBouncer refuses to run as root; -u drops to another user: the owner of
+    # the server's socket directory (the embedded server's), else postgres.
+    owner = pwd.getpwuid(os.stat(host).st_uid).pw_name if host.startswith("/") else "postgres"
+    run_as = ["-u", owner] if os.geteuid() == 0 else []
+    proc = subprocess.Popen([PGBOUNCER, *run_as, str(config)], stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: _accepts(listen) or proc.poll() is not None, timeout=10)
+        if proc.poll() is not None:
+            raise AssertionError(f"pgbouncer exited: {proc.stderr.read().decode()}")
+        yield f"postgresql://{user}@127.0.0.1:{listen}/{params['NAME']}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _pooled_env(url: str, **extra: str) -> dict[str, str]:
+    return {
+        "DJANGO_SETTINGS_MODULE": "tests.pooled_settings",
+        "AWA_POOLED_URL": url,
+        "AWA_TEST_DB_NAME": connection.settings_dict["NAME"],
+        **extra,
+    }
+
+
+def _enqueue_through(url: str, code: str, **extra: str) -> str:
+    """Run ``code`` (after django.setup()) in a process whose default alias is the pooler."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **_pooled_env(url, **extra)}
+    script = "import django; django.setup()\n" + code
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+ENQUEUE = """
+from django.db import transaction
+import django_awa as awa
+from tests.testapp.jobs import Act
+for i in range(30):
+    with transaction.atomic():
+        awa.enqueue(Act(action="ok", tag=f"single-{i}"))
+ids = awa.enqueue_many([Act(action="ok", tag=f"bulk-{i}") for i in range(120)])
+print(len(ids))
+"""
+
+
+def test_enqueue_and_work_through_pgbouncer_with_a_direct_listen_connection(
+    pooled_url, start_worker
+):
+    assert _enqueue_through(pooled_url, ENQUEUE).strip() == "120"
+    assert Job.objects.filter(kind="act").count() == 150
+    # A long poll interval: only NOTIFY (sent through the pooler, heard on the
+    # direct connection) can wake the worker quickly.
+    worker = start_worker(
+        "--queue", "default=4", env=_pooled_env(pooled_url, AWA_TEST_POLL_INTERVAL="30")
+    )
+    wait_for(
+        lambda: Job.objects.filter(kind="act", state=JobState.COMPLETED).count() == 150, timeout=60
+    )
+    wait_for(lambda: "is now the maintenance leader" in worker.output(), timeout=10)
+    started = time.monotonic()
+    _enqueue_through(
+        pooled_url, ENQUEUE.replace("range(30)", "range(1)").replace("range(120)", "range(0)")
+    )
+    newest = Job.objects.filter(kind="act").order_by("-id").first()
+    wait_for_state(newest.id, JobState.COMPLETED, timeout=10)
+    assert time.monotonic() - started < 10  # not the 30 s poll
+
+
+def test_without_a_direct_connection_the_worker_polls_and_still_maintains(pooled_url, start_worker):
+    _enqueue_through(pooled_url, ENQUEUE)
+    worker = start_worker(
+        "--queue",
+        "default=4",
+        env=_pooled_env(pooled_url, AWA_TEST_DIRECT="none", AWA_TEST_POLL_INTERVAL="0.3"),
+    )
+    wait_for(
+        lambda: Job.objects.filter(kind="act", state=JobState.COMPLETED).count() == 150, timeout=60
+    )
+    assert "polling every 0.3s instead of LISTEN" in worker.output()
+    # Maintenance runs under a per-tick transaction lock: a scheduled job is promoted.
+    _enqueue_through(
+        pooled_url,
+        "import django_awa as awa, datetime as dt\n"
+        "from django.utils import timezone\n"
+        "from tests.testapp.jobs import Act\n"
+        "print(awa.enqueue(Act(action='ok', tag='later'),"
+        " run_at=timezone.now() + dt.timedelta(seconds=1)).id)",
+    )
+    later = Job.objects.get(args__tag="later")
+    assert later.state == JobState.SCHEDULED and later.run_at > timezone.now() - dt.timedelta(1)
+    wait_for_state(later.id, JobState.COMPLETED, timeout=15)
