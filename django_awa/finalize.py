@@ -140,13 +140,13 @@ def _write_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
         try:
             done = _apply_with_followups(pending, alias)
         except _FollowupsFailed as exc:
-            transaction.savepoint_rollback(savepoint, using=alias)
+            _rollback_to(savepoint, alias)
             for result, error in exc.failures.values():
                 applied.extend(_fallback(result, error, alias))
             pending = [r for r in pending if r.job.id not in exc.failures]
             continue
         except DatabaseError as exc:
-            transaction.savepoint_rollback(savepoint, using=alias)
+            _rollback_to(savepoint, alias)
             if len(pending) == 1:
                 applied.extend(_fallback(pending[0], exc, alias))
             else:
@@ -158,6 +158,13 @@ def _write_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
         applied.extend(done)
         break
     return applied
+
+
+def _rollback_to(savepoint: str, alias: str) -> None:
+    """Roll back to ``savepoint`` and clear the mark an inner ``atomic(savepoint=False)``
+    (``insert_reserved``) leaves after a database error: the transaction is usable again."""
+    transaction.savepoint_rollback(savepoint, using=alias)
+    transaction.set_rollback(False, using=alias)
 
 
 def _error_text(exc: Exception) -> str:
@@ -192,7 +199,7 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
     try:
         applied = _apply_with_followups([fallback], alias)
     except (_FollowupsFailed, DatabaseError) as second:
-        transaction.savepoint_rollback(savepoint, using=alias)
+        _rollback_to(savepoint, alias)
         if isinstance(second, _FollowupsFailed):
             second = next(iter(second.failures.values()))[1]
         applied = _write([fallback], alias, rows=True)
