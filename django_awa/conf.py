@@ -39,7 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "CLAIM_BATCH_SIZE": 100,
     "MAX_ARGS_BYTES": 1_000_000,
     "PREPARED_STATEMENTS": True,
-    # Absent: the DATABASE alias. None: no direct session (poll, per-tick leader lock).
+    # "" (or absent): the DATABASE alias. None: no direct session (poll, per-tick lock).
     "DIRECT_DATABASE": "",
 }
 
@@ -134,7 +134,9 @@ def problems(raw: dict[str, Any] | None = None) -> list[tuple[str, str]]:
             found.append(("DATABASE", f"AWA['DATABASE'] names no entry of DATABASES: {alias!r}"))
     if "DIRECT_DATABASE" in raw:
         direct = raw["DIRECT_DATABASE"]
-        if direct is not None and (not isinstance(direct, str) or direct not in settings.DATABASES):
+        if direct not in (None, "") and (
+            not isinstance(direct, str) or direct not in settings.DATABASES
+        ):
             found.append(
                 (
                     "DIRECT_DATABASE",
@@ -225,7 +227,9 @@ def awa_settings() -> AwaSettings:
         claim_batch_size=merged["CLAIM_BATCH_SIZE"],
         max_args_bytes=merged["MAX_ARGS_BYTES"],
         prepared_statements=merged["PREPARED_STATEMENTS"],
-        direct_database=raw["DIRECT_DATABASE"] if "DIRECT_DATABASE" in raw else merged["DATABASE"],
+        direct_database=(
+            merged["DATABASE"] if merged["DIRECT_DATABASE"] == "" else merged["DIRECT_DATABASE"]
+        ),
     )
 
 
