@@ -41,7 +41,7 @@ from django.utils.safestring import SafeString
 from django.utils.text import Truncator
 from django.utils.translation import ngettext
 
-from . import control
+from . import control, sql
 from .conf import awa_settings
 from .kinds import registry
 from .models import (
@@ -65,50 +65,6 @@ MAX_FILTER_CHOICES = 200
 ESTIMATE_ABOVE = 100_000
 # Below this heap size a sequential scan of awa_job is cheap.
 SMALL_TABLE_BYTES = 64 * 1024 * 1024
-
-# -- TABLE_BYTES --
-# The size of awa_job's heap, from the catalog.
-TABLE_BYTES = "SELECT pg_relation_size('awa_job'::regclass)"
-
-# -- ESTIMATED_ROWS --
-# The planner's row estimate for awa_job (-1 before the first ANALYZE).
-ESTIMATED_ROWS = "SELECT reltuples::bigint FROM pg_class WHERE oid = 'awa_job'::regclass"
-
-# -- DISTINCT_QUEUES --
-# Every queue name: a sequential scan, run only on a small table.
-DISTINCT_QUEUES = "SELECT DISTINCT queue FROM awa_job LIMIT %(limit)s"
-
-# -- DISTINCT_KINDS --
-# Every kind: a sequential scan, run only on a small table.
-DISTINCT_KINDS = "SELECT DISTINCT kind FROM awa_job LIMIT %(limit)s"
-
-# -- AVAILABLE_QUEUES --
-# Queues holding available jobs, by a loose index scan of the partial claim
-# index awa_job_claim_idx (queue, priority, run_at, id) WHERE state = 'available':
-# one index probe per queue.
-AVAILABLE_QUEUES = """
-WITH RECURSIVE queues(queue, n) AS (
-    (SELECT queue, 1 FROM awa_job WHERE state = 'available' ORDER BY queue LIMIT 1)
-    UNION ALL
-    SELECT (SELECT j.queue FROM awa_job AS j
-            WHERE j.state = 'available' AND j.queue > queues.queue
-            ORDER BY j.queue LIMIT 1),
-           queues.n + 1
-    FROM queues
-    WHERE queues.queue IS NOT NULL AND queues.n < %(limit)s
-)
-SELECT queue FROM queues WHERE queue IS NOT NULL
-"""
-
-# -- SAMPLED_VALUES --
-# Values of one awa_job column in the planner's statistics, as of the last
-# (auto)ANALYZE: most common values and histogram bounds. A catalog read.
-SAMPLED_VALUES = """
-SELECT unnest(coalesce(most_common_vals::text::text[], '{}')
-              || coalesce(histogram_bounds::text::text[], '{}'))
-FROM pg_stats
-WHERE schemaname = current_schema() AND tablename = 'awa_job' AND attname = %(column)s
-"""
 
 
 def _alias() -> str:
@@ -179,7 +135,7 @@ class EstimatedCountPaginator(Paginator):
         queryset = self.object_list
         if isinstance(queryset, QuerySet) and not queryset.query.where:
             with connections[queryset.db].cursor() as cursor:
-                cursor.execute(ESTIMATED_ROWS)
+                cursor.execute(sql.ESTIMATED_ROWS)
                 row = cursor.fetchone()
             if row is not None and row[0] >= ESTIMATE_ABOVE:
                 return int(row[0])
@@ -188,7 +144,7 @@ class EstimatedCountPaginator(Paginator):
 
 def _is_small(alias: str) -> bool:
     with connections[alias].cursor() as cursor:
-        cursor.execute(TABLE_BYTES)
+        cursor.execute(sql.TABLE_BYTES)
         return cursor.fetchone()[0] <= SMALL_TABLE_BYTES
 
 
@@ -207,8 +163,8 @@ def known_kinds() -> set[str]:
     """
     alias = _alias()
     if _is_small(alias):
-        return _column_values(alias, DISTINCT_KINDS, {"limit": MAX_FILTER_CHOICES})
-    sampled = _column_values(alias, SAMPLED_VALUES, {"column": "kind"})
+        return _column_values(alias, sql.DISTINCT_KINDS, {"limit": MAX_FILTER_CHOICES})
+    sampled = _column_values(alias, sql.SAMPLED_VALUES, {"column": "kind"})
     return set(registry.workers) | set(registry.args_classes) | sampled
 
 
@@ -226,10 +182,10 @@ def known_queues() -> set[str]:
     names.update(p.queue for p in schedules.values() if p.queue)
     names.update(Queue.objects.using(alias).values_list("name", flat=True))
     if _is_small(alias):
-        names |= _column_values(alias, DISTINCT_QUEUES, {"limit": MAX_FILTER_CHOICES})
+        names |= _column_values(alias, sql.DISTINCT_QUEUES, {"limit": MAX_FILTER_CHOICES})
     else:
-        names |= _column_values(alias, AVAILABLE_QUEUES, {"limit": MAX_FILTER_CHOICES})
-        names |= _column_values(alias, SAMPLED_VALUES, {"column": "queue"})
+        names |= _column_values(alias, sql.AVAILABLE_QUEUES, {"limit": MAX_FILTER_CHOICES})
+        names |= _column_values(alias, sql.SAMPLED_VALUES, {"column": "queue"})
     return names
 
 

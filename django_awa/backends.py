@@ -38,6 +38,7 @@ except ImportError:  # Django 5.2 with the django-tasks backport
         task_started,
     )
 
+from . import sql
 from .enqueueing import EnqueueRequest, database_alias, insert_one, prepare
 from .execute import JobContext
 from .kinds import JobArgs, WorkerSpec, check_max_attempts, registry
@@ -59,18 +60,6 @@ STATUS = {
 }
 
 _tasks: dict[str, Task] = {}
-
-STORE_RETURN = """
-UPDATE awa_job SET metadata = metadata || %(patch)s::jsonb
-WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
-"""
-
-RECORD_TASK_ERROR = """
-UPDATE awa_job
-SET metadata = jsonb_set(metadata, '{awa_task_errors}',
-                         coalesce(metadata -> 'awa_task_errors', '[]'::jsonb) || %(error)s::jsonb)
-WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
-"""
 
 
 def awa_priority(priority: int) -> int:
@@ -160,13 +149,13 @@ def _run_task(job: JobContext) -> None:
         }
         with connections[alias].cursor() as cursor:
             cursor.execute(
-                RECORD_TASK_ERROR,
+                sql.RECORD_TASK_ERROR,
                 {"error": json.dumps([error]), "id": job.id, "run_lease": job.row.run_lease},
             )
         raise
     with connections[alias].cursor() as cursor:
         cursor.execute(
-            STORE_RETURN, {"patch": encoded, "id": job.id, "run_lease": job.row.run_lease}
+            sql.STORE_TASK_RETURN, {"patch": encoded, "id": job.id, "run_lease": job.row.run_lease}
         )
     return None
 

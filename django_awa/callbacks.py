@@ -53,45 +53,6 @@ MAX_CALLBACK_TIMEOUT = 365 * 86400.0  # as the HTTP receiver allows
 # through: a timestamp up to MAX_SKEW ahead stays acceptable 2 * MAX_SKEW.
 RECEIPT_RETENTION = 2 * MAX_SKEW + 60
 
-LOCK_BY_CALLBACK = f"""
-SELECT {sql.JOB_COLUMNS} FROM awa_job WHERE callback_id = %(callback_id)s FOR UPDATE
-"""
-
-RESOLVE = f"""
-UPDATE awa_job
-SET state = %(state)s,
-    finalized_at = CASE WHEN %(state)s IN ('completed', 'failed') THEN now() END,
-    attempt = CASE WHEN %(reset)s THEN 0 ELSE attempt END,
-    run_at = CASE WHEN %(state)s = 'available' THEN now() ELSE run_at END,
-    metadata = (metadata - 'awa_early_callback') || %(metadata)s::jsonb,
-    errors = CASE WHEN %(error)s::text IS NULL THEN errors
-                  ELSE errors || jsonb_build_array(jsonb_build_object(
-                      'attempt', attempt, 'at', now(), 'error', %(error)s::text,
-                      'traceback', '')) END,
-    callback_id = CASE WHEN %(state)s = 'available' THEN NULL ELSE callback_id END,
-    callback_timeout_at = NULL
-WHERE id = %(id)s
-RETURNING {sql.JOB_COLUMNS}
-"""
-
-RECORD_EARLY = """
-UPDATE awa_job SET metadata = metadata || jsonb_build_object('awa_early_callback', %(early)s::jsonb)
-WHERE id = %(id)s
-"""
-
-# -- PRUNE_RECEIPTS --
-# Forget receipts whose request would be refused as stale anyway.
-# Index: awa_receipt_received_idx (received_at).
-PRUNE_RECEIPTS = """
-DELETE FROM awa_callback_receipt WHERE received_at < now() - make_interval(secs => %(keep)s)
-"""
-
-EXTEND = f"""
-UPDATE awa_job SET callback_timeout_at = now() + make_interval(secs => %(timeout)s)
-WHERE id = %(id)s
-RETURNING {sql.JOB_COLUMNS}
-"""
-
 
 def _parse_id(callback_id: uuid.UUID | str) -> uuid.UUID:
     try:
@@ -102,7 +63,7 @@ def _parse_id(callback_id: uuid.UUID | str) -> uuid.UUID:
 
 def _lock(callback_id: uuid.UUID, alias: str) -> Job:
     with connections[alias].cursor() as cursor:
-        cursor.execute(LOCK_BY_CALLBACK, {"callback_id": callback_id})
+        cursor.execute(sql.LOCK_BY_CALLBACK, {"callback_id": callback_id})
         row = cursor.fetchone()
     if row is None:
         raise CallbackNotFound(f"no job is waiting on callback {callback_id}")
@@ -141,7 +102,7 @@ def _resolve(
         raise ValueError(action)
     with connections[alias].cursor() as cursor:
         cursor.execute(
-            RESOLVE,
+            sql.RESOLVE_CALLBACK,
             {
                 "id": job.id,
                 "state": state.value,
@@ -183,7 +144,9 @@ def _external(
             # handler then raised, or was rescued) must not resolve this one.
             early = {"callback_id": str(cid), "action": action, "payload": payload, "error": error}
             with connections[alias].cursor() as cursor:
-                cursor.execute(RECORD_EARLY, {"id": job.id, "early": json.dumps(early)})
+                cursor.execute(
+                    sql.RECORD_EARLY_CALLBACK, {"id": job.id, "early": json.dumps(early)}
+                )
             job.metadata = {**(job.metadata or {}), EARLY_KEY: early}
             logger.info("callback %s for job %s arrived early; applied when it parks", cid, job.id)
             return job
@@ -249,7 +212,7 @@ def heartbeat_callback(
                 f"callback {cid} is already resolved (job {job.id} is {job.state})"
             )
         with connections[alias].cursor() as cursor:
-            cursor.execute(EXTEND, {"id": job.id, "timeout": seconds})
+            cursor.execute(sql.EXTEND_CALLBACK, {"id": job.id, "timeout": seconds})
             return job_from_row(cursor.fetchone(), alias)
 
 
@@ -302,7 +265,7 @@ def prune_receipts(using: str | None = None) -> int:
     """
     alias = database_alias(using)
     with connections[alias].cursor() as cursor:
-        cursor.execute(PRUNE_RECEIPTS, {"keep": RECEIPT_RETENTION})
+        cursor.execute(sql.PRUNE_RECEIPTS, {"keep": RECEIPT_RETENTION})
         return cursor.rowcount
 
 

@@ -9,7 +9,7 @@ from django.core import checks
 from django.db import connections
 
 from . import conf
-from .followups import followup_registry, signature_fits
+from .followups import CONTEXT_PARAMETERS, followup_registry, signature_fits
 from .kinds import JobArgs
 
 
@@ -57,8 +57,6 @@ def check_followups(app_configs: Any = None, **kwargs: Any) -> list[checks.Check
                 )
             )
         if not signature_fits(spec):
-            from .followups import CONTEXT_PARAMETERS
-
             expected = ", ".join(("args", "job", *CONTEXT_PARAMETERS[spec.outcome]))
             errors.append(
                 checks.Error(

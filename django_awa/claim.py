@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from . import db, sql
 from .conf import awa_settings
 from .kinds import registry
@@ -24,7 +22,7 @@ def claim(queue: str, limit: int, alias: str) -> list[Job]:
             {
                 "queue": queue,
                 "limit": limit,
-                "deadlines": json.dumps(registry.deadlines()),
+                "deadlines": registry.deadlines_json(),
                 "default_deadline": conf.default_deadline,
             },
         )

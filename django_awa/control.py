@@ -18,30 +18,6 @@ from .finalize import dispatch, send_signal
 from .followups import Outcome
 from .models import CANCELLABLE_STATES, RETRIABLE_STATES, Job, JobState, Queue, job_from_row
 
-CANCEL = f"""
-WITH old AS (
-    SELECT id, state FROM awa_job
-    WHERE id = %(id)s AND state = ANY(%(states)s::text[])
-    FOR UPDATE
-)
-UPDATE awa_job AS j
-SET state = 'cancelled', finalized_at = now(),
-    errors = j.errors || jsonb_build_array(jsonb_build_object(
-        'attempt', j.attempt, 'at', now(), 'error', %(error)s::text, 'traceback', '')),
-    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
-FROM old
-WHERE j.id = old.id
-RETURNING old.state, {sql.J_JOB_COLUMNS}
-"""
-
-RETRY = f"""
-UPDATE awa_job
-SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
-    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
-WHERE id = %(id)s AND state = ANY(%(states)s::text[])
-RETURNING {sql.JOB_COLUMNS}
-"""
-
 
 def _get(job_id: int, alias: str) -> Job:
     try:
@@ -64,7 +40,7 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:
             cursor.execute(
-                CANCEL, {"id": job_id, "error": error, "states": list(CANCELLABLE_STATES)}
+                sql.CANCEL_JOB, {"id": job_id, "error": error, "states": list(CANCELLABLE_STATES)}
             )
             row = cursor.fetchone()
             if row is None:
@@ -86,7 +62,7 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
     alias = database_alias(using)
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-            cursor.execute(RETRY, {"id": job_id, "states": list(RETRIABLE_STATES)})
+            cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(RETRIABLE_STATES)})
             row = cursor.fetchone()
             if row is None:
                 return _get(job_id, alias)

@@ -267,14 +267,8 @@ def _apply_early_callbacks(applied: Sequence[AttemptResult], alias: str) -> None
 
 def _send_signals(applied: Sequence[AttemptResult], alias: str) -> None:
     for result in applied:
-        signal = _SIGNALS.get(result.outcome) if result.outcome else None
-        if signal is None or result.row is None or not signal.has_listeners():
-            continue
-        transaction.on_commit(
-            partial(signal.send_robust, sender=Job, job=result.row, **followup_context(result)),
-            using=alias,
-            robust=True,
-        )
+        if result.outcome is not None and result.row is not None:
+            send_signal(result.outcome, result.row, followup_context(result), alias)
 
 
 def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult]:
@@ -344,6 +338,7 @@ def dispatch(outcome: Outcome, row: Job, context: dict[str, Any], alias: str) ->
 
 
 def send_signal(outcome: Outcome, row: Job, context: dict[str, Any], alias: str) -> None:
+    """Send ``outcome``'s signal after the current transaction commits (if anyone listens)."""
     signal = _SIGNALS.get(outcome)
     if signal is not None and signal.has_listeners():
         transaction.on_commit(

@@ -126,6 +126,7 @@ class Registry:
         self.workers: dict[str, WorkerSpec] = {}
         # Families of kinds served by one handler (Django Tasks: "task:<path>").
         self.resolvers: dict[str, Callable[[str], WorkerSpec | None]] = {}
+        self._deadlines_json: str | None = None
 
     def handler_for(self, kind: str) -> WorkerSpec | None:
         spec = self.workers.get(kind)
@@ -141,8 +142,20 @@ class Registry:
             return _NO_DEFAULTS
         return spec.defaults
 
-    def deadlines(self) -> dict[str, float]:
-        return {kind: spec.deadline for kind, spec in self.workers.items() if spec.deadline}
+    def deadlines_json(self) -> str:
+        """``{kind: seconds}`` of the kinds with their own deadline, as the claim takes it.
+
+        Built once, not per claim; ``register`` drops it when a handler is added.
+        """
+        if self._deadlines_json is None:
+            self._deadlines_json = json.dumps(
+                {kind: spec.deadline for kind, spec in self.workers.items() if spec.deadline}
+            )
+        return self._deadlines_json
+
+    def register(self, spec: WorkerSpec) -> None:
+        self.workers[spec.kind] = spec
+        self._deadlines_json = None
 
 
 _NO_DEFAULTS = KindDefaults()
@@ -190,15 +203,17 @@ def worker(
                 f"job kind {kind!r} has two handlers: {_qualname(previous.handler)} and "
                 f"{_qualname(handler)}"
             )
-        registry.workers[kind] = WorkerSpec(
-            args_cls=args_cls,
-            handler=handler,
-            queue=queue,
-            priority=priority,
-            max_attempts=max_attempts,
-            deadline=deadline_s,
-            unique=unique,
-            atomic=atomic,
+        registry.register(
+            WorkerSpec(
+                args_cls=args_cls,
+                handler=handler,
+                queue=queue,
+                priority=priority,
+                max_attempts=max_attempts,
+                deadline=deadline_s,
+                unique=unique,
+                atomic=atomic,
+            )
         )
         return handler
 

@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 from django.db import DatabaseError, connections, transaction
 from django.db.models import F
@@ -182,7 +181,7 @@ class Maintenance:
                     return False
                 job = from_snapshot(pending.snapshot, self.alias)
                 outcome = Outcome(pending.outcome)
-                ids = dispatch(outcome, job, _context(pending.context), self.alias)
+                ids = dispatch(outcome, job, dict(pending.context), self.alias)
                 pending.delete()
         except (FollowupError, DatabaseError) as exc:
             self._postpone(pending_id, exc)
@@ -254,7 +253,3 @@ class Maintenance:
         if total:
             logger.info("pruned %s finished job(s)", total)
         return total
-
-
-def _context(stored: dict[str, Any]) -> dict[str, Any]:
-    return dict(stored)

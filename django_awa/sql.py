@@ -341,3 +341,162 @@ TRY_TICK_LOCK = "SELECT pg_try_advisory_xact_lock(%(key)s)"
 QUEUE_STATS = """
 SELECT queue, state, count(*) FROM awa_job GROUP BY queue, state
 """
+
+
+# ==== Operator controls (control.py) ====
+
+# -- CANCEL_JOB --
+# Cancel one job that has not finished (awa.cancel). Locks the row; returns its
+# previous state, so a running attempt can be told through NOTIFY awa_cancel.
+CANCEL_JOB = f"""
+WITH old AS (
+    SELECT id, state FROM awa_job
+    WHERE id = %(id)s AND state = ANY(%(states)s::text[])
+    FOR UPDATE
+)
+UPDATE awa_job AS j
+SET state = 'cancelled', finalized_at = now(),
+    errors = j.errors || jsonb_build_array(jsonb_build_object(
+        'attempt', j.attempt, 'at', now(), 'error', %(error)s::text, 'traceback', '')),
+    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
+FROM old
+WHERE j.id = old.id
+RETURNING old.state, {J_JOB_COLUMNS}
+"""
+
+
+# -- RETRY_JOB --
+# Make a failed, cancelled or retryable job available now, attempts reset (awa.retry).
+RETRY_JOB = f"""
+UPDATE awa_job
+SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
+    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
+WHERE id = %(id)s AND state = ANY(%(states)s::text[])
+RETURNING {JOB_COLUMNS}
+"""
+
+
+# ==== External callbacks (callbacks.py) ====
+
+# -- LOCK_BY_CALLBACK --
+# Lock the job waiting on a callback id. Index: awa_job_callback_id_key.
+LOCK_BY_CALLBACK = f"""
+SELECT {JOB_COLUMNS} FROM awa_job WHERE callback_id = %(callback_id)s FOR UPDATE
+"""
+
+
+# -- RESOLVE_CALLBACK --
+# Resolve a parked job (complete, fail or retry_external), locked by the caller.
+RESOLVE_CALLBACK = f"""
+UPDATE awa_job
+SET state = %(state)s,
+    finalized_at = CASE WHEN %(state)s IN ('completed', 'failed') THEN now() END,
+    attempt = CASE WHEN %(reset)s THEN 0 ELSE attempt END,
+    run_at = CASE WHEN %(state)s = 'available' THEN now() ELSE run_at END,
+    metadata = (metadata - 'awa_early_callback') || %(metadata)s::jsonb,
+    errors = CASE WHEN %(error)s::text IS NULL THEN errors
+                  ELSE errors || jsonb_build_array(jsonb_build_object(
+                      'attempt', attempt, 'at', now(), 'error', %(error)s::text,
+                      'traceback', '')) END,
+    callback_id = CASE WHEN %(state)s = 'available' THEN NULL ELSE callback_id END,
+    callback_timeout_at = NULL
+WHERE id = %(id)s
+RETURNING {JOB_COLUMNS}
+"""
+
+
+# -- RECORD_EARLY_CALLBACK --
+# A callback answered while its handler still runs: kept on the row, applied on park.
+RECORD_EARLY_CALLBACK = """
+UPDATE awa_job SET metadata = metadata || jsonb_build_object('awa_early_callback', %(early)s::jsonb)
+WHERE id = %(id)s
+"""
+
+
+# -- PRUNE_RECEIPTS --
+# Forget receipts whose request would be refused as stale anyway.
+# Index: awa_receipt_received_idx (received_at).
+PRUNE_RECEIPTS = """
+DELETE FROM awa_callback_receipt WHERE received_at < now() - make_interval(secs => %(keep)s)
+"""
+
+
+# -- EXTEND_CALLBACK --
+# heartbeat_callback: push the callback's timeout out.
+EXTEND_CALLBACK = f"""
+UPDATE awa_job SET callback_timeout_at = now() + make_interval(secs => %(timeout)s)
+WHERE id = %(id)s
+RETURNING {JOB_COLUMNS}
+"""
+
+
+# ==== Django Tasks (backends.py) ====
+
+# -- STORE_TASK_RETURN --
+# A Django Task's return value, stored by its running attempt (guarded by run_lease).
+STORE_TASK_RETURN = """
+UPDATE awa_job SET metadata = metadata || %(patch)s::jsonb
+WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
+"""
+
+
+# -- RECORD_TASK_ERROR --
+# A Django Task's exception class and traceback, for TaskResult.errors.
+RECORD_TASK_ERROR = """
+UPDATE awa_job
+SET metadata = jsonb_set(metadata, '{awa_task_errors}',
+                         coalesce(metadata -> 'awa_task_errors', '[]'::jsonb) || %(error)s::jsonb)
+WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
+"""
+
+
+# ==== The admin (admin.py) ====
+
+# -- TABLE_BYTES --
+# The size of awa_job's heap, from the catalog.
+TABLE_BYTES = "SELECT pg_relation_size('awa_job'::regclass)"
+
+
+# -- ESTIMATED_ROWS --
+# The planner's row estimate for awa_job (-1 before the first ANALYZE).
+ESTIMATED_ROWS = "SELECT reltuples::bigint FROM pg_class WHERE oid = 'awa_job'::regclass"
+
+
+# -- DISTINCT_QUEUES --
+# Every queue name: a sequential scan, run only on a small table.
+DISTINCT_QUEUES = "SELECT DISTINCT queue FROM awa_job LIMIT %(limit)s"
+
+
+# -- DISTINCT_KINDS --
+# Every kind: a sequential scan, run only on a small table.
+DISTINCT_KINDS = "SELECT DISTINCT kind FROM awa_job LIMIT %(limit)s"
+
+
+# -- AVAILABLE_QUEUES --
+# Queues holding available jobs, by a loose index scan of the partial claim
+# index awa_job_claim_idx (queue, priority, run_at, id) WHERE state = 'available':
+# one index probe per queue.
+AVAILABLE_QUEUES = """
+WITH RECURSIVE queues(queue, n) AS (
+    (SELECT queue, 1 FROM awa_job WHERE state = 'available' ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM awa_job AS j
+            WHERE j.state = 'available' AND j.queue > queues.queue
+            ORDER BY j.queue LIMIT 1),
+           queues.n + 1
+    FROM queues
+    WHERE queues.queue IS NOT NULL AND queues.n < %(limit)s
+)
+SELECT queue FROM queues WHERE queue IS NOT NULL
+"""
+
+
+# -- SAMPLED_VALUES --
+# Values of one awa_job column in the planner's statistics, as of the last
+# (auto)ANALYZE: most common values and histogram bounds. A catalog read.
+SAMPLED_VALUES = """
+SELECT unnest(coalesce(most_common_vals::text::text[], '{}')
+              || coalesce(histogram_bounds::text::text[], '{}'))
+FROM pg_stats
+WHERE schemaname = current_schema() AND tablename = 'awa_job' AND attname = %(column)s
+"""

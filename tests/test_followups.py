@@ -27,6 +27,7 @@ from django_awa.followups import (
 )
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, PendingFollowup
+from stress import audit
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.followups import CALLS, FAIL
 from tests.testapp.jobs import Act, Echo, Pay
@@ -427,66 +428,11 @@ def test_every_committed_outcome_has_exactly_its_followups_over_5000_jobs(start_
     )
     with connection.cursor() as cursor:
         # Per trigger: the outcomes its rows committed (errors, final state) against
-        # the follow-up rows that name it, counted in SQL.
-        cursor.execute(
-            """
-            WITH entries AS (
-                SELECT id, state,
-                       count(*) FILTER (WHERE e ->> 'error' LIKE 'rescued:%%') AS rescued,
-                       count(*) FILTER (WHERE e ->> 'error' NOT LIKE 'rescued:%%') AS raised,
-                       (array_agg(e ->> 'error' ORDER BY n DESC))[1] AS last_error
-                FROM awa_job
-                LEFT JOIN LATERAL jsonb_array_elements(errors) WITH ORDINALITY AS x(e, n) ON true
-                WHERE id = ANY(%(ids)s)
-                GROUP BY id, state
-            ),
-            expected AS (
-                -- A rescue (a worker starved past STALE_AFTER under load) is its
-                -- own outcome; a failed job exhausted unless a rescue failed it.
-                SELECT id, rescued,
-                       raised - CASE WHEN state = 'failed'
-                                      AND last_error NOT LIKE 'rescued:%%' THEN 1 ELSE 0 END
-                           AS retried,
-                       CASE WHEN state = 'failed' AND last_error NOT LIKE 'rescued:%%'
-                            THEN 1 ELSE 0 END AS exhausted,
-                       CASE WHEN state = 'completed' THEN 2 ELSE 0 END AS completed
-                FROM entries
-            ),
-            actual AS (
-                SELECT (metadata #>> '{awa_trigger,job_id}')::bigint AS id,
-                       count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'rescued')
-                           AS rescued,
-                       count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'retried')
-                           AS retried,
-                       count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'exhausted')
-                           AS exhausted,
-                       count(*) FILTER (WHERE metadata #>> '{awa_trigger,outcome}' = 'completed')
-                           AS completed
-                FROM awa_job WHERE metadata ? 'awa_trigger' GROUP BY 1
-            )
-            SELECT e.id, e.rescued, e.retried, e.exhausted, e.completed,
-                   coalesce(a.rescued, 0), coalesce(a.retried, 0), coalesce(a.exhausted, 0),
-                   coalesce(a.completed, 0)
-            FROM expected e LEFT JOIN actual a USING (id)
-            WHERE (e.rescued, e.retried, e.exhausted, e.completed)
-                  IS DISTINCT FROM (coalesce(a.rescued, 0), coalesce(a.retried, 0),
-                                    coalesce(a.exhausted, 0), coalesce(a.completed, 0))
-            """,
-            {"ids": ids},
-        )
-        mismatches = cursor.fetchall()
-        cursor.execute(
-            "SELECT state, count(*) FROM awa_job WHERE id = ANY(%(ids)s) GROUP BY state",
-            {"ids": ids},
-        )
-        by_state = dict(cursor.fetchall())
+        # the follow-up rows that name it, counted in SQL; and each handler side
+        # effect once per attempt (the Ledger).
+        mismatches = audit.outcome_mismatches(cursor, ids)
+        duplicates = audit.ledger_duplicates(cursor, ids)
+        by_state = audit.by_state(cursor, ids)
     assert mismatches == []
+    assert duplicates == []
     assert by_state["failed"] > 100 and by_state["completed"] > 4000
-    # And each handler side effect happened once per attempt.
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM (SELECT job_id, attempt FROM testapp_ledger "
-            "WHERE job_id = ANY(%(ids)s) GROUP BY 1, 2 HAVING count(*) > 1) d",
-            {"ids": ids},
-        )
-        assert cursor.fetchone()[0] == 0
