@@ -116,8 +116,10 @@ def test_sigkill_of_one_of_two_workers_repeatedly(start_worker):
     kills = 0
     victim = start_worker("--queue", "default=6", "--queue", "echo=4")
     for _ in range(4):
-        # Let it claim and run for a moment, then kill it mid-flight.
-        wait_for(lambda v=victim: "job " in v.output(), timeout=20)
+        # Let it start, claim and run for a moment, then kill it mid-flight. (Not
+        # "wait for a job line": once the steady worker has drained the failing
+        # jobs, a new victim may never log one.)
+        wait_for(lambda v=victim: "starting" in v.output(), timeout=20)
         time.sleep(random.uniform(0.3, 1.2))
         victim.signal(signal.SIGKILL)
         victim.wait()
