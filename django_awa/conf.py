@@ -37,6 +37,9 @@ DEFAULTS: dict[str, Any] = {
     "CALLBACK_SECRET": None,
     "PRIORITY_AGING_INTERVAL": 60.0,
     "CLAIM_BATCH_SIZE": 100,
+    # Claim ahead what the queue's handlers will start within this many seconds
+    # (by their recent run time); None turns prefetching off.
+    "PREFETCH_WINDOW": 0.05,
     "MAX_ARGS_BYTES": 1_000_000,
     "PREPARED_STATEMENTS": True,
     # "" (or absent): the DATABASE alias. None: no direct session (poll, per-tick lock).
@@ -53,6 +56,7 @@ _DURATIONS = {
     "COMPLETED_RETENTION": True,
     "FAILED_RETENTION": True,
     "PRIORITY_AGING_INTERVAL": True,
+    "PREFETCH_WINDOW": True,
 }
 
 
@@ -77,6 +81,7 @@ class AwaSettings:
     callback_secret: str | None
     priority_aging_interval: float | None
     claim_batch_size: int
+    prefetch_window: float | None = None
     max_args_bytes: int
     prepared_statements: bool = True
     direct_database: str | None = "default"
@@ -225,6 +230,7 @@ def awa_settings() -> AwaSettings:
         callback_secret=merged["CALLBACK_SECRET"],
         priority_aging_interval=duration("PRIORITY_AGING_INTERVAL"),
         claim_batch_size=merged["CLAIM_BATCH_SIZE"],
+        prefetch_window=duration("PREFETCH_WINDOW"),
         max_args_bytes=merged["MAX_ARGS_BYTES"],
         prepared_statements=merged["PREPARED_STATEMENTS"],
         direct_database=(

@@ -199,26 +199,6 @@ WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
 RETURNING id
 """
 
-# -- RELEASE --
-# On shutdown, give back attempts that did not finish within the shutdown
-# timeout. The handler may have done part of its work, so the attempt counts
-# (a handler never runs twice in the same attempt): available again at once
-# with an errors entry, or failed when it was the last attempt.
-RELEASE = """
-UPDATE awa_job AS j
-SET state = CASE WHEN j.attempt >= j.max_attempts THEN 'failed' ELSE 'available' END,
-    finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN now() END,
-    run_at = now(),
-    errors = j.errors || jsonb_build_array(jsonb_build_object(
-        'attempt', j.attempt, 'at', now(),
-        'error', 'interrupted: the worker shut down before the attempt finished',
-        'traceback', '')),
-    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
-FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
-WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
-RETURNING j.id, j.queue
-"""
-
 # -- PROMOTE_DUE --
 # Make due scheduled and retryable jobs available, in batches.
 # Index: awa_job_due_idx (run_at) WHERE state IN ('scheduled', 'retryable').

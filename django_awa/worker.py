@@ -2,18 +2,22 @@
 
 Threads, each with its own database connection:
 
-* one producer per queue claims jobs while the queue has free slots and
-  sleeps on a wake-up event (LISTEN/NOTIFY) or the poll interval;
+* one producer per queue claims jobs while the queue has room and sleeps on
+  a wake-up event (LISTEN/NOTIFY) or the poll interval;
 * a pool of handler threads per queue runs handlers (its size is the queue's
-  concurrency);
+  concurrency). While handlers are quick, the producer claims ahead what they
+  will start within ``PREFETCH_WINDOW``, so they never wait for a claim's
+  round trip; slow handlers get no prefetch;
 * the completer writes results in batches (``finalize``);
 * the listener holds a LISTEN connection and wakes producers;
 * the lifecycle thread heartbeats running attempts and stores progress;
 * the maintenance thread competes for leadership and runs maintenance.
 
-SIGTERM/SIGINT stop claiming; in-flight attempts get ``SHUTDOWN_TIMEOUT`` to
-finish; what is left is given back (``available``, the attempt counted) before exit. A second
-signal skips the wait.
+SIGTERM/SIGINT stop claiming and give back at once the prefetched jobs no
+handler started (no attempt used); running attempts get ``SHUTDOWN_TIMEOUT``
+to finish; what is left is given back as an interrupted attempt (``available``
+again, or ``failed`` on the last attempt, with its follow-ups) before exit.
+A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -43,21 +47,23 @@ from .conf import AwaSettings, awa_settings
 from .execute import (
     Attempt,
     AttemptResult,
+    errored,
     resolve_handler,
     run_atomic_attempt,
     run_attempt,
     write_progress,
 )
 from .finalize import finalize
-from .models import Job
+from .models import Job, JobState
 
 logger = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "awa_job"
 CANCEL_CHANNEL = "awa_cancel"
 _DB_ERRORS = (DatabaseError, InterfaceError, psycopg.Error)
-# How long a busy queue's producer may wait for more free slots to claim together.
+# How long a busy queue's producer may wait for more room to claim together.
 GATHER_SECONDS = 0.005
+INTERRUPTED = "interrupted: the worker shut down before the attempt finished"
 
 
 def log_context(job: Job, worker: str = "") -> dict[str, Any]:
@@ -108,8 +114,25 @@ class QueueRunner:
     name: str
     concurrency: int
     pool: ThreadPoolExecutor
-    slots: threading.Semaphore
     wake: threading.Event
+    room: threading.Condition = field(default_factory=threading.Condition)
+    held: int = 0  # claimed and not finished: running, or prefetched and waiting
+    run_time: float | None = None  # moving average of handler run time, seconds
+
+    def prefetch(self, window: float | None, most: int) -> int:
+        """How many jobs beyond ``concurrency`` to hold: what starts within ``window``."""
+        if not window or self.run_time is None:
+            return 0
+        return min(most, int(self.concurrency * window / max(self.run_time, 1e-6)))
+
+    def observe(self, seconds: float) -> None:
+        previous = self.run_time
+        self.run_time = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def finished(self) -> None:
+        with self.room:
+            self.held -= 1
+            self.room.notify()
 
 
 class Worker:
@@ -131,13 +154,13 @@ class Worker:
         self.halt = threading.Event()  # stop everything now
         self.results: queue_module.Queue[AttemptResult | None] = queue_module.Queue()
         self.running: dict[int, Attempt] = {}
+        self.waiting: set[int] = set()  # claimed ids no handler has started yet
         self.running_lock = threading.Lock()
         self.queues = {
             name: QueueRunner(
                 name=name,
                 concurrency=n,
                 pool=ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"awa-{name}"),
-                slots=threading.Semaphore(n),
                 wake=threading.Event(),
             )
             for name, n in queues.items()
@@ -147,7 +170,7 @@ class Worker:
         self.processed = 0
         # Results waiting for the completer: past this, producers stop claiming,
         # so claimed-but-unrecorded jobs stay bounded when the database is slow.
-        self.backlog_limit = max(100, 2 * sum(queues.values()))
+        self.backlog_limit = max(1000, 2 * sum(queues.values()))
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -220,6 +243,7 @@ class Worker:
     def _drain(self, producers: list[threading.Thread]) -> None:
         for thread in producers:
             thread.join()
+        self._give_back(self._withdraw_waiting(), started=False)
         deadline = time.monotonic() + self.conf.shutdown_timeout
         while self.running and time.monotonic() < deadline and not self.halt.is_set():
             time.sleep(0.05)
@@ -227,7 +251,9 @@ class Worker:
         for thread in self.threads:
             if thread.name == "awa-completer":
                 thread.join(timeout=max(5.0, deadline - time.monotonic()))
-        self._release_unfinished()
+        with self.running_lock:
+            unfinished = [a for a in self.running.values() if a.job.id not in self.waiting]
+        self._give_back(unfinished + self._withdraw_waiting(), started=True)
         self.halt.set()
         for runner in self.queues.values():
             futures_wait(self._close_pool_connections(runner), timeout=3.0)
@@ -252,93 +278,124 @@ class Worker:
 
         return [runner.pool.submit(close) for _ in range(runner.concurrency)]
 
-    def _release_unfinished(self) -> None:
+    def _withdraw_waiting(self) -> list[Attempt]:
+        """Take the prefetched attempts no handler has started; none will start now."""
         with self.running_lock:
-            left = list(self.running.values())
-        if not left:
+            withdrawn = [self.running.pop(i) for i in self.waiting if i in self.running]
+            self.waiting.clear()
+        return withdrawn
+
+    def _give_back(self, attempts: list[Attempt], *, started: bool) -> None:
+        """Write back attempts this worker will not finish, so others can run them.
+
+        An attempt that never started leaves no trace: the job is available again
+        and its next run keeps this attempt's number. One that was interrupted
+        counts, as if its handler had raised: available again at once with an
+        ``errors`` entry, or failed on its last attempt, with its follow-ups.
+        """
+        if not attempts:
             return
-        for attempt in left:
+        for attempt in attempts:
             attempt.cancelled.set()
+        results = [self._given_back(a.job, started) for a in attempts]
         try:
-            with connections[self.alias].cursor() as cursor:
-                cursor.execute(
-                    sql.RELEASE,
-                    {"id": [a.job.id for a in left], "run_lease": [a.job.run_lease for a in left]},
-                )
-                released = cursor.fetchall()
+            written = finalize(results, self.alias)
             logger.warning(
-                "gave back %s unfinished job(s) at shutdown: %s",
-                len(released),
-                ", ".join(str(r[0]) for r in released),
+                "gave back %s %s job(s) at shutdown: %s",
+                len(written),
+                "interrupted" if started else "prefetched",
+                ", ".join(str(r.job.id) for r in written),
             )
         except _DB_ERRORS:
             logger.exception("could not give back unfinished jobs; maintenance will rescue them")
         finally:
             connections.close_all()
 
+    @staticmethod
+    def _given_back(job: Job, started: bool) -> AttemptResult:
+        if not started:
+            return AttemptResult(job=job, state=JobState.AVAILABLE, delay=0.0, snoozed=True)
+        result = errored(job, INTERRUPTED)
+        if result.state is JobState.RETRYABLE:
+            result.state, result.delay = JobState.AVAILABLE, 0.0
+        return result
+
     # -- producer: claim and submit ---------------------------------------------
 
     def _produce(self, runner: QueueRunner) -> None:
         backoff = Backoff()
-        most = min(runner.concurrency, self.conf.claim_batch_size)
-        busy = False  # the last claim filled every free slot: more jobs are waiting
+        busy = False  # the last claim took all it asked for: more jobs are waiting
         while not self.stopping.is_set():
             if self.results.qsize() > self.backlog_limit:
                 self.stopping.wait(0.01)
                 continue
-            # Wait for at least one free slot, then take every other free one.
-            if not runner.slots.acquire(timeout=0.5):
+            want = self._reserve(runner, busy)
+            if not want:
                 continue
-            free = 1 + self._take_slots(runner, most - 1, GATHER_SECONDS if busy else 0.0)
             runner.wake.clear()
             try:
-                jobs = claim(runner.name, free, self.alias)
+                jobs = claim(runner.name, want, self.alias)
                 backoff.reset()
             except _DB_ERRORS as exc:
                 logger.warning("claim on queue %s failed (%s); reconnecting", runner.name, exc)
                 self._reset_connection()
-                for _ in range(free):
-                    runner.slots.release()
+                self._unreserve(runner, want)
                 backoff.wait(self.stopping)
                 continue
-            busy = len(jobs) == free
-            for _ in range(free - len(jobs)):
-                runner.slots.release()
+            busy = len(jobs) == want
+            self._unreserve(runner, want - len(jobs))
             for job in jobs:
                 attempt = Attempt(job=job, alias=self.alias)
                 with self.running_lock:
                     self.running[job.id] = attempt
+                    self.waiting.add(job.id)
                 logger.debug("claimed job %s kind=%s attempt=%s", job.id, job.kind, job.attempt,
                              extra=log_context(job, self.name))  # fmt: skip
                 runner.pool.submit(self._execute, runner, attempt)
-            if len(jobs) < free:
+            if not busy:
                 runner.wake.wait(self.conf.poll_interval)
 
-    @staticmethod
-    def _take_slots(runner: QueueRunner, most: int, gather: float) -> int:
-        """Take up to ``most`` more free slots; under load, wait ``gather`` s to fill a batch.
+    def _reserve(self, runner: QueueRunner, busy: bool) -> int:
+        """Wait for room on the queue and reserve it; return how many jobs to claim.
 
-        While a queue is busy, handlers free their slots one by one: claiming at
-        the first free slot would mean one claim statement (and one commit) per
-        job. Waiting a moment for half the slots keeps batches large; an idle
-        queue (gather 0) claims at once, so pickup latency does not suffer.
+        Room is the concurrency plus the prefetch. While a queue is busy,
+        handlers make room one job at a time: claiming at the first free place
+        would mean one claim statement (and one commit) per job. Waiting up to
+        ``GATHER_SECONDS`` for half the room keeps batches large; an idle queue
+        (not busy) claims at once, so pickup latency does not suffer.
         """
-        taken = 0
-        while taken < most and runner.slots.acquire(blocking=False):
-            taken += 1
-        if gather <= 0:
-            return taken
-        deadline = time.monotonic() + gather
-        while taken < most // 2:
-            left = deadline - time.monotonic()
-            if left <= 0 or not runner.slots.acquire(timeout=left):
-                break
-            taken += 1
-        while taken < most and runner.slots.acquire(blocking=False):
-            taken += 1
-        return taken
+        most = self.conf.claim_batch_size
+        capacity = runner.concurrency + runner.prefetch(self.conf.prefetch_window, most)
+        with runner.room:
+            if runner.held >= capacity and not runner.room.wait(0.5):
+                return 0
+            if busy:
+                runner.room.wait_for(
+                    lambda: capacity - runner.held >= min(most, capacity) // 2, GATHER_SECONDS
+                )
+            want = max(0, min(most, capacity - runner.held))
+            runner.held += want
+        return want
+
+    @staticmethod
+    def _unreserve(runner: QueueRunner, n: int) -> None:
+        if n:
+            with runner.room:
+                runner.held -= n
+                runner.room.notify()
 
     def _execute(self, runner: QueueRunner, attempt: Attempt) -> None:
+        with self.running_lock:
+            if attempt.job.id not in self.waiting:
+                runner.finished()  # given back at shutdown before it started
+                return
+            self.waiting.discard(attempt.job.id)
+        if attempt.cancelled.is_set():
+            # Cancelled or rescued while it waited: the row is no longer this attempt's.
+            self._forget(attempt)
+            runner.finished()
+            return
+        started = time.perf_counter()
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
@@ -360,7 +417,8 @@ class Worker:
             logger.exception("worker error running job %s", attempt.job.id)
             self._forget(attempt)
         finally:
-            runner.slots.release()
+            runner.observe(time.perf_counter() - started)
+            runner.finished()
             close_broken_connections()
 
     @staticmethod

@@ -172,7 +172,51 @@ def test_sigterm_gives_back_jobs_that_outlive_the_shutdown_timeout(start_worker)
     # The interrupted attempt counts: the next run is attempt 2, never attempt 1 again.
     assert back.state == JobState.AVAILABLE and back.attempt == 1
     assert "worker shut down" in back.errors[-1]["error"]
-    assert "gave back 1 unfinished job" in worker.output()
+    assert "gave back 1 interrupted job(s)" in worker.output()
+    # Like any retry, with its follow-up in the same transaction.
+    retried = Job.objects.filter(kind="echo", args__note__startswith="retried:1:interrupted")
+    assert retried.count() == 1
+
+
+def test_an_attempt_interrupted_on_its_last_try_is_exhausted_with_its_followups(start_worker):
+    job = awa.enqueue(Act(action="sleep", seconds=30), max_attempts=1)
+    worker = start_worker("--queue", "default", "--shutdown-timeout", "0.5")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    back = Job.objects.get(id=job.id)
+    assert back.state == JobState.FAILED and back.finalized_at is not None
+    assert "worker shut down" in back.errors[-1]["error"]
+    followup = Job.objects.get(kind="echo", metadata__awa_trigger__job_id=job.id)
+    assert followup.args["note"] == "exhausted:1"
+    assert followup.metadata["awa_trigger"]["outcome"] == "exhausted"
+
+
+def test_sigterm_gives_back_prefetched_jobs_without_using_an_attempt(start_worker):
+    # Quick jobs first (priority 1) teach the worker that handlers are fast, so
+    # it claims ahead; the slow ones after them fill its prefetch buffer.
+    awa.enqueue_many([awa.EnqueueRequest(Act(action="ok"), priority=1) for _ in range(60)])
+    slow = awa.enqueue_many(
+        [awa.EnqueueRequest(Act(action="sleep", seconds=3), priority=2) for _ in range(30)]
+    )
+    worker = start_worker("--queue", "default=2", "--shutdown-timeout", "10")
+    wait_for(lambda: Ledger.objects.filter(job_id__in=slow).count() == 2)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+
+    states = dict(Job.objects.filter(id__in=slow).values_list("id", "state"))
+    ran = set(Ledger.objects.filter(job_id__in=slow).values_list("job_id", flat=True))
+    assert len(ran) == 2 and all(states[i] == JobState.COMPLETED for i in ran)
+    held = Job.objects.filter(id__in=slow, state=JobState.AVAILABLE)
+    # The worker did prefetch slow jobs, and gave them back untouched.
+    assert held.count() >= 5, states
+    # As after a Snooze: the row keeps the number its next run will use.
+    assert all(j.attempt == 1 and j.snoozed and j.errors == [] for j in held)
+    assert f"gave back {held.count()} prefetched job(s)" in worker.output()
+    # The next run of a given-back job is its first attempt.
+    start_worker("--queue", "default=30")
+    again = wait_for_state(held.first().id, JobState.COMPLETED, timeout=20)
+    assert again.attempt == 1
 
 
 def test_maintenance_leader_failover(start_worker):
