@@ -31,8 +31,7 @@ from .kinds import (
     check_priority,
     check_storable,
     check_text,
-    decode_args,
-    encode_args,
+    encode_checked,
     registry,
 )
 from .models import Job, JobState, job_from_row
@@ -83,6 +82,10 @@ class PreparedJob:
         }
 
 
+# json.dumps(..., ensure_ascii=False) would build an encoder per call.
+_ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
+
+
 def database_alias(using: str | None) -> str:
     """The connection alias to use, checked to be PostgreSQL."""
     alias = using or awa_settings().database
@@ -125,16 +128,15 @@ def prepare(
         )
     kind = args.kind
     where = f"job of kind {kind!r}"
-    encoded = encode_args(args)
     try:
-        # What the worker will decode: refuse now what it could not. (``encoded``
-        # holds only JSON types, so it stands for the stored args.)
-        decode_args(type(args), encoded)
+        # What the worker will decode: refuse now what it could not.
+        encoded = encode_checked(args)
     except ArgsDecodeError as exc:
         raise ValidationError(f"{where}: {exc}") from exc
-    args_json = json.dumps(encoded, ensure_ascii=False)
+    args_json = _ARGS_ENCODER.encode(encoded)
     limit = awa_settings().max_args_bytes
-    if len(args_json.encode()) > limit:
+    # A character is at most 4 bytes of UTF-8: most args need no byte count.
+    if len(args_json) * 4 > limit and len(args_json.encode()) > limit:
         raise ValidationError(
             f"{where}: args are {len(args_json.encode())} bytes of JSON, over the limit of "
             f"{limit} (AWA['MAX_ARGS_BYTES'])"

@@ -342,12 +342,107 @@ def _encode(value: Any) -> Any:
             raise TypeError(f"{type(value).__name__} {value!r} is not JSON")
 
 
+# --- the fast path for plain args: every field an int, float, str or bool ------
+
+_PLAIN_TYPES = (int, float, str, bool)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_fields(cls: type) -> tuple[tuple[str, type, bool], ...] | None:
+    """``(name, type, optional)`` of each field when ``cls`` holds plain scalars only.
+
+    ``None`` for any other class (nested types, containers, enums, dates, a
+    ``__post_init__``, fields left out of ``__init__``): those take the general
+    path. For plain classes, checking each value's type is exactly what
+    encoding then decoding would check, at a fraction of the cost.
+    """
+    if not dataclasses.is_dataclass(cls) or hasattr(cls, "__post_init__"):
+        return None
+    try:
+        hints, fields = _shape(cls)
+    except Exception:  # noqa: BLE001 - unresolvable hints: the general path reports them
+        return None
+    if len(fields) != len(dataclasses.fields(cls)):
+        return None
+    plan = []
+    for f in fields:
+        hint = hints.get(f.name, Any)
+        options = typing.get_args(hint)
+        optional = False
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            if len(options) != 2 or type(None) not in options:
+                return None
+            hint = options[0] if options[1] is type(None) else options[1]
+            optional = True
+        if hint not in _PLAIN_TYPES:
+            return None
+        plan.append((f.name, hint, optional))
+    return tuple(plan)
+
+
+def _plain_ok(hint: type, value: Any, optional: bool) -> bool:
+    """Whether ``value`` passes the checks of a plain field of type ``hint``."""
+    if value is None:
+        return optional
+    if hint is str:
+        return isinstance(value, str) and _storable_text(value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, int):
+        return value.bit_length() <= MAX_INT_BITS
+    return hint is float and value == value and value not in (float("inf"), float("-inf"))
+
+
+def _storable_text(value: str) -> bool:
+    try:
+        check_text(value)
+    except ValueError:
+        return False
+    return True
+
+
+def encode_checked(args: JobArgs) -> dict[str, Any]:
+    """The JSON object of ``args``, checked to decode back into its class.
+
+    :class:`ValidationError` (encoding) or :class:`ArgsDecodeError` (a value
+    its field's type refuses) name the field.
+    """
+    plan = _plain_fields(type(args)) if isinstance(args, JobArgs) else None
+    if plan is not None:
+        encoded = {}
+        for name, hint, optional in plan:
+            value = getattr(args, name)
+            if not _plain_ok(hint, value, optional):
+                break  # the general path names what is wrong
+            encoded[name] = value
+        else:
+            return encoded
+    encoded = encode_args(args)
+    # ``encoded`` holds only JSON types, so it stands for the stored args.
+    decode_args(type(args), encoded)
+    return encoded
+
+
 def canonical_json(data: Any) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def decode_args(cls: type[JobArgs], data: Any) -> JobArgs:
     """Rebuild ``cls`` from stored JSON; :class:`ArgsDecodeError` names kind and field."""
+    plan = _plain_fields(cls)
+    if plan is not None and isinstance(data, dict) and len(data) == len(plan):
+        try:
+            values = {name: data[name] for name, _, _ in plan}
+        except KeyError:
+            pass  # the general path names the missing field
+        else:
+            if all(_plain_ok(hint, values[name], opt) for name, hint, opt in plan):
+                for name, hint, _ in plan:
+                    if hint is float and isinstance(values[name], int):
+                        values[name] = float(values[name])
+                return cls(**values)
     try:
         return _decode_dataclass(cls, data, path="")
     except ArgsDecodeError as exc:
@@ -467,17 +562,29 @@ def _decode_scalar(hint: type, value: Any, where: str) -> Any:
                 raise wrong("an ISO datetime string")
             return dt.datetime.fromisoformat(value)
         if hint is dt.date:
+            if not isinstance(value, str):
+                raise wrong("an ISO date string")
             return dt.date.fromisoformat(value)
         if hint is dt.time:
+            if not isinstance(value, str):
+                raise wrong("an ISO time string")
             return dt.time.fromisoformat(value)
         if hint is dt.timedelta:
             return dt.timedelta(seconds=value)
         if hint is decimal.Decimal:
             return decimal.Decimal(value)
         if hint is uuid.UUID:
+            if not isinstance(value, str):
+                raise wrong("a UUID string")
             return uuid.UUID(value)
     except ArgsDecodeError:
         raise
-    except (TypeError, ValueError, OverflowError, decimal.InvalidOperation) as exc:
+    except (
+        TypeError,
+        ValueError,
+        AttributeError,
+        OverflowError,
+        decimal.InvalidOperation,
+    ) as exc:
         raise ArgsDecodeError(f"field {where!r}: {exc}") from exc
     return value

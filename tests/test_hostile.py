@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import django_awa as awa
-from django_awa import conf
+from django_awa import conf, kinds
 from django_awa.callbacks import sign
 from django_awa.checks import check_database, check_settings
 from django_awa.kinds import decode_args
@@ -189,6 +189,8 @@ payloads = st.builds(
 @example(args=HostilePayload(blob={"key\x00": 1}))
 @example(args=HostilePayload(number=math.nan))
 @example(args=HostilePayload(amount=decimal.Decimal("sNaN")))
+@example(args=HostilePayload(ident=12345))  # type: ignore[arg-type]
+@example(args=HostilePayload(when=[2026]))  # type: ignore[arg-type]
 def test_args_payloads_are_stored_faithfully_or_refused(db: Any, args: HostilePayload) -> None:
     before = job_count()
     result = outcome(lambda: awa.enqueue(args), (awa.ValidationError,))
@@ -200,6 +202,63 @@ def test_args_payloads_are_stored_faithfully_or_refused(db: Any, args: HostilePa
     # What was stored decodes as the worker will decode it.
     stored = Job.objects.get(id=result.id)
     assert isinstance(decode_args(HostilePayload, stored.args), HostilePayload)
+
+
+@dataclasses.dataclass
+class PlainPayload(awa.JobArgs):
+    """Plain scalar fields only: enqueue checks them on a fast path."""
+
+    kind: ClassVar[str] = "plain_payload"
+
+    n: int = 0
+    x: float = 0.0
+    s: str = ""
+    b: bool = False
+    maybe: int | None = None
+
+
+def _general_path(args: PlainPayload) -> Any:
+    """What the general encoder and decoder make of ``args``: the fast path's reference."""
+    try:
+        encoded = kinds.encode_args(args)
+        return encoded, kinds._decode_dataclass(PlainPayload, encoded, "")
+    except (awa.ValidationError, kinds.ArgsDecodeError) as exc:
+        return type(exc)
+
+
+def _fast_path(args: PlainPayload) -> Any:
+    try:
+        encoded = kinds.encode_checked(args)
+        return encoded, decode_args(PlainPayload, json.loads(json.dumps(encoded)))
+    except (awa.ValidationError, kinds.ArgsDecodeError) as exc:
+        return type(exc)
+
+
+plain_values = st.one_of(weird_numbers, hostile_text, st.booleans(), st.none(), junk)
+
+
+@BOUNDED
+@given(
+    args=st.builds(
+        PlainPayload,
+        n=plain_values,
+        x=plain_values,
+        s=plain_values,
+        b=plain_values,
+        maybe=plain_values,
+    )
+)
+@example(args=PlainPayload(n=True))  # type: ignore[arg-type]
+@example(args=PlainPayload(x=3))
+@example(args=PlainPayload(x=math.inf))
+@example(args=PlainPayload(n=2**20000))
+@example(args=PlainPayload(s="a\x00b"))
+@example(args=PlainPayload(maybe=None, n=None))  # type: ignore[arg-type]
+def test_plain_args_fast_path_agrees_with_the_general_path(args: PlainPayload) -> None:
+    fast, general = _fast_path(args), _general_path(args)
+    assert fast == general
+    if isinstance(general, tuple) and args.x == 3:
+        assert type(fast[1].x) is float
 
 
 # Values whose repr Hypothesis could not print: plain tests, named by id.
