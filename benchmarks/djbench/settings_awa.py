@@ -9,6 +9,7 @@ INSTALLED_APPS = [
     "djbench.awa_app",
 ]
 
+# Default settings: the worker is started as `awa_worker --queue bench`.
 AWA = {
-    "QUEUES": {"bench": {"concurrency": 100}},
+    "QUEUES": {"bench": {}},
 }

@@ -3,9 +3,10 @@
 - schema: ``python -m django migrate`` (settings ``djbench.settings_awa``);
 - enqueue: ``awa.enqueue(Noop(n=…), queue=…)``, each its own transaction;
   bulk: ``awa.enqueue_many([...])`` per batch, inside ``transaction.atomic()``;
-- worker: ``python -m django awa_worker --queue bench=C --processes P``
-  (``--processes`` is used only when the command offers it; otherwise P
-  separate worker commands run);
+- worker: ``python -m django awa_worker --queue bench``, the defaults (one
+  process, concurrency 10); ``--set django-awa.concurrency=C`` and
+  ``--set django-awa.processes=P`` change them (``--processes`` is used only
+  when the command offers it; otherwise P separate worker commands run);
 - finished jobs: ``awa_job`` rows of the bench queue in state ``completed``;
 - extra workloads: a drain whose every job has an ``on_completed`` follow-up
   (settings ``djbench.settings_awa_followups``; the follow-ups go to a queue no
@@ -36,7 +37,9 @@ class DjangoAwa(System):
     distribution = "django-awa"
     count_done_sql = "SELECT count(*) FROM awa_job WHERE state = 'completed' AND queue = 'bench'"
     count_followups_sql = f"SELECT count(*) FROM awa_job WHERE queue = '{FOLLOWUP_QUEUE}'"  # noqa: S608
-    settings = {"processes": 2, "concurrency": 50}
+    # The defaults a user gets: `awa_worker --queue bench`, one process, the
+    # default concurrency (0 here means "not given on the command line").
+    settings = {"processes": 1, "concurrency": 0}
     extra_workloads = ("followups",)
 
     _has_processes_option: bool | None = None
@@ -46,6 +49,13 @@ class DjangoAwa(System):
         if version == "?":
             return "repo"
         return version
+
+    def describe(self) -> str:
+        processes = int(self.settings["processes"])
+        concurrency = int(self.settings["concurrency"])
+        if processes == 1 and not concurrency:
+            return "awa_worker defaults: 1 process, concurrency 10"
+        return f"processes={processes}, concurrency={concurrency or 10}"
 
     def env(self, **extra: str) -> dict[str, str]:
         env = super().env(**{"DJANGO_SETTINGS_MODULE": SETTINGS, **extra})
@@ -63,14 +73,9 @@ class DjangoAwa(System):
 
     def worker_commands(self, mode: str) -> list[list[str]]:
         processes = int(self.settings["processes"])
-        argv = [
-            sys.executable,
-            "-m",
-            "django",
-            "awa_worker",
-            "--queue",
-            f"{common.QUEUE}={self.settings['concurrency']}",
-        ]
+        concurrency = int(self.settings["concurrency"])
+        queue = f"{common.QUEUE}={concurrency}" if concurrency else common.QUEUE
+        argv = [sys.executable, "-m", "django", "awa_worker", "--queue", queue]
         if processes > 1 and self._supports_processes():
             return [[*argv, "--processes", str(processes)]]
         return [argv for _ in range(processes)]
