@@ -11,7 +11,6 @@ import datetime as dt
 import json
 import logging
 import random
-import threading
 import traceback
 import uuid
 from collections.abc import Callable
@@ -97,13 +96,28 @@ def backoff(attempt: int) -> float:
 # -- the attempt's shared state --------------------------------------------------
 
 
+class Flag:
+    """A flag set once from any thread (a cheaper ``threading.Event`` that is never waited on)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 @dataclass(slots=True, eq=False)
 class Attempt:
     """One claimed attempt as the worker tracks it (shared with its handler thread)."""
 
     job: Job
     alias: str
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: Flag = field(default_factory=lambda: Flag())
     progress: dict[str, Any] | None = None
     progress_dirty: bool = False
     callback_id: uuid.UUID | None = None

@@ -4,10 +4,10 @@ Threads, each with its own database connection:
 
 * one producer per queue claims jobs while the queue has room and sleeps on
   a wake-up event (LISTEN/NOTIFY) or the poll interval;
-* a pool of handler threads per queue runs handlers (its size is the queue's
-  concurrency). While handlers are quick, the producer claims ahead what they
-  will start within ``PREFETCH_WINDOW``, so they never wait for a claim's
-  round trip; slow handlers get no prefetch;
+* handler threads, as many per queue as its concurrency, run handlers. While
+  handlers are quick, the producer claims ahead what they will start within
+  ``PREFETCH_WINDOW``, so they never wait for a claim's round trip; slow
+  handlers get no prefetch;
 * the completer writes results in batches (``finalize``);
 * the listener holds a LISTEN connection and wakes producers;
 * the lifecycle thread heartbeats running attempts and stores progress;
@@ -32,8 +32,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -113,7 +111,7 @@ class Backoff:
 class QueueRunner:
     name: str
     concurrency: int
-    pool: ThreadPoolExecutor
+    inbox: queue_module.SimpleQueue[Attempt | None]
     wake: threading.Event
     room: threading.Condition = field(default_factory=threading.Condition)
     held: int = 0  # claimed and not finished: running, or prefetched and waiting
@@ -160,7 +158,7 @@ class Worker:
             name: QueueRunner(
                 name=name,
                 concurrency=n,
-                pool=ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"awa-{name}"),
+                inbox=queue_module.SimpleQueue(),
                 wake=threading.Event(),
             )
             for name, n in queues.items()
@@ -199,6 +197,9 @@ class Worker:
         self._start(self._complete, "awa-completer")
         self._start(self._lifecycle, "awa-lifecycle")
         self._start(self._maintain, "awa-maintenance")
+        for runner in self.queues.values():
+            for i in range(runner.concurrency):
+                self._start(lambda r=runner: self._handle(r), f"awa-{runner.name}_{i}")
         producers = [
             self._start(lambda r=runner: self._produce(r), f"awa-producer-{runner.name}")
             for runner in self.queues.values()
@@ -256,27 +257,13 @@ class Worker:
         self._give_back(unfinished + self._withdraw_waiting(), started=True)
         self.halt.set()
         for runner in self.queues.values():
-            futures_wait(self._close_pool_connections(runner), timeout=3.0)
-            runner.pool.shutdown(wait=False, cancel_futures=True)
+            for _ in range(runner.concurrency):
+                runner.inbox.put(None)  # each handler thread closes its connections and exits
+        # A thread still stuck in a handler keeps its connection until the process exits.
+        until = time.monotonic() + 3.0
         for thread in self.threads:
-            thread.join(timeout=2.0)
+            thread.join(timeout=max(0.0, until - time.monotonic()))
         logger.info("awa worker %s stopped after %s jobs", self.name, self.processed)
-
-    @staticmethod
-    def _close_pool_connections(runner: QueueRunner) -> list[Future[None]]:
-        """Close each handler thread's database connection (one task per thread).
-
-        A thread still stuck in a handler misses the barrier and keeps its
-        connection until the process exits.
-        """
-        barrier = threading.Barrier(runner.concurrency)
-
-        def close() -> None:
-            connections.close_all()
-            with contextlib.suppress(threading.BrokenBarrierError):
-                barrier.wait(timeout=1.0)
-
-        return [runner.pool.submit(close) for _ in range(runner.concurrency)]
 
     def _withdraw_waiting(self) -> list[Attempt]:
         """Take the prefetched attempts no handler has started; none will start now."""
@@ -351,7 +338,7 @@ class Worker:
                     self.waiting.add(job.id)
                 logger.debug("claimed job %s kind=%s attempt=%s", job.id, job.kind, job.attempt,
                              extra=log_context(job, self.name))  # fmt: skip
-                runner.pool.submit(self._execute, runner, attempt)
+                runner.inbox.put(attempt)
             if not busy:
                 runner.wake.wait(self.conf.poll_interval)
 
@@ -383,6 +370,11 @@ class Worker:
             with runner.room:
                 runner.held -= n
                 runner.room.notify()
+
+    def _handle(self, runner: QueueRunner) -> None:
+        """A handler thread: run the queue's attempts until told to stop (``None``)."""
+        while (attempt := runner.inbox.get()) is not None:
+            self._execute(runner, attempt)
 
     def _execute(self, runner: QueueRunner, attempt: Attempt) -> None:
         with self.running_lock:
