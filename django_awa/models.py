@@ -101,7 +101,9 @@ class Job(models.Model):
     metadata = models.JSONField(default=dict, db_default={}, blank=True)
     tags = models.JSONField(default=list, db_default=[], blank=True)
     progress = models.JSONField(null=True, blank=True)
-    callback_id = models.UUIDField(null=True, blank=True, unique=True)
+    # Unique where set (awa_job_callback_id_uniq): a partial index, so the many
+    # rows without a callback add no index entries on each write.
+    callback_id = models.UUIDField(null=True, blank=True)
     callback_timeout_at = models.DateTimeField(null=True, blank=True)
     # The run after a Snooze keeps the snoozed run's attempt number.
     snoozed = models.BooleanField(default=False, db_default=False)
@@ -168,6 +170,11 @@ class Job(models.Model):
             ),
             models.CheckConstraint(
                 condition=Q(state__in=JobState.values), name="awa_job_state_valid"
+            ),
+            models.UniqueConstraint(
+                fields=["callback_id"],
+                condition=Q(callback_id__isnull=False),
+                name="awa_job_callback_id_uniq",
             ),
         ]
 

@@ -359,7 +359,7 @@ RETURNING {JOB_COLUMNS}
 # ==== External callbacks (callbacks.py) ====
 
 # -- LOCK_BY_CALLBACK --
-# Lock the job waiting on a callback id. Index: awa_job_callback_id_key.
+# Lock the job waiting on a callback id. Index: awa_job_callback_id_uniq (partial: where set).
 LOCK_BY_CALLBACK = f"""
 SELECT {JOB_COLUMNS} FROM awa_job WHERE callback_id = %(callback_id)s FOR UPDATE
 """

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from dataclasses import dataclass
 
 import pytest
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
+from django_awa import sql
 from django_awa.claim import claim
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, PeriodicSchedule
@@ -238,3 +240,33 @@ def test_claim_is_an_index_scan_with_many_finished_rows():
         plan = "\n".join(row[0] for row in cursor.fetchall())
     assert "Index Scan using awa_job_claim_idx" in plan, plan
     assert "Seq Scan" not in plan
+
+
+def test_rows_without_a_callback_take_no_callback_index_entries():
+    # Callback ids are unique where set, through a partial index: the many rows
+    # without one add nothing to it on each write, and a lookup by id (a
+    # prepared statement's generic plan included) still reads it.
+    for _ in range(3):
+        make_job()
+    parked = make_job(state="waiting_external", callback_id=uuid.uuid4())
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM awa_job WHERE callback_id IS NOT NULL")
+        assert cursor.fetchone()[0] == 1
+        cursor.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'awa_job_callback_id_uniq'"
+        )
+        assert "WHERE (callback_id IS NOT NULL)" in cursor.fetchone()[0]
+        cursor.execute("SET plan_cache_mode = force_generic_plan")
+        try:
+            cursor.execute(
+                "PREPARE awa_by_callback(uuid) AS "
+                + sql.LOCK_BY_CALLBACK.replace("%(callback_id)s", "$1")
+            )
+            cursor.execute("EXPLAIN EXECUTE awa_by_callback(%s)", [parked.callback_id])
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        finally:
+            cursor.execute("DEALLOCATE ALL")
+            cursor.execute("RESET plan_cache_mode")
+    assert "awa_job_callback_id_uniq" in plan, plan
+    with pytest.raises(IntegrityError), transaction.atomic():
+        make_job(state="waiting_external", callback_id=parked.callback_id)
