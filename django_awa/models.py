@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import connections, models
+from django.db import models
 from django.db.models import Q
 from django.db.models.fields.json import KT
 from django.db.models.functions import Now
@@ -257,12 +258,17 @@ _JSON_FIELDS = frozenset(i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, m
 
 
 def job_from_row(values: Sequence[Any], using: str) -> Job:
-    """A ``Job`` from a row of ``sql.JOB_COLUMNS``, read on connection ``using``."""
-    connection = connections[using]
+    """A ``Job`` from a row of ``sql.JOB_COLUMNS``, read on connection ``using``.
+
+    Django reads jsonb as text; the Job's JSON fields use no custom decoder,
+    so the text is parsed here directly (empty lists and objects, the common
+    case, without the parser) rather than through each field's from_db_value.
+    """
     converted = list(values)
     for i in _JSON_FIELDS:
-        if isinstance(converted[i], str):
-            converted[i] = _JOB_FIELDS[i].from_db_value(converted[i], None, connection)
+        text = converted[i]
+        if isinstance(text, str):
+            converted[i] = [] if text == "[]" else {} if text == "{}" else json.loads(text)
     return Job.from_db(using, _JOB_ATTNAMES, converted)
 
 
