@@ -56,6 +56,25 @@ class Maintenance:
             cursor.execute(sql.TRY_LEADER_LOCK, {"key": sql.LEADER_LOCK_KEY})
             return bool(cursor.fetchone()[0])
 
+    def warn_without_autovacuum(self) -> None:
+        """Log a warning if autovacuum will not visit awa_job.
+
+        Every claim and outcome leaves a dead row version behind. The
+        migration tunes autovacuum to visit awa_job at 1% dead rows; with
+        autovacuum off nothing reclaims them, and the claim reads more index
+        and heap pages as they pile up.
+        """
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.AUTOVACUUM_STATE)
+            server, table = cursor.fetchone()
+        if not (server and table):
+            where = "on this PostgreSQL server" if not server else "for the awa_job table"
+            logger.warning(
+                "autovacuum is off %s: nothing reclaims awa_job's dead row versions, so "
+                "claims slow down as they pile up; turn it on, or VACUUM awa_job regularly",
+                where,
+            )
+
     def resign(self) -> None:
         if self.lock_alias is None:
             return

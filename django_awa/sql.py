@@ -306,6 +306,16 @@ DELETE FROM awa_job WHERE id IN (
 )
 """
 
+# -- AUTOVACUUM_STATE --
+# Whether autovacuum will visit awa_job: on for the server, and not turned off
+# for the table. Read once by a new maintenance leader, which warns if not.
+AUTOVACUUM_STATE = """
+SELECT current_setting('autovacuum')::boolean,
+       coalesce((SELECT option_value::boolean FROM pg_options_to_table(c.reloptions)
+                 WHERE option_name = 'autovacuum_enabled'), true)
+FROM pg_class AS c WHERE c.oid = 'awa_job'::regclass
+"""
+
 # -- TRY_LEADER_LOCK --
 # Maintenance runs on the one worker holding this session-level advisory lock.
 # The lock dies with the session, so a dead leader's lock is free at once.

@@ -548,12 +548,16 @@ class Worker:
         from .maintenance import Maintenance
 
         maintenance = Maintenance(self.alias, self.conf)
+        warned = False
         while not self.halt.is_set():
             try:
                 if not self.is_leader:
                     self.is_leader = maintenance.try_lead()
                     if self.is_leader and maintenance.lock_alias is not None:
                         logger.info("worker %s is now the maintenance leader", self.name)
+                    if self.is_leader and not warned:
+                        warned = True
+                        maintenance.warn_without_autovacuum()
                 if self.is_leader:
                     maintenance.tick(wake=self._wake_queues)
             except _DB_ERRORS as exc:

@@ -285,3 +285,25 @@ def test_bad_queue_option_is_refused(start_worker):
     worker = start_worker("--queue", "bad name")
     assert worker.wait(20) != 0
     assert "invalid queue name" in worker.output()
+
+
+def test_the_maintenance_leader_warns_when_autovacuum_will_not_visit_awa_job(start_worker):
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('autovacuum')::boolean")
+        server_on = cursor.fetchone()[0]
+    first = start_worker("--queue", "default")
+    wait_for(lambda: "is now the maintenance leader" in first.output(), timeout=10)
+    wait_for_state(awa.enqueue(Act(action="ok")).id, JobState.COMPLETED)  # a tick later
+    assert first.stop() == 0
+    # The warning follows the server's setting, whatever it is.
+    assert ("autovacuum is off on this PostgreSQL server" in first.output()) != server_on
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE awa_job SET (autovacuum_enabled = false)")
+    try:
+        second = start_worker("--queue", "default")
+        wait_for(lambda: "autovacuum is off" in second.output(), timeout=10)
+        expected = "the awa_job table" if server_on else "this PostgreSQL server"
+        assert f"autovacuum is off {'for' if server_on else 'on'} {expected}" in second.output()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE awa_job RESET (autovacuum_enabled)")
