@@ -150,6 +150,20 @@ def single_run_lock(name: str):
     return handle
 
 
+def begin_run(name: str, parse: Callable[[list[str]], argparse.Namespace], argv: list[str]):
+    """What a script's main does first: its venv, its arguments, the run lock, SIGTERM
+    handling and the server's facts. Returns ``(args, lock, facts)``."""
+    ensure_venv(Path(sys.argv[0]).resolve())
+    args = parse(argv)
+    lock = single_run_lock(name)
+    sigterm_as_interrupt()
+    try:
+        facts = server_facts()
+    except Exception as exc:  # any failure to connect ends the run here
+        raise SystemExit(f"{name}: PostgreSQL at 127.0.0.1:5432 (user postgres): {exc}") from exc
+    return args, lock, facts
+
+
 def sigterm_as_interrupt() -> None:
     """SIGTERM ends the run like Ctrl-C, so the databases and workers are cleaned up."""
 
@@ -791,14 +805,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["_child"]:
         child_main(argv[1:])
         return 0
-    ensure_venv(Path(__file__).resolve())
-    args = parse_args(argv)
-    lock = single_run_lock("growth")
-    sigterm_as_interrupt()
-    try:
-        facts = server_facts()
-    except Exception as exc:  # any failure to connect ends the run here
-        raise SystemExit(f"growth: PostgreSQL at 127.0.0.1:5432 (user postgres): {exc}") from exc
+    args, lock, facts = begin_run("growth", parse_args, argv)
 
     cases = {
         "empty": Case("empty", "awa_growth_empty", 0),

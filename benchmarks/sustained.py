@@ -42,6 +42,7 @@ from growth import (
     RESULTS_DIR,
     Progress,
     Worker,
+    begin_run,
     capture_claim_params,
     create_database,
     django_env,
@@ -49,11 +50,7 @@ from growth import (
     drop_database,
     dsn,
     emit,
-    ensure_venv,
     run_child,
-    server_facts,
-    sigterm_as_interrupt,
-    single_run_lock,
 )
 
 DBNAME = "awa_sustained_run"
@@ -497,14 +494,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["_child"]:
         child_main(argv[1:])
         return 0
-    ensure_venv(Path(__file__).resolve())
-    args = parse_args(argv)
-    lock = single_run_lock("sustained")
-    sigterm_as_interrupt()
-    try:
-        facts = server_facts()
-    except Exception as exc:  # any failure to connect ends the run here
-        raise SystemExit(f"sustained: PostgreSQL at 127.0.0.1:5432 (user postgres): {exc}") from exc
+    args, lock, facts = begin_run("sustained", parse_args, argv)
 
     seconds = args.minutes * 60
     progress = Progress()
