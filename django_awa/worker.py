@@ -418,11 +418,19 @@ class Worker:
         """Progress is stored by the lifecycle thread, which polls the dirty flag."""
 
     def _forget(self, attempt: Attempt) -> None:
-        self._forget_id(attempt.job.id)
+        self._forget_job(attempt.job)
 
-    def _forget_id(self, job_id: int) -> None:
+    def _forget_job(self, job: Job) -> None:
+        """Stop tracking this attempt of ``job``.
+
+        Only this attempt: once its outcome is written (a snooze, say) the job
+        may already be claimed again, and that attempt is tracked under the
+        same id.
+        """
         with self.running_lock:
-            self.running.pop(job_id, None)
+            tracked = self.running.get(job.id)
+            if tracked is not None and tracked.job.run_lease == job.run_lease:
+                del self.running[job.id]
             self.processed += 1
 
     @staticmethod
@@ -465,7 +473,7 @@ class Worker:
                         break
                     backoff.wait(self.halt)
             for result in batch:
-                self._forget_id(result.job.id)
+                self._forget_job(result.job)
 
     # -- listener: LISTEN/NOTIFY -----------------------------------------------
 

@@ -307,3 +307,20 @@ def test_the_maintenance_leader_warns_when_autovacuum_will_not_visit_awa_job(sta
     finally:
         with connection.cursor() as cursor:
             cursor.execute("ALTER TABLE awa_job RESET (autovacuum_enabled)")
+
+
+def test_finishing_an_attempt_leaves_a_newer_attempt_of_the_same_job_tracked():
+    # Once an outcome such as Snooze(0) is written, the job may be claimed again
+    # before the completer stops tracking the old attempt: the new one must stay
+    # tracked (heartbeated, given back at shutdown), not be dropped by the old one.
+    from django_awa.execute import Attempt
+    from django_awa.worker import Worker
+
+    worker = Worker({"default": 1}, install_signal_handlers=False)
+    old = Job(id=41, kind="act", queue="default", run_lease=1)
+    new = Job(id=41, kind="act", queue="default", run_lease=2)
+    worker.running[41] = Attempt(job=new, alias="default")
+    worker._forget_job(old)
+    assert worker.running[41].job.run_lease == 2
+    worker._forget_job(new)
+    assert 41 not in worker.running
