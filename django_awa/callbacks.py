@@ -37,7 +37,7 @@ from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
 from .finalize import dispatch, send_signal
 from .followups import FollowupError, Outcome
-from .kinds import check_storable, check_text
+from .kinds import check_json, require_text
 from .models import CallbackReceipt, Job, JobState, job_from_row
 
 logger = logging.getLogger(__name__)
@@ -164,8 +164,7 @@ def complete_external(
     ``metadata["awa_callback_result"]``. Completed follow-ups commit with it.
     Raises ``CallbackNotFound``, ``FollowupError`` or ``ValidationError``."""
     try:
-        json.dumps(payload, allow_nan=False)
-        check_storable(payload)
+        check_json(payload)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValidationError(f"complete_external: payload cannot be stored: {exc}") from exc
     return _external(callback_id, "complete", payload=payload, using=using)
@@ -175,10 +174,7 @@ def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None
     """Fail the job waiting on ``callback_id`` whatever attempts remain (Exhausted follow-ups)."""
     if not isinstance(error, str):
         raise ValidationError(f"fail_external: error must be a string, got {error!r}")
-    try:
-        check_text(error)
-    except ValueError as exc:
-        raise ValidationError(f"fail_external: error: {exc}") from None
+    require_text(error, "fail_external: error")
     return _external(callback_id, "fail", error=error, using=using)
 
 

@@ -27,12 +27,12 @@ from .kinds import (
     JobArgs,
     Unique,
     canonical_json,
+    check_json,
     check_max_attempts,
     check_priority,
-    check_storable,
-    check_text,
     encode_checked,
     registry,
+    require_text,
 )
 from .models import Job, JobState, job_from_row
 
@@ -190,10 +190,7 @@ def _check_tags(tags: Iterable[str] | None, where: str) -> list[str]:
             raise ValidationError(
                 f"{where}: each tag must be a string of 1-255 characters: {tag!r}"
             )
-        try:
-            check_text(tag)
-        except ValueError as exc:
-            raise ValidationError(f"{where}: tag {tag!r}: {exc}") from None
+        require_text(tag, f"{where}: tag {tag!r}")
     return tag_list
 
 
@@ -205,8 +202,7 @@ def _check_metadata(metadata: dict[str, Any] | None, where: str) -> dict[str, An
     if any(not isinstance(key, str) for key in metadata):
         raise ValidationError(f"{where}: metadata keys must be strings")
     try:
-        json.loads(json.dumps(metadata, allow_nan=False))
-        check_storable(metadata)
+        check_json(metadata)
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"{where}: metadata cannot be stored as JSON: {exc}") from exc
     except RecursionError:

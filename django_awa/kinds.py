@@ -273,6 +273,27 @@ def encode_args(args: JobArgs) -> dict[str, Any]:
 MAX_INT_BITS = 14_000
 
 
+def check_int(value: int) -> int:
+    """``value`` if jsonb (and Python's int-to-text) can hold it; else ``ValueError``."""
+    if value.bit_length() > MAX_INT_BITS:
+        raise ValueError("an integer is too large to be stored as JSON")
+    return value
+
+
+def require_text(value: str, what: str) -> str:
+    """``check_text`` for a user-supplied string: :class:`ValidationError` ``"{what}: why"``."""
+    try:
+        return check_text(value)
+    except ValueError as exc:
+        raise ValidationError(f"{what}: {exc}") from None
+
+
+def check_json(value: Any) -> None:
+    """``TypeError``, ``ValueError`` or ``RecursionError`` if jsonb cannot store ``value``."""
+    json.dumps(value, allow_nan=False)
+    check_storable(value)
+
+
 def check_text(value: str) -> str:
     """``value`` if PostgreSQL can store it in text and jsonb; else ``ValueError``."""
     if "\x00" in value:
@@ -294,8 +315,7 @@ def check_storable(value: Any) -> None:
         case bool() | None:
             pass
         case int():
-            if value.bit_length() > MAX_INT_BITS:
-                raise ValueError("an integer is too large to be stored as JSON")
+            check_int(value)
         case dict():
             for key, item in value.items():
                 if isinstance(key, str):
@@ -313,9 +333,7 @@ def _encode(value: Any) -> Any:
         case str():
             return check_text(value)
         case int():
-            if value.bit_length() > MAX_INT_BITS:
-                raise ValueError("an integer is too large to be stored as JSON")
-            return value
+            return check_int(value)
         case float():
             if value != value or value in (float("inf"), float("-inf")):
                 raise ValueError(f"{value!r} is not a JSON number")

@@ -18,7 +18,7 @@ from django.utils import timezone as dj_timezone
 
 from .enqueueing import EnqueueRequest, insert_one, prepare
 from .exceptions import UniqueConflict, ValidationError
-from .kinds import JobArgs, check_priority, check_text
+from .kinds import JobArgs, check_priority, require_text
 from .models import PeriodicSchedule
 
 logger = logging.getLogger(__name__)
@@ -75,10 +75,7 @@ def periodic(
     where = f"periodic {name!r}"
     if not isinstance(name, str) or not name or len(name) > 255:
         raise ValidationError(f"periodic: name must be a non-empty string, got {name!r}")
-    try:
-        check_text(name)
-    except ValueError as exc:
-        raise ValidationError(f"periodic {name!r}: name: {exc}") from None
+    require_text(name, f"periodic {name!r}: name")
     if not isinstance(args, JobArgs):
         raise ValidationError(f"{where}: args must be a JobArgs instance, got {args!r}")
     if not isinstance(cron, str) or len(cron.split()) not in (5, 6):

@@ -377,17 +377,23 @@ class Worker:
             self._execute(runner, attempt)
 
     def _execute(self, runner: QueueRunner, attempt: Attempt) -> None:
-        with self.running_lock:
-            if attempt.job.id not in self.waiting:
-                runner.finished()  # given back at shutdown before it started
+        """Run one claimed attempt; its place on the queue is freed however it ends."""
+        try:
+            with self.running_lock:
+                if attempt.job.id not in self.waiting:
+                    return  # given back at shutdown before it started
+                self.waiting.discard(attempt.job.id)
+            if attempt.cancelled.is_set():
+                # Cancelled or rescued while it waited: the row is no longer this attempt's.
+                self._forget(attempt)
                 return
-            self.waiting.discard(attempt.job.id)
-        if attempt.cancelled.is_set():
-            # Cancelled or rescued while it waited: the row is no longer this attempt's.
-            self._forget(attempt)
+            started = time.perf_counter()
+            self._run(attempt)
+            runner.observe(time.perf_counter() - started)
+        finally:
             runner.finished()
-            return
-        started = time.perf_counter()
+
+    def _run(self, attempt: Attempt) -> None:
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
@@ -409,8 +415,6 @@ class Worker:
             logger.exception("worker error running job %s", attempt.job.id)
             self._forget(attempt)
         finally:
-            runner.observe(time.perf_counter() - started)
-            runner.finished()
             close_broken_connections()
 
     @staticmethod
