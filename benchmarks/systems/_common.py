@@ -55,18 +55,22 @@ def batches(total: int, size: int) -> Iterator[range]:
         yield range(start, min(start + size, total))
 
 
-def paced(rate: float, duration: float) -> Iterator[int]:
-    """Yield 0, 1, 2… on an absolute schedule of ``rate`` per second.
+def _schedule(rate: float, duration: float) -> Iterator[tuple[int, float]]:
+    """``(i, seconds until i is due)`` on an absolute schedule of ``rate`` per second.
 
-    The caller enqueues one job per value. A slow enqueue does not shift the
-    later ones (no drift); if the producer falls behind, the overdue values
-    come back to back until it is on schedule again.
+    Each delay is measured when the caller asks for the next value, so a slow
+    enqueue does not shift the later ones (no drift); if the producer falls
+    behind, the overdue values come back to back until it is on schedule again.
     """
     interval = 1.0 / rate
-    count = round(rate * duration)
     start = time.perf_counter()
-    for i in range(count):
-        delay = start + i * interval - time.perf_counter()
+    for i in range(round(rate * duration)):
+        yield i, start + i * interval - time.perf_counter()
+
+
+def paced(rate: float, duration: float) -> Iterator[int]:
+    """Yield 0, 1, 2… on schedule; the caller enqueues one job per value."""
+    for i, delay in _schedule(rate, duration):
         if delay > 0:
             time.sleep(delay)
         yield i
@@ -76,14 +80,26 @@ async def apaced(rate: float, duration: float) -> AsyncIterator[int]:
     """paced() for asyncio producers."""
     import asyncio
 
-    interval = 1.0 / rate
-    count = round(rate * duration)
-    start = time.perf_counter()
-    for i in range(count):
-        delay = start + i * interval - time.perf_counter()
+    for i, delay in _schedule(rate, duration):
         if delay > 0:
             await asyncio.sleep(delay)
         yield i
+
+
+def django_setup() -> None:
+    """For the Django systems' producer commands."""
+    import django
+
+    django.setup()
+
+
+def cmd_django_migrate() -> None:
+    """The Django systems' ``setup`` command: migrate the run's database."""
+    django_setup()
+    from django.core.management import call_command
+
+    call_command("migrate", interactive=False, verbosity=0)
+    emit(ok=True)
 
 
 def emit(**result: object) -> None:

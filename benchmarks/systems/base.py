@@ -196,6 +196,14 @@ class System:
         row = self.connection().execute(self.count_done_sql).fetchone()
         return int(row[0] or 0) if row else 0
 
+    def run_tool(self, argv: list[str], what: str, *, cwd: Path | None = None) -> None:
+        """Run one of the system's own commands (a schema install, say); fail naming it."""
+        proc = subprocess.run(
+            argv, cwd=cwd, env=self.env(), capture_output=True, text=True, timeout=120, check=False
+        )
+        if proc.returncode != 0:
+            raise SystemUnavailable(f"{what} failed: " + (proc.stderr or proc.stdout)[-800:])
+
     # ------------------------------------------------------------- producers
     def client_command(self, *args: object) -> list[str]:
         return [sys.executable, "-m", f"systems.{self.module}", *map(str, args)]

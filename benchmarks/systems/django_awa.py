@@ -98,22 +98,8 @@ ADAPTER = DjangoAwa
 
 
 # ------------------------------------------------------------- producer side
-def _django() -> None:
-    import django
-
-    django.setup()
-
-
-def cmd_setup() -> None:
-    _django()
-    from django.core.management import call_command
-
-    call_command("migrate", interactive=False, verbosity=0)
-    common.emit(ok=True)
-
-
 def cmd_enqueue_single(n: int) -> None:
-    _django()
+    common.django_setup()
     from django.db import connection
     from djbench.awa_app.jobs import Noop
 
@@ -129,7 +115,7 @@ def cmd_enqueue_single(n: int) -> None:
 
 
 def cmd_enqueue_bulk(n: int, batch: int) -> None:
-    _django()
+    common.django_setup()
     from django.db import connection, transaction
     from djbench.awa_app.jobs import Noop
 
@@ -144,7 +130,7 @@ def cmd_enqueue_bulk(n: int, batch: int) -> None:
 
 
 def cmd_pace(rate: float, duration: float) -> None:
-    _django()
+    common.django_setup()
     from django.db import connection, transaction
     from djbench.awa_app.jobs import Noop
 
@@ -162,7 +148,7 @@ def cmd_pace(rate: float, duration: float) -> None:
 if __name__ == "__main__":
     common.client_main(
         {
-            "setup": cmd_setup,
+            "setup": common.cmd_django_migrate,
             "enqueue-single": cmd_enqueue_single,
             "enqueue-bulk": cmd_enqueue_bulk,
             "pace": cmd_pace,

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from systems import _common as common
-from systems.base import System, SystemUnavailable
+from systems.base import System
 
 
 class Pgqueuer(System):
@@ -37,16 +36,7 @@ class Pgqueuer(System):
     settings = {"processes": 1, "concurrency": 200, "batch_size": 100}
 
     def install_schema(self) -> None:
-        proc = subprocess.run(
-            [_pgq(), "install"],
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise SystemUnavailable("pgq install failed: " + (proc.stderr or proc.stdout)[-800:])
+        self.run_tool([_pgq(), "install"], "pgq install")
 
     def worker_commands(self, mode: str) -> list[list[str]]:
         # `pgq run` itself crashes at start-up in 1.6.0 with the typer this

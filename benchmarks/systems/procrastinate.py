@@ -12,13 +12,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from systems import _common as common
-from systems.base import System, SystemUnavailable
+from systems.base import System
 
 APP = "systems.procrastinate_app.app"
 
@@ -37,19 +36,11 @@ class Procrastinate(System):
         return super().env(**{"BENCH_POOL_SIZE": str(self.settings["pool_size"]), **extra})
 
     def install_schema(self) -> None:
-        proc = subprocess.run(
+        self.run_tool(
             [_cli(), f"--app={APP}", "schema", "--apply"],
+            "procrastinate schema --apply",
             cwd=common_cwd(),
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
         )
-        if proc.returncode != 0:
-            raise SystemUnavailable(
-                "procrastinate schema --apply failed: " + (proc.stderr or proc.stdout)[-800:]
-            )
 
     def worker_commands(self, mode: str) -> list[list[str]]:
         argv = [
