@@ -11,6 +11,7 @@ database exceptions, as the ORM's are.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +22,12 @@ from django.db import connections
 # Prepared statements are per connection; a transaction-mode pooler that does
 # not track them (PgBouncer before 1.21) needs AWA["PREPARED_STATEMENTS"] off.
 _prepare: dict[str, bool] = {}
+
+# Django opens psycopg connections with prepare_threshold=None, and psycopg
+# reads None as "prepare nothing", not even an execute(prepare=True). A
+# threshold no statement reaches keeps Django's behaviour for its own queries
+# (none is prepared behind its back) and lets ours be prepared when asked.
+_NEVER_AUTOMATICALLY = sys.maxsize
 
 
 def use_prepared(alias: str) -> bool:
@@ -35,8 +42,12 @@ def use_prepared(alias: str) -> bool:
 def cursor(alias: str) -> Iterator[Cursor]:
     wrapper = connections[alias]
     wrapper.ensure_connection()
-    with wrapper.wrap_database_errors, psycopg.Cursor(wrapper.connection) as raw:
-        yield Cursor(raw, use_prepared(alias))
+    connection = wrapper.connection
+    prepare = use_prepared(alias)
+    if prepare and connection.prepare_threshold is None:
+        connection.prepare_threshold = _NEVER_AUTOMATICALLY
+    with wrapper.wrap_database_errors, psycopg.Cursor(connection) as raw:
+        yield Cursor(raw, prepare)
 
 
 class Cursor:

@@ -101,6 +101,37 @@ def test_enqueue_notifies_listeners_at_commit_only():
         assert [(n.channel, n.payload) for n in got] == [("awa_job", "notify-me")]
 
 
+def _prepared_statements() -> list[str]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [row[0] for row in cursor.fetchall()]
+
+
+def test_enqueue_runs_as_a_prepared_statement_and_the_orms_queries_do_not():
+    # Django opens connections with psycopg's prepare_threshold=None, which
+    # would refuse even an explicit prepare: the per-job statements would be
+    # planned afresh each time.
+    for n in range(3):
+        awa.enqueue(Echo(n=n))
+        assert Job.objects.filter(kind="echo").count() == n + 1
+    statements = _prepared_statements()
+    assert [s for s in statements if "INSERT INTO awa_job" in s], statements
+    assert not [s for s in statements if "COUNT(*)" in s], statements
+
+
+def test_no_prepared_statements_when_turned_off(settings):
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")  # what earlier tests on this session prepared
+    settings.AWA = {**settings.AWA, "PREPARED_STATEMENTS": False}
+    for n in range(3):
+        awa.enqueue(Echo(n=n))
+    assert _prepared_statements() == []
+
+
 def test_enqueue_many_inserts_in_bulk_and_returns_ids_in_input_order():
     items = [Echo(n=i) for i in range(50)] + [
         awa.EnqueueRequest(Echo(n=99), queue="other", priority=1)
