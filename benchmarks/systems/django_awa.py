@@ -131,7 +131,7 @@ def cmd_enqueue_bulk(n: int, batch: int) -> None:
 
 def cmd_pace(rate: float, duration: float) -> None:
     common.django_setup()
-    from django.db import connection, transaction
+    from django.db import connection
     from djbench.awa_app.jobs import Noop
 
     import django_awa as awa
@@ -139,8 +139,8 @@ def cmd_pace(rate: float, duration: float) -> None:
     connection.ensure_connection()
     count = 0
     for i in common.paced(rate, duration):
-        with transaction.atomic():
-            awa.enqueue(Noop(n=i, t=time.time()))
+        # Its own transaction, as each peer's paced enqueue is (see cmd_enqueue_single).
+        awa.enqueue(Noop(n=i, t=time.time()))
         count += 1
     common.emit(count=count)
 

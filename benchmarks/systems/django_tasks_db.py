@@ -1,7 +1,7 @@
 """django-tasks-db 0.13 on Django 6.1 (``django.tasks`` built in).
 
 - schema: ``python -m django migrate`` (settings ``djbench.settings_tasks_db``);
-- enqueue: ``noop.enqueue(n=…)`` inside ``transaction.atomic()``; bulk: the
+- enqueue: ``noop.enqueue(n=…)``, each its own transaction; bulk: the
   package has no bulk API (``DatabaseBackend.enqueue`` creates one row per
   call), so "bulk" is a batch of ``enqueue()`` calls in one transaction;
 - worker: ``python -m django db_worker --queue-name bench``; it runs one task
@@ -65,15 +65,14 @@ ADAPTER = DjangoTasksDb
 # ------------------------------------------------------------- producer side
 def cmd_enqueue_single(n: int) -> None:
     common.django_setup()
-    from django.db import connection, transaction
+    from django.db import connection
     from djbench.tasks_app.tasks import noop
 
     single = noop.using(queue_name=common.SINGLE_QUEUE)
     connection.ensure_connection()
     start = time.perf_counter()
     for i in range(n):
-        with transaction.atomic():
-            single.enqueue(n=i)
+        single.enqueue(n=i)
     common.emit(elapsed=time.perf_counter() - start, count=n)
 
 
@@ -93,14 +92,13 @@ def cmd_enqueue_bulk(n: int, batch: int) -> None:
 
 def cmd_pace(rate: float, duration: float) -> None:
     common.django_setup()
-    from django.db import connection, transaction
+    from django.db import connection
     from djbench.tasks_app.tasks import noop
 
     connection.ensure_connection()
     count = 0
     for i in common.paced(rate, duration):
-        with transaction.atomic():
-            noop.enqueue(n=i, t=time.time())
+        noop.enqueue(n=i, t=time.time())
         count += 1
     common.emit(count=count)
 
