@@ -5,8 +5,8 @@ quoted into the SQL text in Python and each statement is planned again. The
 statements django-awa runs per job (claim, finalize, heartbeat, enqueue) go
 instead through a plain psycopg cursor on the *same* connection, so they
 join the caller's transaction exactly as the ORM does, but bind parameters
-on the server and reuse a prepared plan. Errors are wrapped into Django's
-database exceptions, as the ORM's are.
+on the server, and those in ``sql.PREPARED`` reuse a prepared plan. Errors
+are wrapped into Django's database exceptions, as the ORM's are.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 
 import psycopg
 from django.db import connections
+
+from . import sql
 
 # Prepared statements are per connection; a transaction-mode pooler that does
 # not track them (PgBouncer before 1.21) needs AWA["PREPARED_STATEMENTS"] off.
@@ -58,7 +60,8 @@ class Cursor:
         self._prepare = prepare
 
     def execute(self, statement: str, params: Mapping[str, Any] | None = None) -> Cursor:
-        self._raw.execute(statement, params, prepare=self._prepare or None)  # type: ignore[arg-type]
+        prepare = self._prepare and statement in sql.PREPARED
+        self._raw.execute(statement, params, prepare=prepare)  # type: ignore[arg-type]
         return self
 
     def fetchone(self) -> tuple[Any, ...] | None:

@@ -242,6 +242,54 @@ def test_claim_is_an_index_scan_with_many_finished_rows():
     assert "Seq Scan" not in plan
 
 
+def test_prepared_claim_keeps_its_index_plan_when_planned_generically():
+    # Prepared statements may switch to a plan made for any parameters; the
+    # claim's must still walk awa_job_claim_idx, whatever the queue's size.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO awa_job (kind, queue, args, state, finalized_at) "
+            "SELECT 'echo', 'default', '{}', 'completed', now() FROM generate_series(1, 20000)"
+        )
+        cursor.execute("ANALYZE awa_job")
+    for _ in range(3):
+        awa.enqueue(Act(action="ok"))
+    with connection.cursor() as cursor:
+        cursor.execute("SET plan_cache_mode = force_generic_plan")
+        try:
+            assert len(claim("default", 2, "default")) == 2
+            cursor.execute(
+                "SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
+                ["%WITH picked AS%"],
+            )
+            (name,) = cursor.fetchone()
+            cursor.execute(f"EXPLAIN EXECUTE {name}('default', 10, '{{}}', 900)")
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        finally:
+            cursor.execute("RESET plan_cache_mode")
+    assert "Index Scan using awa_job_claim_idx" in plan, plan
+    assert "Seq Scan on awa_job" not in plan, plan
+
+
+def test_statements_joining_arrays_are_not_prepared():
+    # A generic plan for the batched finalize cannot know how many ids it
+    # gets; on a quiet table's statistics it scanned every running row per
+    # batch. It is planned on each run instead.
+    for _ in range(8):
+        awa.enqueue(Act(action="ok"))
+    from django_awa.execute import Attempt, run_attempt
+    from django_awa.finalize import finalize
+
+    claimed = claim("default", 8, "default")
+    assert len(claimed) == 8
+    for job in claimed:
+        assert finalize([run_attempt(Attempt(job=job, alias="default"))], "default")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        prepared = [row[0] for row in cursor.fetchall()]
+    assert [s for s in prepared if "WITH picked AS" in s]  # the claim
+    assert not [s for s in prepared if "d.run_lease" in s], prepared
+
+
 def test_rows_without_a_callback_take_no_callback_index_entries():
     # Callback ids are unique where set, through a partial index: the many rows
     # without one add nothing to it on each write, and a lookup by id (a
