@@ -279,13 +279,20 @@ def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult
     """
     if not results:
         return []
-    with transaction.atomic(using=alias):
-        plain = [r for r in results if not _has_followups(r)]
-        special = [r for r in results if _has_followups(r)]
-        applied = _write(plain, alias, rows=_wants_rows(plain))
-        applied.extend(_write_with_followups(special, alias))
-        _apply_early_callbacks(applied, alias)
-        _send_signals(applied, alias)
+    plain, special = [], []
+    for result in results:
+        (special if _has_followups(result) else plain).append(result)
+    rows = _wants_rows(plain)
+    if special or rows:
+        with transaction.atomic(using=alias):
+            applied = _write(plain, alias, rows=rows)
+            applied.extend(_write_with_followups(special, alias))
+            _apply_early_callbacks(applied, alias)
+            _send_signals(applied, alias)
+    else:
+        # One statement and nothing else to write with it: it is its own
+        # transaction, without a BEGIN and a COMMIT round trip around it.
+        applied = _write(plain, alias, rows=False)
     for result in applied:
         _log(result)
     return applied

@@ -150,7 +150,7 @@ class Worker:
         self.install_signal_handlers = install_signal_handlers
         self.stopping = threading.Event()  # stop claiming
         self.halt = threading.Event()  # stop everything now
-        self.results: queue_module.Queue[AttemptResult | None] = queue_module.Queue()
+        self.results: queue_module.SimpleQueue[AttemptResult | None] = queue_module.SimpleQueue()
         self.running: dict[int, Attempt] = {}
         self.waiting: set[int] = set()  # claimed ids no handler has started yet
         self.running_lock = threading.Lock()
@@ -331,13 +331,15 @@ class Worker:
                 continue
             busy = len(jobs) == want
             self._unreserve(runner, want - len(jobs))
+            debug = logger.isEnabledFor(logging.DEBUG)
             for job in jobs:
                 attempt = Attempt(job=job, alias=self.alias)
                 with self.running_lock:
                     self.running[job.id] = attempt
                     self.waiting.add(job.id)
-                logger.debug("claimed job %s kind=%s attempt=%s", job.id, job.kind, job.attempt,
-                             extra=log_context(job, self.name))  # fmt: skip
+                if debug:
+                    logger.debug("claimed job %s kind=%s attempt=%s", job.id, job.kind,
+                                 job.attempt, extra=log_context(job, self.name))  # fmt: skip
                 runner.inbox.put(attempt)
             if not busy:
                 runner.wake.wait(self.conf.poll_interval)
