@@ -62,6 +62,7 @@ _DB_ERRORS = (DatabaseError, InterfaceError, psycopg.Error)
 # How long a busy queue's producer may wait for more room to claim together.
 GATHER_SECONDS = 0.005
 INTERRUPTED = "interrupted: the worker shut down before the attempt finished"
+_WAKE = 0  # not a signal: stop() wakes the main thread with it
 
 
 def log_context(job: Job, worker: str = "") -> dict[str, Any]:
@@ -143,11 +144,18 @@ class Worker:
         alias: str | None = None,
         conf: AwaSettings | None = None,
         install_signal_handlers: bool = True,
+        repeat_halts: bool = True,
     ) -> None:
         self.conf = conf or awa_settings()
         self.alias = alias or self.conf.database
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.install_signal_handlers = install_signal_handlers
+        # Whether a second SIGTERM/SIGINT means "now". Not for --processes
+        # children: they get each signal twice (from the terminal or service
+        # manager, and from their supervisor), which sends SIGQUIT for "now".
+        self.repeat_halts = repeat_halts
+        # Signals received, for the main thread to act on (see _on_signal).
+        self.signals: queue_module.SimpleQueue[int] = queue_module.SimpleQueue()
         self.stopping = threading.Event()  # stop claiming
         self.halt = threading.Event()  # stop everything now
         self.results: queue_module.SimpleQueue[AttemptResult | None] = queue_module.SimpleQueue()
@@ -174,8 +182,8 @@ class Worker:
 
     def run(self) -> None:
         if self.install_signal_handlers:
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+                signal.signal(signum, self._on_signal)
         settings_dict = connections[self.alias].settings_dict
         logger.info(
             "awa worker %s starting: queues %s; database %r (%s:%s/%s)",
@@ -206,28 +214,51 @@ class Worker:
         ]
         try:
             while not self.stopping.is_set():
-                self.stopping.wait(0.5)
+                self._take_signals(0.5)
         finally:
             self._drain(producers)
 
-    def stop(self) -> None:
-        """Stop claiming; in-flight attempts may finish within SHUTDOWN_TIMEOUT."""
-        if self.stopping.is_set():
+    def stop(self, *, now: bool = False) -> None:
+        """Stop claiming; in-flight attempts may finish within SHUTDOWN_TIMEOUT.
+
+        A second call, or ``now``, skips that wait: they are given back at once.
+        """
+        if now or self.stopping.is_set():
             self.halt.set()
         self.stopping.set()
         for runner in self.queues.values():
             runner.wake.set()
+        self.signals.put(_WAKE)  # the main thread may be waiting for a signal
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.stopping.is_set():
-            logger.warning("second %s: giving back in-flight jobs now", signal.Signals(signum).name)
-        else:
+        # Only a reentrant put: the handler runs in the main thread between
+        # two bytecodes, maybe while it holds an Event's lock, maybe inside
+        # this handler for the previous signal. Setting an Event here could
+        # wait on a lock this very thread holds, for ever.
+        self.signals.put(signum)
+
+    def _take_signals(self, timeout: float) -> None:
+        """Act on the signals received, waiting up to ``timeout`` for one (main thread)."""
+        with contextlib.suppress(queue_module.Empty):
+            signum = self.signals.get(timeout=timeout)
+            while True:
+                self._act_on(signum)
+                signum = self.signals.get_nowait()
+
+    def _act_on(self, signum: int) -> None:
+        if signum == _WAKE:
+            return
+        name = signal.Signals(signum).name
+        if signum == signal.SIGQUIT or (self.stopping.is_set() and self.repeat_halts):
+            logger.warning("%s: giving back in-flight jobs now", name)
+            self.stop(now=True)
+        elif not self.stopping.is_set():
             logger.info(
                 "%s received: finishing in-flight jobs (up to %.0fs), claiming no more",
-                signal.Signals(signum).name,
+                name,
                 self.conf.shutdown_timeout,
             )
-        self.stop()
+            self.stop()
 
     def _start(self, target: Callable[[], None], name: str) -> threading.Thread:
         def run() -> None:
@@ -247,11 +278,13 @@ class Worker:
         self._give_back(self._withdraw_waiting(), started=False)
         deadline = time.monotonic() + self.conf.shutdown_timeout
         while self.running and time.monotonic() < deadline and not self.halt.is_set():
-            time.sleep(0.05)
+            self._take_signals(0.05)
         self.results.put(None)  # the completer writes what it has, then exits
-        for thread in self.threads:
-            if thread.name == "awa-completer":
-                thread.join(timeout=max(5.0, deadline - time.monotonic()))
+        completer = next(t for t in self.threads if t.name == "awa-completer")
+        until = max(deadline, time.monotonic() + 5.0)
+        while completer.is_alive() and time.monotonic() < until:
+            completer.join(timeout=0.1)
+            self._take_signals(0)
         with self.running_lock:
             unfinished = [a for a in self.running.values() if a.job.id not in self.waiting]
         self._give_back(unfinished + self._withdraw_waiting(), started=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import signal
 
@@ -134,6 +135,46 @@ def test_processes_option_runs_several_processes(start_worker):
     )
     notes = set(Ledger.objects.filter(note__startswith="pid:").values_list("note", flat=True))
     assert len(notes) == 2
+
+
+def test_ctrl_c_on_a_processes_group_lets_in_flight_jobs_finish(start_worker):
+    # The terminal sends SIGINT to the supervisor and to each child, and the
+    # supervisor passes one on: a child gets it twice, but one Ctrl-C must
+    # still mean "finish what you run", not "give it back now".
+    job = awa.enqueue(Act(action="sleep", seconds=1.5))
+    worker = start_worker("--queue", "default=2", "--processes", "2")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    os.killpg(worker.pid, signal.SIGINT)
+    assert worker.wait(20) == 0
+    done = Job.objects.get(id=job.id)
+    assert done.state == JobState.COMPLETED and done.errors == [], worker.output()
+    assert "giving back in-flight jobs now" not in worker.output()
+
+
+def test_a_second_ctrl_c_on_a_processes_group_gives_jobs_back_now(start_worker):
+    job = awa.enqueue(Act(action="sleep", seconds=30))
+    worker = start_worker("--queue", "default=2", "--processes", "2")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    os.killpg(worker.pid, signal.SIGINT)
+    wait_for(lambda: "supervisor: SIGINT received; children finish" in worker.output())
+    os.killpg(worker.pid, signal.SIGINT)
+    assert worker.wait(20) == 0
+    back = Job.objects.get(id=job.id)
+    assert back.state == JobState.AVAILABLE and "worker shut down" in back.errors[-1]["error"]
+    assert "children give back in-flight jobs now" in worker.output()
+    assert "SIGQUIT: giving back in-flight jobs now" in worker.output()
+
+
+def test_a_burst_of_signals_still_shuts_the_worker_down(start_worker):
+    # A signal arriving while the handler of the one before runs (or while the
+    # main thread holds a lock the handler needs) must not hang the worker.
+    job = awa.enqueue(Act(action="sleep", seconds=30))
+    worker = start_worker("--queue", "default")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    for _ in range(200):
+        worker.signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    assert Job.objects.get(id=job.id).state == JobState.AVAILABLE
 
 
 def test_a_sigkilled_workers_job_is_rescued_and_finished_by_another(start_worker):

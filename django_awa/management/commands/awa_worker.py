@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
@@ -112,13 +114,18 @@ class Command(BaseCommand):
             ", ".join(str(c.pid) for c in children),
         )
 
-        def forward(signum: int, _frame: Any) -> None:
-            for child in children:
-                if child.pid and child.is_alive():
-                    os.kill(child.pid, signum)
-
-        signal.signal(signal.SIGTERM, forward)
-        signal.signal(signal.SIGINT, forward)
+        # The handlers only queue the signal (a reentrant put); this thread acts.
+        received: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            signal.signal(signum, lambda signum, _frame: received.put(signum))
+        count = 0
+        while any(child.is_alive() for child in children):
+            try:
+                signum = received.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            count += 1
+            _forward(signal.Signals(signum), children, now=signum == signal.SIGQUIT or count > 1)
         for child in children:
             child.join()
         failed = [c for c in children if c.exitcode not in (0, None)]
@@ -126,8 +133,27 @@ class Command(BaseCommand):
             sys.exit(1)
 
 
+def _forward(
+    received: signal.Signals, children: list[multiprocessing.process.BaseProcess], *, now: bool
+) -> None:
+    """Pass a signal on to the children: SIGTERM to finish what they run, SIGQUIT for now.
+
+    A child may get the same signal straight from the terminal or the service
+    manager too, so it takes only SIGQUIT as "now" (``repeat_halts=False``).
+    """
+    logger.info(
+        "supervisor: %s received; %s",
+        received.name,
+        "children give back in-flight jobs now" if now else "children finish in-flight jobs",
+    )
+    for child in children:
+        if child.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGQUIT if now else signal.SIGTERM)
+
+
 def _child(queues: dict[str, int], alias: str, conf: AwaSettings) -> None:
-    worker = Worker(queues, alias=alias, conf=conf)
+    worker = Worker(queues, alias=alias, conf=conf, repeat_halts=False)
     parent = os.getppid()
 
     def orphan_watch() -> None:
