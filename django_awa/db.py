@@ -40,6 +40,11 @@ def use_prepared(alias: str) -> bool:
     return _prepare[alias]
 
 
+def int_array(values: Iterable[int]) -> str:
+    """A PostgreSQL array literal of ints, for a ``%(name)s::bigint[]`` parameter."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
 @contextmanager
 def cursor(alias: str) -> Iterator[Cursor]:
     wrapper = connections[alias]

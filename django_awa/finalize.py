@@ -68,12 +68,20 @@ def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[
     if not results:
         return []
     by_id = {r.job.id: r for r in results}
-    params: dict[str, list[Any]] = {key: [] for key in results[0].params()}
-    for result in results:
-        for key, value in result.params().items():
-            params[key].append(value)
+    if not rows and all(r.state == JobState.COMPLETED and r.progress is None for r in results):
+        statement = sql.COMPLETE
+        params: dict[str, Any] = {
+            "id": db.int_array(r.job.id for r in results),
+            "run_lease": db.int_array(r.job.run_lease for r in results),
+        }
+    else:
+        statement = sql.FINALIZE_RETURNING_ROWS if rows else sql.FINALIZE
+        params = {key: [] for key in results[0].params()}
+        for result in results:
+            for key, value in result.params().items():
+                params[key].append(value)
     with db.cursor(alias) as cursor:
-        cursor.execute(sql.FINALIZE_RETURNING_ROWS if rows else sql.FINALIZE, params)
+        cursor.execute(statement, params)
         returned = cursor.fetchall()
     applied = []
     for row in returned:

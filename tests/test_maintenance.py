@@ -290,6 +290,27 @@ def test_statements_joining_arrays_are_not_prepared():
     assert not [s for s in prepared if "d.run_lease" in s], prepared
 
 
+def test_a_batch_of_completions_is_written_like_any_other_outcome():
+    # Completions without progress take a narrower statement than other
+    # outcomes; the rows must come out the same, and stale attempts untouched.
+    from django_awa.execute import completed
+    from django_awa.finalize import finalize
+
+    for n in range(4):
+        awa.enqueue(Echo(n=n))
+    jobs = claim("echo", 4, "default")
+    assert len(jobs) == 4
+    stale = jobs[3]
+    awa.cancel(stale.id, "meanwhile")
+    written = finalize([completed(job) for job in jobs], "default")
+    assert sorted(r.job.id for r in written) == sorted(j.id for j in jobs[:3])
+    for row in Job.objects.filter(id__in=[j.id for j in jobs[:3]]):
+        assert row.state == JobState.COMPLETED and row.finalized_at is not None
+        assert (row.heartbeat_at, row.deadline_at, row.callback_id) == (None, None, None)
+        assert row.attempt == 1 and row.errors == [] and not row.snoozed
+    assert Job.objects.get(id=stale.id).state == JobState.CANCELLED
+
+
 def test_rows_without_a_callback_take_no_callback_index_entries():
     # Callback ids are unique where set, through a partial index: the many rows
     # without one add nothing to it on each write, and a lookup by id (a
