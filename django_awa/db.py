@@ -11,6 +11,7 @@ are wrapped into Django's database exceptions, as the ORM's are.
 
 from __future__ import annotations
 
+import datetime as dt
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -18,6 +19,8 @@ from typing import Any
 
 import psycopg
 from django.db import connections
+from psycopg.postgres import types as pg_types
+from psycopg.pq import Format
 
 from . import sql
 
@@ -40,6 +43,14 @@ def use_prepared(alias: str) -> bool:
     return _prepare[alias]
 
 
+# Django loads timestamptz through a Python subclass of psycopg's loader that
+# re-labels each value with the connection's time zone: about 3 µs a value,
+# five times psycopg's own. With Django's default (USE_TZ, the database in
+# UTC) the label is the one psycopg's loader gives already.
+_TIMESTAMPTZ_OID = pg_types["timestamptz"].oid
+_PSYCOPG_TIMESTAMPTZ = psycopg.adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT)
+
+
 def int_array(values: Iterable[int]) -> str:
     """A PostgreSQL array literal of ints, for a ``%(name)s::bigint[]`` parameter."""
     return "{" + ",".join(map(str, values)) + "}"
@@ -54,6 +65,8 @@ def cursor(alias: str) -> Iterator[Cursor]:
     if prepare and connection.prepare_threshold is None:
         connection.prepare_threshold = _NEVER_AUTOMATICALLY
     with wrapper.wrap_database_errors, psycopg.Cursor(connection) as raw:
+        if wrapper.timezone is dt.UTC and _PSYCOPG_TIMESTAMPTZ is not None:
+            raw.adapters.register_loader(_TIMESTAMPTZ_OID, _PSYCOPG_TIMESTAMPTZ)
         yield Cursor(raw, prepare)
 
 

@@ -121,6 +121,15 @@ def test_enqueue_runs_as_a_prepared_statement_and_the_orms_queries_do_not():
     assert not [s for s in statements if "COUNT(*)" in s], statements
 
 
+def test_rows_read_by_the_engine_carry_the_same_aware_datetimes_as_the_orms():
+    job = awa.enqueue(Echo(n=1), run_at=timezone.now() + dt.timedelta(hours=1))
+    stored = Job.objects.get(id=job.id)
+    for field in ("run_at", "created_at"):
+        mine, orms = getattr(job, field), getattr(stored, field)
+        assert mine == orms and mine.utcoffset() == dt.timedelta(0), field
+        assert mine.tzinfo == orms.tzinfo
+
+
 def test_no_prepared_statements_when_turned_off(settings):
     from django.db import connection
 
