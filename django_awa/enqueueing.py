@@ -75,8 +75,8 @@ class PreparedJob:
             "priority": self.priority,
             "max_attempts": self.max_attempts,
             "run_at": self.run_at,
-            "tags": json.dumps(self.tags),
-            "metadata": json.dumps(self.metadata),
+            "tags": _json_list(self.tags),
+            "metadata": _json_dict(self.metadata),
             "unique_key": self.unique_key,
             "unique_states": None if self.unique_states is None else json.dumps(self.unique_states),
         }
