@@ -63,7 +63,7 @@ class PreparedJob:
     max_attempts: int
     run_at: dt.datetime | None
     tags: list[str]
-    metadata: dict[str, Any]
+    metadata: str  # JSON text
     unique_key: str | None
     unique_states: list[str] | None
 
@@ -76,7 +76,7 @@ class PreparedJob:
             "max_attempts": self.max_attempts,
             "run_at": self.run_at,
             "tags": _json_list(self.tags),
-            "metadata": _json_dict(self.metadata),
+            "metadata": self.metadata,
             "unique_key": self.unique_key,
             "unique_states": None if self.unique_states is None else json.dumps(self.unique_states),
         }
@@ -194,20 +194,22 @@ def _check_tags(tags: Iterable[str] | None, where: str) -> list[str]:
     return tag_list
 
 
-def _check_metadata(metadata: dict[str, Any] | None, where: str) -> dict[str, Any]:
+def _check_metadata(metadata: dict[str, Any] | None, where: str) -> str:
+    """``metadata`` as JSON text, checked to be storable."""
     if metadata is None:
-        return {}
+        return "{}"
     if not isinstance(metadata, dict):
         raise ValidationError(f"{where}: metadata must be a dict, got {metadata!r}")
+    if not metadata:
+        return "{}"
     if any(not isinstance(key, str) for key in metadata):
         raise ValidationError(f"{where}: metadata keys must be strings")
     try:
-        check_json(metadata)
+        return check_json(metadata)
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"{where}: metadata cannot be stored as JSON: {exc}") from exc
     except RecursionError:
         raise ValidationError(f"{where}: metadata is nested too deeply to be stored") from None
-    return dict(metadata)
 
 
 def _unique_key(
@@ -330,10 +332,6 @@ def _json_list(value: list[str]) -> str:
     return json.dumps(value) if value else "[]"
 
 
-def _json_dict(value: dict[str, Any]) -> str:
-    return json.dumps(value) if value else "{}"
-
-
 def insert_many(prepared: Sequence[PreparedJob], alias: str) -> list[int]:
     """Insert validated jobs on ``alias`` in one statement; skipped duplicates are left out."""
     reserved, inserted = insert_reserved(prepared, alias)
@@ -368,7 +366,7 @@ def insert_reserved(prepared: Sequence[PreparedJob], alias: str) -> tuple[list[i
                         p.priority,
                         p.max_attempts,
                         _json_list(p.tags),
-                        _json_dict(p.metadata),
+                        p.metadata,
                     )
                     for p, i in plain
                 ),
@@ -386,7 +384,7 @@ def insert_reserved(prepared: Sequence[PreparedJob], alias: str) -> tuple[list[i
                     "max_attempts": [p.max_attempts for p, _ in rest],
                     "run_at": [p.run_at for p, _ in rest],
                     "tags": [_json_list(p.tags) for p, _ in rest],
-                    "metadata": [_json_dict(p.metadata) for p, _ in rest],
+                    "metadata": [p.metadata for p, _ in rest],
                     "unique_key": [p.unique_key for p, _ in rest],
                     "unique_states": [
                         None if p.unique_states is None else json.dumps(p.unique_states)

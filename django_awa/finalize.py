@@ -68,8 +68,8 @@ def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[
     if not results:
         return []
     by_id = {r.job.id: r for r in results}
-    if not rows and all(r.state == JobState.COMPLETED and r.progress is None for r in results):
-        statement = sql.COMPLETE
+    if all(r.state == JobState.COMPLETED and r.progress is None for r in results):
+        statement = sql.COMPLETE_RETURNING_ROWS if rows else sql.COMPLETE
         params: dict[str, Any] = {
             "id": db.int_array(r.job.id for r in results),
             "run_lease": db.int_array(r.job.run_lease for r in results),

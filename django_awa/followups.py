@@ -200,10 +200,13 @@ def build(
                     f"returned {type(result).__name__}, expected JobArgs, "
                     f"awa.EnqueueRequest or None"
                 )
-            request = result if isinstance(result, EnqueueRequest) else EnqueueRequest(result)
-            metadata = dict(request.metadata or {})
-            metadata["awa_trigger"] = trigger_metadata(job, outcome)
-            prepared.append((spec, prepare(dataclasses.replace(request, metadata=metadata))))
+            trigger = trigger_metadata(job, outcome)
+            if isinstance(result, EnqueueRequest):
+                metadata = {**(result.metadata or {}), "awa_trigger": trigger}
+                follow_up = prepare(dataclasses.replace(result, metadata=metadata))
+            else:
+                follow_up = prepare(result, metadata={"awa_trigger": trigger})
+            prepared.append((spec, follow_up))
         except ArgsDecodeError as exc:
             raise FollowupError(f"follow-up {spec.name} failed: {exc}", spec=spec) from exc
         except Exception as exc:

@@ -288,10 +288,12 @@ def require_text(value: str, what: str) -> str:
         raise ValidationError(f"{what}: {exc}") from None
 
 
-def check_json(value: Any) -> None:
-    """``TypeError``, ``ValueError`` or ``RecursionError`` if jsonb cannot store ``value``."""
-    json.dumps(value, allow_nan=False)
+def check_json(value: Any) -> str:
+    """``value`` as JSON text; ``TypeError``, ``ValueError`` or ``RecursionError`` if
+    jsonb cannot store it."""
+    text = json.dumps(value, allow_nan=False)
     check_storable(value)
+    return text
 
 
 def check_text(value: str) -> str:

@@ -160,7 +160,7 @@ FINALIZE = _FINALIZE + "RETURNING j.id"
 # progress: the same guard and the same columns written, from two arrays.
 # They come as array literals (text) that the server parses, which costs far
 # less than psycopg dumping a list element by element.
-COMPLETE = """
+_COMPLETE = """
 UPDATE awa_job AS j
 SET state = 'completed',
     finalized_at = now(),
@@ -171,8 +171,9 @@ SET state = 'completed',
     callback_timeout_at = NULL
 FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
 WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
-RETURNING j.id
 """
+COMPLETE = _COMPLETE + "RETURNING j.id"
+COMPLETE_RETURNING_ROWS = _COMPLETE + f"RETURNING {J_JOB_COLUMNS}"
 FINALIZE_RETURNING_ROWS = _FINALIZE + f"RETURNING {J_JOB_COLUMNS}"
 
 # -- HEARTBEAT --
