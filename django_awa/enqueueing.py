@@ -109,8 +109,13 @@ def prepare(
     tags: Iterable[str] | None = None,
     metadata: dict[str, Any] | None = None,
     unique: Unique | None = None,
+    metadata_json: str | None = None,
 ) -> PreparedJob:
-    """Validate one job and resolve its kind's defaults. Raises ``ValidationError``."""
+    """Validate one job and resolve its kind's defaults. Raises ``ValidationError``.
+
+    ``metadata_json`` is metadata django-awa wrote itself, as JSON text, taken
+    without the checks user metadata gets.
+    """
     if isinstance(item, EnqueueRequest):
         args = item.args
         queue = item.queue if item.queue is not None else queue
@@ -160,7 +165,7 @@ def prepare(
                 )
             run_at = timezone.make_aware(run_at, timezone.get_default_timezone())
     tag_list = _check_tags(tags, where)
-    meta = _check_metadata(metadata, where)
+    meta = metadata_json if metadata_json is not None else _check_metadata(metadata, where)
     unique = defaults.unique if unique is None else unique
     unique_key = unique_states = None
     if unique is not None:

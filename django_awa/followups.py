@@ -18,6 +18,7 @@ import dataclasses
 import datetime as dt
 import enum
 import inspect
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -161,6 +162,11 @@ def trigger_metadata(job: Job, outcome: Outcome) -> dict[str, Any]:
     return {"job_id": job.id, "kind": job.kind, "outcome": outcome.value}
 
 
+def trigger_metadata_json(job: Job, outcome: Outcome) -> str:
+    """``{"awa_trigger": trigger_metadata(...)}`` as JSON text: ints and stored text only."""
+    return json.dumps({"awa_trigger": trigger_metadata(job, outcome)})
+
+
 def context_values(outcome: Outcome, context: dict[str, Any]) -> tuple[Any, ...]:
     """The per-outcome arguments, in order, from a context dict."""
     values = []
@@ -200,12 +206,12 @@ def build(
                     f"returned {type(result).__name__}, expected JobArgs, "
                     f"awa.EnqueueRequest or None"
                 )
-            trigger = trigger_metadata(job, outcome)
             if isinstance(result, EnqueueRequest):
+                trigger = trigger_metadata(job, outcome)
                 metadata = {**(result.metadata or {}), "awa_trigger": trigger}
                 follow_up = prepare(dataclasses.replace(result, metadata=metadata))
             else:
-                follow_up = prepare(result, metadata={"awa_trigger": trigger})
+                follow_up = prepare(result, metadata_json=trigger_metadata_json(job, outcome))
             prepared.append((spec, follow_up))
         except ArgsDecodeError as exc:
             raise FollowupError(f"follow-up {spec.name} failed: {exc}", spec=spec) from exc
