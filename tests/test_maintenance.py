@@ -222,14 +222,19 @@ def test_cancel_a_finished_job_changes_nothing():
         awa.cancel(10**12, "nope")
 
 
-def test_claim_is_an_index_scan_with_many_finished_rows():
-    # 50,000 finished rows and a handful available: the claim reads the partial index.
+def add_finished_rows(n: int) -> None:
     with connection.cursor() as cursor:
         cursor.execute(
             "INSERT INTO awa_job (kind, queue, args, state, finalized_at) "
-            "SELECT 'echo', 'default', '{}', 'completed', now() FROM generate_series(1, 50000)"
+            "SELECT 'echo', 'default', '{}', 'completed', now() FROM generate_series(1, %s)",
+            [n],
         )
         cursor.execute("ANALYZE awa_job")
+
+
+def test_claim_is_an_index_scan_with_many_finished_rows():
+    # 50,000 finished rows and a handful available: the claim reads the partial index.
+    add_finished_rows(50_000)
     for _ in range(5):
         make_job()
     with connection.cursor() as cursor:
@@ -245,12 +250,7 @@ def test_claim_is_an_index_scan_with_many_finished_rows():
 def test_prepared_claim_keeps_its_index_plan_when_planned_generically():
     # Prepared statements may switch to a plan made for any parameters; the
     # claim's must still walk awa_job_claim_idx, whatever the queue's size.
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "INSERT INTO awa_job (kind, queue, args, state, finalized_at) "
-            "SELECT 'echo', 'default', '{}', 'completed', now() FROM generate_series(1, 20000)"
-        )
-        cursor.execute("ANALYZE awa_job")
+    add_finished_rows(20_000)
     for _ in range(3):
         awa.enqueue(Act(action="ok"))
     with connection.cursor() as cursor:
