@@ -65,7 +65,7 @@ def cursor(alias: str) -> Iterator[Cursor]:
     if prepare and connection.prepare_threshold is None:
         connection.prepare_threshold = _NEVER_AUTOMATICALLY
     with wrapper.wrap_database_errors, psycopg.Cursor(connection) as raw:
-        if wrapper.timezone is dt.UTC and _PSYCOPG_TIMESTAMPTZ is not None:
+        if wrapper.timezone is dt.UTC:
             raw.adapters.register_loader(_TIMESTAMPTZ_OID, _PSYCOPG_TIMESTAMPTZ)
         yield Cursor(raw, prepare)
 
