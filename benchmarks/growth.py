@@ -6,7 +6,10 @@
 Two databases on 127.0.0.1 (``awa_growth_empty``, ``awa_growth_full``), both
 migrated with ``djbench.settings_awa``; the full one gets ``--finished-rows``
 finished jobs (completed, failed and cancelled, with the columns django-awa
-leaves on them) from INSERT ... SELECT generate_series, then VACUUM ANALYZE.
+leaves on them), then VACUUM ANALYZE. By default (``--fill lifecycle``) they
+go in as the engine writes them: enqueued as available rows, then claimed
+and finished 100 per transaction, so they lie in the pages as a real queue's
+do; ``--fill direct`` inserts them finished in one INSERT ... SELECT.
 Each repeat measures, on the empty table and on the full one in turn:
 
   drain  enqueue --jobs no-op jobs (awa.enqueue_many, batches of --batch),
@@ -513,13 +516,54 @@ SELECT g, kind, queue,
 FROM t
 """
 
+# --fill lifecycle: the rows FILL_SQL computes (into a temporary table) reach
+# awa_job the way the engine writes them, so they lie in its pages as a real
+# queue's finished jobs do: enqueued as available rows (smaller than finished
+# ones), then, LIFECYCLE_SLICE at a time and each its own transaction as a
+# claim and a finalize are, claimed (running) and finished. --fill direct
+# inserts them finished: every page then keeps a remainder that fits one new,
+# smaller row, a layout the engine does not produce (the worst case).
+LIFECYCLE_CHUNK = 20_000
+LIFECYCLE_SLICE = 100
+STAGE_TABLE = """
+CREATE TEMPORARY TABLE fill_stage (LIKE awa_job INCLUDING DEFAULTS);
+CREATE INDEX ON fill_stage (id)
+"""
+STAGE_SQL = FILL_SQL.replace("INSERT INTO awa_job ", "INSERT INTO fill_stage ", 1)
+ENQUEUED = """
+INSERT INTO awa_job (id, kind, queue, args, state, priority, attempt, max_attempts, run_lease,
+                     run_at, created_at, errors, metadata, tags, snoozed)
+SELECT id, kind, queue, args, 'available', priority, 0, max_attempts, 0,
+       run_at, created_at, '[]', metadata, tags, false
+FROM fill_stage ORDER BY id
+"""
+CLAIMED = """
+UPDATE awa_job AS j
+SET state = 'running', attempt = s.attempt, run_lease = s.run_lease,
+    attempted_at = s.attempted_at, heartbeat_at = s.attempted_at,
+    deadline_at = s.attempted_at + interval '15 minutes'
+FROM fill_stage AS s
+WHERE j.id = s.id AND s.id BETWEEN %(lo)s AND %(hi)s AND s.attempt > 0
+"""
+FINISHED = """
+UPDATE awa_job AS j
+SET state = s.state, attempt = s.attempt, run_lease = s.run_lease,
+    heartbeat_at = NULL, deadline_at = NULL, finalized_at = s.finalized_at, errors = s.errors
+FROM fill_stage AS s
+WHERE j.id = s.id AND s.id BETWEEN %(lo)s AND %(hi)s
+"""
 
-def fill_finished(dbname: str, rows: int, span_hours: float, progress: Progress) -> None:
+
+def fill_finished(
+    dbname: str, rows: int, span_hours: float, lifecycle: bool, progress: Progress
+) -> None:
     import psycopg
 
-    chunk = 500_000
+    chunk = LIFECYCLE_CHUNK if lifecycle else 500_000
     with psycopg.connect(dsn(dbname), autocommit=True) as conn:
         conn.execute("SELECT setseed(0.4242)")
+        if lifecycle:
+            conn.execute(STAGE_TABLE)
         start = conn.execute(
             "SELECT now() - make_interval(secs => %s)", [span_hours * 3600]
         ).fetchone()[0]
@@ -527,11 +571,18 @@ def fill_finished(dbname: str, rows: int, span_hours: float, progress: Progress)
         began = time.perf_counter()
         for lo in range(1, rows + 1, chunk):
             hi = min(rows, lo + chunk - 1)
-            progress.live(f"inserted {lo - 1:,}/{rows:,}  {time.perf_counter() - began:4.0f}s")
+            progress.live(f"filled {lo - 1:,}/{rows:,}  {time.perf_counter() - began:4.0f}s")
             conn.execute(
-                FILL_SQL,
+                STAGE_SQL if lifecycle else FILL_SQL,
                 {"start": start, "step": step, "lo": lo, "hi": hi, "traceback": TRACEBACK},
             )
+            if lifecycle:
+                conn.execute(ENQUEUED)
+                for first in range(lo, hi + 1, LIFECYCLE_SLICE):
+                    ids = {"lo": first, "hi": min(hi, first + LIFECYCLE_SLICE - 1)}
+                    conn.execute(CLAIMED, ids)
+                    conn.execute(FINISHED, ids)
+                conn.execute("TRUNCATE fill_stage")
         conn.execute("SELECT setval(pg_get_serial_sequence('awa_job', 'id'), %s)", [rows])
         progress.live(f"inserted {rows:,}: VACUUM ANALYZE", force=True)
         conn.execute("VACUUM (ANALYZE) awa_job")
@@ -783,6 +834,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "under COMPLETED_RETENTION (1 day) so the worker prunes none (default 20)",
     )
     parser.add_argument(
+        "--fill",
+        choices=("lifecycle", "direct"),
+        default="lifecycle",
+        help="how the finished rows get in: enqueued, claimed and finished as the engine "
+        "writes them (lifecycle, the default), or inserted finished (direct: new rows then "
+        "land one per page, a worst case)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds one drain may take (default 900)"
     )
     parser.add_argument(
@@ -828,7 +887,13 @@ def main(argv: list[str]) -> int:
             create_database(case.dbname)
             run_child(script, case.dbname, "migrate", timeout=300)
         progress.step(f"fill awa_growth_full with {args.finished_rows:,} finished rows")
-        fill_finished(cases["full"].dbname, args.finished_rows, args.span_hours, progress)
+        fill_finished(
+            cases["full"].dbname,
+            args.finished_rows,
+            args.span_hours,
+            args.fill == "lifecycle",
+            progress,
+        )
         for case in cases.values():
             case.reset()
             sizes[case.key] = case.sizes()
@@ -872,7 +937,8 @@ def main(argv: list[str]) -> int:
     load_end = os.getloadavg()
 
     out: list[str] = [
-        f"Cost growth of django-awa: an empty awa_job table vs one holding {full_label} rows",
+        f"Cost growth of django-awa: an empty awa_job table vs one holding {full_label} rows "
+        f"(--fill {args.fill})",
         f"{args.jobs:,} no-op jobs per measurement; {args.repeats} repeat(s), empty and full "
         "alternating; median [min - max]",
         "",
