@@ -5,7 +5,7 @@ from __future__ import annotations
 from . import db, sql
 from .conf import awa_settings
 from .kinds import registry
-from .models import Job, job_from_row
+from .models import Job, jobs_from_rows
 
 
 def claim(queue: str, limit: int, alias: str) -> list[Job]:
@@ -27,6 +27,6 @@ def claim(queue: str, limit: int, alias: str) -> list[Job]:
             },
         )
         rows = cursor.fetchall()
-    jobs = [job_from_row(row, alias) for row in rows]
+    jobs = jobs_from_rows(rows, alias)
     jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
     return jobs

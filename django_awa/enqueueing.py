@@ -34,7 +34,7 @@ from .kinds import (
     registry,
     require_text,
 )
-from .models import Job, JobState, job_from_row
+from .models import Job, JobState, job_from_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +304,43 @@ def insert_one(prepared: PreparedJob, alias: str) -> Job:
                 + (f" by job {holder_id}" if holder_id else ""),
                 conflicting_id=holder_id,
             )
-    return job_from_row(row[:-1], alias)
+    return _inserted_job(prepared, row, alias)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    return {} if text == "{}" else json.loads(text)
+
+
+def _inserted_job(prepared: PreparedJob, returned: Sequence[Any], alias: str) -> Job:
+    """The row INSERT_ONE wrote: the server's ``sql.INSERTED_COLUMNS``, the rest as sent.
+
+    Every other column is what ``prepared`` sent or the column's default for a
+    new job. A column this does not know fails here (KeyError), never silently.
+    """
+    values = dict(zip(sql.INSERTED_COLUMNS, returned, strict=False))
+    values.update(
+        kind=prepared.kind,
+        queue=prepared.queue,
+        args=_json_object(prepared.args),
+        priority=prepared.priority,
+        attempt=0,
+        max_attempts=prepared.max_attempts,
+        run_lease=0,
+        attempted_at=None,
+        heartbeat_at=None,
+        deadline_at=None,
+        finalized_at=None,
+        errors=[],
+        metadata=_json_object(prepared.metadata),
+        tags=list(prepared.tags),
+        progress=None,
+        callback_id=None,
+        callback_timeout_at=None,
+        snoozed=False,
+        unique_key=prepared.unique_key,
+        unique_states=None if prepared.unique_states is None else list(prepared.unique_states),
+    )
+    return job_from_values(values, alias)
 
 
 def enqueue_many(

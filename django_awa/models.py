@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
 from django.db import models
 from django.db.models import Q
+from django.db.models.base import ModelState
 from django.db.models.fields.json import KT
 from django.db.models.functions import Now
+from django.db.models.signals import post_init, pre_init
 from django.utils import timezone
 
 
@@ -257,19 +259,54 @@ _JOB_ATTNAMES = [f.attname for f in _JOB_FIELDS]
 _JSON_FIELDS = frozenset(i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, models.JSONField))
 
 
+def job_from_values(values: dict[str, Any], using: str) -> Job:
+    """A ``Job`` from ``{attname: value}`` for every column (JSON fields decoded)."""
+    return _build_jobs([[values[name] for name in _JOB_ATTNAMES]], using)[0]
+
+
 def job_from_row(values: Sequence[Any], using: str) -> Job:
-    """A ``Job`` from a row of ``sql.JOB_COLUMNS``, read on connection ``using``.
+    """A ``Job`` from a row of ``sql.JOB_COLUMNS``, read on connection ``using``."""
+    return jobs_from_rows([values], using)[0]
+
+
+def jobs_from_rows(rows: Iterable[Sequence[Any]], using: str) -> list[Job]:
+    """``Job`` instances from rows of ``sql.JOB_COLUMNS``, read on connection ``using``.
 
     Django reads jsonb as text; the Job's JSON fields use no custom decoder,
     so the text is parsed here directly (empty lists and objects, the common
     case, without the parser) rather than through each field's from_db_value.
+
+    The worker builds a ``Job`` for every claimed row, and ``Model.__init__``
+    (a ``setattr`` per field, between two signals) was most of a claim's
+    Python time. Without ``pre_init``/``post_init`` receivers for ``Job`` an
+    instance is built as unpickling builds one: the fields' values straight
+    into ``__dict__`` and a ``ModelState`` saying where it was read.
     """
-    converted = list(values)
-    for i in _JSON_FIELDS:
-        text = converted[i]
-        if isinstance(text, str):
-            converted[i] = [] if text == "[]" else {} if text == "{}" else json.loads(text)
-    return Job.from_db(using, _JOB_ATTNAMES, converted)
+    converted_rows = []
+    for values in rows:
+        converted = list(values)
+        for i in _JSON_FIELDS:
+            text = converted[i]
+            if isinstance(text, str):
+                converted[i] = [] if text == "[]" else {} if text == "{}" else json.loads(text)
+        converted_rows.append(converted)
+    return _build_jobs(converted_rows, using)
+
+
+def _build_jobs(rows: Iterable[list[Any]], using: str) -> list[Job]:
+    plain = not (pre_init.has_listeners(Job) or post_init.has_listeners(Job))
+    jobs = []
+    for converted in rows:
+        if not plain:
+            jobs.append(Job.from_db(using, _JOB_ATTNAMES, converted))
+            continue
+        job = Job.__new__(Job)
+        job.__dict__.update(zip(_JOB_ATTNAMES, converted, strict=True))
+        state = job._state = ModelState()
+        state.adding = False
+        state.db = using
+        jobs.append(job)
+    return jobs
 
 
 class PeriodicSchedule(models.Model):

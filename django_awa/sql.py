@@ -3,7 +3,7 @@
 Each statement opens with its purpose, the locks it takes and the index it
 uses. Parameters are always bound (``%(name)s``); no SQL is assembled from
 user input. ``JOB_COLUMNS`` is the ``Job`` model's column list, so rows
-returned here can be turned into ``Job`` instances (``rows.job_from_row``).
+returned here can be turned into ``Job`` instances (``models.jobs_from_rows``).
 """
 
 from __future__ import annotations
@@ -24,18 +24,19 @@ _INSERT_COLUMNS = (
 # awa_job_unique_idx so a conflict returns no row rather than aborting the
 # caller's transaction. pg_notify wakes idle workers of the queue when the
 # caller commits (Postgres delivers NOTIFY at commit, and not on rollback).
+# It returns only what the server decides (INSERTED_COLUMNS): the caller
+# knows the rest, and sending back and parsing the whole row was a sixth of
+# an enqueue's time.
+INSERTED_COLUMNS = ("id", "state", "run_at", "created_at")
 INSERT_ONE = f"""
-WITH ins AS (
-    INSERT INTO awa_job ({_INSERT_COLUMNS})
-    VALUES (%(kind)s, %(queue)s, %(args)s::jsonb,
-            CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'available' END,
-            %(priority)s, %(max_attempts)s, coalesce(%(run_at)s::timestamptz, now()),
-            %(tags)s::jsonb, %(metadata)s::jsonb, %(unique_key)s, %(unique_states)s::jsonb)
-    {{on_conflict}}
-    RETURNING {JOB_COLUMNS}
-)
-SELECT ins.*, CASE WHEN ins.state = 'available' THEN pg_notify('awa_job', ins.queue) END
-FROM ins
+INSERT INTO awa_job ({_INSERT_COLUMNS})
+VALUES (%(kind)s, %(queue)s, %(args)s::jsonb,
+        CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'available' END,
+        %(priority)s, %(max_attempts)s, coalesce(%(run_at)s::timestamptz, now()),
+        %(tags)s::jsonb, %(metadata)s::jsonb, %(unique_key)s, %(unique_states)s::jsonb)
+{{on_conflict}}
+RETURNING {", ".join(INSERTED_COLUMNS)},
+          CASE WHEN state = 'available' THEN pg_notify('awa_job', queue) END
 """
 UNIQUE_CONFLICT_CLAUSE = (
     "ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND unique_states ? state DO NOTHING"

@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 import django_awa as awa
+from django_awa.claim import claim
 from django_awa.kinds import registry
 from django_awa.models import Job, JobState
 from tests.testapp.jobs import Echo, Unhandled
@@ -64,6 +65,59 @@ def test_enqueue_options_override_defaults():
     assert row.state == JobState.SCHEDULED
     assert row.run_at == run_at
     assert row.tags == ["x", "y"] and row.metadata == {"source": "test"}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {
+            "queue": "other",
+            "priority": 1,
+            "max_attempts": 3,
+            "tags": ["x", "y"],
+            "metadata": {"source": "test", "n": [1, 2.5, None]},
+        },
+        {"run_at": "later"},
+        {"unique": awa.Unique(by_period=3600)},
+    ],
+    ids=["defaults", "options", "scheduled", "unique"],
+)
+def test_the_job_enqueue_returns_is_the_stored_row_field_by_field(options):
+    # enqueue reads back only what the server decides (id, state, run_at,
+    # created_at) and fills in the rest from what it sent: all of it must be
+    # what a read of the row gives.
+    if options.get("run_at") == "later":
+        options = {"run_at": timezone.now() + dt.timedelta(hours=1)}
+    job = awa.enqueue(Echo(n=3, note="é \u2603", tags=["a"]), **options)
+    stored = Job.objects.get(id=job.id)
+    for field in Job._meta.concrete_fields:
+        mine, orms = getattr(job, field.attname), getattr(stored, field.attname)
+        assert mine == orms and type(mine) is type(orms), field.name
+    # A saved instance: saving it again updates the row, it does not insert one.
+    assert not job._state.adding and job._state.db == "default"
+    job.priority = 4
+    job.save(update_fields=["priority"])
+    assert Job.objects.get(id=job.id).priority == 4 and Job.objects.count() == 1
+
+
+def test_model_init_signals_still_fire_for_rows_the_engine_reads():
+    # Rows become Jobs without Model.__init__ unless someone listens for it.
+    from django.db.models.signals import post_init
+
+    seen = []
+
+    def receiver(sender, instance, **kwargs):
+        seen.append(instance.id)
+
+    post_init.connect(receiver, sender=Job)
+    try:
+        job = awa.enqueue(Echo(n=1))
+        claimed = claim("echo", 10, "default")
+    finally:
+        post_init.disconnect(receiver, sender=Job)
+    assert seen == [job.id, job.id]
+    assert [c.id for c in claimed] == [job.id] and claimed[0].state == JobState.RUNNING
 
 
 def test_a_row_made_with_the_orm_alone_is_a_valid_available_job():
