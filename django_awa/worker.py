@@ -128,10 +128,14 @@ class QueueRunner:
     run_time: float | None = None  # moving average of handler run time, seconds
 
     def prefetch(self, window: float | None, most: int) -> int:
-        """How many jobs beyond ``concurrency`` to hold: what starts within ``window``."""
+        """How many jobs beyond ``concurrency`` to hold: what starts within ``window``.
+
+        At most two claims' worth: handlers work through one batch while the
+        next claim is under way. With one, they ran dry during each claim.
+        """
         if not window or self.run_time is None:
             return 0
-        return min(most, int(self.concurrency * window / max(self.run_time, 1e-6)))
+        return min(2 * most, int(self.concurrency * window / max(self.run_time, 1e-6)))
 
     def observe(self, seconds: float) -> None:
         previous = self.run_time

@@ -233,6 +233,26 @@ def test_an_attempt_interrupted_on_its_last_try_is_exhausted_with_its_followups(
     assert followup.metadata["awa_trigger"]["outcome"] == "exhausted"
 
 
+def test_quick_handlers_are_kept_two_claims_ahead_and_slow_ones_none():
+    # While one claim of CLAIM_BATCH_SIZE is under way, the handlers still
+    # have the one before it to work through; slow handlers get no prefetch.
+    import queue
+    import threading
+
+    from django_awa.worker import QueueRunner
+
+    runner = QueueRunner(
+        name="q", concurrency=10, inbox=queue.SimpleQueue(), wake=threading.Event()
+    )
+    assert runner.prefetch(0.05, 100) == 0  # nothing measured yet
+    runner.observe(0.000_02)
+    assert runner.prefetch(0.05, 100) == 200
+    assert runner.prefetch(None, 100) == 0
+    for _ in range(30):
+        runner.observe(2.0)
+    assert runner.prefetch(0.05, 100) == 0
+
+
 def test_sigterm_gives_back_prefetched_jobs_without_using_an_attempt(start_worker):
     # Quick jobs first (priority 1) teach the worker that handlers are fast, so
     # it claims ahead; the slow ones after them fill its prefetch buffer.
