@@ -54,10 +54,13 @@ def _has_followups(result: AttemptResult) -> bool:
 
 
 def _wants_rows(results: Sequence[AttemptResult]) -> bool:
+    outcomes = set()
     for result in results:
         if result.state == JobState.WAITING_EXTERNAL:
             return True  # to see a callback that arrived early
-        signal = _SIGNALS.get(result.outcome) if result.outcome else None
+        outcomes.add(result.outcome)
+    for outcome in outcomes:
+        signal = _SIGNALS.get(outcome) if outcome else None
         if signal is not None and signal.has_listeners():
             return True
     return False

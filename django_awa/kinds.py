@@ -12,6 +12,7 @@ import decimal
 import enum
 import functools
 import json
+import math
 import re
 import types
 import typing
@@ -365,6 +366,7 @@ def _encode(value: Any) -> Any:
 # --- the fast path for plain args: every field an int, float, str or bool ------
 
 _PLAIN_TYPES = (int, float, str, bool)
+_MISSING = object()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -412,7 +414,7 @@ def _plain_ok(hint: type, value: Any, optional: bool) -> bool:
         return False
     if isinstance(value, int):
         return value.bit_length() <= MAX_INT_BITS
-    return hint is float and value == value and value not in (float("inf"), float("-inf"))
+    return hint is float and math.isfinite(value)
 
 
 def _storable_text(value: str) -> bool:
@@ -453,16 +455,14 @@ def decode_args(cls: type[JobArgs], data: Any) -> JobArgs:
     """Rebuild ``cls`` from stored JSON; :class:`ArgsDecodeError` names kind and field."""
     plan = _plain_fields(cls)
     if plan is not None and isinstance(data, dict) and len(data) == len(plan):
-        try:
-            values = {name: data[name] for name, _, _ in plan}
-        except KeyError:
-            pass  # the general path names the missing field
+        values = {}
+        for name, hint, optional in plan:
+            value = data.get(name, _MISSING)
+            if value is _MISSING or not _plain_ok(hint, value, optional):
+                break  # the general path names what is wrong
+            values[name] = float(value) if hint is float and isinstance(value, int) else value
         else:
-            if all(_plain_ok(hint, values[name], opt) for name, hint, opt in plan):
-                for name, hint, _ in plan:
-                    if hint is float and isinstance(values[name], int):
-                        values[name] = float(values[name])
-                return cls(**values)
+            return cls(**values)
     try:
         return _decode_dataclass(cls, data, path="")
     except ArgsDecodeError as exc:
