@@ -30,7 +30,7 @@ from .compat import savepoint_create
 from .enqueueing import PreparedJob, insert_reserved
 from .execute import AttemptResult, errored
 from .followups import FollowupError, FollowupSpec, Outcome, build, followup_registry
-from .models import Job, JobState, PendingFollowup, job_from_row
+from .models import Job, JobState, PendingFollowup, jobs_from_rows
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +86,10 @@ def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[
     with db.cursor(alias) as cursor:
         cursor.execute(statement, params)
         returned = cursor.fetchall()
-    applied = []
-    for row in returned:
-        result = by_id[row[0]]
-        if rows:
-            result.row = job_from_row(row, alias)
-        applied.append(result)
+    applied = [by_id[row[0]] for row in returned]
+    if rows:
+        for result, job in zip(applied, jobs_from_rows(returned, alias), strict=True):
+            result.row = job
     return applied
 
 
@@ -277,9 +275,16 @@ def _apply_early_callbacks(applied: Sequence[AttemptResult], alias: str) -> None
 
 
 def _send_signals(applied: Sequence[AttemptResult], alias: str) -> None:
+    heard: dict[Outcome, bool] = {}
     for result in applied:
-        if result.outcome is not None and result.row is not None:
-            send_signal(result.outcome, result.row, followup_context(result), alias)
+        outcome = result.outcome
+        if outcome is None or result.row is None:
+            continue
+        if outcome not in heard:
+            signal = _SIGNALS.get(outcome)
+            heard[outcome] = signal is not None and signal.has_listeners()
+        if heard[outcome]:
+            send_signal(outcome, result.row, followup_context(result), alias)
 
 
 def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult]:
