@@ -34,7 +34,7 @@ from .kinds import (
     registry,
     require_text,
 )
-from .models import Job, JobState, job_from_values
+from .models import Job, JobState, job_from_values, load_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,36 +307,30 @@ def insert_one(prepared: PreparedJob, alias: str) -> Job:
     return _inserted_job(prepared, row, alias)
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    return {} if text == "{}" else json.loads(text)
+# Columns enqueue neither sends nor reads back: a new job has the model's default.
+_SENT_OR_RETURNED = frozenset(sql.INSERTED_COLUMNS) | {
+    "kind", "queue", "args", "priority", "max_attempts", "tags", "metadata",
+    "unique_key", "unique_states",
+}  # fmt: skip
+_DEFAULTED = [f for f in Job._meta.concrete_fields if f.attname not in _SENT_OR_RETURNED]
 
 
 def _inserted_job(prepared: PreparedJob, returned: Sequence[Any], alias: str) -> Job:
     """The row INSERT_ONE wrote: the server's ``sql.INSERTED_COLUMNS``, the rest as sent.
 
-    Every other column is what ``prepared`` sent or the column's default for a
-    new job. A column this does not know fails here (KeyError), never silently.
+    A column enqueue does not send takes its field's default, the value the
+    migration gives the column too (a test compares every field with the row).
     """
-    values = dict(zip(sql.INSERTED_COLUMNS, returned, strict=False))
+    values = {f.attname: f.get_default() for f in _DEFAULTED}
+    values.update(zip(sql.INSERTED_COLUMNS, returned, strict=False))
     values.update(
         kind=prepared.kind,
         queue=prepared.queue,
-        args=_json_object(prepared.args),
+        args=load_json(prepared.args),
         priority=prepared.priority,
-        attempt=0,
         max_attempts=prepared.max_attempts,
-        run_lease=0,
-        attempted_at=None,
-        heartbeat_at=None,
-        deadline_at=None,
-        finalized_at=None,
-        errors=[],
-        metadata=_json_object(prepared.metadata),
+        metadata=load_json(prepared.metadata),
         tags=list(prepared.tags),
-        progress=None,
-        callback_id=None,
-        callback_timeout_at=None,
-        snoozed=False,
         unique_key=prepared.unique_key,
         unique_states=None if prepared.unique_states is None else list(prepared.unique_states),
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -53,17 +53,20 @@ def _has_followups(result: AttemptResult) -> bool:
     return result.outcome is not None and followup_registry.has(result.outcome, result.job.kind)
 
 
-def _wants_rows(results: Sequence[AttemptResult]) -> bool:
-    outcomes = set()
-    for result in results:
-        if result.state == JobState.WAITING_EXTERNAL:
-            return True  # to see a callback that arrived early
-        outcomes.add(result.outcome)
-    for outcome in outcomes:
+def _heard(outcomes: Iterable[Outcome | None]) -> set[Outcome]:
+    """Those of ``outcomes`` whose signal has receivers: asked once per outcome, not per job."""
+    heard = set()
+    for outcome in set(outcomes):
         signal = _SIGNALS.get(outcome) if outcome else None
         if signal is not None and signal.has_listeners():
-            return True
-    return False
+            heard.add(outcome)
+    return heard
+
+
+def _wants_rows(results: Sequence[AttemptResult]) -> bool:
+    if any(result.state == JobState.WAITING_EXTERNAL for result in results):
+        return True  # to see a callback that arrived early
+    return bool(_heard(result.outcome for result in results))
 
 
 def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[AttemptResult]:
@@ -275,16 +278,10 @@ def _apply_early_callbacks(applied: Sequence[AttemptResult], alias: str) -> None
 
 
 def _send_signals(applied: Sequence[AttemptResult], alias: str) -> None:
-    heard: dict[Outcome, bool] = {}
+    heard = _heard(result.outcome for result in applied)
     for result in applied:
-        outcome = result.outcome
-        if outcome is None or result.row is None:
-            continue
-        if outcome not in heard:
-            signal = _SIGNALS.get(outcome)
-            heard[outcome] = signal is not None and signal.has_listeners()
-        if heard[outcome]:
-            send_signal(outcome, result.row, followup_context(result), alias)
+        if result.outcome in heard and result.row is not None:
+            send_signal(result.outcome, result.row, followup_context(result), alias)
 
 
 def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult]:

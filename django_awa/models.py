@@ -259,6 +259,11 @@ _JOB_ATTNAMES = [f.attname for f in _JOB_FIELDS]
 _JSON_FIELDS = frozenset(i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, models.JSONField))
 
 
+def load_json(text: str) -> Any:
+    """Parse JSON text, the empty list and object (the common case) without the parser."""
+    return [] if text == "[]" else {} if text == "{}" else json.loads(text)
+
+
 def job_from_values(values: dict[str, Any], using: str) -> Job:
     """A ``Job`` from ``{attname: value}`` for every column (JSON fields decoded)."""
     return _build_jobs([[values[name] for name in _JOB_ATTNAMES]], using)[0]
@@ -288,7 +293,7 @@ def jobs_from_rows(rows: Iterable[Sequence[Any]], using: str) -> list[Job]:
         for i in _JSON_FIELDS:
             text = converted[i]
             if isinstance(text, str):
-                converted[i] = [] if text == "[]" else {} if text == "{}" else json.loads(text)
+                converted[i] = load_json(text)
         converted_rows.append(converted)
     return _build_jobs(converted_rows, using)
 
