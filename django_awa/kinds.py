@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import re
+import sys
 import types
 import typing
 import uuid
@@ -366,6 +367,7 @@ def _encode(value: Any) -> Any:
 # --- the fast path for plain args: every field an int, float, str or bool ------
 
 _PLAIN_TYPES = (int, float, str, bool)
+_FLOAT_MAX = sys.float_info.max
 _MISSING = object()
 
 
@@ -413,7 +415,11 @@ def _plain_ok(hint: type, value: Any, optional: bool) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     if isinstance(value, int):
-        return value.bit_length() <= MAX_INT_BITS
+        # An int for a float field must fit a float (the general path names one
+        # that does not); the few just past the largest float that would round
+        # down to it take the general path too.
+        fits = hint is not float or abs(value) <= _FLOAT_MAX
+        return fits and value.bit_length() <= MAX_INT_BITS
     return hint is float and math.isfinite(value)
 
 

@@ -251,6 +251,7 @@ plain_values = st.one_of(weird_numbers, hostile_text, st.booleans(), st.none(), 
 @example(args=PlainPayload(n=True))  # type: ignore[arg-type]
 @example(args=PlainPayload(x=3))
 @example(args=PlainPayload(x=math.inf))
+@example(args=PlainPayload(x=10**400))  # an int no float holds
 @example(args=PlainPayload(n=2**20000))
 @example(args=PlainPayload(s="a\x00b"))
 @example(args=PlainPayload(maybe=None, n=None))  # type: ignore[arg-type]
