@@ -61,6 +61,10 @@ CANCEL_CHANNEL = "awa_cancel"
 _DB_ERRORS = (DatabaseError, InterfaceError, psycopg.Error)
 # How long a busy queue's producer may wait for more room to claim together.
 GATHER_SECONDS = 0.005
+# Most results the completer writes in one transaction. With follow-ups each
+# batch pays a BEGIN, a savepoint, an id reservation, a COPY and a COMMIT:
+# 1,000 drained jobs with follow-ups about 7% faster than 500 here.
+FINALIZE_BATCH_SIZE = 1000
 INTERRUPTED = "interrupted: the worker shut down before the attempt finished"
 _WAKE = 0  # not a signal: stop() wakes the main thread with it
 
@@ -502,7 +506,7 @@ class Worker:
                 batch: list[AttemptResult] = []
             else:
                 batch = [first]
-            while len(batch) < 500:
+            while len(batch) < FINALIZE_BATCH_SIZE:
                 try:
                     item = self.results.get_nowait()
                 except queue_module.Empty:
