@@ -18,7 +18,7 @@ Each repeat measures, on the empty table and on the full one in turn:
          claim to the last completion (database clock, no start-up)
   claim  enqueue --jobs jobs, then call django_awa.claim.claim() (the
          worker's own function, each call its own transaction) at --limit
-         until all are claimed; no worker runs
+         (default CLAIM_BATCH_SIZE) until all are claimed; no worker runs
 
 Before each measurement the table goes back to its baseline (TRUNCATE for the
 empty one; the previous measurement's rows deleted for the full one), then
@@ -391,7 +391,9 @@ def child_claim(n: int, limit: int, explain: int) -> None:
     from django.db import connections
 
     from django_awa.claim import claim
+    from django_awa.conf import awa_settings
 
+    limit = limit or awa_settings().claim_batch_size
     alias, params = capture_claim_params(QUEUE, limit)
     plans = explain_claim(alias, params) if explain else {}
     connections[alias].ensure_connection()
@@ -411,6 +413,7 @@ def child_claim(n: int, limit: int, explain: int) -> None:
     calls.sort()
     emit(
         claimed=claimed,
+        limit=limit,
         elapsed=elapsed,
         calls=len(calls),
         call_p50=calls[len(calls) // 2],
@@ -709,7 +712,8 @@ def measure_claim(
         args.batch,
         timeout=max(300, args.jobs / 100),
     )
-    progress.step(f"{label}: claim() at limit {args.limit}" + (", EXPLAIN" if explain else ""))
+    limit = args.limit or "CLAIM_BATCH_SIZE"
+    progress.step(f"{label}: claim() at limit {limit}" + (", EXPLAIN" if explain else ""))
     res = run_child(
         Path(__file__).resolve(),
         case.dbname,
@@ -719,6 +723,7 @@ def measure_claim(
         int(explain),
         timeout=args.timeout,
     )
+    args.limit_used = res["limit"]
     if res["claimed"] != args.jobs:
         progress.note(f"{label}: claim() took {res['claimed']:,} of {args.jobs:,} jobs")
     values = {
@@ -754,7 +759,7 @@ def render(values: dict[str, dict[str, list[float]]], args, full_label: str) -> 
     rows = [["", "empty table", full_label, "full/empty"]]
     for key, title, higher, fmt in METRICS:
         if key in ("claim_p50", "claim_p99"):
-            title = title.replace("claim() call", f"claim() call at limit {args.limit}")
+            title = title.replace("claim() call", f"claim() call at limit {args.limit_used}")
         if key == "enqueue":
             title = title.replace("enqueue_many)", f"enqueue_many, batches of {args.batch:,})")
         empty = values["empty"].get(key, [])
@@ -825,7 +830,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=3, help="repeats (default 3)")
     parser.add_argument("--batch", type=int, default=1000, help="enqueue_many batch (default 1000)")
-    parser.add_argument("--limit", type=int, default=100, help="claim() limit (default 100)")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        help="claim() limit (default: AWA['CLAIM_BATCH_SIZE'], the most a worker's claim takes)",
+    )
     parser.add_argument(
         "--span-hours",
         type=float,
@@ -855,8 +865,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--no-bootstrap", action="store_true", help="never run bootstrap.sh")
     args = parser.parse_args(argv)
-    if min(args.finished_rows, args.jobs, args.repeats, args.batch, args.limit) < 1:
+    if min(args.finished_rows, args.jobs, args.repeats, args.batch) < 1 or args.limit < 0:
         parser.error("--finished-rows, --jobs, --repeats, --batch and --limit must be positive")
+    args.limit_used = args.limit
     return args
 
 
