@@ -866,7 +866,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-bootstrap", action="store_true", help="never run bootstrap.sh")
     args = parser.parse_args(argv)
     if min(args.finished_rows, args.jobs, args.repeats, args.batch) < 1 or args.limit < 0:
-        parser.error("--finished-rows, --jobs, --repeats, --batch and --limit must be positive")
+        parser.error(
+            "--finished-rows, --jobs, --repeats and --batch must be positive, and --limit "
+            "positive or 0 (CLAIM_BATCH_SIZE)"
+        )
     args.limit_used = args.limit
     return args
 

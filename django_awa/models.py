@@ -266,7 +266,9 @@ def load_json(text: str) -> Any:
 
 def job_from_values(values: dict[str, Any], using: str) -> Job:
     """A ``Job`` from ``{attname: value}`` for every column (JSON fields decoded)."""
-    return _build_jobs([[values[name] for name in _JOB_ATTNAMES]], using)[0]
+    if _plain_init():
+        return _job(values.items(), using)
+    return Job.from_db(using, _JOB_ATTNAMES, [values[name] for name in _JOB_ATTNAMES])
 
 
 def job_from_row(values: Sequence[Any], using: str) -> Job:
@@ -280,12 +282,6 @@ def jobs_from_rows(rows: Iterable[Sequence[Any]], using: str) -> list[Job]:
     Django reads jsonb as text; the Job's JSON fields use no custom decoder,
     so the text is parsed here directly (empty lists and objects, the common
     case, without the parser) rather than through each field's from_db_value.
-
-    The worker builds a ``Job`` for every claimed row, and ``Model.__init__``
-    (a ``setattr`` per field, between two signals) was most of a claim's
-    Python time. Without ``pre_init``/``post_init`` receivers for ``Job`` an
-    instance is built as unpickling builds one: the fields' values straight
-    into ``__dict__`` and a ``ModelState`` saying where it was read.
     """
     converted_rows = []
     for values in rows:
@@ -295,23 +291,31 @@ def jobs_from_rows(rows: Iterable[Sequence[Any]], using: str) -> list[Job]:
             if isinstance(text, str):
                 converted[i] = load_json(text)
         converted_rows.append(converted)
-    return _build_jobs(converted_rows, using)
+    if _plain_init():
+        return [_job(zip(_JOB_ATTNAMES, row, strict=True), using) for row in converted_rows]
+    return [Job.from_db(using, _JOB_ATTNAMES, row) for row in converted_rows]
 
 
-def _build_jobs(rows: Iterable[list[Any]], using: str) -> list[Job]:
-    plain = not (pre_init.has_listeners(Job) or post_init.has_listeners(Job))
-    jobs = []
-    for converted in rows:
-        if not plain:
-            jobs.append(Job.from_db(using, _JOB_ATTNAMES, converted))
-            continue
-        job = Job.__new__(Job)
-        job.__dict__.update(zip(_JOB_ATTNAMES, converted, strict=True))
-        state = job._state = ModelState()
-        state.adding = False
-        state.db = using
-        jobs.append(job)
-    return jobs
+def _plain_init() -> bool:
+    """Whether a ``Job`` may be built without ``Model.__init__``: no init signal receivers."""
+    return not (pre_init.has_listeners(Job) or post_init.has_listeners(Job))
+
+
+def _job(values: Iterable[tuple[str, Any]], using: str) -> Job:
+    """A ``Job`` built as unpickling builds one, from ``(attname, value)`` for every column.
+
+    The worker builds a ``Job`` for every claimed row, and ``Model.__init__``
+    (a ``setattr`` per field, between two signals) was most of a claim's
+    Python time. Only for ``Job`` without ``pre_init``/``post_init``
+    receivers (``_plain_init``): the values go straight into ``__dict__``,
+    with a ``ModelState`` saying where the row was read.
+    """
+    job = Job.__new__(Job)
+    job.__dict__.update(values)
+    state = job._state = ModelState()
+    state.adding = False
+    state.db = using
+    return job
 
 
 class PeriodicSchedule(models.Model):
