@@ -248,6 +248,7 @@ def awa_settings() -> AwaSettings:
 def _reset(*, setting: str, **kwargs: Any) -> None:
     if setting in ("AWA", "DATABASES"):
         awa_settings.cache_clear()
-        from . import db
+        from . import db, enqueueing
 
         db._prepare.clear()
+        enqueueing._checked_aliases.clear()

@@ -86,9 +86,15 @@ class PreparedJob:
 _ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
 
+# Aliases already found to be PostgreSQL; cleared when DATABASES or AWA change.
+_checked_aliases: set[str] = set()
+
+
 def database_alias(using: str | None) -> str:
     """The connection alias to use, checked to be PostgreSQL."""
     alias = using or awa_settings().database
+    if alias in _checked_aliases:
+        return alias
     if alias not in settings.DATABASES:
         raise ConfigurationError(f"django-awa: no database alias {alias!r} in DATABASES")
     vendor = connections[alias].vendor
@@ -96,6 +102,7 @@ def database_alias(using: str | None) -> str:
         raise ConfigurationError(
             f"django-awa needs PostgreSQL, but database {alias!r} is {vendor!r}"
         )
+    _checked_aliases.add(alias)
     return alias
 
 
@@ -313,6 +320,15 @@ _SENT_OR_RETURNED = frozenset(sql.INSERTED_COLUMNS) | {
     "unique_key", "unique_states",
 }  # fmt: skip
 _DEFAULTED = [f for f in Job._meta.concrete_fields if f.attname not in _SENT_OR_RETURNED]
+# Their defaults, taken once where they are fixed and immutable (None, 0,
+# False); a callable default (``errors``' list) is called for each job.
+_CONSTANT_DEFAULTS = {
+    f.attname: f.get_default()
+    for f in _DEFAULTED
+    if not (f.has_default() and callable(f.default))
+    and isinstance(f.get_default(), (type(None), bool, int, str))
+}
+_FRESH_DEFAULTS = [f for f in _DEFAULTED if f.attname not in _CONSTANT_DEFAULTS]
 
 
 def _inserted_job(prepared: PreparedJob, returned: Sequence[Any], alias: str) -> Job:
@@ -321,7 +337,9 @@ def _inserted_job(prepared: PreparedJob, returned: Sequence[Any], alias: str) ->
     A column enqueue does not send takes its field's default, the value the
     migration gives the column too (a test compares every field with the row).
     """
-    values = {f.attname: f.get_default() for f in _DEFAULTED}
+    values = _CONSTANT_DEFAULTS.copy()
+    for f in _FRESH_DEFAULTS:
+        values[f.attname] = f.get_default()
     values.update(zip(sql.INSERTED_COLUMNS, returned, strict=False))
     values.update(
         kind=prepared.kind,

@@ -195,6 +195,37 @@ def test_no_prepared_statements_when_turned_off(settings):
     assert _prepared_statements() == []
 
 
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_after_the_connection_was_closed_and_reopened():
+    # The engine keeps a cursor per connection: a new connection gets its own.
+    # (transaction=True: a connection closed inside the test's atomic block
+    # stays closed.)
+    from django.db import connection
+
+    first = awa.enqueue(Echo(n=1))
+    connection.close()
+    second = awa.enqueue(Echo(n=2))
+    assert second.id > first.id
+    stored = Job.objects.filter(id__in=[first.id, second.id]).order_by("id")
+    assert [job.args["n"] for job in stored] == [1, 2]
+
+
+def test_a_statement_run_while_another_is_being_read_leaves_its_rows_alone():
+    # A follow-up function may enqueue while the finalize statement's rows are
+    # read: the nested statement must not replace the outer one's results.
+    from django_awa import db
+
+    with db.cursor("default") as outer:
+        outer.execute("SELECT generate_series(1, 3)")
+        with db.cursor("default") as inner:
+            inner.execute("SELECT 42")
+            assert inner.fetchone() == (42,)
+        assert outer.fetchall() == [(1,), (2,), (3,)]
+    with db.cursor("default") as again:
+        again.execute("SELECT 7")
+        assert again.fetchone() == (7,)
+
+
 def test_enqueue_many_inserts_in_bulk_and_returns_ids_in_input_order():
     items = [Echo(n=i) for i in range(50)] + [
         awa.EnqueueRequest(Echo(n=99), queue="other", priority=1)
