@@ -13,7 +13,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.db import connections, transaction
@@ -399,20 +399,48 @@ def insert_reserved(prepared: Sequence[PreparedJob], alias: str) -> tuple[list[i
     others go through one INSERT that resolves scheduling by the database
     clock and skips unique duplicates.
     """
+    ids, inserted = _insert(prepared, alias, number_plain=True)
+    return cast("list[int]", ids), inserted
+
+
+def insert_flagged(prepared: Sequence[PreparedJob], alias: str) -> list[bool]:
+    """Insert validated jobs; for each, whether it was inserted (False: a unique duplicate).
+
+    For callers that need no ids (the completer's follow-ups): jobs to run now
+    without a unique key, which nothing can refuse, take theirs from the
+    column's default and are streamed with COPY; only the others draw ids, to
+    tell which were skipped.
+    """
+    ids, inserted = _insert(prepared, alias, number_plain=False)
+    return [i is None or i in inserted for i in ids]
+
+
+def _insert(
+    prepared: Sequence[PreparedJob], alias: str, *, number_plain: bool
+) -> tuple[list[int | None], set[int]]:
+    """Insert validated jobs in the current transaction: ``insert_reserved``, ``insert_flagged``.
+
+    Returns each job's drawn id (``None`` for a plain job left unnumbered) and
+    the set of drawn ids inserted.
+    """
+    plain = [p.run_at is None and p.unique_key is None for p in prepared]
+    if number_plain and sum(plain) < COPY_THRESHOLD:
+        plain = [False] * len(prepared)
     with transaction.atomic(using=alias, savepoint=False), db.cursor(alias) as cursor:
-        cursor.execute(sql.RESERVE_IDS, {"n": len(prepared)})
-        ids = [row[0] for row in cursor.fetchall()]
-        pairs = list(zip(prepared, ids, strict=True))
-        plain = [(p, i) for p, i in pairs if p.run_at is None and p.unique_key is None]
-        if len(plain) < COPY_THRESHOLD:
-            plain = []
-        inserted = {i for _, i in plain}
-        if plain:
+        drawn: list[int] = []
+        count = len(prepared) if number_plain else plain.count(False)
+        if count:
+            cursor.execute(sql.RESERVE_IDS, {"n": count})
+            drawn = [row[0] for row in cursor.fetchall()]
+        numbers = iter(drawn)
+        ids = [None if is_plain and not number_plain else next(numbers) for is_plain in plain]
+        copied = [(p, i) for p, i, is_plain in zip(prepared, ids, plain, strict=True) if is_plain]
+        if copied:
             cursor.copy_rows(
-                sql.COPY_AVAILABLE,
+                sql.COPY_AVAILABLE if number_plain else sql.COPY_AVAILABLE_UNNUMBERED,
                 (
                     (
-                        i,
+                        *((i,) if number_plain else ()),
                         p.kind,
                         p.queue,
                         p.args,
@@ -421,10 +449,11 @@ def insert_reserved(prepared: Sequence[PreparedJob], alias: str) -> tuple[list[i
                         _json_list(p.tags),
                         p.metadata,
                     )
-                    for p, i in plain
+                    for p, i in copied
                 ),
             )
-        rest = [(p, i) for p, i in pairs if i not in inserted]
+        inserted = {i for _, i in copied if i is not None}
+        rest = [(p, i) for p, i, is_plain in zip(prepared, ids, plain, strict=True) if not is_plain]
         if rest:
             cursor.execute(
                 sql.INSERT_MANY,
@@ -446,7 +475,8 @@ def insert_reserved(prepared: Sequence[PreparedJob], alias: str) -> tuple[list[i
                 },
             )
             inserted.update(row[0] for row in cursor.fetchall())
-        queues = sorted({p.queue for p, i in pairs if i in inserted})
+        queues = {p.queue for p, _ in copied}
+        queues.update(p.queue for p, i in rest if i in inserted)
         if queues:
-            cursor.execute(sql.NOTIFY_QUEUES, {"queues": queues})
+            cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(queues)})
     return ids, inserted

@@ -27,7 +27,7 @@ from django.db import DatabaseError, transaction
 
 from . import db, signals, sql
 from .compat import savepoint_create
-from .enqueueing import PreparedJob, insert_reserved
+from .enqueueing import PreparedJob, insert_flagged, insert_reserved
 from .execute import AttemptResult, errored
 from .followups import FollowupError, FollowupSpec, Outcome, build, followup_registry
 from .models import Job, JobState, PendingFollowup, jobs_from_rows
@@ -110,10 +110,10 @@ def _insert(
     flat = [(result, spec, job) for result, items in batch for spec, job in items]
     if not flat:
         return {}
-    reserved, inserted = insert_reserved([job for _, _, job in flat], alias)
+    flags = insert_flagged([job for _, _, job in flat], alias)
     failures: dict[int, tuple[AttemptResult, Exception]] = {}
-    for (result, spec, job), reserved_id in zip(flat, reserved, strict=True):
-        if reserved_id not in inserted and result.job.id not in failures:
+    for (result, spec, job), was_inserted in zip(flat, flags, strict=True):
+        if not was_inserted and result.job.id not in failures:
             failures[result.job.id] = (
                 result,
                 FollowupError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import json.scanner
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
@@ -259,9 +260,27 @@ _JOB_ATTNAMES = [f.attname for f in _JOB_FIELDS]
 _JSON_FIELDS = frozenset(i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, models.JSONField))
 
 
+# json's C scanner, called directly: json.loads wraps it in three Python calls
+# and two whitespace matches, which took 0.7 of its 1.0 µs for a small object.
+_scan_json = json.scanner.make_scanner(json.JSONDecoder())
+
+
 def load_json(text: str) -> Any:
-    """Parse JSON text, the empty list and object (the common case) without the parser."""
-    return [] if text == "[]" else {} if text == "{}" else json.loads(text)
+    """Parse JSON text: the empty list and object (the common case) without the parser.
+
+    The text PostgreSQL gives for jsonb is one value with no surrounding
+    space; anything else (or anything invalid) goes through ``json.loads``,
+    which accepts the same and raises its own error.
+    """
+    if text == "[]":
+        return []
+    if text == "{}":
+        return {}
+    try:
+        value, end = _scan_json(text, 0)
+    except StopIteration:
+        return json.loads(text)
+    return value if end == len(text) else json.loads(text)
 
 
 def job_from_values(values: dict[str, Any], using: str) -> Job:

@@ -90,6 +90,12 @@ COPY_AVAILABLE = (
     "COPY awa_job (id, kind, queue, args, priority, max_attempts, tags, metadata) FROM STDIN"
 )
 
+# -- COPY_AVAILABLE_UNNUMBERED --
+# The same, for jobs whose ids nobody asked for: id takes its default too.
+COPY_AVAILABLE_UNNUMBERED = (
+    "COPY awa_job (kind, queue, args, priority, max_attempts, tags, metadata) FROM STDIN"
+)
+
 # -- NOTIFY_QUEUES --
 # Wake workers of these queues at commit. Postgres folds identical
 # notifications within one transaction into one.

@@ -253,6 +253,27 @@ def test_one_bad_followup_does_not_roll_back_the_rest_of_the_batch():
 
 
 @db
+def test_a_refused_unique_followup_in_a_batch_fails_only_its_own_trigger():
+    # Plain follow-ups take their ids from the column default and a unique one
+    # draws its own: the refusal must still be pinned on the right trigger.
+    awa.enqueue(Echo(n=0), unique=awa.Unique(by_args=False))  # holds the Echo kind's key
+    before = [awa.enqueue(Act(action="ok")) for _ in range(2)]
+    clash = awa.enqueue(Act(action="ok", tag="unique-clash"))
+    after = [awa.enqueue(Act(action="ok")) for _ in range(2)]
+    claimed = claim("default", 10, "default")
+    results = [run_attempt(Attempt(job=j, alias="default")) for j in claimed]
+    finalize(results, "default")
+    for job in [*before, *after]:
+        assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+        assert notes(job.id) == ["completed-1", "completed-2"]
+    row = Job.objects.get(id=clash.id)
+    assert row.state == JobState.RETRYABLE
+    assert "UniqueConflict" in row.errors[-1]["error"]
+    # Only the fallback's own follow-up: the refused outcome inserted nothing.
+    assert [note.partition(":")[0] for note in notes(clash.id)] == ["retried"]
+
+
+@db
 def test_rescue_followups_fail_twice_then_are_inserted_exactly_once():
     FAIL["rescued_times"] = 2
     old = timezone.now() - dt.timedelta(minutes=5)

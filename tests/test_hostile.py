@@ -37,7 +37,7 @@ from django_awa import conf, kinds
 from django_awa.callbacks import sign
 from django_awa.checks import check_database, check_settings
 from django_awa.kinds import decode_args
-from django_awa.models import CallbackReceipt, Job, JobState
+from django_awa.models import CallbackReceipt, Job, JobState, load_json
 from django_awa.schedules import schedules
 from tests.conftest import make_job
 
@@ -260,6 +260,37 @@ def test_plain_args_fast_path_agrees_with_the_general_path(args: PlainPayload) -
     assert fast == general
     if isinstance(general, tuple) and args.x == 3:
         assert type(fast[1].x) is float
+
+
+def _json_outcome(parse: Callable[[str], Any], text: str) -> Any:
+    try:
+        return ("value", parse(text))
+    except json.JSONDecodeError as exc:
+        return ("error", exc.msg, exc.pos)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(
+    text=st.one_of(
+        json_values.map(json.dumps),
+        json_values.map(lambda v: " " + json.dumps(v, separators=(",", ":")) + "\n"),
+        json_values.map(json.dumps).map(lambda t: t[:-1]),  # cut short
+        st.text(max_size=12),
+    )
+)
+@example(text="NaN")
+@example(text='{"a": 1} x')
+@example(text="")
+def test_rows_json_reader_agrees_with_json_loads(text: str) -> None:
+    # The engine reads jsonb text with json's scanner directly; whatever the
+    # text, it must give what json.loads gives, or raise the same error.
+    assert _json_outcome(load_json, text) == _json_outcome(json.loads, text)
 
 
 # Values whose repr Hypothesis could not print: plain tests, named by id.
