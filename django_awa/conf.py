@@ -248,7 +248,6 @@ def awa_settings() -> AwaSettings:
 def _reset(*, setting: str, **kwargs: Any) -> None:
     if setting in ("AWA", "DATABASES"):
         awa_settings.cache_clear()
-        from . import db, enqueueing
+        from . import db
 
-        db._prepare.clear()
-        enqueueing._checked_aliases.clear()
+        db.forget_settings()

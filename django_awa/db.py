@@ -35,12 +35,22 @@ _prepare: dict[str, bool] = {}
 _NEVER_AUTOMATICALLY = sys.maxsize
 
 
+# Aliases database_alias() has found to be PostgreSQL.
+checked_aliases: set[str] = set()
+
+
 def use_prepared(alias: str) -> bool:
     if alias not in _prepare:
         from .conf import awa_settings
 
         _prepare[alias] = awa_settings().prepared_statements
     return _prepare[alias]
+
+
+def forget_settings() -> None:
+    """Drop what was worked out from AWA and DATABASES (they changed)."""
+    _prepare.clear()
+    checked_aliases.clear()
 
 
 # Django loads timestamptz through a Python subclass of psycopg's loader that

@@ -86,14 +86,10 @@ class PreparedJob:
 _ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
 
-# Aliases already found to be PostgreSQL; cleared when DATABASES or AWA change.
-_checked_aliases: set[str] = set()
-
-
 def database_alias(using: str | None) -> str:
     """The connection alias to use, checked to be PostgreSQL."""
     alias = using or awa_settings().database
-    if alias in _checked_aliases:
+    if alias in db.checked_aliases:
         return alias
     if alias not in settings.DATABASES:
         raise ConfigurationError(f"django-awa: no database alias {alias!r} in DATABASES")
@@ -102,7 +98,7 @@ def database_alias(using: str | None) -> str:
         raise ConfigurationError(
             f"django-awa needs PostgreSQL, but database {alias!r} is {vendor!r}"
         )
-    _checked_aliases.add(alias)
+    db.checked_aliases.add(alias)
     return alias
 
 
@@ -415,6 +411,11 @@ def insert_flagged(prepared: Sequence[PreparedJob], alias: str) -> list[bool]:
     return [i is None or i in inserted for i in ids]
 
 
+def _copy_values(p: PreparedJob) -> tuple[Any, ...]:
+    """A job's values for ``sql._COPY_COLUMNS``."""
+    return (p.kind, p.queue, p.args, p.priority, p.max_attempts, _json_list(p.tags), p.metadata)
+
+
 def _insert(
     prepared: Sequence[PreparedJob], alias: str, *, number_plain: bool
 ) -> tuple[list[int | None], set[int]]:
@@ -435,23 +436,10 @@ def _insert(
         numbers = iter(drawn)
         ids = [None if is_plain and not number_plain else next(numbers) for is_plain in plain]
         copied = [(p, i) for p, i, is_plain in zip(prepared, ids, plain, strict=True) if is_plain]
-        if copied:
-            cursor.copy_rows(
-                sql.COPY_AVAILABLE if number_plain else sql.COPY_AVAILABLE_UNNUMBERED,
-                (
-                    (
-                        *((i,) if number_plain else ()),
-                        p.kind,
-                        p.queue,
-                        p.args,
-                        p.priority,
-                        p.max_attempts,
-                        _json_list(p.tags),
-                        p.metadata,
-                    )
-                    for p, i in copied
-                ),
-            )
+        if copied and number_plain:
+            cursor.copy_rows(sql.COPY_AVAILABLE, ((i, *_copy_values(p)) for p, i in copied))
+        elif copied:
+            cursor.copy_rows(sql.COPY_AVAILABLE_UNNUMBERED, (_copy_values(p) for p, _ in copied))
         inserted = {i for _, i in copied if i is not None}
         rest = [(p, i) for p, i, is_plain in zip(prepared, ids, plain, strict=True) if not is_plain]
         if rest:

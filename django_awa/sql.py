@@ -86,15 +86,12 @@ RETURNING id
 # -- COPY_AVAILABLE --
 # Bulk enqueue of jobs to run now, streamed with COPY (ids drawn beforehand
 # with RESERVE_IDS). state and run_at take their defaults: available, now().
-COPY_AVAILABLE = (
-    "COPY awa_job (id, kind, queue, args, priority, max_attempts, tags, metadata) FROM STDIN"
-)
+_COPY_COLUMNS = "kind, queue, args, priority, max_attempts, tags, metadata"
+COPY_AVAILABLE = f"COPY awa_job (id, {_COPY_COLUMNS}) FROM STDIN"
 
 # -- COPY_AVAILABLE_UNNUMBERED --
 # The same, for jobs whose ids nobody asked for: id takes its default too.
-COPY_AVAILABLE_UNNUMBERED = (
-    "COPY awa_job (kind, queue, args, priority, max_attempts, tags, metadata) FROM STDIN"
-)
+COPY_AVAILABLE_UNNUMBERED = f"COPY awa_job ({_COPY_COLUMNS}) FROM STDIN"
 
 # -- NOTIFY_QUEUES --
 # Wake workers of these queues at commit. Postgres folds identical
