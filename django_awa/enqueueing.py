@@ -295,18 +295,15 @@ def enqueue(
 def insert_one(prepared: PreparedJob, alias: str) -> Job:
     """Insert a validated job on ``alias``; ``UniqueConflict`` if its key is held."""
     statement = sql.INSERT_ONE_UNIQUE if prepared.unique_key else sql.INSERT_ONE
-    with db.cursor(alias) as cursor:
-        cursor.execute(statement, prepared.params())
-        row = cursor.fetchone()
-        if row is None:
-            cursor.execute(sql.FIND_UNIQUE_HOLDER, {"unique_key": prepared.unique_key})
-            holder = cursor.fetchone()
-            holder_id = holder[0] if holder else None
-            raise UniqueConflict(
-                f"a job of kind {prepared.kind!r} with the same unique key is already held"
-                + (f" by job {holder_id}" if holder_id else ""),
-                conflicting_id=holder_id,
-            )
+    row = db.fetch_one(alias, statement, prepared.params())
+    if row is None:
+        holder = db.fetch_one(alias, sql.FIND_UNIQUE_HOLDER, {"unique_key": prepared.unique_key})
+        holder_id = holder[0] if holder else None
+        raise UniqueConflict(
+            f"a job of kind {prepared.kind!r} with the same unique key is already held"
+            + (f" by job {holder_id}" if holder_id else ""),
+            conflicting_id=holder_id,
+        )
     return _inserted_job(prepared, row, alias)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -185,14 +186,11 @@ def test_rows_read_by_the_engine_carry_the_same_aware_datetimes_as_the_orms():
 
 
 def test_no_prepared_statements_when_turned_off(settings):
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("DEALLOCATE ALL")  # what earlier tests on this session prepared
+    before = _prepared_statements()  # what earlier tests on this session prepared
     settings.AWA = {**settings.AWA, "PREPARED_STATEMENTS": False}
     for n in range(3):
-        awa.enqueue(Echo(n=n))
-    assert _prepared_statements() == []
+        awa.enqueue(Echo(n=n), unique=awa.Unique(by_args=True) if n else None)
+    assert _prepared_statements() == before
 
 
 @pytest.mark.django_db(transaction=True)
@@ -208,6 +206,81 @@ def test_enqueue_after_the_connection_was_closed_and_reopened():
     assert second.id > first.id
     stored = Job.objects.filter(id__in=[first.id, second.id]).order_by("id")
     assert [job.args["n"] for job in stored] == [1, 2]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_on_a_lost_connection_raises_operational_error_and_then_reconnects():
+    import psycopg
+    from django.db import OperationalError, connection
+
+    from django_awa.worker import listen_params
+
+    first = awa.enqueue(Echo(n=1))
+    pid = connection.connection.info.backend_pid
+    with psycopg.connect(**listen_params("default"), autocommit=True) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+        while other.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone():
+            time.sleep(0.01)
+    with pytest.raises(OperationalError, match="server closed the connection"):
+        awa.enqueue(Echo(n=2))
+    # What Django does at the end of each request: an unusable connection goes.
+    connection.close_if_unusable_or_obsolete()
+    third = awa.enqueue(Echo(n=3))
+    assert list(Job.objects.order_by("id").values_list("id", flat=True)) == [first.id, third.id]
+
+
+def _direct_statements() -> list[str]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_prepared_statements WHERE name LIKE '\\_awa\\_%%'")
+        return [row[0] for row in cursor.fetchall()]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_enqueue_on_its_own_is_committed_before_it_returns():
+    # Outside atomic() enqueue's INSERT is its own transaction, sent straight
+    # through libpq (db.fetch_one) rather than a psycopg cursor.
+    import psycopg
+
+    from django_awa.worker import listen_params
+
+    job = awa.enqueue(Echo(n=1))
+    unique = awa.enqueue(Echo(n=2), unique=awa.Unique(by_args=True))
+    with pytest.raises(awa.UniqueConflict) as conflict:
+        awa.enqueue(Echo(n=2), unique=awa.Unique(by_args=True))
+    assert conflict.value.conflicting_id == unique.id
+    with psycopg.connect(**listen_params("default")) as other:
+        seen = other.execute("SELECT id, args->'n' FROM awa_job ORDER BY id").fetchall()
+    assert seen == [(job.id, 1), (unique.id, 2)]
+    from django_awa import db, sql
+
+    sent = {db._plan(s).name.decode() for s in (sql.INSERT_ONE, sql.INSERT_ONE_UNIQUE)}
+    assert sent <= set(_direct_statements()), "not sent directly"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_on_its_own_prepares_again_what_was_deallocated():
+    from django.db import connection
+
+    first = awa.enqueue(Echo(n=1))
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+    assert _direct_statements() == []
+    second = awa.enqueue(Echo(n=2))
+    # psycopg deallocates every prepared statement when a transaction in
+    # which it had prepared one rolls back.
+    with pytest.raises(RuntimeError), transaction.atomic():
+        awa.enqueue(Echo(n=3), unique=awa.Unique(by_args=True))
+        raise RuntimeError("the transaction rolls back")
+    assert _direct_statements() == []
+    # Inside a transaction a missing statement would fail it: not sent directly.
+    with transaction.atomic():
+        Job.objects.exists()
+        inside = awa.enqueue(Echo(n=4))
+    last = awa.enqueue(Echo(n=5))
+    ids = list(Job.objects.order_by("id").values_list("id", flat=True))
+    assert ids == [first.id, second.id, inside.id, last.id]
 
 
 def test_a_statement_run_while_another_is_being_read_leaves_its_rows_alone():

@@ -334,7 +334,7 @@ def test_rows_without_a_callback_take_no_callback_index_entries():
             cursor.execute("EXPLAIN EXECUTE awa_by_callback(%s)", [parked.callback_id])
             plan = "\n".join(row[0] for row in cursor.fetchall())
         finally:
-            cursor.execute("DEALLOCATE ALL")
+            cursor.execute("DEALLOCATE awa_by_callback")
             cursor.execute("RESET plan_cache_mode")
     assert "awa_job_callback_id_uniq" in plan, plan
     with pytest.raises(IntegrityError), transaction.atomic():
