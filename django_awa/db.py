@@ -16,7 +16,6 @@ import datetime as dt
 import hashlib
 import re
 import sys
-import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -169,24 +168,26 @@ def fetch_one(alias: str, statement: str, params: Mapping[str, Any]) -> tuple[An
         and connection.pgconn.transaction_status == TransactionStatus.IDLE
         and use_prepared(alias)
     ):
+        direct = _direct(wrapper, connection)
         with wrapper.wrap_database_errors:
-            return _direct(connection).fetch_one(statement, params, wrapper.timezone is dt.UTC)
+            return direct.fetch_one(statement, params, wrapper.timezone is dt.UTC)
     with cursor(alias) as current:
         current.execute(statement, params)
         return current.fetchone()
 
 
-# What each psycopg connection has prepared for fetch_one: dropped with it.
-_direct_states: weakref.WeakKeyDictionary[psycopg.Connection[Any], _Direct] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _direct(connection: psycopg.Connection[Any]) -> _Direct:
-    state = _direct_states.get(connection)
-    if state is None:
-        state = _direct_states[connection] = _Direct(connection)
+def _direct(wrapper: Any, connection: psycopg.Connection[Any]) -> _Direct:
+    """The Django connection's ``_Direct`` for its current psycopg connection."""
+    state: _Direct | None = getattr(wrapper, _DIRECT, None)
+    if state is None or state.connection is not connection:
+        state = _Direct(connection)
+        setattr(wrapper, _DIRECT, state)
     return state
+
+
+# The attribute of a Django DatabaseWrapper that holds its _Direct (as _HELD
+# holds its cursor): replaced when the wrapper connects again.
+_DIRECT = "_awa_direct"
 
 
 class _Direct:

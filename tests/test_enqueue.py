@@ -229,6 +229,26 @@ def test_enqueue_on_a_lost_connection_raises_operational_error_and_then_reconnec
     assert list(Job.objects.order_by("id").values_list("id", flat=True)) == [first.id, third.id]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_connections_closed_between_enqueues_are_let_go():
+    # What a site with CONN_MAX_AGE = 0 does: a connection per request.
+    import gc
+
+    import psycopg
+    from django.db import connection
+
+    def closed_connections() -> set[int]:
+        gc.collect()
+        return {id(c) for c in gc.get_objects() if isinstance(c, psycopg.Connection) and c.closed}
+
+    before = closed_connections()
+    for n in range(5):
+        awa.enqueue(Echo(n=n))
+        connection.close()
+    kept = closed_connections() - before
+    assert len(kept) <= 1, kept  # the last one, until the connection's next cursor
+
+
 def _direct_statements() -> list[str]:
     from django.db import connection
 
