@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark django-awa against pgqueuer, awa-pg, procrastinate and django-tasks-db.
 
-    python benchmarks/run.py [--quick] [--repeats 3] [--systems a,b] [--jobs N]
+    python benchmarks/run.py [--quick] [--repeats 3] [--systems a,b] [--workloads w,x] [--jobs N]
 
 Runs in benchmarks/.venv (made by bootstrap.sh on first use, then re-executed
 into). Each repeat runs every system in turn (the order rotates between
@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -317,8 +318,12 @@ def run_followups(system, args, progress: Progress, results: Results) -> None:
     results.add(system.name, "drain_followups", seconds)
 
 
-def workloads_for(system_name: str, extra: tuple[str, ...]) -> list[str]:
-    return ["bulk", "drain", "latency", "single", *extra]
+WORKLOADS = ("bulk", "drain", "latency", "single", "followups")
+
+
+def workloads_for(system_name: str, extra: tuple[str, ...], chosen: Sequence[str]) -> list[str]:
+    """The workloads of ``chosen`` that the system runs, in the order they run."""
+    return [w for w in ("bulk", "drain", "latency", "single", *extra) if w in chosen]
 
 
 def run_system(system, args, progress: Progress, results: Results, rep: int) -> bool:
@@ -326,7 +331,7 @@ def run_system(system, args, progress: Progress, results: Results, rep: int) -> 
     import psycopg
     from systems.base import SystemUnavailable
 
-    steps = workloads_for(system.name, system.extra_workloads)
+    steps = workloads_for(system.name, system.extra_workloads, args.workloads)
     first_step = progress.done
     label = f"rep {rep + 1}/{args.repeats} {system.name}"
     try:
@@ -342,6 +347,9 @@ def run_system(system, args, progress: Progress, results: Results, rep: int) -> 
                 elapsed = system.enqueue_bulk(args.jobs, args.batch)
                 results.add(system.name, "enqueue_bulk", args.jobs / elapsed)
             elif workload == "drain":
+                if "bulk" not in steps:  # the drain takes the jobs the bulk step enqueued
+                    progress.live("drain: enqueueing (not timed)", force=True)
+                    system.enqueue_bulk(args.jobs, args.batch)
                 run_drain(system, args, progress, results)
             elif workload == "latency":
                 run_latency(system, args, progress, results)
@@ -466,6 +474,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="comma-separated, of " + ", ".join(WORKLOADS) + " (default: all)",
+    )
+    parser.add_argument(
         "--jobs", type=int, default=None, help="jobs to drain and to bulk-enqueue (default 20000)"
     )
     parser.add_argument(
@@ -508,6 +521,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.timeout = args.timeout or (300.0 if quick else 600.0)
     if args.repeats < 1 or args.jobs < 1 or args.single < 1 or args.batch < 1 or args.rate <= 0:
         parser.error("--repeats, --jobs, --single, --batch and --rate must be positive")
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown or not args.workloads:
+        parser.error(
+            f"--workloads: unknown {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(WORKLOADS)}"
+        )
     return args
 
 
@@ -574,7 +594,10 @@ def main(argv: list[str]) -> int:
             f"run.py: PostgreSQL at 127.0.0.1:5432 (user postgres) is not reachable: {exc}"
         ) from exc
 
-    total = sum((1 + len(workloads_for(s.name, s.extra_workloads))) * args.repeats for s in systems)
+    total = sum(
+        (1 + len(workloads_for(s.name, s.extra_workloads, args.workloads))) * args.repeats
+        for s in systems
+    )
     progress = Progress(total)
     results = Results()
     load_start = os.getloadavg()
@@ -585,7 +608,9 @@ def main(argv: list[str]) -> int:
             shift = rep % len(systems)
             for system in systems[shift:] + systems[:shift]:
                 if system.name in failed:
-                    progress.done += 1 + len(workloads_for(system.name, system.extra_workloads))
+                    progress.done += 1 + len(
+                        workloads_for(system.name, system.extra_workloads, args.workloads)
+                    )
                     continue
                 if not run_system(system, args, progress, results, rep):
                     # Skip it in later repeats too: what failed once (a
