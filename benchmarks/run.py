@@ -318,12 +318,13 @@ def run_followups(system, args, progress: Progress, results: Results) -> None:
     results.add(system.name, "drain_followups", seconds)
 
 
-WORKLOADS = ("bulk", "drain", "latency", "single", "followups")
+COMMON_WORKLOADS = ("bulk", "drain", "latency", "single")
+WORKLOADS = (*COMMON_WORKLOADS, "followups")  # followups: a system's extra_workloads
 
 
-def workloads_for(system_name: str, extra: tuple[str, ...], chosen: Sequence[str]) -> list[str]:
+def workloads_for(extra: tuple[str, ...], chosen: Sequence[str]) -> list[str]:
     """The workloads of ``chosen`` that the system runs, in the order they run."""
-    return [w for w in ("bulk", "drain", "latency", "single", *extra) if w in chosen]
+    return [w for w in (*COMMON_WORKLOADS, *extra) if w in chosen]
 
 
 def run_system(system, args, progress: Progress, results: Results, rep: int) -> bool:
@@ -331,7 +332,7 @@ def run_system(system, args, progress: Progress, results: Results, rep: int) -> 
     import psycopg
     from systems.base import SystemUnavailable
 
-    steps = workloads_for(system.name, system.extra_workloads, args.workloads)
+    steps = workloads_for(system.extra_workloads, args.workloads)
     first_step = progress.done
     label = f"rep {rep + 1}/{args.repeats} {system.name}"
     try:
@@ -595,8 +596,7 @@ def main(argv: list[str]) -> int:
         ) from exc
 
     total = sum(
-        (1 + len(workloads_for(s.name, s.extra_workloads, args.workloads))) * args.repeats
-        for s in systems
+        (1 + len(workloads_for(s.extra_workloads, args.workloads))) * args.repeats for s in systems
     )
     progress = Progress(total)
     results = Results()
@@ -608,9 +608,7 @@ def main(argv: list[str]) -> int:
             shift = rep % len(systems)
             for system in systems[shift:] + systems[:shift]:
                 if system.name in failed:
-                    progress.done += 1 + len(
-                        workloads_for(system.name, system.extra_workloads, args.workloads)
-                    )
+                    progress.done += 1 + len(workloads_for(system.extra_workloads, args.workloads))
                     continue
                 if not run_system(system, args, progress, results, rep):
                     # Skip it in later repeats too: what failed once (a

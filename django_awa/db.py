@@ -86,13 +86,7 @@ def cursor(alias: str) -> Iterator[Cursor]:
     if prepare and connection.prepare_threshold is None:
         connection.prepare_threshold = _NEVER_AUTOMATICALLY
     utc = wrapper.timezone is dt.UTC
-    held: Cursor | None = getattr(wrapper, _HELD, None)
-    if held is not None and not held._busy and held._fits(connection, utc):
-        current = held
-    else:
-        current = Cursor(_open(connection, utc), utc)
-        if held is None or not held._busy:
-            setattr(wrapper, _HELD, current)
+    current = _kept(wrapper, connection, utc) or Cursor(_open(connection, utc), utc)
     current._busy = True
     current._prepare = prepare
     try:
@@ -109,6 +103,17 @@ def cursor(alias: str) -> Iterator[Cursor]:
 _HELD = "_awa_cursor"
 
 
+def _kept(wrapper: Any, connection: psycopg.Connection[Any], utc: bool) -> Cursor | None:
+    """The connection's kept cursor, made anew if it no longer fits; None while it is in use."""
+    held: Cursor | None = getattr(wrapper, _HELD, None)
+    if held is not None and held._busy:
+        return None
+    if held is None or not held._fits(connection, utc):
+        held = Cursor(_open(connection, utc), utc)
+        setattr(wrapper, _HELD, held)
+    return held
+
+
 def _open(connection: psycopg.Connection[Any], utc: bool) -> psycopg.Cursor[Any]:
     raw = psycopg.Cursor(connection)
     if utc:
@@ -117,13 +122,19 @@ def _open(connection: psycopg.Connection[Any], utc: bool) -> psycopg.Cursor[Any]
 
 
 class Cursor:
-    __slots__ = ("_busy", "_prepare", "_raw", "_utc")
+    __slots__ = (
+        "_busy", "_direct_names", "_encoding", "_prepare", "_raw", "_transformer", "_utc",
+    )  # fmt: skip
 
     def __init__(self, raw: psycopg.Cursor[Any], utc: bool) -> None:
         self._raw = raw
         self._utc = utc
         self._prepare = False
         self._busy = False
+        # For fetch_direct: the statements it has prepared, and its row loader.
+        self._encoding = raw.connection.info.encoding
+        self._direct_names: set[bytes] = set()
+        self._transformer: Transformer | None = None
 
     def _fits(self, connection: psycopg.Connection[Any], utc: bool) -> bool:
         """Whether this cursor may serve ``connection`` (after a reconnect it may not)."""
@@ -151,13 +162,68 @@ class Cursor:
     def rowcount(self) -> int:
         return self._raw.rowcount
 
+    def fetch_direct(self, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """Run a statement that is its own transaction with libpq's ``PQexecPrepared``.
+
+        A psycopg cursor's execute spends about 40 µs of Python per statement
+        (query conversion, its prepared-statement cache, adaptation, its wait
+        loop), an eighth of a one-job enqueue with its commit's disk flush.
+        Here the parameters go as text, each statement is prepared under its
+        own name once per connection (planned afresh, the enqueue INSERT cost
+        100 µs more), and the row is read with this cursor's loaders. The
+        server infers each parameter's type from the statement, so every
+        parameter must be cast there or go straight into a column.
+
+        Only outside a transaction: psycopg deallocates every prepared
+        statement of the connection when it rolls back (or sees DEALLOCATE
+        ALL), and a statement found missing would fail the caller's
+        transaction. On its own it has failed nothing yet, and is prepared and
+        run again.
+        """
+        plan = _plan(statement)
+        connection = self._raw.connection
+        encoding = self._encoding
+        values = [_text(params[name], encoding) for name in plan.names]
+        pgconn = connection.pgconn
+        with connection.lock:
+            if plan.name not in self._direct_names:
+                self._prepare_direct(plan)
+            result = pgconn.exec_prepared(plan.name, values)
+            if _sqlstate(result) == _MISSING_STATEMENT:
+                self._direct_names.discard(plan.name)
+                self._prepare_direct(plan)
+                result = pgconn.exec_prepared(plan.name, values)
+        if result.status != ExecStatus.TUPLES_OK:
+            raise self._error(result)
+        if not result.ntuples:
+            return None
+        if self._transformer is None:
+            self._transformer = Transformer(self._raw)
+        self._transformer.set_pgresult(result)
+        return self._transformer.load_row(0, tuple)
+
+    def _prepare_direct(self, plan: _Plan) -> None:
+        result = self._raw.connection.pgconn.prepare(plan.name, plan.text)
+        # Already there: prepared by an earlier kept cursor of this
+        # connection, under a name that is the statement's own.
+        if result.status != ExecStatus.COMMAND_OK and _sqlstate(result) != _DUPLICATE_STATEMENT:
+            raise self._error(result)
+        self._direct_names.add(plan.name)
+
+    def _error(self, result: psycopg.pq.abc.PGresult) -> psycopg.Error:
+        """The error psycopg raises for ``result``; OperationalError if the connection is lost."""
+        if self._raw.connection.pgconn.status == ConnStatus.BAD:
+            message = result.error_message.decode(self._encoding, "replace").strip()
+            return psycopg.OperationalError(message or "the connection is lost")
+        return psycopg.errors.error_from_result(result, encoding=self._encoding)
+
 
 def fetch_one(alias: str, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
     """Run ``statement`` on ``alias``'s connection, in its transaction; its one row or None.
 
     A statement that is its own transaction (the connection in autocommit
     mode, outside ``atomic()``) goes straight through libpq, with prepared
-    statements on (see ``_Direct``); any other through ``cursor()``.
+    statements on (``Cursor.fetch_direct``); any other through ``cursor()``.
     Parameters must be str, int, aware datetime or None.
     """
     wrapper = connections[alias]
@@ -167,94 +233,13 @@ def fetch_one(alias: str, statement: str, params: Mapping[str, Any]) -> tuple[An
         connection.autocommit
         and connection.pgconn.transaction_status == TransactionStatus.IDLE
         and use_prepared(alias)
+        and (kept := _kept(wrapper, connection, wrapper.timezone is dt.UTC)) is not None
     ):
-        direct = _direct(wrapper, connection)
         with wrapper.wrap_database_errors:
-            return direct.fetch_one(statement, params, wrapper.timezone is dt.UTC)
+            return kept.fetch_direct(statement, params)
     with cursor(alias) as current:
         current.execute(statement, params)
         return current.fetchone()
-
-
-def _direct(wrapper: Any, connection: psycopg.Connection[Any]) -> _Direct:
-    """The Django connection's ``_Direct`` for its current psycopg connection."""
-    state: _Direct | None = getattr(wrapper, _DIRECT, None)
-    if state is None or state.connection is not connection:
-        state = _Direct(connection)
-        setattr(wrapper, _DIRECT, state)
-    return state
-
-
-# The attribute of a Django DatabaseWrapper that holds its _Direct (as _HELD
-# holds its cursor): replaced when the wrapper connects again.
-_DIRECT = "_awa_direct"
-
-
-class _Direct:
-    """Statements that are their own transaction, sent with libpq's ``PQexecPrepared``.
-
-    A psycopg cursor's execute spends about 40 µs of Python per statement
-    (query conversion, its prepared-statement cache, adaptation, its wait
-    loop), an eighth of a one-job enqueue with its commit's disk flush. Here
-    the parameters go as text, each statement is prepared under its own name
-    once per connection (planned afresh, the enqueue INSERT cost 100 µs
-    more), and the row is read with the connection's loaders. The server
-    infers each parameter's type from the statement, so every parameter must
-    be cast there or go straight into a column.
-
-    Only outside a transaction: psycopg deallocates every prepared statement
-    of the connection when it rolls back (or sees DEALLOCATE ALL), and a
-    statement found missing would fail the caller's transaction. On its own
-    it has failed nothing yet, and is prepared and run again.
-    """
-
-    def __init__(self, connection: psycopg.Connection[Any]) -> None:
-        self.connection = connection
-        self.encoding = connection.info.encoding
-        self.prepared: set[bytes] = set()
-        self.transformers: dict[bool, Transformer] = {}
-
-    def fetch_one(
-        self, statement: str, params: Mapping[str, Any], utc: bool
-    ) -> tuple[Any, ...] | None:
-        plan = _plan(statement)
-        encoding = self.encoding
-        values = [_text(params[name], encoding) for name in plan.names]
-        pgconn = self.connection.pgconn
-        with self.connection.lock:
-            if plan.name not in self.prepared:
-                self._prepare(plan)
-            result = pgconn.exec_prepared(plan.name, values)
-            if _sqlstate(result) == _MISSING_STATEMENT:
-                self.prepared.discard(plan.name)
-                self._prepare(plan)
-                result = pgconn.exec_prepared(plan.name, values)
-        if result.status != ExecStatus.TUPLES_OK:
-            raise self._error(result)
-        if not result.ntuples:
-            return None
-        transformer = self.transformers.get(utc)
-        if transformer is None:
-            # A cursor only as the loaders' context: the connection's
-            # adapters, with psycopg's own timestamptz loader where it is right.
-            transformer = self.transformers[utc] = Transformer(_open(self.connection, utc))
-        transformer.set_pgresult(result)
-        return transformer.load_row(0, tuple)
-
-    def _prepare(self, plan: _Plan) -> None:
-        result = self.connection.pgconn.prepare(plan.name, plan.text)
-        # Already there: prepared before this state was made, under a name
-        # that is the statement's own.
-        if result.status != ExecStatus.COMMAND_OK and _sqlstate(result) != _DUPLICATE_STATEMENT:
-            raise self._error(result)
-        self.prepared.add(plan.name)
-
-    def _error(self, result: psycopg.pq.abc.PGresult) -> psycopg.Error:
-        """The error psycopg raises for ``result``; OperationalError if the connection is lost."""
-        if self.connection.pgconn.status == ConnStatus.BAD:
-            message = result.error_message.decode(self.encoding, "replace").strip()
-            return psycopg.OperationalError(message or "the connection is lost")
-        return psycopg.errors.error_from_result(result, encoding=self.encoding)
 
 
 class _Plan:
