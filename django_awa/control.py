@@ -65,7 +65,16 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
             cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(RETRIABLE_STATES)})
             row = cursor.fetchone()
             if row is None:
-                return _get(job_id, alias)
+                job = _get(job_id, alias)
+                if job.state not in RETRIABLE_STATES:
+                    return job
+                # Maintenance moved the row into awa_job_done while this
+                # UPDATE waited for it: the copy there was not yet committed
+                # when the statement began. The next statement sees it.
+                cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(RETRIABLE_STATES)})
+                row = cursor.fetchone()
+                if row is None:
+                    return _get(job_id, alias)
             job = job_from_row(row, alias)
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [job.queue]})
     except IntegrityError as exc:

@@ -4,6 +4,13 @@ Each statement opens with its purpose, the locks it takes and the index it
 uses. Parameters are always bound (``%(name)s``); no SQL is assembled from
 user input. ``JOB_COLUMNS`` is the ``Job`` model's column list, so rows
 returned here can be turned into ``Job`` instances (``models.jobs_from_rows``).
+
+Finished jobs move from ``awa_job`` into its inheritance child
+``awa_job_done`` (migration 0003, ``ARCHIVE_FINISHED``), and a row there is
+always finished. Statements about live jobs (claims, outcomes, heartbeats,
+rescue) therefore read ``ONLY awa_job``; those that may meet a finished job
+(retry, pruning, callbacks answered twice, the admin) name ``awa_job`` and
+read both.
 """
 
 from __future__ import annotations
@@ -107,14 +114,14 @@ NOTIFY_QUEUES = "SELECT pg_notify('awa_job', q) FROM unnest(%(queues)s::text[]) 
 # Deadlines come per kind as a JSON object of seconds, else the default.
 CLAIM = f"""
 WITH picked AS (
-    SELECT id FROM awa_job
+    SELECT id FROM ONLY awa_job
     WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
     ORDER BY priority, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE awa_job AS j
+UPDATE ONLY awa_job AS j
 SET state = 'running',
     attempt = j.attempt + CASE WHEN j.snoozed THEN 0 ELSE 1 END,
     snoozed = false,
@@ -138,7 +145,7 @@ RETURNING {J_JOB_COLUMNS}
 # callback_id is kept only for the waiting_external outcome, whose row must
 # carry the callback id the handler registered.
 _FINALIZE = """
-UPDATE awa_job AS j
+UPDATE ONLY awa_job AS j
 SET state = d.state,
     run_at = CASE WHEN d.delay IS NULL THEN j.run_at
                   ELSE now() + make_interval(secs => d.delay) END,
@@ -168,7 +175,7 @@ FINALIZE = _FINALIZE + "RETURNING j.id"
 # They come as array literals (text) that the server parses, which costs far
 # less than psycopg dumping a list element by element.
 _COMPLETE = """
-UPDATE awa_job AS j
+UPDATE ONLY awa_job AS j
 SET state = 'completed',
     finalized_at = now(),
     snoozed = false,
@@ -192,14 +199,14 @@ FINALIZE_RETURNING_ROWS = _FINALIZE + f"RETURNING {J_JOB_COLUMNS}"
 # statement's snapshot shows them running. Primary key lookups.
 HEARTBEAT = """
 WITH held AS (
-    SELECT j.id FROM awa_job AS j
+    SELECT j.id FROM ONLY awa_job AS j
     JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
       ON j.id = d.id AND j.run_lease = d.run_lease
     WHERE j.state = 'running'
 ),
 beat AS (
-    UPDATE awa_job AS j SET heartbeat_at = now()
-    FROM (SELECT id FROM awa_job WHERE id IN (SELECT id FROM held)
+    UPDATE ONLY awa_job AS j SET heartbeat_at = now()
+    FROM (SELECT id FROM ONLY awa_job WHERE id IN (SELECT id FROM held)
           ORDER BY id FOR UPDATE SKIP LOCKED) AS l
     WHERE j.id = l.id
     RETURNING j.id
@@ -210,7 +217,7 @@ SELECT id FROM held
 # -- SET_PROGRESS --
 # Store the progress reported by running attempts, guarded by (id, run_lease).
 SET_PROGRESS = """
-UPDATE awa_job AS j SET progress = d.progress
+UPDATE ONLY awa_job AS j SET progress = d.progress
 FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(progress)s::jsonb[])
      AS d(id, run_lease, progress)
 WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
@@ -219,7 +226,7 @@ WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
 # -- REGISTER_CALLBACK --
 # A running attempt registers the callback id an outside system will answer.
 REGISTER_CALLBACK = """
-UPDATE awa_job
+UPDATE ONLY awa_job
 SET callback_id = %(callback_id)s,
     callback_timeout_at = now() + make_interval(secs => %(timeout)s)
 WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
@@ -231,13 +238,13 @@ RETURNING id
 # Index: awa_job_due_idx (run_at) WHERE state IN ('scheduled', 'retryable').
 PROMOTE_DUE = """
 WITH due AS (
-    SELECT id FROM awa_job
+    SELECT id FROM ONLY awa_job
     WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
     ORDER BY run_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE awa_job AS j SET state = 'available'
+UPDATE ONLY awa_job AS j SET state = 'available'
 FROM due WHERE j.id = due.id
 RETURNING j.queue
 """
@@ -252,15 +259,15 @@ RETURNING j.queue
 # Indexes: awa_job_running_idx, awa_job_deadline_idx, awa_job_callback_idx.
 RESCUE = f"""
 WITH candidates AS (
-    (SELECT id, 'stale_heartbeat' AS reason, 1 AS rank FROM awa_job
+    (SELECT id, 'stale_heartbeat' AS reason, 1 AS rank FROM ONLY awa_job
      WHERE state = 'running' AND heartbeat_at < now() - make_interval(secs => %(stale_after)s)
      LIMIT %(limit)s)
     UNION ALL
-    (SELECT id, 'deadline_exceeded', 2 FROM awa_job
+    (SELECT id, 'deadline_exceeded', 2 FROM ONLY awa_job
      WHERE state = 'running' AND deadline_at < now()
      LIMIT %(limit)s)
     UNION ALL
-    (SELECT id, 'callback_timeout', 3 FROM awa_job
+    (SELECT id, 'callback_timeout', 3 FROM ONLY awa_job
      WHERE state = 'waiting_external' AND callback_timeout_at < now()
      LIMIT %(limit)s)
 ),
@@ -270,7 +277,7 @@ victims AS (
 locked AS (
     -- Re-checked on the locked row version: a heartbeat or finalize that
     -- committed since the scan keeps the job out.
-    SELECT j.id FROM awa_job AS j
+    SELECT j.id FROM ONLY awa_job AS j
     WHERE j.id IN (SELECT id FROM victims)
       AND ((j.state = 'running'
             AND (j.heartbeat_at < now() - make_interval(secs => %(stale_after)s)
@@ -278,7 +285,7 @@ locked AS (
            OR (j.state = 'waiting_external' AND j.callback_timeout_at < now()))
     FOR UPDATE SKIP LOCKED
 )
-UPDATE awa_job AS j
+UPDATE ONLY awa_job AS j
 SET state = CASE WHEN j.attempt >= j.max_attempts THEN 'failed' ELSE 'retryable' END,
     finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN now() END,
     run_at = CASE WHEN j.attempt >= j.max_attempts THEN j.run_at
@@ -306,12 +313,12 @@ RETURNING v.reason, {J_JOB_COLUMNS}
 _AGED = """greatest(1, coalesce((metadata ->> 'awa_original_priority')::int, priority)
                   - floor(extract(epoch FROM now() - run_at) / %(interval)s)::int)"""
 AGE_PRIORITIES = f"""
-UPDATE awa_job
+UPDATE ONLY awa_job
 SET metadata = CASE WHEN metadata ? 'awa_original_priority' THEN metadata
                     ELSE metadata || jsonb_build_object('awa_original_priority', priority) END,
     priority = {_AGED}
 WHERE id IN (
-    SELECT id FROM awa_job
+    SELECT id FROM ONLY awa_job
     WHERE state = 'available' AND priority > 1
       AND run_at < now() - make_interval(secs => %(interval)s)
       AND priority > {_AGED}
@@ -331,6 +338,29 @@ DELETE FROM awa_job WHERE id IN (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
+"""
+
+# -- ARCHIVE_FINISHED --
+# Move a batch of finished rows from awa_job into awa_job_done, so awa_job
+# holds live jobs and new ones land in pages VACUUM emptied. A row that holds
+# its unique key stays: the unique index awa_job_unique_idx is on awa_job
+# alone. Rows locked by anyone (an operator retrying one) are left for the
+# next batch. Columns go by position: the child inherits awa_job's columns,
+# including any added later, in awa_job's order.
+# Index: awa_job_archive_idx (id), partial on this WHERE clause: finished rows
+# that hold their key are not in it, so no tick walks past them again.
+ARCHIVE_FINISHED = """
+WITH moved AS (
+    DELETE FROM ONLY awa_job WHERE id IN (
+        SELECT id FROM ONLY awa_job
+        WHERE state IN ('completed', 'failed', 'cancelled')
+          AND (unique_key IS NULL OR NOT coalesce(unique_states ? state, false))
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING *
+)
+INSERT INTO awa_job_done SELECT * FROM moved
 """
 
 # -- AUTOVACUUM_STATE --
@@ -367,11 +397,11 @@ SELECT queue, state, count(*) FROM awa_job GROUP BY queue, state
 # previous state, so a running attempt can be told through NOTIFY awa_cancel.
 CANCEL_JOB = f"""
 WITH old AS (
-    SELECT id, state FROM awa_job
+    SELECT id, state FROM ONLY awa_job
     WHERE id = %(id)s AND state = ANY(%(states)s::text[])
     FOR UPDATE
 )
-UPDATE awa_job AS j
+UPDATE ONLY awa_job AS j
 SET state = 'cancelled', finalized_at = now(),
     errors = j.errors || jsonb_build_array(jsonb_build_object(
         'attempt', j.attempt, 'at', now(), 'error', %(error)s::text, 'traceback', '')),
@@ -470,13 +500,19 @@ WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
 # ==== The admin (admin.py) ====
 
 # -- TABLE_BYTES --
-# The size of awa_job's heap, from the catalog.
-TABLE_BYTES = "SELECT pg_relation_size('awa_job'::regclass)"
+# The size of the heaps of awa_job and its finished rows (awa_job_done), from
+# the catalog.
+_JOB_TABLES = "('awa_job'::regclass, to_regclass('awa_job_done'))"
+TABLE_BYTES = f"SELECT sum(pg_relation_size(oid))::bigint FROM pg_class WHERE oid IN {_JOB_TABLES}"
 
 
 # -- ESTIMATED_ROWS --
-# The planner's row estimate for awa_job (-1 before the first ANALYZE).
-ESTIMATED_ROWS = "SELECT reltuples::bigint FROM pg_class WHERE oid = 'awa_job'::regclass"
+# The planner's row estimate for awa_job and awa_job_done together (-1 while
+# neither has been analyzed; one never analyzed counts as empty).
+ESTIMATED_ROWS = f"""
+SELECT CASE WHEN max(reltuples) < 0 THEN -1 ELSE sum(greatest(reltuples, 0)) END::bigint
+FROM pg_class WHERE oid IN {_JOB_TABLES}
+"""
 
 
 # -- DISTINCT_QUEUES --
@@ -495,9 +531,9 @@ DISTINCT_KINDS = "SELECT DISTINCT kind FROM awa_job LIMIT %(limit)s"
 # one index probe per queue.
 AVAILABLE_QUEUES = """
 WITH RECURSIVE queues(queue, n) AS (
-    (SELECT queue, 1 FROM awa_job WHERE state = 'available' ORDER BY queue LIMIT 1)
+    (SELECT queue, 1 FROM ONLY awa_job WHERE state = 'available' ORDER BY queue LIMIT 1)
     UNION ALL
-    SELECT (SELECT j.queue FROM awa_job AS j
+    SELECT (SELECT j.queue FROM ONLY awa_job AS j
             WHERE j.state = 'available' AND j.queue > queues.queue
             ORDER BY j.queue LIMIT 1),
            queues.n + 1
@@ -515,7 +551,8 @@ SAMPLED_VALUES = """
 SELECT unnest(coalesce(most_common_vals::text::text[], '{}')
               || coalesce(histogram_bounds::text::text[], '{}'))
 FROM pg_stats
-WHERE schemaname = current_schema() AND tablename = 'awa_job' AND attname = %(column)s
+WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
+  AND attname = %(column)s
 """
 
 # -- PREPARED --

@@ -1,0 +1,338 @@
+"""Finished jobs move into awa_job_done, and every query on awa_job still sees them.
+
+Maintenance moves finished rows out of the table new jobs are written to
+(migration 0003); these tests check that nothing about a job changes for
+whoever reads, retries, prunes or follows it there.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import psycopg
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection, connections, transaction
+from django.forms.models import model_to_dict
+from django.urls import reverse
+from django.utils import timezone
+
+import django_awa as awa
+from django_awa import sql
+from django_awa.claim import claim
+from django_awa.maintenance import ARCHIVE_BATCH, Maintenance
+from django_awa.models import Job, JobState
+from tests.conftest import make_job, wait_for
+from tests.testapp.jobs import Act, Echo
+
+ago = lambda **kw: timezone.now() - dt.timedelta(**kw)  # noqa: E731
+
+
+def table_of(job_id: int) -> str:
+    """The table that physically holds the row: awa_job or awa_job_done."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tableoid::regclass::text FROM awa_job WHERE id = %s", [job_id])
+        rows = cursor.fetchall()
+    assert len(rows) == 1, f"job {job_id} is in {len(rows)} places"
+    return rows[0][0]
+
+
+def finished(state: str = JobState.COMPLETED, **fields) -> Job:
+    fields.setdefault("finalized_at", timezone.now())
+    fields.setdefault("attempt", 1)
+    return make_job(state=state, **fields)
+
+
+@pytest.mark.django_db
+def test_finished_rows_move_and_read_back_unchanged():
+    done = finished(errors=[{"attempt": 1, "at": "x", "error": "e", "traceback": ""}])
+    failed = finished(JobState.FAILED, metadata={"k": [1, 2]}, tags=["t"])
+    cancelled = finished(JobState.CANCELLED, progress={"percent": 50})
+    live = {
+        state: make_job(state=state, heartbeat_at=timezone.now())
+        for state in (
+            JobState.SCHEDULED,
+            JobState.AVAILABLE,
+            JobState.RUNNING,
+            JobState.RETRYABLE,
+            JobState.WAITING_EXTERNAL,
+        )
+    }
+    before = {job.id: model_to_dict(Job.objects.get(id=job.id)) for job in Job.objects.all()}
+
+    assert Maintenance().archive() == 3
+    for job in (done, failed, cancelled):
+        assert table_of(job.id) == "awa_job_done"
+    for job in live.values():
+        assert table_of(job.id) == "awa_job"
+    after = {job.id: model_to_dict(job) for job in Job.objects.all()}
+    assert after == before
+    assert Job.objects.filter(state=JobState.FAILED).get().id == failed.id
+    assert Maintenance().archive() == 0  # nothing left to move
+
+
+@pytest.mark.django_db
+def test_archive_works_in_batches(monkeypatch):
+    monkeypatch.setattr("django_awa.maintenance.ARCHIVE_BATCH", 3)
+    jobs = [finished() for _ in range(8)]
+    assert ARCHIVE_BATCH > 3  # the real batch is larger; this test makes it small
+    assert Maintenance().archive() == 8
+    assert {table_of(job.id) for job in jobs} == {"awa_job_done"}
+
+
+@pytest.mark.django_db
+def test_a_column_added_to_awa_job_moves_with_the_row():
+    # What a later migration (or a user's own column) adds to awa_job, the
+    # child gets too, and a moved row keeps its value.
+    job = finished()
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE awa_job ADD COLUMN shard text")
+        cursor.execute("UPDATE awa_job SET shard = 'eu' WHERE id = %s", [job.id])
+        Maintenance().archive()
+        cursor.execute("SELECT shard FROM ONLY awa_job_done WHERE id = %s", [job.id])
+        assert cursor.fetchone() == ("eu",)
+
+
+@pytest.mark.django_db
+def test_retrying_a_moved_job_brings_it_back_to_be_claimed():
+    job = finished(JobState.FAILED, attempt=3, max_attempts=3)
+    Maintenance().archive()
+    assert table_of(job.id) == "awa_job_done"
+
+    retried = awa.retry(job.id)
+    assert retried.state == JobState.AVAILABLE and retried.attempt == 0
+    assert table_of(job.id) == "awa_job"
+    # The claim reads only awa_job: it finds the job there.
+    assert [j.id for j in claim("default", 5, "default")] == [job.id]
+
+
+@pytest.mark.django_db
+def test_any_update_that_makes_a_moved_job_live_moves_it_back():
+    by_update = finished(JobState.CANCELLED)
+    by_save = finished(JobState.FAILED)
+    stays = finished()
+    Maintenance().archive()
+
+    assert Job.objects.filter(id=by_update.id).update(state=JobState.AVAILABLE) == 1
+    row = Job.objects.get(id=by_save.id)
+    row.state = JobState.SCHEDULED
+    row.run_at = ago(seconds=1)
+    row.save()  # an UPDATE that matches the row: no second INSERT
+    assert Job.objects.filter(id=stays.id).update(metadata={"note": "seen"}) == 1
+
+    assert table_of(by_update.id) == "awa_job"
+    assert table_of(by_save.id) == "awa_job"
+    assert table_of(stays.id) == "awa_job_done"  # still finished: stays where it is
+    assert Job.objects.get(id=stays.id).metadata == {"note": "seen"}
+    assert Maintenance().promote() == {"default"}
+    assert {j.id for j in claim("default", 5, "default")} == {by_update.id, by_save.id}
+
+
+@pytest.mark.django_db
+def test_a_moved_row_that_turns_live_inside_a_rolled_back_transaction_stays_moved():
+    job = finished(JobState.FAILED)
+    Maintenance().archive()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        awa.retry(job.id)
+        assert table_of(job.id) == "awa_job"
+        raise RuntimeError("changed my mind")
+    assert table_of(job.id) == "awa_job_done"
+    assert Job.objects.get(id=job.id).state == JobState.FAILED
+
+
+@pytest.mark.django_db
+def test_a_job_holding_its_unique_key_is_not_moved():
+    holder = awa.enqueue(Echo(n=1), unique=awa.Unique())
+    free = awa.enqueue(Echo(n=2), unique=awa.Unique(states=("available", "running")))
+    Job.objects.filter(id__in=[holder.id, free.id]).update(
+        state=JobState.COMPLETED, finalized_at=timezone.now()
+    )
+    assert Maintenance().archive() == 1
+    assert table_of(holder.id) == "awa_job"  # completed still holds its key
+    assert table_of(free.id) == "awa_job_done"
+    with pytest.raises(awa.UniqueConflict):
+        awa.enqueue(Echo(n=1), unique=awa.Unique())
+    again = awa.enqueue(Echo(n=2), unique=awa.Unique(states=("available", "running")))
+    assert again.id != free.id
+
+
+@pytest.mark.django_db
+def test_prune_lineage_and_stats_reach_moved_rows(settings):
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
+    trigger = finished()
+    followup = finished(metadata={"awa_trigger": {"job_id": trigger.id, "kind": "act"}})
+    old = finished(finalized_at=ago(seconds=120))
+    maintenance = Maintenance()
+    maintenance.archive()
+    assert {table_of(j.id) for j in (trigger, followup, old)} == {"awa_job_done"}
+
+    assert [j.id for j in Job.objects.get(id=trigger.id).followups()] == [followup.id]
+    assert Job.objects.get(id=followup.id).trigger().id == trigger.id
+    assert awa.queue_stats()["default"]["completed"] == 3
+    assert maintenance.prune() == 1
+    assert not Job.objects.filter(id=old.id).exists()
+
+
+@pytest.mark.django_db
+def test_statements_about_live_jobs_read_awa_job_alone():
+    # The claim and the heartbeat never read the finished rows; the same
+    # statements without ONLY would.
+    finished()
+    Maintenance().archive()
+    awa.enqueue(Act(action="ok"))
+    values = {
+        "%(queue)s": "'default'",
+        "%(limit)s": "10",
+        "%(deadlines)s": "'{}'",
+        "%(default_deadline)s": "900",
+        "%(id)s": "'{1}'",
+        "%(run_lease)s": "'{1}'",
+    }
+
+    def plan(statement: str) -> str:
+        for placeholder, value in values.items():
+            statement = statement.replace(placeholder, value)
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN " + statement)
+            return "\n".join(row[0] for row in cursor.fetchall())
+
+    for statement in (sql.CLAIM, sql.HEARTBEAT, sql.COMPLETE, sql.RESCUE, sql.PROMOTE_DUE):
+        if "%(stale_after)s" in statement:
+            statement = statement.replace("%(stale_after)s", "30")
+        assert "awa_job_done" not in plan(statement), statement
+        assert "awa_job_done" in plan(statement.replace("ONLY awa_job", "awa_job")), statement
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_moves_what_it_finished(start_worker):
+    jobs = [awa.enqueue(Act(action="ok")) for _ in range(5)]
+    waiting = awa.enqueue(Act(action="ok"), run_at=timezone.now() + dt.timedelta(hours=1))
+    start_worker("--queue", "default")
+    wait_for(
+        lambda: Job.objects.filter(state=JobState.COMPLETED).count() == 5,
+        message="five jobs completed",
+    )
+    wait_for(
+        lambda: {table_of(job.id) for job in jobs} == {"awa_job_done"},
+        message="the completed jobs moved to awa_job_done",
+    )
+    assert table_of(waiting.id) == "awa_job"
+    assert all(
+        j.state == JobState.COMPLETED for j in Job.objects.filter(id__in=[j.id for j in jobs])
+    )
+
+
+@pytest.mark.django_db
+def test_retrying_a_moved_job_whose_key_is_taken_changes_nothing():
+    # The key is not held while failed, so the row moved; a new job took the
+    # key meanwhile. The retry is refused, and the row stays where it was.
+    job = awa.enqueue(Echo(n=7), unique=awa.Unique())
+    Job.objects.filter(id=job.id).update(state=JobState.FAILED, finalized_at=timezone.now())
+    Maintenance().archive()
+    assert table_of(job.id) == "awa_job_done"
+    awa.enqueue(Echo(n=7), unique=awa.Unique())
+    with pytest.raises(awa.UniqueConflict):
+        awa.retry(job.id)
+    assert table_of(job.id) == "awa_job_done"
+    assert Job.objects.get(id=job.id).state == JobState.FAILED
+
+
+class MoveInFlight:
+    """Maintenance's move of finished rows, begun in a session of its own and held
+    uncommitted, so an operator's statement can be made to wait on its row locks."""
+
+    def __init__(self) -> None:
+        self.conn = psycopg.connect(**connection.get_connection_params())
+        self.conn.execute(sql.ARCHIVE_FINISHED, {"limit": 100})
+
+    def commit_once_waited_on(self) -> None:
+        # Asked from outside the move's transaction, which would see one
+        # snapshot of pg_stat_activity throughout.
+        def waiting() -> int:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+                return cursor.fetchone()[0]
+
+        try:
+            wait_for(waiting, message="a statement waiting on the move's row locks")
+            self.conn.commit()
+        finally:
+            self.conn.close()
+
+
+def in_thread(target):
+    """Run ``target`` on a thread (its own database connection); returns a join function."""
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = target()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            result["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+
+    def join():
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    return join
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_retry_that_waited_on_the_move_still_retries():
+    job = finished(JobState.FAILED)
+    move = MoveInFlight()
+    retried = in_thread(lambda: awa.retry(job.id))
+    move.commit_once_waited_on()
+    assert retried().state == JobState.AVAILABLE
+    assert table_of(job.id) == "awa_job"
+    assert Job.objects.get(id=job.id).state == JobState.AVAILABLE
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_discard_that_waited_on_the_move_still_deletes(client):
+    doomed = finished(JobState.CANCELLED)
+    kept = finished(JobState.CANCELLED)
+    client.force_login(User.objects.create_superuser("admin", "a@example.com", password=None))
+    move = MoveInFlight()
+    response = in_thread(
+        lambda: client.post(
+            reverse("admin:django_awa_job_changelist"),
+            {"action": "discard_jobs", "_selected_action": [doomed.id], "confirm": "yes"},
+            follow=True,
+        )
+    )
+    move.commit_once_waited_on()
+    assert "Discarded 1 job." in response().content.decode()
+    assert not Job.objects.filter(id=doomed.id).exists()
+    assert table_of(kept.id) == "awa_job_done"
+
+
+@pytest.mark.django_db
+def test_the_move_reads_an_index_of_its_candidates_only():
+    # Finished jobs that hold their unique key stay in awa_job for their whole
+    # retention; the move finds its rows without walking past them each tick.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO awa_job (kind, queue, args, state, finalized_at, unique_key,"
+            " unique_states) SELECT 'echo', 'default', '{}', 'completed', now(), 'k' || g,"
+            " '[\"completed\"]' FROM generate_series(1, 20000) AS g"
+        )
+        cursor.execute("ANALYZE awa_job")
+        cursor.execute("EXPLAIN " + sql.ARCHIVE_FINISHED, {"limit": ARCHIVE_BATCH})
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "awa_job_archive_idx" in plan, plan
+    candidate = finished()
+    assert Maintenance().archive() == 1
+    assert table_of(candidate.id) == "awa_job_done"
