@@ -7,12 +7,14 @@ A fresh database ``awa_sustained_run`` on 127.0.0.1 (``djbench.settings_awa``),
 one default worker (``python -m django awa_worker --queue bench``) and one
 producer process enqueueing no-op jobs with awa.enqueue_many in batches of
 --batch, paced at --rate jobs/s (--rate 0: as fast as it can), for --minutes.
-Completed rows stay (COMPLETED_RETENTION is a day), so the table grows all run
-long and every job leaves dead row versions behind (insert, claim, finalize).
+Completed rows stay (COMPLETED_RETENTION is a day): the worker's maintenance
+moves them into awa_job_done, which grows all run long, and every job leaves
+dead row versions behind in awa_job (insert, claim, finalize, the move).
 
 Every --interval seconds it prints a row: jobs enqueued/s and completed/s in
 that interval, the backlog, n_live_tup / n_dead_tup and the autovacuum count of
-awa_job (pg_stat_user_tables), the table and claim-index sizes, the worker
+awa_job (pg_stat_user_tables), the table and claim-index sizes, the size of
+awa_job_done (the finished rows, with their indexes and TOAST), the worker
 process tree's RSS (from /proc; the interval's largest sample and the kernel's
 high-water mark), and EXPLAIN (ANALYZE, BUFFERS) of the claim statement with
 the parameters claim() sends (in a transaction that is rolled back). At the end
@@ -220,11 +222,12 @@ class Sampler:
             row["vacuum_count"],
         ) = stats
         row["last_autovacuum"] = last_autovacuum.isoformat() if last_autovacuum else None
-        table, claim_idx, total = conn.execute(
+        table, claim_idx, total, done = conn.execute(
             "SELECT pg_relation_size('awa_job'), pg_relation_size('awa_job_claim_idx'),"
-            " pg_total_relation_size('awa_job')"
+            " pg_total_relation_size('awa_job'), pg_total_relation_size('awa_job_done')"
         ).fetchone()
         row["table_bytes"], row["claim_idx_bytes"], row["total_bytes"] = table, claim_idx, total
+        row["done_bytes"] = done
         if self.explain:
             from django_awa import sql
 
@@ -258,6 +261,7 @@ COLUMNS = [
     ("autovac", 7, lambda r: f"{r['autovacuum_count']}"),
     ("table MB", 8, lambda r: f"{r['table_bytes'] / 2**20:,.0f}"),
     ("claim idx kB", 12, lambda r: f"{r['claim_idx_bytes'] / 2**10:,.0f}"),
+    ("done MB", 7, lambda r: f"{r['done_bytes'] / 2**20:,.0f}"),
     ("RSS MB", 7, lambda r: f"{r['rss'] / 2**20:,.1f}"),
     ("max MB", 7, lambda r: f"{r['rss_max'] / 2**20:,.1f}"),
     ("HWM MB", 7, lambda r: f"{r['hwm'] / 2**20:,.1f}"),
@@ -644,7 +648,8 @@ def main(argv: list[str]) -> int:
             out(line)
     out(
         "Columns: enq/s from the job id sequence; done/s from finalized_at of completed rows; "
-        "backlog = available jobs; n_live/n_dead/autovac from pg_stat_user_tables; RSS of the "
+        "backlog = available jobs; n_live/n_dead/autovac of awa_job from pg_stat_user_tables; "
+        "done MB = awa_job_done, the finished rows, in all; RSS of the "
         "worker process tree from /proc (RSS now, largest 1 s sample in the interval, VmHWM); "
         "claim ms/bufs = EXPLAIN (ANALYZE, BUFFERS) of sql.CLAIM, rolled back (idx bufs: its "
         "awa_job_claim_idx scan)."
