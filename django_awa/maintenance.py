@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.db import DatabaseError, connections, transaction
 from django.db.models import F
@@ -35,6 +35,14 @@ PRUNE_EVERY = 60.0
 # moves up to 100,000 rows, more than a worker here finishes in a second.
 ARCHIVE_BATCH = 5000
 ARCHIVE_ROUNDS = 20
+# A tick reads only the rows finished since the last pass that moved all it
+# found, less ARCHIVE_MARGIN seconds: an outcome's transaction stamps
+# finalized_at when it begins and commits a little later. Every
+# ARCHIVE_SWEEP_EVERY seconds a pass reads every finished row, for outcomes
+# whose transaction ran longer than the margin (an atomic handler, a callback
+# resolved inside a long transaction).
+ARCHIVE_MARGIN = 60.0
+ARCHIVE_SWEEP_EVERY = 60.0
 
 
 class Maintenance:
@@ -47,6 +55,8 @@ class Maintenance:
         self.lock_alias = self.conf.direct_database
         self._last_full = 0.0
         self._last_prune = 0.0
+        self._archived_since: datetime | None = None  # see archive()
+        self._last_sweep = 0.0
 
     # -- leadership --------------------------------------------------------------
 
@@ -143,16 +153,29 @@ class Maintenance:
         ``awa_job`` then holds live jobs (and finished ones that hold a unique
         key), so new jobs land in the pages VACUUM emptied rather than among
         millions of finished rows. Queries on ``awa_job`` still see the moved
-        rows: ``awa_job_done`` inherits from it (migration 0003).
+        rows: ``awa_job_done`` inherits from it (migration 0003). Between
+        sweeps, only rows finished since the last complete pass are read.
         """
+        started = time.monotonic()
+        sweep = self._archived_since is None or started - self._last_sweep >= ARCHIVE_SWEEP_EVERY
         total = 0
-        for _ in range(ARCHIVE_ROUNDS):
-            with connections[self.alias].cursor() as cursor:
-                cursor.execute(sql.ARCHIVE_FINISHED, {"limit": ARCHIVE_BATCH})
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.ARCHIVE_WATERMARK, {"margin": ARCHIVE_MARGIN})
+            watermark = cursor.fetchone()[0]
+            for _ in range(ARCHIVE_ROUNDS):
+                if sweep:
+                    cursor.execute(sql.ARCHIVE_FINISHED, {"limit": ARCHIVE_BATCH})
+                else:
+                    cursor.execute(
+                        sql.ARCHIVE_SINCE, {"limit": ARCHIVE_BATCH, "since": self._archived_since}
+                    )
                 moved = cursor.rowcount
-            total += moved
-            if moved < ARCHIVE_BATCH:
-                break
+                total += moved
+                if moved < ARCHIVE_BATCH:  # all it found: the next pass may start later
+                    self._archived_since = watermark
+                    if sweep:
+                        self._last_sweep = started
+                    break
         if total:
             logger.debug("moved %s finished job(s) to awa_job_done", total)
         return total

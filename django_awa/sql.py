@@ -346,15 +346,17 @@ DELETE FROM awa_job WHERE id IN (
 # its unique key stays: the unique index awa_job_unique_idx is on awa_job
 # alone. Rows locked by anyone (an operator retrying one) are left for the
 # next batch. Columns go by position: the child inherits awa_job's columns,
-# including any added later, in awa_job's order.
-# Index: awa_job_archive_idx (id), partial on this WHERE clause: finished rows
-# that hold their key are not in it, so no tick walks past them again.
-ARCHIVE_FINISHED = """
+# including any added later, in awa_job's order. ARCHIVE_SINCE looks only at
+# rows finished from %(since)s on.
+# Index: awa_job_archive_idx (finalized_at), partial on this WHERE clause:
+# finished rows that hold their key are not in it, and the entries of rows
+# already moved (dead until VACUUM) lie before %(since)s.
+_ARCHIVE = """
 WITH moved AS (
     DELETE FROM ONLY awa_job WHERE id IN (
         SELECT id FROM ONLY awa_job
         WHERE state IN ('completed', 'failed', 'cancelled')
-          AND (unique_key IS NULL OR NOT coalesce(unique_states ? state, false))
+          AND (unique_key IS NULL OR NOT coalesce(unique_states ? state, false)){since}
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     )
@@ -362,6 +364,13 @@ WITH moved AS (
 )
 INSERT INTO awa_job_done SELECT * FROM moved
 """
+ARCHIVE_FINISHED = _ARCHIVE.format(since="")
+ARCHIVE_SINCE = _ARCHIVE.format(since="\n          AND finalized_at >= %(since)s")
+
+# -- ARCHIVE_WATERMARK --
+# The database clock, less a margin: after a pass that moved every finished
+# row it found, rows finished before this are behind ARCHIVE_SINCE's bound.
+ARCHIVE_WATERMARK = "SELECT now() - make_interval(secs => %(margin)s)"
 
 # -- AUTOVACUUM_STATE --
 # Whether autovacuum will visit awa_job: on for the server, and not turned off

@@ -336,3 +336,19 @@ def test_the_move_reads_an_index_of_its_candidates_only():
     candidate = finished()
     assert Maintenance().archive() == 1
     assert table_of(candidate.id) == "awa_job_done"
+
+
+@pytest.mark.django_db
+def test_between_sweeps_a_tick_reads_only_rows_finished_since_the_last(monkeypatch):
+    maintenance = Maintenance()
+    assert maintenance.archive() == 0  # the first pass is a sweep; it sets the bound
+    recent = finished()
+    # Finished (by its transaction's clock) long before the bound, committed only now:
+    # an atomic handler's transaction that ran for hours, say.
+    straggler = finished(finalized_at=ago(hours=2))
+    assert maintenance.archive() == 1
+    assert table_of(recent.id) == "awa_job_done"
+    assert table_of(straggler.id) == "awa_job"
+    monkeypatch.setattr("django_awa.maintenance.ARCHIVE_SWEEP_EVERY", 0.0)
+    assert maintenance.archive() == 1  # the sweep finds it
+    assert table_of(straggler.id) == "awa_job_done"

@@ -55,6 +55,7 @@ from django.db.migrations.loader import MigrationLoader
 from django.db.models.functions import Now
 from psycopg import sql as pgsql
 
+from django_awa import sql
 from stress import audit
 from tests.conftest import ROOT, WorkerProcess, wait_for
 
@@ -313,6 +314,13 @@ class Upgrade:
             )
         ]
 
+    def move_finished(self) -> int:
+        """Move finished rows into awa_job_done, as this release's maintenance does."""
+        return self.conn.execute(sql.ARCHIVE_FINISHED, {"limit": 100_000}).rowcount
+
+    def moved(self, ids: list[int]) -> int:
+        return self.value("SELECT count(*) FROM ONLY awa_job_done WHERE id = ANY(%(ids)s)", ids=ids)
+
     def applied(self) -> list[str]:
         return sorted(
             r[0] for r in self.rows("SELECT name FROM django_migrations WHERE app = 'django_awa'")
@@ -440,6 +448,11 @@ def test_previous_release_and_this_one_share_a_live_database(
         db.execute("ALTER TABLE awa_job ADD COLUMN upgrade_probe bigint DEFAULT 0 NOT NULL")
         db.execute("CREATE INDEX CONCURRENTLY awa_job_upgrade_probe ON awa_job (upgrade_probe)")
         probe = db.last_run()
+        # Finished rows move into awa_job_done under both workers, as this release's
+        # maintenance moves them once it leads (here the old worker may still hold the
+        # leader lock); the old release reads and prunes them there, through awa_job.
+        assert db.move_finished() > 0
+        assert db.moved(by_old + by_new) > 0
         # Each release enqueues more, and refuses the other's unique jobs as duplicates.
         c_single, c_mix, c_dupes = old.enqueue(
             singles("C"), mix("C", sleepers=40, delay=2), unique("new")
@@ -517,6 +530,7 @@ def test_previous_release_and_this_one_share_a_live_database(
             "retries new->old": db.handovers(NEW, OLD),
             "given back by old, finished by new": finished_by_new,
             "jobs": db.states(everything),
+            "in awa_job_done": db.moved(everything),
             "seconds": round(time.monotonic() - began, 1),
         }
         print(f"upgrade {PREVIOUS_RELEASE} -> this checkout: {summary}")  # noqa: T201

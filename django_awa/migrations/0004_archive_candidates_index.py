@@ -5,7 +5,10 @@ Each maintenance tick looks for finished rows to move into awa_job_done
 awa_job for as long as their retention lasts; through the index of all
 finished rows (awa_job_finalized_idx), every tick would walk past each of
 them again to find none to move. This partial index holds the rows that may
-move: an entry is added when a job finishes and goes when the row moves.
+move: an entry is added when a job finishes and goes when the row moves. It
+is ordered by ``finalized_at``, so a tick reads only the rows finished since
+the last one: the entries of rows already moved lie before them until VACUUM
+removes them.
 
 Online: built CONCURRENTLY; nothing in 0.1.0 reads it.
 """
@@ -13,7 +16,7 @@ Online: built CONCURRENTLY; nothing in 0.1.0 reads it.
 from django.db import migrations
 
 CREATE = (
-    "CREATE INDEX CONCURRENTLY IF NOT EXISTS awa_job_archive_idx ON awa_job (id) "
+    "CREATE INDEX CONCURRENTLY IF NOT EXISTS awa_job_archive_idx ON awa_job (finalized_at) "
     "WHERE state IN ('completed', 'failed', 'cancelled') "
     "AND (unique_key IS NULL OR NOT coalesce(unique_states ? state, false))"
 )
