@@ -19,9 +19,9 @@ on live jobs read ``ONLY awa_job``. A finished row that holds its unique key
 (``unique_states`` includes its state) is not moved: the unique index lives on
 ``awa_job``.
 
-The new table has every index ``awa_job`` has (those over live states stay
-empty, and cost an insert nothing but their predicate), so any query on the
-two reads the child by index. Online: the table, its indexes and trigger are
+The new table is made ``LIKE awa_job`` with every index ``awa_job`` has
+(those over live states stay empty, and cost an insert nothing but their
+predicate), so any query on the two reads the child by index. Online: the table, its indexes and trigger are
 new and empty; creating a child takes a SHARE UPDATE EXCLUSIVE lock on
 ``awa_job`` for a moment, which conflicts with no read or write. A release
 that knows nothing of the child (0.1.0) keeps working beside this one: its
@@ -35,23 +35,11 @@ FINAL = "('completed', 'failed', 'cancelled')"
 
 CREATE = f"""
 SET LOCAL lock_timeout = '5s';
-CREATE TABLE awa_job_done () INHERITS (awa_job);
-CREATE UNIQUE INDEX awa_job_done_pkey ON awa_job_done (id);
-ALTER TABLE awa_job_done ADD CONSTRAINT awa_job_done_pkey PRIMARY KEY USING INDEX awa_job_done_pkey;
-CREATE INDEX awa_job_done_finalized_idx ON awa_job_done (state, finalized_at)
-    WHERE state IN {FINAL};
-CREATE INDEX awa_job_done_trigger_idx ON awa_job_done (((metadata -> 'awa_trigger') ->> 'job_id'))
-    WHERE metadata ? 'awa_trigger';
-CREATE UNIQUE INDEX awa_job_done_callback_id_uniq ON awa_job_done (callback_id)
-    WHERE callback_id IS NOT NULL;
-CREATE INDEX awa_job_done_claim_idx ON awa_job_done (queue, priority, run_at, id)
-    WHERE state = 'available';
-CREATE INDEX awa_job_done_due_idx ON awa_job_done (run_at)
-    WHERE state IN ('scheduled', 'retryable');
-CREATE INDEX awa_job_done_running_idx ON awa_job_done (heartbeat_at) WHERE state = 'running';
-CREATE INDEX awa_job_done_deadline_idx ON awa_job_done (deadline_at) WHERE state = 'running';
-CREATE INDEX awa_job_done_callback_idx ON awa_job_done (callback_timeout_at)
-    WHERE state = 'waiting_external';
+-- awa_job's columns, defaults, checks and every index (those over live
+-- states stay empty); then the child of awa_job, which its columns match.
+CREATE TABLE awa_job_done
+    (LIKE awa_job INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES);
+ALTER TABLE awa_job_done INHERIT awa_job;
 -- Rows arrive in batches and are only read, retried or pruned: no room for
 -- updates on the page; vacuum after inserts too, so index-only scans hold.
 ALTER TABLE awa_job_done SET (fillfactor = 100, autovacuum_vacuum_insert_scale_factor = 0.05,
