@@ -294,3 +294,31 @@ _DUPLICATE_STATEMENT = b"42P05"  # duplicate_prepared_statement
 
 def _sqlstate(result: psycopg.pq.abc.PGresult) -> bytes | None:
     return result.error_field(DiagnosticField.SQLSTATE)
+
+
+# SQLSTATE classes and codes of errors that say nothing about the statement's
+# data: the connection or server failed, or the statement lost a race. Writing
+# the same thing again later may succeed.
+_TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")  # connection, rollback, resources, operator
+_TRANSIENT_CODES = ("55P03", "25006")  # lock_not_available, read_only_sql_transaction
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether database error ``exc`` may go away when the same work is tried again.
+
+    True for lost connections, shutdowns, deadlocks, serialization failures,
+    lock timeouts and a server in recovery (a failover in progress); False for
+    errors about what was sent (bad data, a constraint, a programming error),
+    which fail the same way every time.
+    """
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, psycopg.Error):
+        cause = cause.__cause__
+    if cause is None:
+        from django.db import InterfaceError, OperationalError
+
+        return isinstance(exc, OperationalError | InterfaceError)
+    state = cause.sqlstate
+    if state is None:  # no server answer: the connection itself failed
+        return isinstance(cause, psycopg.OperationalError | psycopg.InterfaceError)
+    return state.startswith(_TRANSIENT_CLASSES) or state in _TRANSIENT_CODES

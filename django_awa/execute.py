@@ -24,7 +24,17 @@ from .compat import savepoint_create
 from .conf import to_seconds
 from .exceptions import TerminalError, ValidationError
 from .followups import Outcome
-from .kinds import ArgsDecodeError, JobArgs, WorkerSpec, decode_args, registry
+from .kinds import (
+    MAX_ERROR_CHARS,
+    MAX_TRACEBACK_CHARS,
+    ArgsDecodeError,
+    JobArgs,
+    WorkerSpec,
+    decode_args,
+    escape_json,
+    escape_text,
+    registry,
+)
 from .models import Job, JobState
 
 logger = logging.getLogger(__name__)
@@ -36,6 +46,7 @@ MAX_BACKOFF = 86400.0
 
 
 def _seconds(value: float | dt.timedelta, what: str) -> float:
+    """``value`` in seconds, refused (``ValidationError``) if negative or not a duration."""
     try:
         seconds = to_seconds(value)
     except (TypeError, ValueError) as exc:
@@ -45,9 +56,14 @@ def _seconds(value: float | dt.timedelta, what: str) -> float:
     return seconds
 
 
+def _delay(value: float | dt.timedelta) -> float:
+    """A RetryAfter or Snooze delay in seconds, capped at a day (SPEC §5)."""
+    return min(to_seconds(value), MAX_BACKOFF)
+
+
 @dataclass(frozen=True, slots=True)
 class RetryAfter:
-    """Retry after ``seconds`` (or a timedelta); the attempt counts."""
+    """Retry after ``seconds`` (or a timedelta, at most 24 hours); the attempt counts."""
 
     seconds: float | dt.timedelta
 
@@ -57,7 +73,7 @@ class RetryAfter:
 
 @dataclass(frozen=True, slots=True)
 class Snooze:
-    """Run again after ``seconds`` (or a timedelta); no attempt is used."""
+    """Run again after ``seconds`` (or a timedelta, at most 24 hours); no attempt is used."""
 
     seconds: float | dt.timedelta
 
@@ -164,6 +180,11 @@ class JobContext:
             json.dumps(progress, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ValidationError(f"set_progress: metadata is not JSON: {exc}") from exc
+        except RecursionError:
+            raise ValidationError("set_progress: metadata is nested too deeply") from None
+        # Text PostgreSQL cannot hold (NUL, lone surrogates) is kept escaped:
+        # one bad message must not make the batched progress write fail.
+        progress = escape_json(progress)
         self._attempt.progress = progress
         self._attempt.progress_dirty = True
         if self._flush_progress is None:
@@ -239,8 +260,10 @@ class AttemptResult:
     reset_attempts: bool = False
     progress: dict[str, Any] | None = None
     context: dict[str, Any] = field(default_factory=dict)
-    # Set by finalize: the row as it stands after the transition.
+    # Set by finalize: the row as it stands after the transition, or, when it
+    # was not written because another session held the row locked, locked.
     row: Job | None = None
+    locked: bool = False
 
     def params(self) -> dict[str, Any]:
         return {
@@ -261,12 +284,13 @@ def completed(job: Job) -> AttemptResult:
 
 
 def failed_terminally(job: Job, error: str, tb: str = "") -> AttemptResult:
+    error = escape_text(error, MAX_ERROR_CHARS)
     return AttemptResult(
         job=job,
         state=JobState.FAILED,
         outcome=Outcome.EXHAUSTED,
         error=error,
-        traceback=tb,
+        traceback=escape_text(tb, MAX_TRACEBACK_CHARS),
         context={"error": error, "attempt": job.attempt},
     )
 
@@ -275,13 +299,14 @@ def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
     """The handler failed: retry after backoff, or exhaust on the last attempt."""
     if job.attempt >= job.max_attempts:
         return failed_terminally(job, error, tb)
+    error = escape_text(error, MAX_ERROR_CHARS)
     return AttemptResult(
         job=job,
         state=JobState.RETRYABLE,
         outcome=Outcome.RETRIED,
         delay=backoff(job.attempt),
         error=error,
-        traceback=tb,
+        traceback=escape_text(tb, MAX_TRACEBACK_CHARS),
         context={"error": error, "attempt": job.attempt},
     )
 
@@ -306,11 +331,11 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
                 job=job,
                 state=JobState.RETRYABLE,
                 outcome=Outcome.RETRIED,
-                delay=to_seconds(seconds),
+                delay=_delay(seconds),
                 context={"error": "", "attempt": job.attempt},
             )
         case Snooze(seconds=seconds):
-            delay = to_seconds(seconds)
+            delay = _delay(seconds)
             return AttemptResult(
                 job=job,
                 state=JobState.SCHEDULED if delay > 0 else JobState.AVAILABLE,
@@ -318,6 +343,7 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
                 snoozed=True,
             )
         case Cancel(reason=reason):
+            reason = escape_text(str(reason), MAX_ERROR_CHARS)
             return AttemptResult(
                 job=job,
                 state=JobState.CANCELLED,
@@ -338,9 +364,17 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
         case _:
             return errored(
                 job,
-                f"handler returned an unsupported value {value!r}; expected None, "
+                f"handler returned an unsupported value {safe_repr(value)}; expected None, "
                 f"awa.RetryAfter, awa.Snooze, awa.Cancel or awa.WaitForCallback",
             )
+
+
+def safe_repr(value: object) -> str:
+    """``repr(value)``, or a stand-in when its ``__repr__`` itself raises."""
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001 - a handler's object may do anything
+        return f"<{type(value).__qualname__} object (its repr() raised)>"
 
 
 def resolve_handler(job: Job) -> tuple[WorkerSpec, JobArgs] | AttemptResult:

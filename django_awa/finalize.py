@@ -89,11 +89,32 @@ def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[
     with db.cursor(alias) as cursor:
         cursor.execute(statement, params)
         returned = cursor.fetchall()
+        if len(returned) < len(results):
+            _mark_locked(cursor, results, {row[0] for row in returned})
     applied = [by_id[row[0]] for row in returned]
     if rows:
         for result, job in zip(applied, jobs_from_rows(returned, alias), strict=True):
             result.row = job
     return applied
+
+
+def _mark_locked(cursor: db.Cursor, results: Sequence[AttemptResult], written: set[int]) -> None:
+    """Flag the results left out only because another session held their row locked.
+
+    Their attempt still holds the row, so the completer writes them again
+    later; the others left out were stale and are dropped.
+    """
+    missing = [r for r in results if r.job.id not in written]
+    cursor.execute(
+        sql.STILL_HELD,
+        {
+            "id": db.int_array(r.job.id for r in missing),
+            "run_lease": db.int_array(r.job.run_lease for r in missing),
+        },
+    )
+    held = {row[0] for row in cursor.fetchall()}
+    for result in missing:
+        result.locked = result.job.id in held
 
 
 def followup_context(result: AttemptResult) -> dict[str, Any]:

@@ -311,6 +311,47 @@ def check_text(value: str) -> str:
     return value
 
 
+# Text from outside that must be kept, not refused (a handler's error and
+# traceback, a cancel reason, progress), is cut to these many characters.
+MAX_ERROR_CHARS = 10_000
+MAX_TRACEBACK_CHARS = 100_000
+
+
+def escape_text(value: str, limit: int | None = None) -> str:
+    """``value`` as text PostgreSQL can store: NUL written as ``\\x00`` and a
+    lone surrogate as ``\\udc80``, cut to ``limit`` characters with a note.
+
+    For what a handler raises or returns (SPEC §5: stored escaped), where
+    refusing would lose the outcome. User input at enqueue is refused instead
+    (``check_text``).
+    """
+    if "\x00" in value:
+        value = value.replace("\x00", "\\x00")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if limit is not None and len(value) > limit:
+        value = f"{value[:limit]}... ({len(value) - limit} more characters cut)"
+    return value
+
+
+def escape_json(value: Any) -> Any:
+    """JSON ``value`` with every string (and key) passed through ``escape_text``."""
+    match value:
+        case str():
+            return escape_text(value)
+        case dict():
+            return {
+                escape_text(k) if isinstance(k, str) else k: escape_json(v)
+                for k, v in value.items()
+            }
+        case list() | tuple():
+            return [escape_json(item) for item in value]
+        case _:
+            return value
+
+
 def check_storable(value: Any) -> None:
     """``ValueError`` if JSON ``value`` holds text or numbers PostgreSQL's jsonb refuses."""
     match value:

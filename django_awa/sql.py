@@ -140,11 +140,22 @@ RETURNING {J_JOB_COLUMNS}
 # -- FINALIZE --
 # Record the outcomes of attempts, one row each, in one statement. Guarded by
 # (id, run_lease) and state = 'running': a stale attempt (rescued, cancelled,
-# or claimed again) changes nothing and is absent from RETURNING. Primary key
-# lookups only. Error entries are stamped with the database clock.
-# callback_id is kept only for the waiting_external outcome, whose row must
-# carry the callback id the handler registered.
-_FINALIZE = """
+# or claimed again) changes nothing and is absent from RETURNING. Rows another
+# session holds locked (an operator's SELECT ... FOR UPDATE, a heartbeat in
+# flight) are skipped, not waited for, so one locked row never holds back the
+# batch; they are absent from RETURNING too, and STILL_HELD tells them apart
+# from stale ones. Primary key lookups only. Error entries are stamped with
+# the database clock. callback_id is kept only for the waiting_external
+# outcome, whose row must carry the callback id the handler registered.
+_HELD_ROWS = """
+WITH held AS (
+    SELECT j.id FROM ONLY awa_job AS j
+    JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
+      ON j.id = d.id AND j.run_lease = d.run_lease
+    WHERE j.state = 'running'
+    FOR UPDATE OF j SKIP LOCKED
+)"""
+_FINALIZE = f"""{_HELD_ROWS}
 UPDATE ONLY awa_job AS j
 SET state = d.state,
     run_at = CASE WHEN d.delay IS NULL THEN j.run_at
@@ -165,16 +176,18 @@ FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(state)s::text[],
             %(delay)s::float8[], %(error)s::text[], %(traceback)s::text[],
             %(snoozed)s::bool[], %(reset_attempts)s::bool[], %(progress)s::jsonb[])
      AS d(id, run_lease, state, delay, error, traceback, snoozed, reset_attempts, progress)
-WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
+WHERE j.id = d.id AND j.id IN (SELECT id FROM held)
+  AND j.run_lease = d.run_lease AND j.state = 'running'
 """
 FINALIZE = _FINALIZE + "RETURNING j.id"
 
 # -- COMPLETE --
 # FINALIZE for the common batch, where every attempt completed and stores no
-# progress: the same guard and the same columns written, from two arrays.
-# They come as array literals (text) that the server parses, which costs far
-# less than psycopg dumping a list element by element.
-_COMPLETE = """
+# progress: the same guard, the same skipped locks and the same columns
+# written, from two arrays. They come as array literals (text) that the
+# server parses, which costs far less than psycopg dumping a list element by
+# element.
+_COMPLETE = f"""{_HELD_ROWS}
 UPDATE ONLY awa_job AS j
 SET state = 'completed',
     finalized_at = now(),
@@ -183,12 +196,24 @@ SET state = 'completed',
     deadline_at = NULL,
     callback_id = NULL,
     callback_timeout_at = NULL
-FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
-WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
+FROM held
+WHERE j.id = held.id AND j.state = 'running'
 """
 COMPLETE = _COMPLETE + "RETURNING j.id"
 COMPLETE_RETURNING_ROWS = _COMPLETE + f"RETURNING {J_JOB_COLUMNS}"
 FINALIZE_RETURNING_ROWS = _FINALIZE + f"RETURNING {J_JOB_COLUMNS}"
+
+# -- STILL_HELD --
+# Of attempts a FINALIZE or COMPLETE left out, those whose row is still
+# running this attempt: another session held it locked, and the outcome is
+# written again later. The others were stale. No lock taken; primary key
+# lookups.
+STILL_HELD = """
+SELECT j.id FROM ONLY awa_job AS j
+JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
+  ON j.id = d.id AND j.run_lease = d.run_lease
+WHERE j.state = 'running'
+"""
 
 # -- HEARTBEAT --
 # Mark this worker's running attempts alive and report which are still held:

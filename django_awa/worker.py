@@ -31,6 +31,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
@@ -65,6 +66,8 @@ GATHER_SECONDS = 0.005
 # batch pays a BEGIN, a savepoint, a COPY, a NOTIFY and a COMMIT: 1,000
 # drained jobs with follow-ups about 7% faster than 500 here.
 FINALIZE_BATCH_SIZE = 1000
+# Seconds before writing again an outcome whose row another session held locked.
+LOCKED_RETRY = 0.5
 INTERRUPTED = "interrupted: the worker shut down before the attempt finished"
 _WAKE = 0  # not a signal: stop() wakes the main thread with it
 
@@ -497,39 +500,123 @@ class Worker:
     # -- completer: batched finalize --------------------------------------------
 
     def _complete(self) -> None:
-        backoff = Backoff()
+        """The completer thread: write results in batches until told to stop (``None``).
+
+        Results whose row another session holds locked are written again
+        after ``LOCKED_RETRY`` seconds, on their own, while the rest go on.
+        """
         done = False
+        deferred: list[AttemptResult] = []  # left out: their row was locked
+        retry_at = 0.0
         while not done:
-            first = self.results.get()
-            if first is None:
-                done = True
-                batch: list[AttemptResult] = []
-            else:
-                batch = [first]
-            while len(batch) < FINALIZE_BATCH_SIZE:
-                try:
-                    item = self.results.get_nowait()
-                except queue_module.Empty:
-                    break
-                if item is None:
-                    done = True
-                    break
-                batch.append(item)
-            while batch:
-                try:
-                    finalize(batch, self.alias)
-                    backoff.reset()
-                    break
-                except _DB_ERRORS as exc:
-                    # Finalize is guarded by run_lease, so writing the batch again
-                    # after a lost commit acknowledgement changes nothing twice.
+            timeout = max(0.0, retry_at - time.monotonic()) if deferred else None
+            batch, done = self._next_batch(timeout)
+            if deferred and (done or time.monotonic() >= retry_at):
+                batch.extend(deferred)
+                deferred = []
+            if not batch:
+                continue
+            self._write_batch(batch)
+            for result in batch:
+                if result.locked:
+                    result.locked = False
+                    deferred.append(result)
+                else:
+                    self._forget_job(result.job)
+            if deferred:
+                retry_at = time.monotonic() + LOCKED_RETRY
+                logger.info(
+                    "%s outcome(s) wait for a row lock another session holds (jobs %s); "
+                    "writing them again in %.1fs",
+                    len(deferred),
+                    ", ".join(str(r.job.id) for r in deferred[:20]),
+                    LOCKED_RETRY,
+                )
+        for result in deferred:
+            logger.warning(
+                "job %s: its outcome could not be written before shutdown (the row stays "
+                "locked by another session); maintenance will rescue it",
+                result.job.id,
+                extra=log_context(result.job, self.name),
+            )
+            self._forget_job(result.job)
+
+    def _next_batch(self, timeout: float | None) -> tuple[list[AttemptResult], bool]:
+        """Up to ``FINALIZE_BATCH_SIZE`` results, waiting up to ``timeout`` for the first
+        (``None``: for ever); and whether the stop marker was seen."""
+        batch: list[AttemptResult] = []
+        try:
+            first = self.results.get(timeout=timeout)
+        except queue_module.Empty:
+            return batch, False
+        if first is None:
+            return batch, True
+        batch.append(first)
+        while len(batch) < FINALIZE_BATCH_SIZE:
+            try:
+                item = self.results.get_nowait()
+            except queue_module.Empty:
+                break
+            if item is None:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _write_batch(self, batch: list[AttemptResult]) -> None:
+        """Finalize ``batch``; a member that cannot be stored is recorded as a failed attempt.
+
+        A lost connection (or another transient error) is waited out and the
+        whole batch written again: finalize is guarded by run_lease, so
+        writing it again after a lost commit acknowledgement changes nothing
+        twice. Any other error is about what one member holds, so the batch
+        is split in halves until the member that fails is alone, and the
+        others commit.
+        """
+        backoff = Backoff()
+        while True:
+            try:
+                finalize(batch, self.alias)
+                return
+            except Exception as exc:  # noqa: BLE001 - one bad outcome must not stop the completer
+                if isinstance(exc, _DB_ERRORS) and db.is_transient(exc):
                     logger.warning("finalize failed (%s); retrying after reconnect", exc)
                     self._reset_connection()
                     if self.halt.is_set():
-                        break
+                        return
                     backoff.wait(self.halt)
-            for result in batch:
-                self._forget_job(result.job)
+                    continue
+                self._reset_connection()
+                error = exc
+                break
+        if len(batch) > 1:
+            half = len(batch) // 2
+            self._write_batch(batch[:half])
+            self._write_batch(batch[half:])
+        else:
+            self._write_unstorable(batch[0], error)
+
+    def _write_unstorable(self, result: AttemptResult, exc: Exception) -> None:
+        """Record ``result``'s attempt as failed, naming why its outcome could not be written."""
+        job = result.job
+        error = (
+            f"the attempt's outcome ({result.state}) could not be stored: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        logger.error(
+            "job %s kind=%s attempt=%s: %s; recording a failed attempt instead",
+            job.id, job.kind, job.attempt, error, extra=log_context(job, self.name),
+        )  # fmt: skip
+        fallback = errored(job, error, "".join(traceback.format_exception(exc)))
+        try:
+            finalize([fallback], self.alias)
+        except Exception:  # the job's heartbeat stops, and rescue takes it back
+            logger.exception(
+                "job %s: not even the failed attempt could be recorded; it will be rescued",
+                job.id,
+                extra=log_context(job, self.name),
+            )
+            self._reset_connection()
+        result.locked = fallback.locked
 
     # -- listener: LISTEN/NOTIFY -----------------------------------------------
 
@@ -587,6 +674,11 @@ class Worker:
                     self._heartbeat(attempts)
             except _DB_ERRORS as exc:
                 logger.warning("heartbeat failed (%s); reconnecting", exc)
+                self._reset_connection()
+            except Exception:
+                # Never let this thread die: without heartbeats every running
+                # job of this worker would be rescued and run again.
+                logger.exception("heartbeat or progress write failed")
                 self._reset_connection()
 
     def _heartbeat(self, attempts: list[Attempt]) -> None:

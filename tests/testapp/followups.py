@@ -16,7 +16,7 @@ from django_awa.followups import (
     on_waiting_for_callback,
 )
 
-from .jobs import Act, Echo, Parked, Pay
+from .jobs import Act, Echo, Parked, Pay, Poison
 
 # Tests flip these to make follow-up functions misbehave.
 FAIL = {"completed": False, "rescued_times": 0, "exhausted": False, "retried": False}
@@ -109,3 +109,18 @@ def pay_completed(args: Pay, job):
     if args.reference.startswith("bad-followup"):
         raise RuntimeError("receipt follow-up exploded")
     return Echo(n=job.id, note=f"receipt:{args.reference}")
+
+
+@on_retried(Poison)
+def poison_retried(args: Poison, job, error, attempt, next_run_at):
+    return Echo(n=job.id, note=f"poison-retried:{error}")
+
+
+@on_exhausted(Poison)
+def poison_exhausted(args: Poison, job, error, attempt):
+    return Echo(n=job.id, note=f"poison-exhausted:{error}")
+
+
+@on_cancelled(Poison)
+def poison_cancelled(args: Poison, job, reason):
+    return Echo(n=job.id, note=f"poison-cancelled:{reason}")

@@ -56,6 +56,13 @@ class Noop(awa.JobArgs):
     n: int = 0
 
 
+@dataclass
+class Poison(awa.JobArgs):
+    """A handler whose outcome holds what PostgreSQL cannot store as it is."""
+
+    action: str
+
+
 def _ledger(job: awa.JobContext, note: str = "") -> None:
     Ledger.objects.create(
         job_id=job.id, attempt=job.attempt, run_lease=job.row.run_lease, note=note
@@ -110,6 +117,27 @@ def act(job: awa.JobContext):
             return "not a result"
         case _:
             raise ValueError(f"unknown action {args.action!r}")
+
+
+@awa.worker(Poison, max_attempts=2)
+def poison(job: awa.JobContext):
+    _ledger(job, job.args.action)
+    match job.args.action:
+        case "nul_error":
+            raise RuntimeError("bad \x00 byte")
+        case "surrogate_error":
+            raise RuntimeError("bad \udc80")
+        case "nul_cancel":
+            return awa.Cancel("reason \x00")
+        case "nul_progress":
+            job.set_progress(50, "msg \x00", note="\udc80")
+            return None
+        case "huge_retry":
+            return awa.RetryAfter(1e13)
+        case "huge_snooze":
+            return awa.Snooze(1e13)
+        case _:
+            raise ValueError(f"unknown action {job.args.action!r}")
 
 
 @awa.worker(Echo, queue="echo", max_attempts=5)
