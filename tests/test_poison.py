@@ -43,8 +43,7 @@ def all_completed(ids: list[int]) -> bool:
 
 def followup_notes(job_id: int) -> list[str]:
     return [
-        job.args["note"]
-        for job in Job.objects.filter(kind="echo", args__n=job_id).order_by("id")
+        job.args["note"] for job in Job.objects.filter(kind="echo", args__n=job_id).order_by("id")
     ]
 
 
