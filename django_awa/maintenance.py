@@ -12,19 +12,22 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import DatabaseError, connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from . import sql
+from . import db, sql
 from .conf import AwaSettings, awa_settings
 from .execute import backoff
 from .finalize import dispatch, from_snapshot, keep_pending, send_signal
 from .followups import FollowupError, Outcome, RescueReason, followup_registry
+from .kinds import MAX_ERROR_CHARS, escape_text
 from .models import PendingFollowup, job_from_row
 
 logger = logging.getLogger(__name__)
@@ -45,14 +48,30 @@ ARCHIVE_MARGIN = 60.0
 ARCHIVE_SWEEP_EVERY = 60.0
 
 
+class LeadershipLost(Exception):
+    """Another worker took the maintenance lease while this one stood still."""
+
+
 class Maintenance:
-    def __init__(self, alias: str | None = None, conf: AwaSettings | None = None) -> None:
+    """The maintenance duties, and the lease that says who runs them.
+
+    ``holder`` names the worker competing for leadership (``try_lead``);
+    every write of a leader is then fenced by the lease (``_transaction``).
+    Without one (tests, ``run_once`` from a shell) the duties run unfenced.
+    """
+
+    def __init__(
+        self,
+        alias: str | None = None,
+        conf: AwaSettings | None = None,
+        *,
+        holder: str | None = None,
+    ) -> None:
         self.conf = conf or awa_settings()
         self.alias = alias or self.conf.database
-        # The session-level leader lock needs a direct connection. Without one
-        # (DIRECT_DATABASE None: only a transaction-mode pooler), each tick runs
-        # in a transaction holding a transaction-level lock instead.
-        self.lock_alias = self.conf.direct_database
+        self.holder = holder
+        self.term: int | None = None  # the lease's term while this worker leads
+        self._seeded = False
         self._last_full = 0.0
         self._last_prune = 0.0
         self._archived_since: datetime | None = None  # see archive()
@@ -60,16 +79,82 @@ class Maintenance:
 
     # -- leadership --------------------------------------------------------------
 
-    def try_lead(self) -> bool:
-        """Take the session-level leader lock if free (held until this connection closes).
+    @property
+    def lease_seconds(self) -> float:
+        """How long a lease lasts unrenewed: a leader that stops for longer loses it.
 
-        Without a direct connection every worker may try each tick (see ``tick``).
+        ``STALE_AFTER``, the time after which a worker that stopped
+        heartbeating its jobs is taken for dead.
         """
-        if self.lock_alias is None:
-            return True
-        with connections[self.lock_alias].cursor() as cursor:
-            cursor.execute(sql.TRY_LEADER_LOCK, {"key": sql.LEADER_LOCK_KEY})
-            return bool(cursor.fetchone()[0])
+        return self.conf.stale_after
+
+    def _lease_params(self) -> dict[str, Any]:
+        return {
+            "name": sql.LEASE_NAME,
+            "holder": self.holder,
+            "term": self.term,
+            "ttl": self.lease_seconds,
+            "idle_ms": str(int(self.lease_seconds * 1000)),
+        }
+
+    def try_lead(self) -> bool:
+        """Take the maintenance lease if it ran out; True while this worker leads.
+
+        A leader whose lease no one took meanwhile (a connection blip) keeps
+        it and its term.
+        """
+        if self.holder is None:
+            raise RuntimeError("Maintenance(holder=...) is needed to compete for leadership")
+        with connections[self.alias].cursor() as cursor:
+            if not self._seeded:
+                cursor.execute(sql.SEED_LEASE, {"name": sql.LEASE_NAME})
+                self._seeded = True
+            if self.term is not None:
+                cursor.execute(sql.RENEW_LEASE, self._lease_params())
+                if cursor.fetchone() is not None:
+                    return True
+            cursor.execute(sql.TAKE_LEASE, self._lease_params())
+            row = cursor.fetchone()
+        if row is None:
+            self.term = None
+            return False
+        self.term = row[0]
+        # What a previous term of leadership remembered may be stale now.
+        self._archived_since = None
+        self._last_full = self._last_prune = self._last_sweep = 0.0
+        return True
+
+    def resign(self) -> None:
+        """Hand the lease back (at shutdown), so another worker leads at once."""
+        if self.term is None:
+            return
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.RELEASE_LEASE, self._lease_params())
+        self.term = None
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """A transaction for a duty's writes, fenced by the lease while this worker leads.
+
+        Raises ``LeadershipLost`` (writing nothing) when another worker holds
+        the lease now.
+        """
+        if self.holder is None:  # not competing: run unfenced
+            with transaction.atomic(using=self.alias):
+                yield
+            return
+        if self.term is None:
+            raise LeadershipLost("this worker does not hold the maintenance lease")
+        with transaction.atomic(using=self.alias):
+            with connections[self.alias].cursor() as cursor:
+                cursor.execute(sql.RENEW_LEASE, self._lease_params())
+                if cursor.fetchone() is None:
+                    self.term = None
+                    raise LeadershipLost(
+                        "another worker took the maintenance lease while this one "
+                        f"stood still for over {self.lease_seconds:.0f}s"
+                    )
+            yield
 
     def warn_without_autovacuum(self) -> None:
         """Log a warning if autovacuum will not visit awa_job.
@@ -90,37 +175,40 @@ class Maintenance:
                 where,
             )
 
-    def resign(self) -> None:
-        if self.lock_alias is None:
-            return
-        with connections[self.lock_alias].cursor() as cursor:
-            cursor.execute(sql.UNLOCK_LEADER, {"key": sql.LEADER_LOCK_KEY})
-
     def tick(self, wake: Callable[[set[str]], None] | None = None) -> None:
-        """One leader tick: promotion always, the other duties when their interval passed."""
-        if self.lock_alias is None:
-            with transaction.atomic(using=self.alias), connections[self.alias].cursor() as cursor:
-                cursor.execute(sql.TRY_TICK_LOCK, {"key": sql.LEADER_LOCK_KEY})
-                if cursor.fetchone()[0]:
-                    self._tick(wake)
-            return
-        self._tick(wake)
+        """One leader tick: promotion always, the other duties when their interval passed.
 
-    def _tick(self, wake: Callable[[set[str]], None] | None) -> None:
-        woken = self.promote()
-        self.archive()
+        Each duty fails alone: its error is logged under its name and the
+        duties after it still run. A lost connection or lost leadership ends
+        the tick (raised).
+        """
+        woken = self._duty("promote", self.promote) or set()
+        self._duty("archive", self.archive)
         now = time.monotonic()
         if now - self._last_full >= self.conf.maintenance_interval:
             self._last_full = now
-            woken |= self.rescue()
-            self.replay_pending()
-            self.age_priorities()
-            self.fire_periodic()
+            woken |= self._duty("rescue", self.rescue) or set()
+            self._duty("replay_pending", self.replay_pending)
+            self._duty("age_priorities", self.age_priorities)
+            self._duty("fire_periodic", self.fire_periodic)
             if now - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = now
-                self.prune()
+                self._duty("prune", self.prune)
         if wake and woken:
             wake(woken)
+
+    def _duty[T](self, name: str, duty: Callable[[], T]) -> T | None:
+        try:
+            return duty()
+        except LeadershipLost:
+            raise
+        except DatabaseError as exc:
+            if db.is_transient(exc):
+                raise
+            logger.exception("maintenance duty %s failed: %s", name, exc)
+        except Exception as exc:
+            logger.exception("maintenance duty %s failed: %s", name, exc)
+        return None
 
     def run_once(self) -> None:
         """Every duty once, now (for tests and ``awa_worker --maintenance-once``)."""
@@ -138,7 +226,7 @@ class Maintenance:
         """Make due scheduled and retryable jobs available; NOTIFY their queues."""
         queues: set[str] = set()
         while True:
-            with transaction.atomic(using=self.alias), connections[self.alias].cursor() as cursor:
+            with self._transaction(), connections[self.alias].cursor() as cursor:
                 cursor.execute(sql.PROMOTE_DUE, {"limit": BATCH})
                 promoted = [row[0] for row in cursor.fetchall()]
                 if promoted:
@@ -162,7 +250,8 @@ class Maintenance:
         with connections[self.alias].cursor() as cursor:
             cursor.execute(sql.ARCHIVE_WATERMARK, {"margin": ARCHIVE_MARGIN})
             watermark = cursor.fetchone()[0]
-            for _ in range(ARCHIVE_ROUNDS):
+        for _ in range(ARCHIVE_ROUNDS):
+            with self._transaction(), connections[self.alias].cursor() as cursor:
                 if sweep:
                     cursor.execute(sql.ARCHIVE_FINISHED, {"limit": ARCHIVE_BATCH})
                 else:
@@ -170,12 +259,12 @@ class Maintenance:
                         sql.ARCHIVE_SINCE, {"limit": ARCHIVE_BATCH, "since": self._archived_since}
                     )
                 moved = cursor.rowcount
-                total += moved
-                if moved < ARCHIVE_BATCH:  # all it found: the next pass may start later
-                    self._archived_since = watermark
-                    if sweep:
-                        self._last_sweep = started
-                    break
+            total += moved
+            if moved < ARCHIVE_BATCH:  # all it found: the next pass may start later
+                self._archived_since = watermark
+                if sweep:
+                    self._last_sweep = started
+                break
         if total:
             logger.debug("moved %s finished job(s) to awa_job_done", total)
         return total
@@ -189,7 +278,7 @@ class Maintenance:
         """
         pending_ids: list[int] = []
         queues: set[str] = set()
-        with transaction.atomic(using=self.alias):
+        with self._transaction():
             with connections[self.alias].cursor() as cursor:
                 cursor.execute(sql.RESCUE, {"stale_after": self.conf.stale_after, "limit": BATCH})
                 rescued = cursor.fetchall()
@@ -239,7 +328,7 @@ class Maintenance:
         On failure the row stays, with its error and a backed-off retry time.
         """
         try:
-            with transaction.atomic(using=self.alias):
+            with self._transaction():
                 pending = (
                     PendingFollowup.objects.using(self.alias)
                     .select_for_update(skip_locked=True)
@@ -269,11 +358,12 @@ class Maintenance:
         if pending is None:
             return
         delay = backoff(min(pending.attempts + 1, 12))
-        PendingFollowup.objects.using(self.alias).filter(id=pending_id).update(
-            attempts=F("attempts") + 1,
-            next_attempt_at=timezone.now() + timedelta(seconds=delay),
-            last_error=str(exc)[:10_000],
-        )
+        with self._transaction():
+            PendingFollowup.objects.using(self.alias).filter(id=pending_id).update(
+                attempts=F("attempts") + 1,
+                next_attempt_at=timezone.now() + timedelta(seconds=delay),
+                last_error=escape_text(str(exc), MAX_ERROR_CHARS),
+            )
         logger.warning(
             "pending follow-ups %s (%s of job %s) failed again (try %s): %s; next try in %.0fs",
             pending_id,
@@ -288,14 +378,16 @@ class Maintenance:
         interval = self.conf.priority_aging_interval
         if interval is None:
             return
-        with connections[self.alias].cursor() as cursor:
+        with self._transaction(), connections[self.alias].cursor() as cursor:
             cursor.execute(sql.AGE_PRIORITIES, {"interval": interval, "limit": BATCH})
 
     def fire_periodic(self) -> None:
         """Enqueue due periodic jobs (see ``periodic.py``)."""
         from .schedules import fire_due
 
-        fire_due(self.alias)
+        # One transaction: each schedule fires under its row lock, in a savepoint.
+        with self._transaction():
+            fire_due(self.alias)
 
     def prune(self) -> int:
         """Delete finished rows past retention, in batches; returns how many."""
@@ -307,7 +399,7 @@ class Maintenance:
             if retention is None:
                 continue
             for _ in range(100):
-                with connections[self.alias].cursor() as cursor:
+                with self._transaction(), connections[self.alias].cursor() as cursor:
                     cursor.execute(
                         sql.PRUNE_FINISHED,
                         {"states": states, "retention": retention, "limit": BATCH},
@@ -318,7 +410,8 @@ class Maintenance:
                     break
         from .callbacks import prune_receipts
 
-        prune_receipts(self.alias)
+        with self._transaction():
+            prune_receipts(self.alias)
         if total:
             logger.info("pruned %s finished job(s)", total)
         return total

@@ -356,6 +356,28 @@ class PeriodicSchedule(models.Model):
         return f"{self.name} ({self.cron})"
 
 
+class MaintenanceLease(models.Model):
+    """Who runs maintenance, until when: the leader renews it with every write.
+
+    A worker takes the lease when it has run out, which bumps ``term``; the
+    leader's writes each check ``(holder, term)`` in their own transaction
+    (``sql.RENEW_LEASE``), so a leader that stopped (frozen, cut off) and
+    comes back after another took over does nothing more.
+    """
+
+    name = models.CharField(max_length=64, primary_key=True)
+    holder = models.CharField(max_length=255, default="", db_default="")
+    term = models.BigIntegerField(default=0, db_default=0)
+    lease_until = models.DateTimeField()
+    acquired_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "awa_lease"
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.holder or 'nobody'} (term {self.term})"
+
+
 class CallbackReceipt(models.Model):
     """A signature the callback receiver accepted: a replay of it is refused.
 

@@ -315,7 +315,7 @@ SET state = CASE WHEN j.attempt >= j.max_attempts THEN 'failed' ELSE 'retryable'
     finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN now() END,
     run_at = CASE WHEN j.attempt >= j.max_attempts THEN j.run_at
              ELSE now() + make_interval(secs => least(
-                 power(2, j.attempt) * (1 + random() * 0.25), 86400)) END,
+                 power(2, least(j.attempt, 32)) * (1 + random() * 0.25), 86400)) END,
     errors = j.errors || jsonb_build_array(jsonb_build_object(
         'attempt', j.attempt, 'at', now(),
         'error', 'rescued: ' || replace(v.reason, '_', ' '), 'traceback', '')),
@@ -334,8 +334,13 @@ RETURNING v.reason, {J_JOB_COLUMNS}
 # cannot starve it. The original priority is kept in
 # metadata["awa_original_priority"]; run_at is left alone, so the job keeps
 # its place among jobs of its new priority. Only rows whose level changes are
-# written. Uses awa_job_claim_idx's state predicate.
-_AGED = """greatest(1, coalesce((metadata ->> 'awa_original_priority')::int, priority)
+# written. Uses awa_job_claim_idx's state predicate. A kept original that is
+# not a priority (a row written around enqueue's checks) counts as absent:
+# one odd row must not make the statement fail for all.
+_ORIGINAL = """CASE WHEN jsonb_typeof(metadata -> 'awa_original_priority') = 'number' THEN
+                 CASE WHEN (metadata ->> 'awa_original_priority')::numeric IN (1, 2, 3, 4)
+                      THEN (metadata ->> 'awa_original_priority')::numeric::int END END"""
+_AGED = f"""greatest(1, coalesce({_ORIGINAL}, priority)
                   - floor(extract(epoch FROM now() - run_at) / %(interval)s)::int)"""
 AGE_PRIORITIES = f"""
 UPDATE ONLY awa_job
@@ -407,15 +412,55 @@ SELECT current_setting('autovacuum')::boolean,
 FROM pg_class AS c WHERE c.oid = 'awa_job'::regclass
 """
 
-# -- TRY_LEADER_LOCK --
-# Maintenance runs on the one worker holding this session-level advisory lock.
-# The lock dies with the session, so a dead leader's lock is free at once.
-LEADER_LOCK_KEY = 0x61776121  # "awa!"
-TRY_LEADER_LOCK = "SELECT pg_try_advisory_lock(%(key)s)"
-UNLOCK_LEADER = "SELECT pg_advisory_unlock(%(key)s)"
-# Without a direct connection (a transaction-mode pooler only), one tick at a
-# time holds this transaction-level lock instead.
-TRY_TICK_LOCK = "SELECT pg_try_advisory_xact_lock(%(key)s)"
+# -- TAKE_LEASE --
+# Become the maintenance leader if the lease has run out (or was never
+# taken), bumping its term. The row is skipped, not waited for, while a
+# leader's transaction holds it (RENEW_LEASE): a leader frozen inside one
+# keeps it only until the server ends that transaction
+# (idle_in_transaction_session_timeout, set by RENEW_LEASE). Needs a
+# writable server: a hot standby refuses the UPDATE, so a worker whose
+# connection lands on one never leads.
+LEASE_NAME = "maintenance"
+TAKE_LEASE = """
+WITH free AS (
+    SELECT name FROM awa_lease
+    WHERE name = %(name)s AND lease_until < now()
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE awa_lease AS l
+SET holder = %(holder)s, term = l.term + 1,
+    lease_until = now() + make_interval(secs => %(ttl)s), acquired_at = now()
+FROM free
+WHERE l.name = free.name
+RETURNING l.term
+"""
+
+# -- SEED_LEASE --
+# The lease's row, should it be missing (migration 0005 inserts it).
+SEED_LEASE = """
+INSERT INTO awa_lease (name, lease_until) VALUES (%(name)s, '-infinity')
+ON CONFLICT (name) DO NOTHING
+"""
+
+# -- RENEW_LEASE --
+# The fence in front of each of the leader's transactions: renew the lease
+# if this worker still holds it in this term, else match nothing (another
+# worker took over while this one stood still). The row lock it takes lasts
+# until the transaction ends, so no one takes over while a leader's write is
+# under way. A transaction left open by a leader that froze is ended by the
+# server after %(idle_ms)s ms of idleness, which frees the lease for others.
+RENEW_LEASE = """
+UPDATE awa_lease SET lease_until = now() + make_interval(secs => %(ttl)s)
+WHERE name = %(name)s AND holder = %(holder)s AND term = %(term)s
+RETURNING term, set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true)
+"""
+
+# -- RELEASE_LEASE --
+# A leader shutting down hands the lease back at once.
+RELEASE_LEASE = """
+UPDATE awa_lease SET lease_until = '-infinity'
+WHERE name = %(name)s AND holder = %(holder)s AND term = %(term)s
+"""
 
 # -- QUEUE_STATS --
 # Counts per (queue, state), for queue_stats() and the admin.

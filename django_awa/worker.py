@@ -701,21 +701,29 @@ class Worker:
     # -- maintenance leadership ------------------------------------------------
 
     def _maintain(self) -> None:
-        from .maintenance import Maintenance
+        """Compete for the maintenance lease each tick; run maintenance while holding it."""
+        from .maintenance import LeadershipLost, Maintenance
 
-        maintenance = Maintenance(self.alias, self.conf)
+        maintenance = Maintenance(self.alias, self.conf, holder=self.name)
         warned = False
         while not self.halt.is_set():
             try:
                 if not self.is_leader:
                     self.is_leader = maintenance.try_lead()
-                    if self.is_leader and maintenance.lock_alias is not None:
-                        logger.info("worker %s is now the maintenance leader", self.name)
+                    if self.is_leader:
+                        logger.info(
+                            "worker %s is now the maintenance leader (term %s)",
+                            self.name,
+                            maintenance.term,
+                        )
                     if self.is_leader and not warned:
                         warned = True
                         maintenance.warn_without_autovacuum()
                 if self.is_leader:
                     maintenance.tick(wake=self._wake_queues)
+            except LeadershipLost as exc:
+                logger.warning("worker %s is no longer the maintenance leader: %s", self.name, exc)
+                self.is_leader = False
             except _DB_ERRORS as exc:
                 if self.is_leader:
                     logger.warning("maintenance leader lost its connection (%s)", exc)

@@ -13,8 +13,8 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa import sql
 from django_awa.claim import claim
-from django_awa.maintenance import Maintenance
-from django_awa.models import Job, JobState, PeriodicSchedule
+from django_awa.maintenance import LeadershipLost, Maintenance
+from django_awa.models import Job, JobState, MaintenanceLease, PeriodicSchedule
 from django_awa.schedules import fire_due, schedules
 from tests.conftest import make_job
 from tests.testapp.jobs import Act, Echo
@@ -116,20 +116,84 @@ def test_rescued_job_retries_with_backoff():
     assert 3.9 <= delay <= 5.1  # 2**2 plus up to 25%
 
 
-def test_leader_lock_is_held_by_one_session_at_a_time():
-    import psycopg
+def expire_lease() -> None:
+    MaintenanceLease.objects.filter(name=sql.LEASE_NAME).update(
+        lease_until=timezone.now() - dt.timedelta(seconds=1)
+    )
 
-    from django_awa import sql
-    from django_awa.worker import listen_params
 
-    first = Maintenance()
+@pytest.mark.django_db(transaction=True)
+def test_the_maintenance_lease_is_held_by_one_worker_at_a_time():
+    first, second = Maintenance(holder="host:1"), Maintenance(holder="host:2")
     assert first.try_lead()
-    with psycopg.connect(**listen_params("default"), autocommit=True) as other:
-        taken = other.execute("SELECT pg_try_advisory_lock(%s)", [sql.LEADER_LOCK_KEY]).fetchone()
-        assert taken == (False,)
-        first.resign()
-        taken = other.execute("SELECT pg_try_advisory_lock(%s)", [sql.LEADER_LOCK_KEY]).fetchone()
-        assert taken == (True,)
+    assert not second.try_lead()
+    assert first.try_lead()  # the holder keeps it, in the same term
+    term = first.term
+    first.resign()
+    assert second.try_lead()
+    assert second.term == term + 1
+    assert MaintenanceLease.objects.get(name=sql.LEASE_NAME).holder == "host:2"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_leader_whose_lease_another_took_writes_nothing():
+    stood_still, successor = Maintenance(holder="host:1"), Maintenance(holder="host:2")
+    assert stood_still.try_lead()
+    due = make_job(state=JobState.SCHEDULED, run_at=ago(seconds=1))
+    expire_lease()  # it stopped renewing: frozen, or cut off
+    assert successor.try_lead()
+
+    with pytest.raises(LeadershipLost):
+        stood_still.promote()
+    with pytest.raises(LeadershipLost):
+        stood_still.tick()
+    assert Job.objects.get(id=due.id).state == JobState.SCHEDULED
+    assert stood_still.term is None
+
+    successor.tick()
+    assert Job.objects.get(id=due.id).state == JobState.AVAILABLE
+    # Back, it competes again, and waits for the lease to run out.
+    assert not stood_still.try_lead()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_leaders_writes_renew_its_lease():
+    leader = Maintenance(holder="host:1")
+    assert leader.try_lead()
+    MaintenanceLease.objects.filter(name=sql.LEASE_NAME).update(lease_until=timezone.now())
+    leader.promote()
+    lease = MaintenanceLease.objects.get(name=sql.LEASE_NAME)
+    assert lease.lease_until > timezone.now() + dt.timedelta(seconds=1)
+
+
+def test_an_engine_key_written_around_enqueue_does_not_stop_priority_aging(settings):
+    settings.AWA = {**settings.AWA, "PRIORITY_AGING_INTERVAL": 60}
+    odd = make_job(priority=4, run_at=ago(minutes=10), metadata={"awa_original_priority": "high"})
+    huge = make_job(priority=4, run_at=ago(minutes=10), metadata={"awa_original_priority": 1e30})
+    normal = make_job(priority=4, run_at=ago(minutes=10))
+    Maintenance().age_priorities()
+    assert Job.objects.get(id=normal.id).priority == 1
+    # The odd originals count as absent: aged from the row's own priority.
+    assert Job.objects.get(id=odd.id).priority == 1
+    assert Job.objects.get(id=huge.id).priority == 1
+
+
+def test_each_maintenance_duty_fails_alone(monkeypatch, caplog):
+    stale = make_job(state=JobState.RUNNING, attempt=1, heartbeat_at=ago(minutes=5))
+
+    def broken() -> None:
+        raise RuntimeError("schedule store unreachable")
+
+    maintenance = Maintenance()
+    monkeypatch.setattr(maintenance, "promote", broken)
+    monkeypatch.setattr(maintenance, "fire_periodic", broken)
+    with caplog.at_level("ERROR", logger="django_awa.maintenance"):
+        maintenance.tick()
+    # The duties after the broken ones still ran: the stale job was rescued.
+    assert Job.objects.get(id=stale.id).state == JobState.RETRYABLE
+    messages = [r.getMessage() for r in caplog.records]
+    assert "maintenance duty promote failed: schedule store unreachable" in messages
+    assert "maintenance duty fire_periodic failed: schedule store unreachable" in messages
 
 
 @dataclass

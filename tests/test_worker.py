@@ -13,7 +13,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 import django_awa as awa
-from django_awa.models import Job, JobState
+from django_awa.models import Job, JobState, MaintenanceLease
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.jobs import Act, Echo, Unhandled
 from tests.testapp.models import Ledger
@@ -291,6 +291,46 @@ def test_maintenance_leader_failover(start_worker):
     # The new leader does maintenance: a scheduled job becomes due and runs.
     soon = awa.enqueue(Act(action="ok"), run_at=timezone.now() + dt.timedelta(seconds=1))
     assert Job.objects.get(id=soon.id).state == JobState.SCHEDULED
+    wait_for_state(soon.id, JobState.COMPLETED, timeout=10)
+
+
+def test_a_frozen_leader_loses_the_lease_and_does_nothing_when_thawed(start_worker):
+    frozen = start_worker("--queue", "default")
+    wait_for(lambda: "is now the maintenance leader" in frozen.output(), timeout=10)
+    other = start_worker("--queue", "default")
+    wait_for(lambda: "starting" in other.output())
+    frozen.signal(signal.SIGSTOP)  # its session stays open, as a paused VM's would
+    try:
+        # A job whose worker died: rescued only by a leader's maintenance.
+        stale = make_job(
+            state=JobState.RUNNING,
+            kind="act",
+            attempt=1,
+            max_attempts=3,
+            heartbeat_at=timezone.now() - dt.timedelta(minutes=5),
+        )
+        # STALE_AFTER (3 s here) without renewal, and the other worker leads.
+        wait_for(lambda: "is now the maintenance leader" in other.output(), timeout=15)
+        rescued = wait_for_state(
+            stale.id,
+            (JobState.RETRYABLE, JobState.AVAILABLE, JobState.RUNNING, JobState.COMPLETED),
+            timeout=10,
+        )
+        assert rescued.errors[0]["error"] == "rescued: stale heartbeat"
+    finally:
+        frozen.signal(signal.SIGCONT)
+    wait_for(
+        lambda: (
+            "is no longer the maintenance leader" in frozen.output()
+            or "maintenance leader lost its connection" in frozen.output()
+        ),
+        timeout=15,
+        message=lambda: frozen.output()[-3000:],
+    )
+    # The thawed worker did not take the lease back; the other still leads.
+    lease = MaintenanceLease.objects.get(name="maintenance")
+    assert lease.holder.endswith(f":{other.pid}")
+    soon = awa.enqueue(Act(action="ok"), run_at=timezone.now() + dt.timedelta(seconds=1))
     wait_for_state(soon.id, JobState.COMPLETED, timeout=10)
 
 
