@@ -158,15 +158,7 @@ def prepare(
     max_attempts = defaults.max_attempts if max_attempts is None else max_attempts
     check_max_attempts(max_attempts, where)
     if run_at is not None:
-        if not isinstance(run_at, dt.datetime):
-            raise ValidationError(f"{where}: run_at must be a datetime, got {run_at!r}")
-        if timezone.is_naive(run_at):
-            if settings.USE_TZ:
-                raise ValidationError(
-                    f"{where}: run_at {run_at.isoformat()} is a naive datetime while USE_TZ "
-                    f"is True; pass an aware datetime"
-                )
-            run_at = timezone.make_aware(run_at, timezone.get_default_timezone())
+        run_at = _check_run_at(run_at, where)
     tag_list = _check_tags(tags, where)
     meta = metadata_json if metadata_json is not None else _check_metadata(metadata, where)
     unique = defaults.unique if unique is None else unique
@@ -185,6 +177,40 @@ def prepare(
         unique_key=unique_key,
         unique_states=unique_states,
     )
+
+
+def _check_run_at(run_at: Any, where: str) -> dt.datetime:
+    """``run_at`` as an aware datetime PostgreSQL can store; else ``ValidationError``.
+
+    timestamptz holds years 1 to 9999 in UTC, as Python's datetime does, but an
+    aware datetime near either end may lie outside them in UTC (year 1 at
+    UTC+14 is year 0 there). PostgreSQL would store it and the row could not be
+    read back.
+    """
+    if not isinstance(run_at, dt.datetime):
+        raise ValidationError(f"{where}: run_at must be a datetime, got {run_at!r}")
+    try:
+        naive = timezone.is_naive(run_at)
+    except (TypeError, ValueError) as exc:  # a tzinfo giving no valid offset
+        raise ValidationError(f"{where}: run_at {run_at!r}: {exc}") from exc
+    if naive:
+        if settings.USE_TZ:
+            raise ValidationError(
+                f"{where}: run_at {run_at.isoformat()} is a naive datetime while USE_TZ "
+                f"is True; pass an aware datetime"
+            )
+        try:
+            run_at = timezone.make_aware(run_at, timezone.get_default_timezone())
+        except (OverflowError, ValueError) as exc:
+            raise ValidationError(f"{where}: run_at {run_at.isoformat()}: {exc}") from exc
+    try:
+        run_at.astimezone(dt.UTC)
+    except (OverflowError, ValueError):
+        raise ValidationError(
+            f"{where}: run_at {run_at.isoformat()} is outside what PostgreSQL stores "
+            f"(years 1 to 9999 in UTC)"
+        ) from None
+    return run_at
 
 
 def _check_tags(tags: Iterable[str] | None, where: str) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
@@ -352,6 +352,14 @@ def test_enqueue_many_skips_unique_duplicates_and_keeps_order():
     assert [Job.objects.get(id=i).args["n"] for i in ids] == [2, 3]
 
 
+class _NoValidOffset(dt.tzinfo):
+    def utcoffset(self, moment):
+        return dt.timedelta(hours=30)
+
+    def dst(self, moment):
+        return None
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -364,6 +372,7 @@ def test_enqueue_many_skips_unique_duplicates_and_keeps_order():
         ({"queue": ""}, "invalid queue name"),
         ({"run_at": dt.datetime(2030, 1, 1)}, "naive datetime"),
         ({"run_at": "tomorrow"}, "run_at must be a datetime"),
+        ({"run_at": dt.datetime(2030, 1, 1, tzinfo=_NoValidOffset())}, "offset must be"),
         ({"tags": "one"}, "tags must be a list"),
         ({"metadata": {"x": object()}}, "metadata cannot be stored as JSON"),
         ({"unique": "yes"}, "unique must be an awa.Unique"),
@@ -506,3 +515,52 @@ def test_enqueue_refuses_a_database_that_is_not_postgresql(settings):
 
     with pytest.raises(awa.ConfigurationError, match="no database alias 'nope'"):
         database_alias("nope")
+
+
+# -- inputs that must be refused before anything is written ------------------------------
+
+EAST = dt.timezone(dt.timedelta(hours=14))
+WEST = dt.timezone(dt.timedelta(hours=-14))
+# Aware datetimes Python holds but PostgreSQL (years 1 to 9999 in UTC) does not.
+OUT_OF_RANGE = {
+    "year 0 in UTC": dt.datetime(1, 1, 1, tzinfo=EAST),
+    "year 10000 in UTC": dt.datetime(9999, 12, 31, 23, tzinfo=WEST),
+}
+
+
+def awa_job_rows() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM awa_job")
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)  # enqueue on its own: autocommit
+@pytest.mark.parametrize("run_at", OUT_OF_RANGE.values(), ids=OUT_OF_RANGE.keys())
+def test_a_run_at_postgres_cannot_store_is_refused_and_nothing_is_written(run_at):
+    calls = {
+        "enqueue": lambda: awa.enqueue(Echo(n=1), run_at=run_at),
+        "enqueue_many": lambda: awa.enqueue_many(
+            [Echo(n=0), awa.EnqueueRequest(Echo(n=1), run_at=run_at), Echo(n=2)]
+        ),
+        "atomic enqueue": lambda: _in_atomic(lambda: awa.enqueue(Echo(n=1), run_at=run_at)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(awa.ValidationError, match="run_at") as refused:
+            call()
+        assert "years 1 to 9999" in str(refused.value), name
+        if name == "enqueue_many":
+            assert "item 1" in str(refused.value)
+        assert awa_job_rows() == 0, name
+
+
+def _in_atomic(fn):
+    with transaction.atomic():
+        return fn()
+
+
+def test_the_first_and_last_instants_postgres_stores_are_accepted():
+    first = awa.enqueue(Echo(n=1), run_at=dt.datetime(1, 1, 1, 14, tzinfo=EAST))
+    last = awa.enqueue(Echo(n=2), run_at=dt.datetime.max.replace(tzinfo=dt.UTC))
+    assert Job.objects.get(id=first.id).run_at == dt.datetime.min.replace(tzinfo=dt.UTC)
+    assert Job.objects.get(id=last.id).run_at == dt.datetime.max.replace(tzinfo=dt.UTC)
+    assert Job.objects.get(id=last.id).state == JobState.SCHEDULED
