@@ -185,7 +185,8 @@ def _check_run_at(run_at: Any, where: str) -> dt.datetime:
     timestamptz holds years 1 to 9999 in UTC, as Python's datetime does, but an
     aware datetime near either end may lie outside them in UTC (year 1 at
     UTC+14 is year 0 there). PostgreSQL would store it and the row could not be
-    read back.
+    read back; the ``awa_job_run_at_range`` check (migration 0005) refuses it
+    on any other path.
     """
     if not isinstance(run_at, dt.datetime):
         raise ValidationError(f"{where}: run_at must be a datetime, got {run_at!r}")

@@ -92,3 +92,10 @@ def test_a_database_that_is_not_postgresql_is_refused():
 
 def test_the_test_project_passes_its_checks():
     assert awa_errors() == []
+
+
+@pytest.mark.django_db  # makemigrations reads the applied migrations
+def test_the_models_need_no_migration_that_is_not_there():
+    # A constraint or index declared on a model but missing from the
+    # migrations (or the other way round) would show here.
+    call_command("makemigrations", "django_awa", "--check", "--dry-run", verbosity=0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
@@ -564,3 +564,32 @@ def test_the_first_and_last_instants_postgres_stores_are_accepted():
     assert Job.objects.get(id=first.id).run_at == dt.datetime.min.replace(tzinfo=dt.UTC)
     assert Job.objects.get(id=last.id).run_at == dt.datetime.max.replace(tzinfo=dt.UTC)
     assert Job.objects.get(id=last.id).state == JobState.SCHEDULED
+
+
+@pytest.mark.parametrize("column", ["run_at", "callback_timeout_at"])
+@pytest.mark.parametrize("value", OUT_OF_RANGE.values(), ids=OUT_OF_RANGE.keys())
+def test_the_database_refuses_timestamps_it_could_not_give_back_in_either_table(column, value):
+    # Past enqueue's checks too: the ORM, raw SQL, and rows already moved to
+    # awa_job_done (a child of awa_job: it inherits awa_job's CHECKs).
+    with pytest.raises(IntegrityError, match=f"awa_job_{column}_range"), transaction.atomic():
+        Job.objects.create(kind="echo", args={"n": 1}, **{column: value})
+    for table in ("awa_job", "awa_job_done"):
+        with (
+            pytest.raises(IntegrityError, match=f"awa_job_{column}_range"),
+            transaction.atomic(),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute(
+                f"INSERT INTO {table} (id, kind, queue, args, state, {column}) "  # noqa: S608
+                f"VALUES (1, 'echo', 'echo', '{{}}', 'completed', %s)",
+                [value],
+            )
+    assert awa_job_rows() == 0
+    # The constraints were validated (ALTER TABLE ... VALIDATE CONSTRAINT), on both tables.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT conrelid::regclass::text, convalidated FROM pg_constraint "
+            "WHERE conname = %s ORDER BY 1",
+            [f"awa_job_{column}_range"],
+        )
+        assert cursor.fetchall() == [("awa_job", True), ("awa_job_done", True)]
