@@ -82,6 +82,10 @@ class PreparedJob:
         }
 
 
+# Metadata keys django-awa writes (awa_trigger, awa_periodic, awa_callback_result,
+# ...) and reads back: users may not set them (SPEC §3).
+ENGINE_METADATA_PREFIX = "awa_"
+
 # json.dumps(..., ensure_ascii=False) would build an encoder per call.
 _ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
@@ -116,8 +120,11 @@ def prepare(
 ) -> PreparedJob:
     """Validate one job and resolve its kind's defaults. Raises ``ValidationError``.
 
-    ``metadata_json`` is metadata django-awa wrote itself, as JSON text, taken
-    without the checks user metadata gets.
+    ``metadata`` (here or on an ``EnqueueRequest``) is the user's and checked
+    as such: no key may begin with ``awa_``. ``metadata_json`` is metadata
+    django-awa writes itself (``awa_trigger``, ``awa_periodic``), as the JSON
+    text of an object whose keys all begin with ``awa_``, taken unchecked and
+    added to the user's: the only way engine keys reach a row.
     """
     if isinstance(item, EnqueueRequest):
         args = item.args
@@ -160,7 +167,9 @@ def prepare(
     if run_at is not None:
         run_at = _check_run_at(run_at, where)
     tag_list = _check_tags(tags, where)
-    meta = metadata_json if metadata_json is not None else _check_metadata(metadata, where)
+    meta = _check_metadata(metadata, where)
+    if metadata_json is not None:
+        meta = _with_engine_metadata(meta, metadata_json)
     unique = defaults.unique if unique is None else unique
     unique_key = unique_states = None
     if unique is not None:
@@ -237,14 +246,34 @@ def _check_metadata(metadata: dict[str, Any] | None, where: str) -> str:
         raise ValidationError(f"{where}: metadata must be a dict, got {metadata!r}")
     if not metadata:
         return "{}"
-    if any(not isinstance(key, str) for key in metadata):
-        raise ValidationError(f"{where}: metadata keys must be strings")
+    for key in metadata:
+        if not isinstance(key, str):
+            raise ValidationError(f"{where}: metadata keys must be strings, got {key!r}")
+        if key.startswith(ENGINE_METADATA_PREFIX):
+            raise ValidationError(
+                f"{where}: metadata key {key!r} is refused: keys beginning with "
+                f"{ENGINE_METADATA_PREFIX!r} belong to django-awa"
+            )
     try:
         return check_json(metadata)
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"{where}: metadata cannot be stored as JSON: {exc}") from exc
     except RecursionError:
         raise ValidationError(f"{where}: metadata is nested too deeply to be stored") from None
+
+
+def _with_engine_metadata(user_json: str, engine_json: str) -> str:
+    """The union of two JSON objects' texts, without decoding either.
+
+    Their keys cannot clash: the user's never begin with ``awa_``, the
+    engine's always do. ``"{}"`` stands for an empty object, as
+    ``_check_metadata`` writes it.
+    """
+    if user_json == "{}":
+        return engine_json
+    if engine_json == "{}":
+        return user_json
+    return f"{user_json[:-1]}, {engine_json[1:]}"
 
 
 def _unique_key(

@@ -593,3 +593,16 @@ def test_the_database_refuses_timestamps_it_could_not_give_back_in_either_table(
             [f"awa_job_{column}_range"],
         )
         assert cursor.fetchall() == [("awa_job", True), ("awa_job_done", True)]
+
+
+@pytest.mark.parametrize("key", ["awa_original_priority", "awa_trigger", "awa_periodic", "awa_"])
+def test_metadata_keys_of_the_engine_are_refused_naming_the_key(key):
+    metadata = {"mine": 1, key: "high"}
+    with pytest.raises(awa.ValidationError, match=f"metadata key '{key}'.*awa_"):
+        awa.enqueue(Echo(n=1), metadata=metadata)
+    with pytest.raises(awa.ValidationError, match=f"item 1: .*metadata key '{key}'"):
+        awa.enqueue_many([Echo(n=0), awa.EnqueueRequest(Echo(n=1), metadata=metadata)])
+    assert awa_job_rows() == 0
+    # Keys merely like the engine's are the user's.
+    job = awa.enqueue(Echo(n=1), metadata={"AWA_x": 1, "awa": 2, "x_awa_y": 3})
+    assert Job.objects.get(id=job.id).metadata == {"AWA_x": 1, "awa": 2, "x_awa_y": 3}
