@@ -86,6 +86,9 @@ class PreparedJob:
 # ...) and reads back: users may not set them (SPEC §3).
 ENGINE_METADATA_PREFIX = "awa_"
 
+# Tags are labels to filter by, each 1 to 255 characters.
+MAX_TAGS = 100
+
 # json.dumps(..., ensure_ascii=False) would build an encoder per call.
 _ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
@@ -113,7 +116,7 @@ def prepare(
     priority: int | None = None,
     run_at: dt.datetime | None = None,
     max_attempts: int | None = None,
-    tags: Iterable[str] | None = None,
+    tags: Sequence[str] | None = None,
     metadata: dict[str, Any] | None = None,
     unique: Unique | None = None,
     metadata_json: str | None = None,
@@ -149,13 +152,8 @@ def prepare(
     except ArgsDecodeError as exc:
         raise ValidationError(f"{where}: {exc}") from exc
     args_json = _ARGS_ENCODER.encode(encoded)
-    limit = awa_settings().max_args_bytes
-    # A character is at most 4 bytes of UTF-8: most args need no byte count.
-    if len(args_json) * 4 > limit and len(args_json.encode()) > limit:
-        raise ValidationError(
-            f"{where}: args are {len(args_json.encode())} bytes of JSON, over the limit of "
-            f"{limit} (AWA['MAX_ARGS_BYTES'])"
-        )
+    conf = awa_settings()
+    _check_size(args_json, "args", conf.max_args_bytes, "MAX_ARGS_BYTES", where)
     defaults = registry.defaults(kind)
     queue = defaults.queue if queue is None else queue
     if not isinstance(queue, str) or not QUEUE_NAME_RE.match(queue):
@@ -168,6 +166,7 @@ def prepare(
         run_at = _check_run_at(run_at, where)
     tag_list = _check_tags(tags, where)
     meta = _check_metadata(metadata, where)
+    _check_size(meta, "metadata", conf.max_metadata_bytes, "MAX_METADATA_BYTES", where)
     if metadata_json is not None:
         meta = _with_engine_metadata(meta, metadata_json)
     unique = defaults.unique if unique is None else unique
@@ -186,6 +185,15 @@ def prepare(
         unique_key=unique_key,
         unique_states=unique_states,
     )
+
+
+def _check_size(text: str, what: str, limit: int, setting: str, where: str) -> None:
+    """``ValidationError`` if JSON ``text`` is over ``limit`` bytes of UTF-8 (``AWA[setting]``)."""
+    # A character is at most 4 bytes of UTF-8: most texts need no byte count.
+    if len(text) * 4 > limit and (size := len(text.encode())) > limit:
+        raise ValidationError(
+            f"{where}: {what}: {size} bytes of JSON, over the limit of {limit} (AWA[{setting!r}])"
+        )
 
 
 def _check_run_at(run_at: Any, where: str) -> dt.datetime:
@@ -223,11 +231,18 @@ def _check_run_at(run_at: Any, where: str) -> dt.datetime:
     return run_at
 
 
-def _check_tags(tags: Iterable[str] | None, where: str) -> list[str]:
+def _check_tags(tags: Sequence[str] | None, where: str) -> list[str]:
     if tags is None:
         return []
-    if isinstance(tags, str):
-        raise ValidationError(f"{where}: tags must be a list of strings, not a string")
+    # A list or tuple, in the order given: a set's order changes from one
+    # process to the next, and a dict or string is seldom meant as its keys or
+    # characters. Sort a set (sorted(tags)) to pass it.
+    if not isinstance(tags, (list, tuple)):
+        raise ValidationError(
+            f"{where}: tags must be a list or tuple of strings, got {type(tags).__name__}"
+        )
+    if len(tags) > MAX_TAGS:
+        raise ValidationError(f"{where}: {len(tags)} tags, over the limit of {MAX_TAGS}")
     tag_list = list(tags)
     for tag in tag_list:
         if not isinstance(tag, str) or not tag or len(tag) > 255:
@@ -322,7 +337,7 @@ def enqueue(
     priority: int | None = None,
     run_at: dt.datetime | None = None,
     max_attempts: int | None = None,
-    tags: Iterable[str] | None = None,
+    tags: Sequence[str] | None = None,
     metadata: dict[str, Any] | None = None,
     unique: Unique | None = None,
     using: str | None = None,

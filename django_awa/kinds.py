@@ -290,10 +290,14 @@ def require_text(value: str, what: str) -> str:
         raise ValidationError(f"{what}: {exc}") from None
 
 
+# Non-ASCII text as UTF-8, as args are sent: a byte limit counts the same for both.
+_CHECKED_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
+
+
 def check_json(value: Any) -> str:
     """``value`` as JSON text; ``TypeError``, ``ValueError`` or ``RecursionError`` if
     jsonb cannot store it."""
-    text = json.dumps(value, allow_nan=False)
+    text = _CHECKED_ENCODER.encode(value)
     check_storable(value)
     return text
 

@@ -606,3 +606,41 @@ def test_metadata_keys_of_the_engine_are_refused_naming_the_key(key):
     # Keys merely like the engine's are the user's.
     job = awa.enqueue(Echo(n=1), metadata={"AWA_x": 1, "awa": 2, "x_awa_y": 3})
     assert Job.objects.get(id=job.id).metadata == {"AWA_x": 1, "awa": 2, "x_awa_y": 3}
+
+
+def test_oversized_metadata_is_refused_with_the_limit_named(settings):
+    with pytest.raises(awa.ValidationError, match=r"over the limit of 65536 \(AWA\['MAX_METADATA"):
+        awa.enqueue(Echo(n=1), metadata={"blob": "x" * 70_000})
+    settings.AWA = {**settings.AWA, "MAX_METADATA_BYTES": 100}
+    # Counted in bytes of UTF-8, as sent: {"k": "☃☃..."} with 40 snowmen of 3 bytes each.
+    over = "metadata: 129 bytes of JSON, over the limit of 100"
+    with pytest.raises(awa.ValidationError, match=over):
+        awa.enqueue_many([awa.EnqueueRequest(Echo(n=1), metadata={"k": "\u2603" * 40})])
+    assert awa_job_rows() == 0
+    awa.enqueue(Echo(n=1), metadata={"k": "x" * 80})
+
+
+@pytest.mark.parametrize(
+    ("tags", "message"),
+    [
+        ({"a": 1}, "tags must be a list or tuple of strings, got dict"),
+        ({"a", "b"}, "got set"),
+        (frozenset({"a"}), "got frozenset"),
+        ((t for t in ["a"]), "got generator"),
+        (b"ab", "got bytes"),
+        ([f"t{i}" for i in range(101)], "101 tags, over the limit of 100"),
+    ],
+    ids=["dict", "set", "frozenset", "generator", "bytes", "too many"],
+)
+def test_tags_must_be_a_list_or_tuple_of_at_most_100(tags, message):
+    with pytest.raises(awa.ValidationError, match=message):
+        awa.enqueue(Echo(n=1), tags=tags)
+    with pytest.raises(awa.ValidationError, match=f"item 0: .*{message}"):
+        awa.enqueue_many([awa.EnqueueRequest(Echo(n=1), tags=tags)])
+    assert awa_job_rows() == 0
+
+
+def test_a_tuple_of_100_tags_is_stored_in_order():
+    tags = tuple(f"t{i}" for i in range(100))
+    job = awa.enqueue(Echo(n=1), tags=tags)
+    assert Job.objects.get(id=job.id).tags == list(tags)

@@ -471,6 +471,7 @@ GOOD: dict[str, list[Any]] = {
     "PRIORITY_AGING_INTERVAL": [None, 60],
     "CLAIM_BATCH_SIZE": [1, 100],
     "MAX_ARGS_BYTES": [1, 10**6],
+    "MAX_METADATA_BYTES": [1, 65536],
     "PREPARED_STATEMENTS": [True, False],
 }
 BAD_DURATION = [
@@ -516,6 +517,7 @@ BAD: dict[str, list[Any]] = {
     "PRIORITY_AGING_INTERVAL": BAD_DURATION,
     "CLAIM_BATCH_SIZE": [0, -1, 1.5, "10", True, None, math.nan],
     "MAX_ARGS_BYTES": [0, -1, 1.5, "10", False, None],
+    "MAX_METADATA_BYTES": [0, -1, 1.5, "10", False, None],
     "PREPARED_STATEMENTS": [1, 0, "yes", None],
 }
 
