@@ -94,11 +94,16 @@ _ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
 
 def database_alias(using: str | None) -> str:
-    """The connection alias to use, checked to be PostgreSQL."""
-    alias = using or awa_settings().database
-    if alias in db.checked_aliases:
+    """The connection alias to use, checked to be PostgreSQL.
+
+    Every public function taking ``using`` resolves it here. Only ``None``
+    means ``AWA["DATABASE"]``: anything else must name an entry of
+    ``DATABASES`` (``""`` is refused, not taken for the default).
+    """
+    alias = awa_settings().database if using is None else using
+    if isinstance(alias, str) and alias in db.checked_aliases:
         return alias
-    if alias not in settings.DATABASES:
+    if not isinstance(alias, str) or alias not in settings.DATABASES:
         raise ConfigurationError(f"django-awa: no database alias {alias!r} in DATABASES")
     vendor = connections[alias].vendor
     if vendor != "postgresql":

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -644,3 +646,27 @@ def test_a_tuple_of_100_tags_is_stored_in_order():
     tags = tuple(f"t{i}" for i in range(100))
     job = awa.enqueue(Echo(n=1), tags=tags)
     assert Job.objects.get(id=job.id).tags == list(tags)
+
+
+_EVERY_USING = {
+    "enqueue": lambda using: awa.enqueue(Echo(n=1), using=using),
+    "enqueue_many": lambda using: awa.enqueue_many([Echo(n=1)], using=using),
+    "cancel": lambda using: awa.cancel(1, using=using),
+    "retry": lambda using: awa.retry(1, using=using),
+    "pause_queue": lambda using: awa.pause_queue("default", using=using),
+    "resume_queue": lambda using: awa.resume_queue("default", using=using),
+    "queue_stats": lambda using: awa.queue_stats(using=using),
+    "complete_external": lambda using: awa.complete_external(uuid.uuid4(), using=using),
+    "fail_external": lambda using: awa.fail_external(uuid.uuid4(), "no", using=using),
+    "retry_external": lambda using: awa.retry_external(uuid.uuid4(), using=using),
+    "heartbeat_callback": lambda using: awa.heartbeat_callback(uuid.uuid4(), 60, using=using),
+}
+
+
+@pytest.mark.parametrize("call", _EVERY_USING.values(), ids=_EVERY_USING.keys())
+@pytest.mark.parametrize("using", ["", "nope", ["default"], 0])
+def test_a_using_that_names_no_database_is_refused_naming_it(call, using):
+    # Not taken for the default alias: "" (or 0) is a mistake, not a choice.
+    with pytest.raises(awa.ConfigurationError, match=re.escape(f"no database alias {using!r}")):
+        call(using)
+    assert awa_job_rows() == 0
