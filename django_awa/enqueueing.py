@@ -278,8 +278,6 @@ def _check_metadata(metadata: dict[str, Any] | None, where: str) -> str:
         return check_json(metadata)
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"{where}: metadata cannot be stored as JSON: {exc}") from exc
-    except RecursionError:
-        raise ValidationError(f"{where}: metadata is nested too deeply to be stored") from None
 
 
 def _with_engine_metadata(user_json: str, engine_json: str) -> str:

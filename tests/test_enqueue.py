@@ -670,3 +670,35 @@ def test_a_using_that_names_no_database_is_refused_naming_it(call, using):
     with pytest.raises(awa.ConfigurationError, match=re.escape(f"no database alias {using!r}")):
         call(using)
     assert awa_job_rows() == 0
+
+
+def nested(levels: int) -> list:
+    """``levels`` lists, each inside the one before."""
+    top: list = []
+    for _ in range(levels - 1):
+        top = [top]
+    return top
+
+
+@dataclass
+class Deep(awa.JobArgs):
+    blob: object = None
+
+
+def test_json_nested_deeper_than_100_levels_is_refused_naming_the_limit():
+    # The args object is the first level: a field may hold 99 more.
+    job = awa.enqueue(Deep(blob=nested(99)), metadata={"k": nested(99)})
+    assert Job.objects.get(id=job.id).args == {"blob": nested(99)}
+    limit = r"nested deeper than 100 levels of lists and objects \(under 'blob'\), the limit"
+    for levels in (100, 950, 5000):
+        with pytest.raises(awa.ValidationError, match=r"kind 'deep': (field 'blob' is )?nested"):
+            awa.enqueue(Deep(blob=nested(levels)))
+    with pytest.raises(awa.ValidationError, match=limit):
+        awa.enqueue(Deep(blob=nested(950)))
+    with pytest.raises(awa.ValidationError, match=limit):
+        awa.enqueue_many([awa.EnqueueRequest(Deep(blob={"a": [{"b": nested(98)}]}))])
+    with pytest.raises(awa.ValidationError, match=limit.replace("blob", "k")):
+        awa.enqueue(Echo(n=1), metadata={"k": nested(100)})
+    with pytest.raises(awa.ValidationError, match=limit.replace("blob", "k")):
+        awa.enqueue(Echo(n=1), metadata={"k": nested(5000)})
+    assert Job.objects.count() == 1
