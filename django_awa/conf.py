@@ -46,6 +46,8 @@ DEFAULTS: dict[str, Any] = {
     # (by their recent run time); None turns prefetching off.
     "PREFETCH_WINDOW": 0.05,
     "MAX_ARGS_BYTES": 1_000_000,
+    # Metadata is for small labels and the engine's lineage; data belongs in args.
+    "MAX_METADATA_BYTES": 65_536,
     "PREPARED_STATEMENTS": True,
     # "" (or absent): the DATABASE alias. None: no direct session (poll, per-tick lock).
     "DIRECT_DATABASE": "",
@@ -88,6 +90,7 @@ class AwaSettings:
     claim_batch_size: int
     prefetch_window: float | None = None
     max_args_bytes: int
+    max_metadata_bytes: int
     prepared_statements: bool = True
     direct_database: str | None = "default"
 
@@ -158,7 +161,7 @@ def problems(raw: dict[str, Any] | None = None) -> list[tuple[str, str]]:
         secret = raw["CALLBACK_SECRET"]
         if secret is not None and (not isinstance(secret, str) or not secret):
             found.append(("CALLBACK_SECRET", "AWA['CALLBACK_SECRET'] must be a non-empty string"))
-    for key in ("CLAIM_BATCH_SIZE", "MAX_ARGS_BYTES"):
+    for key in ("CLAIM_BATCH_SIZE", "MAX_ARGS_BYTES", "MAX_METADATA_BYTES"):
         if key in raw:
             value = raw[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -237,6 +240,7 @@ def awa_settings() -> AwaSettings:
         claim_batch_size=merged["CLAIM_BATCH_SIZE"],
         prefetch_window=duration("PREFETCH_WINDOW"),
         max_args_bytes=merged["MAX_ARGS_BYTES"],
+        max_metadata_bytes=merged["MAX_METADATA_BYTES"],
         prepared_statements=merged["PREPARED_STATEMENTS"],
         direct_database=(
             merged["DATABASE"] if merged["DIRECT_DATABASE"] == "" else merged["DIRECT_DATABASE"]

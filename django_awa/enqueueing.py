@@ -82,16 +82,28 @@ class PreparedJob:
         }
 
 
+# Metadata keys django-awa writes (awa_trigger, awa_periodic, awa_callback_result,
+# ...) and reads back: users may not set them (SPEC §3).
+ENGINE_METADATA_PREFIX = "awa_"
+
+# Tags are labels to filter by, each 1 to 255 characters.
+MAX_TAGS = 100
+
 # json.dumps(..., ensure_ascii=False) would build an encoder per call.
 _ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
 
 def database_alias(using: str | None) -> str:
-    """The connection alias to use, checked to be PostgreSQL."""
-    alias = using or awa_settings().database
-    if alias in db.checked_aliases:
+    """The connection alias to use, checked to be PostgreSQL.
+
+    Every public function taking ``using`` resolves it here. Only ``None``
+    means ``AWA["DATABASE"]``: anything else must name an entry of
+    ``DATABASES`` (``""`` is refused, not taken for the default).
+    """
+    alias = awa_settings().database if using is None else using
+    if isinstance(alias, str) and alias in db.checked_aliases:
         return alias
-    if alias not in settings.DATABASES:
+    if not isinstance(alias, str) or alias not in settings.DATABASES:
         raise ConfigurationError(f"django-awa: no database alias {alias!r} in DATABASES")
     vendor = connections[alias].vendor
     if vendor != "postgresql":
@@ -109,15 +121,18 @@ def prepare(
     priority: int | None = None,
     run_at: dt.datetime | None = None,
     max_attempts: int | None = None,
-    tags: Iterable[str] | None = None,
+    tags: Sequence[str] | None = None,
     metadata: dict[str, Any] | None = None,
     unique: Unique | None = None,
     metadata_json: str | None = None,
 ) -> PreparedJob:
     """Validate one job and resolve its kind's defaults. Raises ``ValidationError``.
 
-    ``metadata_json`` is metadata django-awa wrote itself, as JSON text, taken
-    without the checks user metadata gets.
+    ``metadata`` (here or on an ``EnqueueRequest``) is the user's and checked
+    as such: no key may begin with ``awa_``. ``metadata_json`` is metadata
+    django-awa writes itself (``awa_trigger``, ``awa_periodic``), as the JSON
+    text of an object whose keys all begin with ``awa_``, taken unchecked and
+    added to the user's: the only way engine keys reach a row.
     """
     if isinstance(item, EnqueueRequest):
         args = item.args
@@ -142,13 +157,8 @@ def prepare(
     except ArgsDecodeError as exc:
         raise ValidationError(f"{where}: {exc}") from exc
     args_json = _ARGS_ENCODER.encode(encoded)
-    limit = awa_settings().max_args_bytes
-    # A character is at most 4 bytes of UTF-8: most args need no byte count.
-    if len(args_json) * 4 > limit and len(args_json.encode()) > limit:
-        raise ValidationError(
-            f"{where}: args are {len(args_json.encode())} bytes of JSON, over the limit of "
-            f"{limit} (AWA['MAX_ARGS_BYTES'])"
-        )
+    conf = awa_settings()
+    _check_size(args_json, "args", conf.max_args_bytes, "MAX_ARGS_BYTES", where)
     defaults = registry.defaults(kind)
     queue = defaults.queue if queue is None else queue
     if not isinstance(queue, str) or not QUEUE_NAME_RE.match(queue):
@@ -158,17 +168,12 @@ def prepare(
     max_attempts = defaults.max_attempts if max_attempts is None else max_attempts
     check_max_attempts(max_attempts, where)
     if run_at is not None:
-        if not isinstance(run_at, dt.datetime):
-            raise ValidationError(f"{where}: run_at must be a datetime, got {run_at!r}")
-        if timezone.is_naive(run_at):
-            if settings.USE_TZ:
-                raise ValidationError(
-                    f"{where}: run_at {run_at.isoformat()} is a naive datetime while USE_TZ "
-                    f"is True; pass an aware datetime"
-                )
-            run_at = timezone.make_aware(run_at, timezone.get_default_timezone())
+        run_at = _check_run_at(run_at, where)
     tag_list = _check_tags(tags, where)
-    meta = metadata_json if metadata_json is not None else _check_metadata(metadata, where)
+    meta = _check_metadata(metadata, where)
+    _check_size(meta, "metadata", conf.max_metadata_bytes, "MAX_METADATA_BYTES", where)
+    if metadata_json is not None:
+        meta = _with_engine_metadata(meta, metadata_json)
     unique = defaults.unique if unique is None else unique
     unique_key = unique_states = None
     if unique is not None:
@@ -187,11 +192,62 @@ def prepare(
     )
 
 
-def _check_tags(tags: Iterable[str] | None, where: str) -> list[str]:
+def _check_size(text: str, what: str, limit: int, setting: str, where: str) -> None:
+    """``ValidationError`` if JSON ``text`` is over ``limit`` bytes of UTF-8 (``AWA[setting]``)."""
+    # A character is at most 4 bytes of UTF-8: most texts need no byte count.
+    if len(text) * 4 > limit and (size := len(text.encode())) > limit:
+        raise ValidationError(
+            f"{where}: {what}: {size} bytes of JSON, over the limit of {limit} (AWA[{setting!r}])"
+        )
+
+
+def _check_run_at(run_at: Any, where: str) -> dt.datetime:
+    """``run_at`` as an aware datetime PostgreSQL can store; else ``ValidationError``.
+
+    timestamptz holds years 1 to 9999 in UTC, as Python's datetime does, but an
+    aware datetime near either end may lie outside them in UTC (year 1 at
+    UTC+14 is year 0 there). PostgreSQL would store it and the row could not be
+    read back; the ``awa_job_run_at_range`` check (migration 0005) refuses it
+    on any other path.
+    """
+    if not isinstance(run_at, dt.datetime):
+        raise ValidationError(f"{where}: run_at must be a datetime, got {run_at!r}")
+    try:
+        naive = timezone.is_naive(run_at)
+    except (TypeError, ValueError) as exc:  # a tzinfo giving no valid offset
+        raise ValidationError(f"{where}: run_at {run_at!r}: {exc}") from exc
+    if naive:
+        if settings.USE_TZ:
+            raise ValidationError(
+                f"{where}: run_at {run_at.isoformat()} is a naive datetime while USE_TZ "
+                f"is True; pass an aware datetime"
+            )
+        try:
+            run_at = timezone.make_aware(run_at, timezone.get_default_timezone())
+        except (OverflowError, ValueError) as exc:
+            raise ValidationError(f"{where}: run_at {run_at.isoformat()}: {exc}") from exc
+    try:
+        run_at.astimezone(dt.UTC)
+    except (OverflowError, ValueError):
+        raise ValidationError(
+            f"{where}: run_at {run_at.isoformat()} is outside what PostgreSQL stores "
+            f"(years 1 to 9999 in UTC)"
+        ) from None
+    return run_at
+
+
+def _check_tags(tags: Sequence[str] | None, where: str) -> list[str]:
     if tags is None:
         return []
-    if isinstance(tags, str):
-        raise ValidationError(f"{where}: tags must be a list of strings, not a string")
+    # A list or tuple, in the order given: a set's order changes from one
+    # process to the next, and a dict or string is seldom meant as its keys or
+    # characters. Sort a set (sorted(tags)) to pass it.
+    if not isinstance(tags, (list, tuple)):
+        raise ValidationError(
+            f"{where}: tags must be a list or tuple of strings, got {type(tags).__name__}"
+        )
+    if len(tags) > MAX_TAGS:
+        raise ValidationError(f"{where}: {len(tags)} tags, over the limit of {MAX_TAGS}")
     tag_list = list(tags)
     for tag in tag_list:
         if not isinstance(tag, str) or not tag or len(tag) > 255:
@@ -210,14 +266,32 @@ def _check_metadata(metadata: dict[str, Any] | None, where: str) -> str:
         raise ValidationError(f"{where}: metadata must be a dict, got {metadata!r}")
     if not metadata:
         return "{}"
-    if any(not isinstance(key, str) for key in metadata):
-        raise ValidationError(f"{where}: metadata keys must be strings")
+    for key in metadata:
+        if not isinstance(key, str):
+            raise ValidationError(f"{where}: metadata keys must be strings, got {key!r}")
+        if key.startswith(ENGINE_METADATA_PREFIX):
+            raise ValidationError(
+                f"{where}: metadata key {key!r} is refused: keys beginning with "
+                f"{ENGINE_METADATA_PREFIX!r} belong to django-awa"
+            )
     try:
         return check_json(metadata)
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"{where}: metadata cannot be stored as JSON: {exc}") from exc
-    except RecursionError:
-        raise ValidationError(f"{where}: metadata is nested too deeply to be stored") from None
+
+
+def _with_engine_metadata(user_json: str, engine_json: str) -> str:
+    """The union of two JSON objects' texts, without decoding either.
+
+    Their keys cannot clash: the user's never begin with ``awa_``, the
+    engine's always do. ``"{}"`` stands for an empty object, as
+    ``_check_metadata`` writes it.
+    """
+    if user_json == "{}":
+        return engine_json
+    if engine_json == "{}":
+        return user_json
+    return f"{user_json[:-1]}, {engine_json[1:]}"
 
 
 def _unique_key(
@@ -266,7 +340,7 @@ def enqueue(
     priority: int | None = None,
     run_at: dt.datetime | None = None,
     max_attempts: int | None = None,
-    tags: Iterable[str] | None = None,
+    tags: Sequence[str] | None = None,
     metadata: dict[str, Any] | None = None,
     unique: Unique | None = None,
     using: str | None = None,

@@ -14,7 +14,6 @@ durable pending row (``maintenance.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import enum
 import functools
@@ -159,12 +158,8 @@ def signature_fits(spec: FollowupSpec) -> bool:
     return True
 
 
-def trigger_metadata(job: Job, outcome: Outcome) -> dict[str, Any]:
-    return {"job_id": job.id, "kind": job.kind, "outcome": outcome.value}
-
-
 def trigger_metadata_json(job: Job, outcome: Outcome) -> str:
-    """``{"awa_trigger": trigger_metadata(...)}`` as JSON text, written out directly.
+    """``{"awa_trigger": {"job_id", "kind", "outcome"}}`` as JSON text, written out directly.
 
     One per follow-up, in the completer's batch: formatting an int and two
     strings took 0.8 µs here, encoding the dict 3.6.
@@ -219,12 +214,8 @@ def build(
                     f"returned {type(result).__name__}, expected JobArgs, "
                     f"awa.EnqueueRequest or None"
                 )
-            if isinstance(result, EnqueueRequest):
-                trigger = trigger_metadata(job, outcome)
-                metadata = {**(result.metadata or {}), "awa_trigger": trigger}
-                follow_up = prepare(dataclasses.replace(result, metadata=metadata))
-            else:
-                follow_up = prepare(result, metadata_json=trigger_metadata_json(job, outcome))
+            # An EnqueueRequest's own metadata is checked as any user's is.
+            follow_up = prepare(result, metadata_json=trigger_metadata_json(job, outcome))
             prepared.append((spec, follow_up))
         except ArgsDecodeError as exc:
             raise FollowupError(f"follow-up {spec.name} failed: {exc}", spec=spec) from exc

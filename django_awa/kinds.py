@@ -265,8 +265,8 @@ def encode_args(args: JobArgs) -> dict[str, Any]:
             ) from exc
         except RecursionError:
             raise ValidationError(
-                f"args of kind {args.kind!r}: field {f.name!r} is nested too deeply "
-                f"(or contains itself) to be stored as JSON"
+                f"args of kind {args.kind!r}: field {f.name!r} is nested deeper than "
+                f"{MAX_JSON_DEPTH} levels of lists and objects (or contains itself), the limit"
             ) from None
     return out
 
@@ -290,10 +290,44 @@ def require_text(value: str, what: str) -> str:
         raise ValidationError(f"{what}: {exc}") from None
 
 
+# The most lists and objects nested in one another that args, metadata or a
+# callback payload may hold, counting the outermost (an args object with a
+# list field holding dicts is 3). Deeper JSON is stored by PostgreSQL but
+# breaks what reads it back with Python's recursive code (json, the admin).
+MAX_JSON_DEPTH = 100
+
+
+def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """``ValueError`` if JSON ``value`` nests lists and objects deeper than ``limit``.
+
+    Iterative: a value nested past Python's recursion limit, or containing
+    itself, gets the same answer, naming the top-level key or index it is under.
+    """
+    if not isinstance(value, (dict, list, tuple)):
+        return
+    stack: list[tuple[Any, int, Any]] = [(value, 1, None)]
+    while stack:
+        item, depth, top = stack.pop()
+        if depth > limit:
+            under = "" if top is None else f" (under {top!r})"
+            raise ValueError(
+                f"nested deeper than {limit} levels of lists and objects{under}, the limit"
+            )
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in children:
+            if isinstance(child, (dict, list, tuple)):
+                stack.append((child, depth + 1, key if top is None else top))
+
+
+# Non-ASCII text as UTF-8, as args are sent: a byte limit counts the same for both.
+_CHECKED_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
+
+
 def check_json(value: Any) -> str:
-    """``value`` as JSON text; ``TypeError``, ``ValueError`` or ``RecursionError`` if
-    jsonb cannot store it."""
-    text = json.dumps(value, allow_nan=False)
+    """``value`` as JSON text; ``TypeError`` or ``ValueError`` if jsonb cannot store
+    it or it is nested deeper than ``MAX_JSON_DEPTH``."""
+    check_depth(value)
+    text = _CHECKED_ENCODER.encode(value)
     check_storable(value)
     return text
 
@@ -489,6 +523,10 @@ def encode_checked(args: JobArgs) -> dict[str, Any]:
         else:
             return encoded
     encoded = encode_args(args)
+    try:
+        check_depth(encoded)
+    except ValueError as exc:
+        raise ValidationError(f"args of kind {args.kind!r}: {exc}") from None
     # ``encoded`` holds only JSON types, so it stands for the stored args.
     decode_args(type(args), encoded)
     return encoded

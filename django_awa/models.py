@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import json.scanner
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import models
@@ -39,6 +39,22 @@ CANCELLABLE_STATES = (
     JobState.WAITING_EXTERNAL,
 )
 RETRIABLE_STATES = (JobState.FAILED, JobState.CANCELLED, JobState.RETRYABLE)
+
+# What timestamptz holds that Python can read back: years 1 to 9999 in UTC.
+# PostgreSQL itself stores 4713 BC to 294276 AD, so an aware datetime at the
+# edge (year 1 at UTC+14) is stored and then cannot be read.
+TIMESTAMP_MIN = datetime.min.replace(tzinfo=UTC)
+TIMESTAMP_MAX = datetime.max.replace(tzinfo=UTC)
+# The columns a caller sets: run_at (enqueue, the ORM), callback_timeout_at
+# (register_callback's timeout). Migrations 0005 and 0006 add their checks.
+RANGE_CHECKED_COLUMNS = ("run_at", "callback_timeout_at")
+
+
+def _in_range(column: str) -> models.CheckConstraint:
+    return models.CheckConstraint(
+        condition=Q(**{f"{column}__gte": TIMESTAMP_MIN, f"{column}__lte": TIMESTAMP_MAX}),
+        name=f"awa_job_{column}_range",
+    )
 
 
 class JobQuerySet(models.QuerySet["Job"]):
@@ -180,6 +196,7 @@ class Job(models.Model):
                 condition=Q(callback_id__isnull=False),
                 name="awa_job_callback_id_uniq",
             ),
+            *(_in_range(column) for column in RANGE_CHECKED_COLUMNS),
         ]
 
     def __str__(self) -> str:

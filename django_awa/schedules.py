@@ -8,6 +8,7 @@ exactly once however many workers run.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import zoneinfo
 from dataclasses import dataclass
@@ -147,15 +148,12 @@ def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
             fires = fires[-1:]
         for fire_at in fires:
             request = EnqueueRequest(
-                schedule.args,
-                queue=schedule.queue,
-                priority=schedule.priority,
-                run_at=fire_at,
-                metadata={"awa_periodic": {"name": schedule.name, "fire_at": fire_at.isoformat()}},
+                schedule.args, queue=schedule.queue, priority=schedule.priority, run_at=fire_at
             )
+            periodic = {"awa_periodic": {"name": schedule.name, "fire_at": fire_at.isoformat()}}
             try:
                 with transaction.atomic(using=alias):
-                    insert_one(prepare(request), alias)
+                    insert_one(prepare(request, metadata_json=json.dumps(periodic)), alias)
             except UniqueConflict:
                 logger.info(
                     "periodic %r fire at %s skipped: unique conflict", schedule.name, fire_at

@@ -436,7 +436,7 @@ RETURNING l.term
 """
 
 # -- SEED_LEASE --
-# The lease's row, should it be missing (migration 0005 inserts it).
+# The lease's row, should it be missing (migration 0007 inserts it).
 SEED_LEASE = """
 INSERT INTO awa_lease (name, lease_until) VALUES (%(name)s, '-infinity')
 ON CONFLICT (name) DO NOTHING

@@ -7,13 +7,16 @@ an empty list means the guarantee held.
 The follow-ups expected of a trigger are derived from what its row committed,
 for the test kinds of ``tests/testapp`` (``Act``: two Completed follow-ups,
 one per Retried, Exhausted, Cancelled and Rescued; ``Parked``: one per
-Completed, Exhausted, Retried, Rescued and per committed park):
+Completed, Exhausted, Retried, Rescued and per committed park; ``Poison``:
+one per Completed, Retried, Exhausted, Cancelled and Rescued):
 
 * every ``errors`` entry of a rescue is one committed Rescued outcome;
 * every other entry is a handler failure: a Retried outcome, except the
   last one of a ``failed`` job (Exhausted, unless a rescue failed it) and
   of a ``cancelled`` one (the cancel reason);
-* a ``completed`` job committed one Completed outcome, a ``cancelled`` one Cancelled.
+* a ``completed`` job committed one Completed outcome, a ``cancelled`` one Cancelled;
+* a ``Poison`` job waiting out its ``RetryAfter`` committed one Retried outcome
+  that left no ``errors`` entry.
 
 A Parked job parks once per committed park; its waiting follow-ups carry the
 callback id (``note = "waiting:<uuid>"``), so no callback id may have two.
@@ -27,25 +30,28 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 
 _OUTCOME_MISMATCHES = """
 WITH entries AS (
-    SELECT id, kind, state,
+    SELECT id, kind, state, args ->> 'action' AS action,
            count(e) FILTER (WHERE e ->> 'error' LIKE 'rescued:%%') AS rescued,
            count(e) FILTER (WHERE e ->> 'error' NOT LIKE 'rescued:%%') AS raised,
            (array_agg(e ->> 'error' ORDER BY n DESC))[1] AS last_error
     FROM awa_job
     LEFT JOIN LATERAL jsonb_array_elements(errors) WITH ORDINALITY AS x(e, n) ON true
-    WHERE id = ANY(%(ids)s) AND kind IN ('act', 'parked')
-    GROUP BY id, kind, state
+    WHERE id = ANY(%(ids)s) AND kind IN ('act', 'parked', 'poison')
+    GROUP BY id, kind, state, action
 ),
 expected AS (
     SELECT id, kind, rescued,
            raised - CASE WHEN state IN ('failed', 'cancelled')
                               AND last_error NOT LIKE 'rescued:%%'
-                         THEN 1 ELSE 0 END AS retried,
+                         THEN 1 ELSE 0 END
+           + CASE WHEN kind = 'poison' AND action = 'huge_retry' AND state = 'retryable'
+                  THEN 1 ELSE 0 END AS retried,
            CASE WHEN state = 'failed' AND last_error NOT LIKE 'rescued:%%'
                 THEN 1 ELSE 0 END AS exhausted,
            CASE WHEN state = 'completed' THEN (CASE kind WHEN 'act' THEN 2 ELSE 1 END)
                 ELSE 0 END AS completed,
-           CASE WHEN state = 'cancelled' AND kind = 'act' THEN 1 ELSE 0 END AS cancelled
+           CASE WHEN state = 'cancelled' AND kind IN ('act', 'poison') THEN 1 ELSE 0 END
+               AS cancelled
     FROM entries
 ),
 actual AS (
@@ -102,9 +108,24 @@ GROUP BY 1, 2 HAVING count(*) > 1
 ORDER BY 1, 2
 """
 
+# Not final, and not a poison job waiting out its capped day-long delay.
 _NOT_FINAL = """
 SELECT id, kind, state FROM awa_job
 WHERE id = ANY(%(ids)s) AND state NOT IN ('completed', 'failed', 'cancelled')
+  AND NOT (kind = 'poison' AND state IN ('retryable', 'scheduled')
+           AND run_at > now() + interval '23 hours')
+ORDER BY id
+"""
+
+# Poison jobs must end with what they raised or returned kept, readable: a
+# handler's own error (escaped), not one about storing it.
+_UNREADABLE_POISON = """
+SELECT id, args ->> 'action', state, errors -> -1 ->> 'error' FROM awa_job
+WHERE id = ANY(%(ids)s) AND kind = 'poison'
+  AND (state NOT IN ('completed', 'failed', 'cancelled', 'retryable', 'scheduled')
+       OR errors::text LIKE '%%could not be stored%%'
+       OR (args ->> 'action' IN ('nul_error', 'surrogate_error', 'nul_cancel')
+           AND NOT errors @> '[{}]'))
 ORDER BY id
 """
 
@@ -131,6 +152,11 @@ def ledger_duplicates(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
 
 def not_final(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
     return _rows(cursor, _NOT_FINAL, ids)
+
+
+def unreadable_poison(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
+    """Poison jobs left in a state they should not be, or whose outcome was not kept."""
+    return _rows(cursor, _UNREADABLE_POISON, ids)
 
 
 def followup_ids(cursor: Any, ids: list[int]) -> list[int]:

@@ -12,6 +12,16 @@ some parking on a callback that a sender thread answers with
 Three ``awa_worker`` processes run them while a controller SIGKILLs a random
 worker every ``--kill-every`` seconds (jittered) and starts it again.
 
+With ``--poison FRACTION`` that share of the jobs are poison: handlers
+whose errors, cancel reasons or progress hold NUL bytes or lone surrogates,
+that return delays no timestamp holds, or that raise ``BaseException``
+subclasses; rows written around ``enqueue`` (with the ORM) carry keys the
+engine owns; and enqueues with out-of-range dates, reserved metadata keys
+and other bad input are tried, each of which must be refused with nothing
+written. The poison jobs must end ``failed``, ``cancelled``, ``completed`` or
+waiting out their capped delay, with what they raised kept readable, and
+they must hold back no other job.
+
 At the end it prints, counted in SQL: jobs by final state, workers killed,
 handler runs duplicated within one (job, attempt) (must be 0), triggers whose
 follow-ups differ from their committed outcomes (must be 0), and jobs not
@@ -50,6 +60,9 @@ def parse_args() -> argparse.Namespace:
         help="a server to create the soak database on (its path names the maintenance db)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the soak database")
+    parser.add_argument(
+        "--poison", type=float, default=0.0, help="share of poison jobs, e.g. 0.02 (default 0)"
+    )
     return parser.parse_args()
 
 
@@ -156,13 +169,16 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
 
     import django_awa as awa
     from stress import audit
-    from tests.testapp.jobs import Act, Parked
+    from tests.testapp.jobs import POISON_ACTIONS, Act, Parked, Poison
 
     # -- enqueue ------------------------------------------------------------------------
     requests = []
     for _ in range(opts.jobs):
         roll = rng.random()
-        if roll < 0.04:
+        if rng.random() < opts.poison:
+            action = rng.choice(POISON_ACTIONS)
+            requests.append(awa.EnqueueRequest(Poison(action=action), max_attempts=2))
+        elif roll < 0.04:
             requests.append(awa.EnqueueRequest(Act(action="raise"), max_attempts=3))
         elif roll < 0.06:
             requests.append(awa.EnqueueRequest(Act(action="terminal"), max_attempts=10))
@@ -185,6 +201,10 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
     if len(ids) != opts.jobs:
         raise RuntimeError(f"enqueued {len(ids)} of {opts.jobs} jobs")
     log(f"enqueued {len(ids)} jobs")
+    refused, accepted = ({}, []) if not opts.poison else try_bad_enqueues(opts, rng)
+    if opts.poison:
+        ids.extend(write_odd_rows(max(1, int(opts.jobs * opts.poison))))
+        log(f"bad enqueues refused: {sum(refused.values())} ({refused}); accepted: {accepted}")
 
     # -- run ------------------------------------------------------------------------------
     logdir = Path(tempfile.mkdtemp(prefix="awa-soak-"))
@@ -263,6 +283,13 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
         dups = audit.ledger_duplicates(cursor, ids + followups)
         mismatches = audit.outcome_mismatches(cursor, ids)
         left = audit.not_final(cursor, ids + followups)
+        poison = audit.unreadable_poison(cursor, ids)
+        cursor.execute(
+            "SELECT args ->> 'action' || ' ' || state, count(*) FROM awa_job "
+            "WHERE id = ANY(%(ids)s) AND kind = 'poison' GROUP BY 1 ORDER BY 1",
+            {"ids": ids},
+        )
+        poison_by_state = dict(cursor.fetchall())
         cursor.execute("SELECT count(*) FROM awa_job WHERE id = ANY(%(ids)s)", {"ids": ids})
         present = cursor.fetchone()[0]
         cursor.execute(
@@ -272,7 +299,7 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
         )
         rescued = cursor.fetchone()[0]
     print()  # noqa: T201
-    print(f"jobs: {opts.jobs} enqueued, {present} present, in {elapsed:.0f}s")  # noqa: T201
+    print(f"jobs: {len(ids)} enqueued, {present} present, in {elapsed:.0f}s")  # noqa: T201
     print(f"final states of the jobs: {states}")  # noqa: T201
     print(f"follow-ups: {len(followups)}, states {followup_states}")  # noqa: T201
     print(f"workers killed (SIGKILL): {workers.killed}; started: {workers.started}")  # noqa: T201
@@ -281,11 +308,96 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
     print(f"ledger duplicates per (job, attempt): {len(dups)} {dups[:10]}")  # noqa: T201
     print(f"outcome vs follow-up mismatches: {len(mismatches)} {mismatches[:10]}")  # noqa: T201
     print(f"jobs not final: {len(left)} {left[:10]}")  # noqa: T201
+    if opts.poison:
+        print(f"poison jobs by action and state: {poison_by_state}")  # noqa: T201
+        print(f"poison jobs left wrong or unreadable: {len(poison)} {poison[:10]}")  # noqa: T201
+        print(f"bad enqueues refused: {refused}; accepted (must be none): {accepted}")  # noqa: T201
     print(f"worker logs: {logdir}")  # noqa: T201
-    lost = present != opts.jobs or bool(dups) or bool(mismatches) or bool(left) or timed_out
+    lost = (
+        present != len(ids)
+        or bool(dups)
+        or bool(mismatches)
+        or bool(left)
+        or bool(poison)
+        or bool(accepted)
+        or timed_out
+    )
     print("RESULT:", "LOSS OR DUPLICATION" if lost else "OK", "(timed out)" if timed_out else "")  # noqa: T201
     connections.close_all()
     return 1 if lost else 0
+
+
+def try_bad_enqueues(
+    opts: argparse.Namespace, rng: random.Random
+) -> tuple[dict[str, int], list[str]]:
+    """Enqueue what must be refused; returns refusals by kind of input, and what got in."""
+    import datetime as dt
+
+    from django.db import connection
+
+    import django_awa as awa
+    from tests.testapp.jobs import Act
+
+    east, west = dt.timezone(dt.timedelta(hours=14)), dt.timezone(dt.timedelta(hours=-14))
+    bad: dict[str, dict[str, object]] = {
+        "run_at year 1 at UTC+14": {"run_at": dt.datetime(1, 1, 1, tzinfo=east)},
+        "run_at year 9999 at UTC-14": {"run_at": dt.datetime(9999, 12, 31, 23, tzinfo=west)},
+        "metadata awa_original_priority": {"metadata": {"awa_original_priority": "high"}},
+        "metadata awa_trigger": {"metadata": {"awa_trigger": {"job_id": 1}}},
+        "metadata awa_periodic": {"metadata": {"awa_periodic": "x"}},
+        "metadata NUL": {"metadata": {"note": "a\x00b"}},
+        "tags dict": {"tags": {"a": 1}},
+    }
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM awa_job")
+        before = cursor.fetchone()[0]
+    refused: dict[str, int] = {}
+    accepted: list[str] = []
+    for name, options in bad.items():
+        for how in ("enqueue", "enqueue_many"):
+            try:
+                if how == "enqueue":
+                    awa.enqueue(Act(action="ok"), **options)  # type: ignore[arg-type]
+                else:
+                    good = [awa.EnqueueRequest(Act(action="ok")) for _ in range(3)]
+                    awa.enqueue_many([*good, awa.EnqueueRequest(Act(action="ok"), **options)])  # type: ignore[arg-type]
+            except awa.ValidationError:
+                refused[name] = refused.get(name, 0) + 1
+            except Exception as exc:  # noqa: BLE001 - reported: anything but a refusal is a bug
+                accepted.append(f"{how} {name}: {type(exc).__name__}: {exc}")
+            else:
+                accepted.append(f"{how} {name}")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM awa_job")
+        after = cursor.fetchone()[0]
+    if after != before:
+        accepted.append(f"{after - before} row(s) written by refused enqueues")
+    return refused, accepted
+
+
+def write_odd_rows(n: int) -> list[int]:
+    """Runnable jobs written with the ORM around enqueue's checks, holding keys the
+    engine owns with values it never writes: they must run, and stop no duty."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from django_awa.models import Job
+
+    long_ago = timezone.now() - dt.timedelta(hours=1)
+    rows = [
+        Job(
+            kind="act",
+            queue="default",
+            args={"action": "ok"},
+            priority=4,
+            run_at=long_ago,
+            max_attempts=10,
+            metadata={"awa_original_priority": value},
+        )
+        for value in (["high", 1e30, None, [1]] * n)[:n]
+    ]
+    return [job.id for job in Job.objects.bulk_create(rows)]
 
 
 if __name__ == "__main__":

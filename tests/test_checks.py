@@ -92,3 +92,19 @@ def test_a_database_that_is_not_postgresql_is_refused():
 
 def test_the_test_project_passes_its_checks():
     assert awa_errors() == []
+
+
+@pytest.mark.django_db  # makemigrations reads the applied migrations
+def test_the_models_need_no_migration_that_is_not_there():
+    # A constraint or index declared on a model but missing from the
+    # migrations (or the other way round) would show here.
+    call_command("makemigrations", "django_awa", "--check", "--dry-run", verbosity=0)
+
+
+def test_max_metadata_bytes_is_a_positive_integer(settings):
+    assert awa_settings().max_metadata_bytes == 65536
+    for bad in (0, -1, 1.5, "10", True, None):
+        settings.AWA = {"MAX_METADATA_BYTES": bad}
+        assert [k for k, _ in problems()] == ["MAX_METADATA_BYTES"], bad
+    settings.AWA = {"MAX_METADATA_BYTES": 1_000_000}
+    assert awa_settings().max_metadata_bytes == 1_000_000

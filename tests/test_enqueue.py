@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-from django.db import transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
@@ -352,6 +354,14 @@ def test_enqueue_many_skips_unique_duplicates_and_keeps_order():
     assert [Job.objects.get(id=i).args["n"] for i in ids] == [2, 3]
 
 
+class _NoValidOffset(dt.tzinfo):
+    def utcoffset(self, moment):
+        return dt.timedelta(hours=30)
+
+    def dst(self, moment):
+        return None
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -364,6 +374,7 @@ def test_enqueue_many_skips_unique_duplicates_and_keeps_order():
         ({"queue": ""}, "invalid queue name"),
         ({"run_at": dt.datetime(2030, 1, 1)}, "naive datetime"),
         ({"run_at": "tomorrow"}, "run_at must be a datetime"),
+        ({"run_at": dt.datetime(2030, 1, 1, tzinfo=_NoValidOffset())}, "offset must be"),
         ({"tags": "one"}, "tags must be a list"),
         ({"metadata": {"x": object()}}, "metadata cannot be stored as JSON"),
         ({"unique": "yes"}, "unique must be an awa.Unique"),
@@ -506,3 +517,188 @@ def test_enqueue_refuses_a_database_that_is_not_postgresql(settings):
 
     with pytest.raises(awa.ConfigurationError, match="no database alias 'nope'"):
         database_alias("nope")
+
+
+# -- inputs that must be refused before anything is written ------------------------------
+
+EAST = dt.timezone(dt.timedelta(hours=14))
+WEST = dt.timezone(dt.timedelta(hours=-14))
+# Aware datetimes Python holds but PostgreSQL (years 1 to 9999 in UTC) does not.
+OUT_OF_RANGE = {
+    "year 0 in UTC": dt.datetime(1, 1, 1, tzinfo=EAST),
+    "year 10000 in UTC": dt.datetime(9999, 12, 31, 23, tzinfo=WEST),
+}
+
+
+def awa_job_rows() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM awa_job")
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)  # enqueue on its own: autocommit
+@pytest.mark.parametrize("run_at", OUT_OF_RANGE.values(), ids=OUT_OF_RANGE.keys())
+def test_a_run_at_postgres_cannot_store_is_refused_and_nothing_is_written(run_at):
+    calls = {
+        "enqueue": lambda: awa.enqueue(Echo(n=1), run_at=run_at),
+        "enqueue_many": lambda: awa.enqueue_many(
+            [Echo(n=0), awa.EnqueueRequest(Echo(n=1), run_at=run_at), Echo(n=2)]
+        ),
+        "atomic enqueue": lambda: _in_atomic(lambda: awa.enqueue(Echo(n=1), run_at=run_at)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(awa.ValidationError, match="run_at") as refused:
+            call()
+        assert "years 1 to 9999" in str(refused.value), name
+        if name == "enqueue_many":
+            assert "item 1" in str(refused.value)
+        assert awa_job_rows() == 0, name
+
+
+def _in_atomic(fn):
+    with transaction.atomic():
+        return fn()
+
+
+def test_the_first_and_last_instants_postgres_stores_are_accepted():
+    first = awa.enqueue(Echo(n=1), run_at=dt.datetime(1, 1, 1, 14, tzinfo=EAST))
+    last = awa.enqueue(Echo(n=2), run_at=dt.datetime.max.replace(tzinfo=dt.UTC))
+    assert Job.objects.get(id=first.id).run_at == dt.datetime.min.replace(tzinfo=dt.UTC)
+    assert Job.objects.get(id=last.id).run_at == dt.datetime.max.replace(tzinfo=dt.UTC)
+    assert Job.objects.get(id=last.id).state == JobState.SCHEDULED
+
+
+@pytest.mark.parametrize("column", ["run_at", "callback_timeout_at"])
+@pytest.mark.parametrize("value", OUT_OF_RANGE.values(), ids=OUT_OF_RANGE.keys())
+def test_the_database_refuses_timestamps_it_could_not_give_back_in_either_table(column, value):
+    # Past enqueue's checks too: the ORM, raw SQL, and rows already moved to
+    # awa_job_done (a child of awa_job: it inherits awa_job's CHECKs).
+    with pytest.raises(IntegrityError, match=f"awa_job_{column}_range"), transaction.atomic():
+        Job.objects.create(kind="echo", args={"n": 1}, **{column: value})
+    for table in ("awa_job", "awa_job_done"):
+        with (
+            pytest.raises(IntegrityError, match=f"awa_job_{column}_range"),
+            transaction.atomic(),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute(
+                f"INSERT INTO {table} (id, kind, queue, args, state, {column}) "  # noqa: S608
+                f"VALUES (1, 'echo', 'echo', '{{}}', 'completed', %s)",
+                [value],
+            )
+    assert awa_job_rows() == 0
+    # The constraints were validated (ALTER TABLE ... VALIDATE CONSTRAINT), on both tables.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT conrelid::regclass::text, convalidated FROM pg_constraint "
+            "WHERE conname = %s ORDER BY 1",
+            [f"awa_job_{column}_range"],
+        )
+        assert cursor.fetchall() == [("awa_job", True), ("awa_job_done", True)]
+
+
+@pytest.mark.parametrize("key", ["awa_original_priority", "awa_trigger", "awa_periodic", "awa_"])
+def test_metadata_keys_of_the_engine_are_refused_naming_the_key(key):
+    metadata = {"mine": 1, key: "high"}
+    with pytest.raises(awa.ValidationError, match=f"metadata key '{key}'.*awa_"):
+        awa.enqueue(Echo(n=1), metadata=metadata)
+    with pytest.raises(awa.ValidationError, match=f"item 1: .*metadata key '{key}'"):
+        awa.enqueue_many([Echo(n=0), awa.EnqueueRequest(Echo(n=1), metadata=metadata)])
+    assert awa_job_rows() == 0
+    # Keys merely like the engine's are the user's.
+    job = awa.enqueue(Echo(n=1), metadata={"AWA_x": 1, "awa": 2, "x_awa_y": 3})
+    assert Job.objects.get(id=job.id).metadata == {"AWA_x": 1, "awa": 2, "x_awa_y": 3}
+
+
+def test_oversized_metadata_is_refused_with_the_limit_named(settings):
+    with pytest.raises(awa.ValidationError, match=r"over the limit of 65536 \(AWA\['MAX_METADATA"):
+        awa.enqueue(Echo(n=1), metadata={"blob": "x" * 70_000})
+    settings.AWA = {**settings.AWA, "MAX_METADATA_BYTES": 100}
+    # Counted in bytes of UTF-8, as sent: {"k": "☃☃..."} with 40 snowmen of 3 bytes each.
+    over = "metadata: 129 bytes of JSON, over the limit of 100"
+    with pytest.raises(awa.ValidationError, match=over):
+        awa.enqueue_many([awa.EnqueueRequest(Echo(n=1), metadata={"k": "\u2603" * 40})])
+    assert awa_job_rows() == 0
+    awa.enqueue(Echo(n=1), metadata={"k": "x" * 80})
+
+
+@pytest.mark.parametrize(
+    ("tags", "message"),
+    [
+        ({"a": 1}, "tags must be a list or tuple of strings, got dict"),
+        ({"a", "b"}, "got set"),
+        (frozenset({"a"}), "got frozenset"),
+        ((t for t in ["a"]), "got generator"),
+        (b"ab", "got bytes"),
+        ([f"t{i}" for i in range(101)], "101 tags, over the limit of 100"),
+    ],
+    ids=["dict", "set", "frozenset", "generator", "bytes", "too many"],
+)
+def test_tags_must_be_a_list_or_tuple_of_at_most_100(tags, message):
+    with pytest.raises(awa.ValidationError, match=message):
+        awa.enqueue(Echo(n=1), tags=tags)
+    with pytest.raises(awa.ValidationError, match=f"item 0: .*{message}"):
+        awa.enqueue_many([awa.EnqueueRequest(Echo(n=1), tags=tags)])
+    assert awa_job_rows() == 0
+
+
+def test_a_tuple_of_100_tags_is_stored_in_order():
+    tags = tuple(f"t{i}" for i in range(100))
+    job = awa.enqueue(Echo(n=1), tags=tags)
+    assert Job.objects.get(id=job.id).tags == list(tags)
+
+
+_EVERY_USING = {
+    "enqueue": lambda using: awa.enqueue(Echo(n=1), using=using),
+    "enqueue_many": lambda using: awa.enqueue_many([Echo(n=1)], using=using),
+    "cancel": lambda using: awa.cancel(1, using=using),
+    "retry": lambda using: awa.retry(1, using=using),
+    "pause_queue": lambda using: awa.pause_queue("default", using=using),
+    "resume_queue": lambda using: awa.resume_queue("default", using=using),
+    "queue_stats": lambda using: awa.queue_stats(using=using),
+    "complete_external": lambda using: awa.complete_external(uuid.uuid4(), using=using),
+    "fail_external": lambda using: awa.fail_external(uuid.uuid4(), "no", using=using),
+    "retry_external": lambda using: awa.retry_external(uuid.uuid4(), using=using),
+    "heartbeat_callback": lambda using: awa.heartbeat_callback(uuid.uuid4(), 60, using=using),
+}
+
+
+@pytest.mark.parametrize("call", _EVERY_USING.values(), ids=_EVERY_USING.keys())
+@pytest.mark.parametrize("using", ["", "nope", ["default"], 0])
+def test_a_using_that_names_no_database_is_refused_naming_it(call, using):
+    # Not taken for the default alias: "" (or 0) is a mistake, not a choice.
+    with pytest.raises(awa.ConfigurationError, match=re.escape(f"no database alias {using!r}")):
+        call(using)
+    assert awa_job_rows() == 0
+
+
+def nested(levels: int) -> list:
+    """``levels`` lists, each inside the one before."""
+    top: list = []
+    for _ in range(levels - 1):
+        top = [top]
+    return top
+
+
+@dataclass
+class Deep(awa.JobArgs):
+    blob: object = None
+
+
+def test_json_nested_deeper_than_100_levels_is_refused_naming_the_limit():
+    # The args object is the first level: a field may hold 99 more.
+    job = awa.enqueue(Deep(blob=nested(99)), metadata={"k": nested(99)})
+    assert Job.objects.get(id=job.id).args == {"blob": nested(99)}
+    limit = r"nested deeper than 100 levels of lists and objects \(under 'blob'\), the limit"
+    for levels in (100, 950, 5000):
+        with pytest.raises(awa.ValidationError, match=r"kind 'deep': (field 'blob' is )?nested"):
+            awa.enqueue(Deep(blob=nested(levels)))
+    with pytest.raises(awa.ValidationError, match=limit):
+        awa.enqueue(Deep(blob=nested(950)))
+    with pytest.raises(awa.ValidationError, match=limit):
+        awa.enqueue_many([awa.EnqueueRequest(Deep(blob={"a": [{"b": nested(98)}]}))])
+    with pytest.raises(awa.ValidationError, match=limit.replace("blob", "k")):
+        awa.enqueue(Echo(n=1), metadata={"k": nested(100)})
+    with pytest.raises(awa.ValidationError, match=limit.replace("blob", "k")):
+        awa.enqueue(Echo(n=1), metadata={"k": nested(5000)})
+    assert Job.objects.count() == 1

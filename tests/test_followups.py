@@ -176,6 +176,41 @@ def test_followup_run_at_and_unique_from_an_enqueue_request():
 
 
 @db
+def test_an_enqueue_request_keeps_its_metadata_beside_the_trigger():
+    @on_completed(Echo)
+    def tagged(args, job):
+        return awa.EnqueueRequest(Echo(n=-job.id), metadata={"source": "followup"})
+
+    try:
+        job = awa.enqueue(Echo(n=1))
+        run_next("echo")
+    finally:
+        _unregister(tagged)
+    (child,) = followups_of(job.id)
+    trigger = {"job_id": job.id, "kind": "echo", "outcome": "completed"}
+    assert child.metadata == {"source": "followup", "awa_trigger": trigger}
+
+
+@db
+def test_engine_metadata_keys_from_a_followup_function_are_a_followup_failure():
+    # What a follow-up function returns is the user's: it may not forge a trigger.
+    @on_completed(Echo)
+    def forged(args, job):
+        return awa.EnqueueRequest(Echo(n=-job.id), metadata={"awa_trigger": {"job_id": 1}})
+
+    try:
+        job = awa.enqueue(Echo(n=1))
+        run_next("echo")
+    finally:
+        _unregister(forged)
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE
+    assert "forged" in row.errors[-1]["error"]
+    assert "metadata key 'awa_trigger'" in row.errors[-1]["error"]
+    assert followups_of(job.id) == []
+
+
+@db
 def test_a_raising_followup_rolls_the_outcome_back_and_records_a_retry():
     job = awa.enqueue(Act(action="ok", tag="fail-completed"))
     run_next()

@@ -471,6 +471,7 @@ GOOD: dict[str, list[Any]] = {
     "PRIORITY_AGING_INTERVAL": [None, 60],
     "CLAIM_BATCH_SIZE": [1, 100],
     "MAX_ARGS_BYTES": [1, 10**6],
+    "MAX_METADATA_BYTES": [1, 65536],
     "PREPARED_STATEMENTS": [True, False],
 }
 BAD_DURATION = [
@@ -516,6 +517,7 @@ BAD: dict[str, list[Any]] = {
     "PRIORITY_AGING_INTERVAL": BAD_DURATION,
     "CLAIM_BATCH_SIZE": [0, -1, 1.5, "10", True, None, math.nan],
     "MAX_ARGS_BYTES": [0, -1, 1.5, "10", False, None],
+    "MAX_METADATA_BYTES": [0, -1, 1.5, "10", False, None],
     "PREPARED_STATEMENTS": [1, 0, "yes", None],
 }
 
@@ -766,6 +768,7 @@ def test_callback_requests_get_a_clear_answer_and_change_nothing_unless_accepted
         ("fail", b'{"error": "bad \\u0000 error"}'),
         ("fail", b'{"error": "lone \\ud800"}'),
         ("complete", b'{"payload": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+        ("complete", b'{"payload": ' + b"[" * 101 + b"]" * 101 + b"}"),
     ],
 )
 def test_callback_bodies_postgres_cannot_store_are_400(db: Any, action: str, body: bytes) -> None:
@@ -801,6 +804,18 @@ def test_external_functions_refuse_unstorable_values(db: Any, call: Callable[[An
     result = outcome(lambda: call(job.callback_id), (awa.ValidationError,))
     assert isinstance(result, awa.ValidationError), result
     assert (job_count(), row_state(job.id)) == before
+
+
+def test_callback_payloads_nested_deeper_than_100_levels_are_refused(db: Any) -> None:
+    # The limit args and metadata have (kinds.MAX_JSON_DEPTH), by the same check.
+    job = parked()
+    before = (job_count(), row_state(job.id))
+    too_deep = {"k": deeply_nested(99)}  # 101 levels: the dict, then 100 lists
+    with pytest.raises(awa.ValidationError, match=r"nested deeper than 100 levels.*the limit"):
+        awa.complete_external(job.callback_id, too_deep)
+    assert (job_count(), row_state(job.id)) == before
+    awa.complete_external(job.callback_id, {"k": deeply_nested(98)})
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED
 
 
 @pytest.mark.parametrize("callback_id", ["", "not-a-uuid", "\x00", 5, None, "0" * 10_000])

@@ -84,3 +84,12 @@ def test_context_and_unknown_results(start_worker):
     assert tasks.with_context.get_result(result.id).return_value == "ctx:1"
     with pytest.raises(TaskResultDoesNotExist):
         tasks.add.get_backend().get_result("999999999")
+
+
+def test_a_run_after_postgres_cannot_store_is_refused_and_nothing_is_written():
+    import django_awa as awa
+
+    year_zero = dt.datetime(1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=14)))
+    with pytest.raises(awa.ValidationError, match=r"run_at .*years 1 to 9999"):
+        tasks.urgent.using(run_after=year_zero).enqueue()
+    assert not Job.objects.exists()

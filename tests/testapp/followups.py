@@ -124,3 +124,13 @@ def poison_exhausted(args: Poison, job, error, attempt):
 @on_cancelled(Poison)
 def poison_cancelled(args: Poison, job, reason):
     return Echo(n=job.id, note=f"poison-cancelled:{reason}")
+
+
+@on_completed(Poison)
+def poison_completed(args: Poison, job):
+    return Echo(n=job.id, note="poison-completed")
+
+
+@on_rescued(Poison)
+def poison_rescued(args: Poison, job, reason):
+    return Echo(n=job.id, note=f"poison-rescued:{reason.value}")

@@ -119,6 +119,18 @@ def act(job: awa.JobContext):
             raise ValueError(f"unknown action {args.action!r}")
 
 
+# What stress/crash_soak.py --poison mixes in: each outcome holds what
+# PostgreSQL cannot store as it is, or a delay no timestamp holds.
+POISON_ACTIONS = (
+    "nul_error",
+    "surrogate_error",
+    "nul_cancel",
+    "nul_progress",
+    "huge_retry",
+    "huge_snooze",
+)
+
+
 @awa.worker(Poison, max_attempts=2)
 def poison(job: awa.JobContext):
     _ledger(job, job.args.action)

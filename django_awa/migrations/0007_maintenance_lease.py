@@ -17,7 +17,7 @@ SEED = "INSERT INTO awa_lease (name, lease_until) VALUES ('maintenance', '-infin
 
 
 class Migration(migrations.Migration):
-    dependencies = [("django_awa", "0004_archive_candidates_index")]
+    dependencies = [("django_awa", "0006_validate_timestamp_range_checks")]
 
     operations = [
         migrations.CreateModel(
