@@ -21,7 +21,6 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa.execute import Attempt, AttemptResult
 from django_awa.models import Job, JobState
-from django_awa.worker import Worker
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.jobs import Act, Poison
 
@@ -99,6 +98,8 @@ def test_the_completer_isolates_a_member_it_cannot_store_and_writes_the_rest() -
     batch = [
         bad if job is running[3] else _result(job, state=JobState.COMPLETED) for job in running
     ]
+    from django_awa.worker import Worker  # not at the top: it would shadow awa.worker
+
     worker = Worker({"default": 1}, install_signal_handlers=False)
     for result in batch:
         worker.running[result.job.id] = Attempt(job=result.job, alias="default")
