@@ -15,8 +15,8 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa.models import Job, JobState
 from tests.conftest import make_job, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Echo, Unhandled
-from tests.testapp.models import Ledger
+from tests.testapp.jobs import Act, Bailout, Echo, Unhandled
+from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -385,3 +385,54 @@ def test_finishing_an_attempt_leaves_a_newer_attempt_of_the_same_job_tracked():
     assert worker.running[41].job.run_lease == 2
     worker._forget_job(new)
     assert 41 not in worker.running
+
+
+BASE_EXCEPTIONS = ("KeyboardInterrupt", "SystemExit", "GeneratorExit", "CancelledError", "Bail")
+
+
+def test_a_handler_raising_a_base_exception_is_retried_and_its_thread_lives_on(start_worker):
+    # A BaseException of the handler's own is "anything else" (SPEC 5): the
+    # attempt is recorded, and the queue's only handler thread runs the next job.
+    raising = {name: awa.enqueue(Act(action="base", tag=name)) for name in BASE_EXCEPTIONS}
+    last = awa.enqueue(Act(action="base", tag="KeyboardInterrupt"), max_attempts=1)
+    atomic = {
+        name: awa.enqueue(Bailout(reference=f"bail-{name}", exc=name)) for name in BASE_EXCEPTIONS
+    }
+    atomic_last = awa.enqueue(Bailout(reference="bail-last", exc="SystemExit"), max_attempts=1)
+    after = awa.enqueue_many([Act(action="ok") for _ in range(5)])
+    worker = start_worker("--queue", "default=1")
+
+    for job_id in after:
+        wait_for_state(job_id, JobState.COMPLETED)
+    # The first retry is 2 s away: every one of them is still retryable now.
+    for name, job in [*raising.items(), *atomic.items()]:
+        retried = wait_for_state(job.id, JobState.RETRYABLE, timeout=5)
+        entry = retried.errors[-1]
+        assert retried.attempt == 1 and entry["attempt"] == 1, retried.errors
+        assert entry["error"].startswith(name), entry
+        assert "Traceback" in entry["traceback"] and "base_exception" in entry["traceback"]
+    for job in (last, atomic_last):
+        failed = wait_for_state(job.id, JobState.FAILED, timeout=5)
+        assert failed.attempt == 1 and failed.errors[-1]["error"].startswith(
+            "KeyboardInterrupt" if job is last else "SystemExit: 3"
+        )
+    # The atomic handlers' writes rolled back with their attempts.
+    assert not Order.objects.filter(reference__startswith="bail-").exists()
+    atomic_ids = [j.id for j in [*atomic.values(), atomic_last]]
+    assert not Ledger.objects.filter(job_id__in=atomic_ids).exists()
+    assert worker.proc.poll() is None, worker.output()
+    assert "Exception in thread" not in worker.output()
+
+
+def test_in_the_main_thread_only_keyboard_interrupt_escapes_the_handler_boundary():
+    # A handler run in-process (by a test, say) may meet a real Ctrl-C there;
+    # the worker's handler threads never do.
+    from django_awa.execute import Attempt, run_attempt
+
+    for name in ("SystemExit", "Bail", "CancelledError"):
+        job = make_job(args={"action": "base", "tag": name}, state=JobState.RUNNING)
+        result = run_attempt(Attempt(job=job, alias="default"))
+        assert result.state == JobState.RETRYABLE and result.error.startswith(name)
+    job = make_job(args={"action": "base", "tag": "KeyboardInterrupt"}, state=JobState.RUNNING)
+    with pytest.raises(KeyboardInterrupt):
+        run_attempt(Attempt(job=job, alias="default"))

@@ -6,6 +6,7 @@ handler-result table; every run writes a ``Ledger`` row first.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,35 @@ class Unhandled(awa.JobArgs):
 @dataclass
 class Noop(awa.JobArgs):
     n: int = 0
+
+
+@dataclass
+class Bailout(awa.JobArgs):
+    """An atomic kind that writes an ``Order``, then raises the BaseException named by ``exc``."""
+
+    reference: str
+    exc: str = "SystemExit"
+
+
+class Bail(BaseException):
+    """A BaseException of the handler's own: no shutdown, no signal."""
+
+
+def base_exception(name: str) -> BaseException:
+    """A fresh instance of the BaseException subclass ``name``."""
+    match name:
+        case "KeyboardInterrupt":
+            return KeyboardInterrupt()
+        case "SystemExit":
+            return SystemExit(3)
+        case "GeneratorExit":
+            return GeneratorExit()
+        case "CancelledError":
+            return asyncio.CancelledError()
+        case "Bail":
+            return Bail("bailing out")
+        case _:
+            raise ValueError(f"unknown BaseException {name!r}")
 
 
 def _ledger(job: awa.JobContext, note: str = "") -> None:
@@ -108,6 +138,8 @@ def act(job: awa.JobContext):
             return None
         case "bad_return":
             return "not a result"
+        case "base":
+            raise base_exception(args.tag)
         case _:
             raise ValueError(f"unknown action {args.action!r}")
 
@@ -137,3 +169,10 @@ def parked(job: awa.JobContext):
 @awa.worker(Noop, queue="bulk")
 def noop(job: awa.JobContext):
     return None
+
+
+@awa.worker(Bailout, atomic=True, max_attempts=2)
+def bailout(job: awa.JobContext):
+    Order.objects.create(reference=job.args.reference, paid=True)
+    _ledger(job, "bailout")
+    raise base_exception(job.args.exc)
