@@ -376,14 +376,29 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
 
 
 def resolve_handler(job: Job) -> tuple[WorkerSpec, JobArgs] | AttemptResult:
-    """The kind's handler and decoded args, or a terminal failure explaining why not."""
-    spec = registry.handler_for(job.kind)
+    """The kind's handler and decoded args, or the attempt's result explaining why not.
+
+    An unknown kind or undecodable args fail the job terminally. Anything else
+    raised on the way (a module imported on demand for the kind that fails to
+    import, a ``__post_init__`` that raises) is the attempt's error, with its
+    traceback: retryable after a backoff, or failed on the last attempt.
+    """
+    try:
+        spec = registry.handler_for(job.kind)
+    except BaseException as exc:  # the handler boundary: the kind's own code
+        if not handler_raised(exc):
+            raise
+        return from_exception(job, exc, during=f"cannot load the handler of kind {job.kind!r}")
     if spec is None:
         return failed_terminally(job, f"unknown job kind {job.kind!r}: no handler is registered")
     try:
         return spec, decode_args(spec.args_cls, job.args)
     except ArgsDecodeError as exc:
         return failed_terminally(job, str(exc))
+    except BaseException as exc:  # the handler boundary: the args' own code
+        if not handler_raised(exc):
+            raise
+        return from_exception(job, exc, during=f"cannot decode args of kind {job.kind!r}")
 
 
 def run_attempt(

@@ -46,12 +46,14 @@ from .execute import (
     Attempt,
     AttemptResult,
     errored,
+    from_exception,
     resolve_handler,
     run_atomic_attempt,
     run_attempt,
     write_progress,
 )
 from .finalize import finalize
+from .kinds import JobArgs, WorkerSpec
 from .models import Job, JobState
 
 logger = logging.getLogger(__name__)
@@ -446,6 +448,7 @@ class Worker:
             runner.finished()
 
     def _run(self, attempt: Attempt) -> None:
+        """Run the attempt; whatever happens, its result goes to the completer (or is written)."""
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
@@ -453,21 +456,38 @@ class Worker:
                 return
             spec, args = resolved
             if spec.atomic:
-                try:
-                    run_atomic_attempt(attempt, spec, args)
-                except _DB_ERRORS:
-                    # The transaction did not commit: the attempt is still running
-                    # in the database, and rescue will take it back.
-                    logger.exception("atomic job %s could not be finalized", attempt.job.id)
-                    self._reset_connection()
-                self._forget(attempt)
+                self._run_atomic(attempt, spec, args)
                 return
             self.results.put(run_attempt(attempt, self._mark_progress, resolved))
-        except Exception:
-            logger.exception("worker error running job %s", attempt.job.id)
-            self._forget(attempt)
+        except BaseException as exc:  # no signal reaches a handler thread
+            # Whatever reaches here came from running the job (the handler
+            # boundary catches the handler's own errors): record it, so the job
+            # never stays running unseen until its heartbeat goes stale.
+            logger.exception(
+                "worker error running job %s kind=%s attempt=%s",
+                attempt.job.id, attempt.job.kind, attempt.job.attempt,
+                extra=log_context(attempt.job, self.name),
+            )  # fmt: skip
+            self.results.put(from_exception(attempt.job, exc, during="worker error"))
         finally:
             close_broken_connections()
+
+    def _run_atomic(self, attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> None:
+        try:
+            run_atomic_attempt(attempt, spec, args)
+        except _DB_ERRORS as exc:
+            # The transaction rolled back, or its commit's acknowledgement was
+            # lost: the completer records the attempt as failed. Its write is
+            # guarded by run_lease and state, so after a commit that did land
+            # it changes nothing.
+            logger.exception(
+                "atomic job %s kind=%s could not be finalized",
+                attempt.job.id, attempt.job.kind, extra=log_context(attempt.job, self.name),
+            )  # fmt: skip
+            self._reset_connection()
+            self.results.put(from_exception(attempt.job, exc, during="could not be finalized"))
+            return
+        self._forget(attempt)
 
     @staticmethod
     def _mark_progress(attempt: Attempt) -> None:

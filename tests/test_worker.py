@@ -15,7 +15,7 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa.models import Job, JobState
 from tests.conftest import make_job, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Bailout, Echo, Unhandled
+from tests.testapp.jobs import Act, Bailout, Echo, Severed, Unhandled
 from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -436,3 +436,50 @@ def test_in_the_main_thread_only_keyboard_interrupt_escapes_the_handler_boundary
     job = make_job(args={"action": "base", "tag": "KeyboardInterrupt"}, state=JobState.RUNNING)
     with pytest.raises(KeyboardInterrupt):
         run_attempt(Attempt(job=job, alias="default"))
+
+
+def test_errors_while_loading_a_handler_or_finalizing_are_the_attempts_error(start_worker):
+    # Not lost to the log with the job left running until its heartbeat goes
+    # stale: each is recorded on the job at once, with its traceback.
+    broken = make_job(
+        kind="task:tests.testapp.broken_tasks.anything",
+        args={"args": [], "kwargs": {}, "backend": "default"},
+        max_attempts=2,
+    )
+    needy = make_job(
+        kind="task:tests.testapp.needy_tasks.anything",
+        args={"args": [], "kwargs": {}, "backend": "default"},
+    )
+    missing = make_job(
+        kind="task:tests.testapp.no_such_module.anything",
+        args={"args": [], "kwargs": {}, "backend": "default"},
+    )
+    severed = awa.enqueue(Severed(n=1))
+    after = awa.enqueue(Act(action="ok"))
+    start_worker("--queue", "default=1")
+
+    # Sooner than STALE_AFTER (3 s) plus a maintenance cycle, when rescue would come.
+    retried = wait_for_state(broken.id, JobState.RETRYABLE, timeout=3)
+    entry = retried.errors[-1]
+    assert entry["attempt"] == 1 and retried.attempt == 1
+    assert (
+        "cannot load the handler of kind 'task:tests.testapp.broken_tasks.anything'"
+        in (entry["error"])
+    )
+    assert "TypeError: tests.testapp.broken_tasks cannot be imported" in entry["error"]
+    assert "broken_tasks.py" in entry["traceback"]
+
+    # A module that is there but fails to import is not an unknown kind...
+    needs = wait_for_state(needy.id, JobState.RETRYABLE, timeout=3)
+    entry = needs.errors[-1]
+    assert "No module named 'awa_test_missing_dependency'" in entry["error"], entry
+    assert "needy_tasks.py" in entry["traceback"]
+    # ...and one that is not there still is.
+    unknown = wait_for_state(missing.id, JobState.FAILED, timeout=3)
+    assert "unknown job kind" in unknown.errors[-1]["error"]
+
+    lost = wait_for_state(severed.id, JobState.FAILED, timeout=3)
+    entry = lost.errors[-1]
+    assert "could not be finalized" in entry["error"] and "Traceback" in entry["traceback"]
+    assert "rescued" not in entry["error"]
+    wait_for_state(after.id, JobState.COMPLETED, timeout=3)

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from django.db import connection
+
 import django_awa as awa
 from django_awa.exceptions import TerminalError
 
@@ -63,6 +65,13 @@ class Bailout(awa.JobArgs):
 
     reference: str
     exc: str = "SystemExit"
+
+
+@dataclass
+class Severed(awa.JobArgs):
+    """An atomic kind whose handler kills its own database session."""
+
+    n: int = 0
 
 
 class Bail(BaseException):
@@ -176,3 +185,10 @@ def bailout(job: awa.JobContext):
     Order.objects.create(reference=job.args.reference, paid=True)
     _ledger(job, "bailout")
     raise base_exception(job.args.exc)
+
+
+@awa.worker(Severed, atomic=True, max_attempts=1)
+def severed(job: awa.JobContext):
+    # Its transaction can then neither be rolled back nor committed.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
