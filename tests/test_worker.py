@@ -483,3 +483,61 @@ def test_errors_while_loading_a_handler_or_finalizing_are_the_attempts_error(sta
     assert "could not be finalized" in entry["error"] and "Traceback" in entry["traceback"]
     assert "rescued" not in entry["error"]
     wait_for_state(after.id, JobState.COMPLETED, timeout=3)
+
+
+def test_handlers_stuck_after_their_attempt_was_lost_are_replaced_within_a_bound(start_worker):
+    # Handlers that ignore cancellation and their deadline (1 s here). Once
+    # rescued, each holds its thread until the grace (5 s here) runs out; then
+    # a new thread takes its place, up to as many abandoned ones as the
+    # queue's concurrency.
+    stuck = [awa.enqueue(Act(action="stubborn", seconds=60), max_attempts=1) for _ in range(2)]
+    quick = awa.enqueue_many([Act(action="ok") for _ in range(5)])
+    more = [awa.enqueue(Act(action="stubborn", seconds=60), max_attempts=1) for _ in range(2)]
+    worker = start_worker("--queue", "default=2", env={"AWA_TEST_DEFAULT_DEADLINE": "1"})
+
+    for job in stuck:
+        rescued = wait_for_state(job.id, JobState.FAILED, timeout=10)
+        assert "rescued: deadline exceeded" in rescued.errors[-1]["error"]
+    for job_id in quick:
+        wait_for_state(job_id, JobState.COMPLETED, timeout=15)
+    for job in stuck:
+        line = next(
+            line
+            for line in worker.output().splitlines()
+            if f"is stuck in job {job.id} kind=act" in line
+        )
+        assert "WARNING" in line and re.search(r"handler thread awa-default_[01] ", line), line
+        assert re.search(r"lost \(cancelled or rescued\) \d+\.\ds ago", line), line
+        assert re.search(r"takes its place", line), line
+
+    # The replacements are stuck in turn: the bound (2 abandoned threads) holds.
+    for job in more:
+        wait_for_state(job.id, JobState.FAILED, timeout=10)
+    wait_for(
+        lambda: "queue default already has 2 abandoned handler threads" in worker.output(),
+        timeout=15,
+        message=worker.output,
+    )
+    bound = next(line for line in worker.output().splitlines() if "already has 2" in line)
+    assert "ERROR" in bound and any(f"stuck in job {job.id} " in bound for job in more)
+    assert worker.output().count("takes its place") == 2
+    assert worker.proc.poll() is None
+
+
+def test_a_cancelled_handler_that_will_not_stop_gives_up_its_thread_then_exits(start_worker):
+    job = awa.enqueue(Act(action="stubborn", seconds=10))
+    worker = start_worker("--queue", "default=1")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    awa.cancel(job.id, "operator said so")
+    quick = awa.enqueue(Act(action="ok"))
+    # After the grace (5 s here), while the stubborn handler still sleeps.
+    wait_for_state(quick.id, JobState.COMPLETED, timeout=8)
+    assert Ledger.objects.filter(job_id=job.id).count() == 1
+    assert "handler thread awa-default_0 is stuck in job" in worker.output()
+    wait_for(lambda: "abandoned handler thread awa-default_0 returned" in worker.output())
+    # Its late return changed nothing, and the queue still runs on its replacement.
+    final = Job.objects.get(id=job.id)
+    assert final.state == JobState.CANCELLED and "operator said so" in final.errors[-1]["error"]
+    wait_for_state(awa.enqueue(Act(action="ok")).id, JobState.COMPLETED)
+    assert worker.stop() == 0
+    assert "gave back" not in worker.output()

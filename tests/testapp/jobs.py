@@ -149,6 +149,10 @@ def act(job: awa.JobContext):
             return "not a result"
         case "base":
             raise base_exception(args.tag)
+        case "stubborn":
+            # Ignores cancellation and its deadline: sleeps its whole time.
+            time.sleep(args.seconds)
+            return None
         case _:
             raise ValueError(f"unknown action {args.action!r}")
 
