@@ -124,6 +124,30 @@ def _state_badge(state: str) -> SafeString:
     return format_html('<span class="awa-state awa-state-{}">{}</span>', state, label)
 
 
+def _overdue_note(job: Job) -> SafeString | str:
+    """Why a ``running`` job is no longer held, if it is not: until maintenance rescues it.
+
+    Its handler may still run in a worker (one that ignores cancellation): see
+    the worker's log for the stuck thread.
+    """
+    if job.state != JobState.RUNNING:
+        return ""
+    now = timezone.now()  # for display only: maintenance judges on the database clock
+    if job.deadline_at is not None and job.deadline_at < now:
+        why = f"deadline passed {(now - job.deadline_at).total_seconds():.0f}s ago"
+    elif job.heartbeat_at is not None and (
+        (idle := (now - job.heartbeat_at).total_seconds()) > awa_settings().stale_after
+    ):
+        why = f"no heartbeat for {idle:.0f}s"
+    else:
+        return ""
+    return format_html(
+        ' <small class="awa-overdue" style="color: #b91c1c" title="{}">not held: {}</small>',
+        "No worker holds this attempt now; maintenance rescues it on its next pass.",
+        why,
+    )
+
+
 class EstimatedCountPaginator(Paginator):
     """Counts exactly, except the unfiltered list of a large table: the planner's estimate.
 
@@ -332,7 +356,7 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Job) -> SafeString:
-        return _state_badge(obj.state)
+        return _state_badge(obj.state) + _overdue_note(obj)
 
     @admin.display(description="attempt", ordering="attempt")
     def attempts(self, obj: Job) -> str:

@@ -108,7 +108,12 @@ def _task_for(path: str) -> Task | None:
         return None
     try:
         importlib.import_module(module_name)
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        # No such module: no such task. Any other error while importing one
+        # that exists (a missing dependency too) is raised, so the worker
+        # records it on the job instead of calling the kind unknown.
+        if exc.name is None or not (module_name + ".").startswith(exc.name + "."):
+            raise
         return None
     return _tasks.get(path)
 

@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import logging
 import random
+import threading
 import traceback
 import uuid
 from collections.abc import Callable
@@ -311,11 +312,42 @@ def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
     )
 
 
-def from_exception(job: Job, exc: BaseException) -> AttemptResult:
+def handler_raised(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the job's own code, to be recorded as its outcome.
+
+    Everything a handler raises is, ``BaseException`` subclasses included
+    (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``,
+    ``asyncio.CancelledError``...): the worker's handler threads never get
+    signals, which Python delivers to the main thread and the worker takes
+    there through a queue. Only a ``KeyboardInterrupt`` in the main thread may
+    be the user's Ctrl-C (a handler run in-process, by a test say), so that one
+    is left to propagate.
+    """
+    return not (
+        isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+    )
+
+
+def describe(exc: BaseException) -> str:
+    """``ValueError: text``, or only the type's name when the text is empty or unprintable."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the attempt
+        text = ""
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+def from_exception(job: Job, exc: BaseException, *, during: str = "") -> AttemptResult:
+    """The attempt failed with ``exc``: ``TerminalError`` fails it now, anything else retries.
+
+    ``during`` names what failed, when it was not the handler itself.
+    """
     tb = "".join(traceback.format_exception(exc))
+    error = f"{during}: {describe(exc)}" if during else describe(exc)
     if isinstance(exc, TerminalError):
-        return failed_terminally(job, f"{type(exc).__name__}: {exc}", tb)
-    return errored(job, f"{type(exc).__name__}: {exc}", tb)
+        return failed_terminally(job, error, tb)
+    return errored(job, error, tb)
 
 
 def from_value(attempt: Attempt, value: Any) -> AttemptResult:
@@ -378,14 +410,29 @@ def safe_repr(value: object) -> str:
 
 
 def resolve_handler(job: Job) -> tuple[WorkerSpec, JobArgs] | AttemptResult:
-    """The kind's handler and decoded args, or a terminal failure explaining why not."""
-    spec = registry.handler_for(job.kind)
+    """The kind's handler and decoded args, or the attempt's result explaining why not.
+
+    An unknown kind or undecodable args fail the job terminally. Anything else
+    raised on the way (a module imported on demand for the kind that fails to
+    import, a ``__post_init__`` that raises) is the attempt's error, with its
+    traceback: retryable after a backoff, or failed on the last attempt.
+    """
+    try:
+        spec = registry.handler_for(job.kind)
+    except BaseException as exc:  # the handler boundary: the kind's own code
+        if not handler_raised(exc):
+            raise
+        return from_exception(job, exc, during=f"cannot load the handler of kind {job.kind!r}")
     if spec is None:
         return failed_terminally(job, f"unknown job kind {job.kind!r}: no handler is registered")
     try:
         return spec, decode_args(spec.args_cls, job.args)
     except ArgsDecodeError as exc:
         return failed_terminally(job, str(exc))
+    except BaseException as exc:  # the handler boundary: the args' own code
+        if not handler_raised(exc):
+            raise
+        return from_exception(job, exc, during=f"cannot decode args of kind {job.kind!r}")
 
 
 def run_attempt(
@@ -405,7 +452,9 @@ def run_attempt(
     context = JobContext(attempt, args, flush_progress)
     try:
         value = spec.handler(context)
-    except Exception as exc:  # noqa: BLE001 - the handler boundary: every error is recorded
+    except BaseException as exc:  # the handler boundary: every error is recorded
+        if not handler_raised(exc):
+            raise
         result = from_exception(attempt.job, exc)
     else:
         result = from_value(attempt, value)
@@ -421,7 +470,8 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
     """Run an ``atomic=True`` handler inside the transaction that finalizes it.
 
     The handler's writes, the state change and its follow-ups commit together.
-    If the handler raises, its writes roll back before the retry is recorded.
+    If the handler raises (a ``BaseException`` too, see ``handler_raised``),
+    its writes roll back before the retry is recorded.
     Returns the written result, or ``None`` when the attempt was stale.
     """
     from .finalize import finalize_atomic
@@ -433,7 +483,9 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
             context = JobContext(attempt, args, flush_progress=lambda _a: None)
             try:
                 value = spec.handler(context)
-            except Exception as exc:  # noqa: BLE001 - the handler boundary
+            except BaseException as exc:  # the handler boundary, as run_attempt's
+                if not handler_raised(exc):
+                    raise  # the transaction rolls back as it leaves atomic()
                 transaction.savepoint_rollback(handler_savepoint, using=alias)
                 transaction.set_rollback(False, using=alias)
                 result = from_exception(attempt.job, exc)

@@ -124,7 +124,8 @@ SELECT id, args ->> 'action', state, errors -> -1 ->> 'error' FROM awa_job
 WHERE id = ANY(%(ids)s) AND kind = 'poison'
   AND (state NOT IN ('completed', 'failed', 'cancelled', 'retryable', 'scheduled')
        OR errors::text LIKE '%%could not be stored%%'
-       OR (args ->> 'action' IN ('nul_error', 'surrogate_error', 'nul_cancel')
+       OR ((args ->> 'action' IN ('nul_error', 'surrogate_error', 'nul_cancel')
+            OR args ->> 'action' LIKE 'base:%%')
            AND NOT errors @> '[{}]'))
 ORDER BY id
 """

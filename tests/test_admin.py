@@ -502,3 +502,23 @@ def test_job_list_on_a_large_table_reads_catalogs_not_rows(
     assert reads  # the page of rows itself
     assert not [sql for sql in reads if re.search(r"DISTINCT|COUNT\(", sql, re.IGNORECASE)]
     assert response.context["cl"].result_count == 4  # reltuples after ANALYZE
+
+
+def test_running_jobs_no_worker_holds_any_more_are_marked(client: Any, superuser: User) -> None:
+    now = timezone.now()
+    held = make_job(
+        state=JobState.RUNNING, heartbeat_at=now, deadline_at=now + dt.timedelta(seconds=60)
+    )
+    overdue = make_job(
+        state=JobState.RUNNING, heartbeat_at=now, deadline_at=now - dt.timedelta(seconds=42)
+    )
+    silent = make_job(state=JobState.RUNNING, heartbeat_at=now - dt.timedelta(seconds=90))
+    client.force_login(superuser)
+    html = client.get(JOBS_URL, {"state__exact": JobState.RUNNING}).content.decode()
+    rows = {
+        int(match[1]): match[2]
+        for match in re.finditer(r'<tr>.*?/job/(\d+)/change/.*?field-state_badge">(.*?)</td>', html)
+    }
+    assert "not held" not in rows[held.id]
+    assert re.search(r"not held: deadline passed 4\ds ago", rows[overdue.id]), rows[overdue.id]
+    assert re.search(r"not held: no heartbeat for 9\ds", rows[silent.id]), rows[silent.id]

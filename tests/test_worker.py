@@ -15,8 +15,8 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa.models import Job, JobState, MaintenanceLease
 from tests.conftest import make_job, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Echo, Unhandled
-from tests.testapp.models import Ledger
+from tests.testapp.jobs import Act, Bailout, Echo, Severed, Unhandled
+from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -423,3 +423,159 @@ def test_finishing_an_attempt_leaves_a_newer_attempt_of_the_same_job_tracked():
     assert worker.running[41].job.run_lease == 2
     worker._forget_job(new)
     assert 41 not in worker.running
+
+
+BASE_EXCEPTIONS = ("KeyboardInterrupt", "SystemExit", "GeneratorExit", "CancelledError", "Bail")
+
+
+def test_a_handler_raising_a_base_exception_is_retried_and_its_thread_lives_on(start_worker):
+    # A BaseException of the handler's own is "anything else" (SPEC 5): the
+    # attempt is recorded, and the queue's only handler thread runs the next job.
+    raising = {name: awa.enqueue(Act(action="base", tag=name)) for name in BASE_EXCEPTIONS}
+    last = awa.enqueue(Act(action="base", tag="KeyboardInterrupt"), max_attempts=1)
+    atomic = {
+        name: awa.enqueue(Bailout(reference=f"bail-{name}", exc=name)) for name in BASE_EXCEPTIONS
+    }
+    atomic_last = awa.enqueue(Bailout(reference="bail-last", exc="SystemExit"), max_attempts=1)
+    after = awa.enqueue_many([Act(action="ok") for _ in range(5)])
+    worker = start_worker("--queue", "default=1")
+
+    for job_id in after:
+        wait_for_state(job_id, JobState.COMPLETED)
+    # The first retry is 2 s away: every one of them is still retryable now.
+    for name, job in [*raising.items(), *atomic.items()]:
+        retried = wait_for_state(job.id, JobState.RETRYABLE, timeout=5)
+        entry = retried.errors[-1]
+        assert retried.attempt == 1 and entry["attempt"] == 1, retried.errors
+        assert entry["error"].startswith(name), entry
+        assert "Traceback" in entry["traceback"] and "base_exception" in entry["traceback"]
+    for job in (last, atomic_last):
+        failed = wait_for_state(job.id, JobState.FAILED, timeout=5)
+        assert failed.attempt == 1 and failed.errors[-1]["error"].startswith(
+            "KeyboardInterrupt" if job is last else "SystemExit: 3"
+        )
+    # The atomic handlers' writes rolled back with their attempts.
+    assert not Order.objects.filter(reference__startswith="bail-").exists()
+    atomic_ids = [j.id for j in [*atomic.values(), atomic_last]]
+    assert not Ledger.objects.filter(job_id__in=atomic_ids).exists()
+    assert worker.proc.poll() is None, worker.output()
+    assert "Exception in thread" not in worker.output()
+
+
+def test_in_the_main_thread_only_keyboard_interrupt_escapes_the_handler_boundary():
+    # A handler run in-process (by a test, say) may meet a real Ctrl-C there;
+    # the worker's handler threads never do.
+    from django_awa.execute import Attempt, run_attempt
+
+    for name in ("SystemExit", "Bail", "CancelledError"):
+        job = make_job(args={"action": "base", "tag": name}, state=JobState.RUNNING)
+        result = run_attempt(Attempt(job=job, alias="default"))
+        assert result.state == JobState.RETRYABLE and result.error.startswith(name)
+    job = make_job(args={"action": "base", "tag": "KeyboardInterrupt"}, state=JobState.RUNNING)
+    with pytest.raises(KeyboardInterrupt):
+        run_attempt(Attempt(job=job, alias="default"))
+
+
+def test_errors_while_loading_a_handler_or_finalizing_are_the_attempts_error(start_worker):
+    # Not lost to the log with the job left running until its heartbeat goes
+    # stale: each is recorded on the job at once, with its traceback.
+    broken = make_job(
+        kind="task:tests.testapp.broken_tasks.anything",
+        args={"args": [], "kwargs": {}, "backend": "default"},
+        max_attempts=2,
+    )
+    needy = make_job(
+        kind="task:tests.testapp.needy_tasks.anything",
+        args={"args": [], "kwargs": {}, "backend": "default"},
+    )
+    missing = make_job(
+        kind="task:tests.testapp.no_such_module.anything",
+        args={"args": [], "kwargs": {}, "backend": "default"},
+    )
+    severed = awa.enqueue(Severed(n=1))
+    after = awa.enqueue(Act(action="ok"))
+    start_worker("--queue", "default=1")
+
+    # Sooner than STALE_AFTER (3 s) plus a maintenance cycle, when rescue would come.
+    retried = wait_for_state(broken.id, JobState.RETRYABLE, timeout=3)
+    entry = retried.errors[-1]
+    assert entry["attempt"] == 1 and retried.attempt == 1
+    assert (
+        "cannot load the handler of kind 'task:tests.testapp.broken_tasks.anything'"
+        in (entry["error"])
+    )
+    assert "TypeError: tests.testapp.broken_tasks cannot be imported" in entry["error"]
+    assert "broken_tasks.py" in entry["traceback"]
+
+    # A module that is there but fails to import is not an unknown kind...
+    needs = wait_for_state(needy.id, JobState.RETRYABLE, timeout=3)
+    entry = needs.errors[-1]
+    assert "No module named 'awa_test_missing_dependency'" in entry["error"], entry
+    assert "needy_tasks.py" in entry["traceback"]
+    # ...and one that is not there still is.
+    unknown = wait_for_state(missing.id, JobState.FAILED, timeout=3)
+    assert "unknown job kind" in unknown.errors[-1]["error"]
+
+    lost = wait_for_state(severed.id, JobState.FAILED, timeout=3)
+    entry = lost.errors[-1]
+    assert "could not be finalized" in entry["error"] and "Traceback" in entry["traceback"]
+    assert "rescued" not in entry["error"]
+    wait_for_state(after.id, JobState.COMPLETED, timeout=3)
+
+
+def test_handlers_stuck_after_their_attempt_was_lost_are_replaced_within_a_bound(start_worker):
+    # Handlers that ignore cancellation and their deadline (1 s here). Once
+    # rescued, each holds its thread until the grace (5 s here) runs out; then
+    # a new thread takes its place, up to as many abandoned ones as the
+    # queue's concurrency.
+    stuck = [awa.enqueue(Act(action="stubborn", seconds=60), max_attempts=1) for _ in range(2)]
+    quick = awa.enqueue_many([Act(action="ok") for _ in range(5)])
+    more = [awa.enqueue(Act(action="stubborn", seconds=60), max_attempts=1) for _ in range(2)]
+    worker = start_worker("--queue", "default=2", env={"AWA_TEST_DEFAULT_DEADLINE": "1"})
+
+    for job in stuck:
+        rescued = wait_for_state(job.id, JobState.FAILED, timeout=10)
+        assert "rescued: deadline exceeded" in rescued.errors[-1]["error"]
+    for job_id in quick:
+        wait_for_state(job_id, JobState.COMPLETED, timeout=15)
+    for job in stuck:
+        line = next(
+            line
+            for line in worker.output().splitlines()
+            if f"is stuck in job {job.id} kind=act" in line
+        )
+        assert "WARNING" in line and re.search(r"handler thread awa-default_[01] ", line), line
+        assert re.search(r"lost \(cancelled or rescued\) \d+\.\ds ago", line), line
+        assert re.search(r"takes its place", line), line
+
+    # The replacements are stuck in turn: the bound (2 abandoned threads) holds.
+    for job in more:
+        wait_for_state(job.id, JobState.FAILED, timeout=10)
+    wait_for(
+        lambda: "queue default already has 2 abandoned handler threads" in worker.output(),
+        timeout=15,
+        message=worker.output,
+    )
+    bound = next(line for line in worker.output().splitlines() if "already has 2" in line)
+    assert "ERROR" in bound and any(f"stuck in job {job.id} " in bound for job in more)
+    assert worker.output().count("takes its place") == 2
+    assert worker.proc.poll() is None
+
+
+def test_a_cancelled_handler_that_will_not_stop_gives_up_its_thread_then_exits(start_worker):
+    job = awa.enqueue(Act(action="stubborn", seconds=10))
+    worker = start_worker("--queue", "default=1")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    awa.cancel(job.id, "operator said so")
+    quick = awa.enqueue(Act(action="ok"))
+    # After the grace (5 s here), while the stubborn handler still sleeps.
+    wait_for_state(quick.id, JobState.COMPLETED, timeout=8)
+    assert Ledger.objects.filter(job_id=job.id).count() == 1
+    assert "handler thread awa-default_0 is stuck in job" in worker.output()
+    wait_for(lambda: "abandoned handler thread awa-default_0 returned" in worker.output())
+    # Its late return changed nothing, and the queue still runs on its replacement.
+    final = Job.objects.get(id=job.id)
+    assert final.state == JobState.CANCELLED and "operator said so" in final.errors[-1]["error"]
+    wait_for_state(awa.enqueue(Act(action="ok")).id, JobState.COMPLETED)
+    assert worker.stop() == 0
+    assert "gave back" not in worker.output()

@@ -6,10 +6,13 @@ handler-result table; every run writes a ``Ledger`` row first.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+
+from django.db import connection
 
 import django_awa as awa
 from django_awa.exceptions import TerminalError
@@ -61,6 +64,42 @@ class Poison(awa.JobArgs):
     """A handler whose outcome holds what PostgreSQL cannot store as it is."""
 
     action: str
+
+
+@dataclass
+class Bailout(awa.JobArgs):
+    """An atomic kind that writes an ``Order``, then raises the BaseException named by ``exc``."""
+
+    reference: str
+    exc: str = "SystemExit"
+
+
+@dataclass
+class Severed(awa.JobArgs):
+    """An atomic kind whose handler kills its own database session."""
+
+    n: int = 0
+
+
+class Bail(BaseException):
+    """A BaseException of the handler's own: no shutdown, no signal."""
+
+
+def base_exception(name: str) -> BaseException:
+    """A fresh instance of the BaseException subclass ``name``."""
+    match name:
+        case "KeyboardInterrupt":
+            return KeyboardInterrupt()
+        case "SystemExit":
+            return SystemExit(3)
+        case "GeneratorExit":
+            return GeneratorExit()
+        case "CancelledError":
+            return asyncio.CancelledError()
+        case "Bail":
+            return Bail("bailing out")
+        case _:
+            raise ValueError(f"unknown BaseException {name!r}")
 
 
 def _ledger(job: awa.JobContext, note: str = "") -> None:
@@ -115,6 +154,12 @@ def act(job: awa.JobContext):
             return None
         case "bad_return":
             return "not a result"
+        case "base":
+            raise base_exception(args.tag)
+        case "stubborn":
+            # Ignores cancellation and its deadline: sleeps its whole time.
+            time.sleep(args.seconds)
+            return None
         case _:
             raise ValueError(f"unknown action {args.action!r}")
 
@@ -128,6 +173,11 @@ POISON_ACTIONS = (
     "nul_progress",
     "huge_retry",
     "huge_snooze",
+    "base:KeyboardInterrupt",
+    "base:SystemExit",
+    "base:GeneratorExit",
+    "base:CancelledError",
+    "base:Bail",
 )
 
 
@@ -148,6 +198,8 @@ def poison(job: awa.JobContext):
             return awa.RetryAfter(1e13)
         case "huge_snooze":
             return awa.Snooze(1e13)
+        case action if action.startswith("base:"):
+            raise base_exception(action.removeprefix("base:"))
         case _:
             raise ValueError(f"unknown action {job.args.action!r}")
 
@@ -177,3 +229,17 @@ def parked(job: awa.JobContext):
 @awa.worker(Noop, queue="bulk")
 def noop(job: awa.JobContext):
     return None
+
+
+@awa.worker(Bailout, atomic=True, max_attempts=2)
+def bailout(job: awa.JobContext):
+    Order.objects.create(reference=job.args.reference, paid=True)
+    _ledger(job, "bailout")
+    raise base_exception(job.args.exc)
+
+
+@awa.worker(Severed, atomic=True, max_attempts=1)
+def severed(job: awa.JobContext):
+    # Its transaction can then neither be rolled back nor committed.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
