@@ -356,7 +356,7 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Job) -> SafeString:
-        return _state_badge(obj.state) + _overdue_note(obj)
+        return format_html("{}{}", _state_badge(obj.state), _overdue_note(obj))
 
     @admin.display(description="attempt", ordering="attempt")
     def attempts(self, obj: Job) -> str:
