@@ -32,7 +32,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from . import sql
-from .conf import awa_settings, to_seconds
+from .conf import awa_settings, callback_timeout
 from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
 from .finalize import dispatch, send_signal
@@ -48,7 +48,6 @@ SIGNATURE_HEADER = "X-Awa-Signature"
 TIMESTAMP_HEADER = "X-Awa-Timestamp"
 MAX_SKEW = 300
 MAX_BODY = 1_000_000
-MAX_CALLBACK_TIMEOUT = 365 * 86400.0  # as the HTTP receiver allows
 # A receipt outlives every replay of its request that the clock check would let
 # through: a timestamp up to MAX_SKEW ahead stays acceptable 2 * MAX_SKEW.
 RECEIPT_RETENTION = 2 * MAX_SKEW + 60
@@ -189,16 +188,9 @@ def retry_external(callback_id: uuid.UUID | str, *, using: str | None = None) ->
 def heartbeat_callback(
     callback_id: uuid.UUID | str, timeout: float | dt.timedelta, *, using: str | None = None
 ) -> Job:
-    """Push the callback's timeout to ``timeout`` from now. Raises ``CallbackNotFound``."""
-    try:
-        seconds = to_seconds(timeout)
-    except (TypeError, ValueError) as exc:
-        raise ValidationError(f"heartbeat_callback: timeout: {exc}") from exc
-    if not 0 < seconds <= MAX_CALLBACK_TIMEOUT:
-        raise ValidationError(
-            f"heartbeat_callback: timeout must be positive and at most "
-            f"{MAX_CALLBACK_TIMEOUT:.0f}s, got {timeout!r}"
-        )
+    """Push the callback's timeout to ``timeout`` from now (1 second to 365 days).
+    Raises ``CallbackNotFound`` or ``ValidationError``."""
+    seconds = callback_timeout(timeout, "heartbeat_callback: timeout")
     alias = database_alias(using)
     cid = _parse_id(callback_id)
     with transaction.atomic(using=alias):
@@ -300,9 +292,26 @@ def _verify(request: HttpRequest, body: bytes) -> str | JsonResponse:
     return expected
 
 
+class _IntegerTooLong(ValueError):
+    pass
+
+
+def _parse_int(text: str) -> int:
+    # json.loads hands each integer's digits here; int() refuses more than
+    # sys.get_int_max_str_digits() (4,300) with a ValueError, which would read
+    # as malformed JSON.
+    try:
+        return int(text)
+    except ValueError:
+        digits = len(text.lstrip("-"))
+        raise _IntegerTooLong(f"an integer in the body is too large ({digits} digits)") from None
+
+
 def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
     try:
-        data = json.loads(body or b"{}")
+        data = json.loads(body or b"{}", parse_int=_parse_int)
+    except _IntegerTooLong as exc:
+        return _error(400, str(exc))
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return _error(400, "body must be a JSON object")
     if not isinstance(data, dict):
@@ -314,13 +323,10 @@ def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
     if action == "fail" and (not isinstance(data.get("error"), str) or not data["error"]):
         return _error(400, 'fail needs {"error": "<non-empty string>"}')
     if action == "heartbeat":
-        timeout = data.get("timeout")
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not (0 < timeout <= 365 * 86400)
-        ):
-            return _error(400, 'heartbeat needs {"timeout": <seconds, positive>}')
+        try:
+            callback_timeout(data.get("timeout"), 'heartbeat: {"timeout": <seconds>}')
+        except ValidationError as exc:
+            return _error(400, str(exc))
     return data
 
 
@@ -334,7 +340,10 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
         response["Allow"] = "POST"
         return response
     length = request.headers.get("Content-Length") or "0"
-    if not length.isdigit() or int(length) > MAX_BODY:
+    if not (length.isascii() and length.isdigit()):  # "-1", "²", "1e3": not a length
+        return _error(400, f"bad Content-Length header {length[:40]!r}")
+    # Compared as text first: int() refuses more than 4,300 digits.
+    if len(length.lstrip("0")) > len(str(MAX_BODY)) or int(length) > MAX_BODY:
         return _error(413, f"body over {MAX_BODY} bytes")
     try:
         body = request.body

@@ -31,7 +31,7 @@ from django_awa.callbacks import (
     prune_receipts,
     sign,
 )
-from django_awa.execute import AttemptResult
+from django_awa.execute import Attempt, AttemptResult, JobContext
 from django_awa.finalize import finalize
 from django_awa.followups import FollowupError, FollowupSpec, Outcome, followup_registry
 from django_awa.maintenance import Maintenance
@@ -503,13 +503,49 @@ def test_a_heartbeat_keeps_the_callback_from_timing_out():
     assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
 
 
-@pytest.mark.parametrize("timeout", [0, -5, "60", None, True, float("nan")])
+BAD_TIMEOUTS = [
+    0,
+    -5,
+    "60",
+    None,
+    True,
+    float("nan"),
+    1e-300,
+    0.5,
+    dt.timedelta(microseconds=1),
+    366 * 86400,
+    dt.timedelta.max,
+    10**400,
+]
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
 def test_heartbeat_refuses_a_bad_timeout(timeout):
     job = parked_row()
     before = snapshot(job.id)
-    with pytest.raises(awa.ValidationError):
+    with pytest.raises(awa.ValidationError, match="timeout"):
         awa.heartbeat_callback(job.callback_id, timeout)
     assert snapshot(job.id) == before
+
+
+@pytest.mark.parametrize("timeout", [1, 1.0, dt.timedelta(seconds=1), 365 * 86400])
+def test_heartbeat_takes_a_timeout_from_one_second_to_a_year(timeout):
+    job = parked_row()
+    row = awa.heartbeat_callback(job.callback_id, timeout)
+    seconds = timeout.total_seconds() if isinstance(timeout, dt.timedelta) else timeout
+    assert close_to(row.callback_timeout_at, db_now() + dt.timedelta(seconds=seconds))
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+def test_register_callback_refuses_a_bad_timeout(timeout):
+    """A handler asking for a callback that times out before any answer can arrive
+    gets a ValidationError, and the row gets no callback."""
+    job = make_job(kind="parked", state=JobState.RUNNING, attempt=1, run_lease=1)
+    context = JobContext(Attempt(job=job, alias="default"), Parked())
+    with pytest.raises(awa.ValidationError, match="register_callback: timeout"):
+        context.register_callback(timeout)
+    row = Job.objects.get(id=job.id)
+    assert (row.callback_id, row.callback_timeout_at) == (None, None)
 
 
 @pytest.mark.parametrize(
@@ -778,6 +814,8 @@ def test_unknown_actions_and_malformed_ids_are_404():
         ("heartbeat", '{"timeout": 1e400}'),
         ("heartbeat", '{"timeout": NaN}'),
         ("heartbeat", '{"timeout": 999999999999}'),
+        ("heartbeat", '{"timeout": 1e-300}'),
+        ("heartbeat", '{"timeout": 0.5}'),
         ("heartbeat", '{"timeout": 60, "extra": 1}'),
     ],
 )
@@ -799,6 +837,51 @@ def test_other_methods_are_405(method):
     assert response.status_code == 405
     assert response["Allow"] == "POST"
     assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
+
+
+@pytest.mark.parametrize("length", ["-1", "+5", "²", "1e3", "0x10", " ", "-" + "9" * 5000])
+def test_a_bad_content_length_header_is_400(length):
+    job = parked_row()
+    before = snapshot(job.id)
+    raw = json.dumps({"payload": 1})
+    response = Client().post(
+        url(job.callback_id, "complete"),
+        data=raw,
+        content_type="application/json",
+        headers=sign(raw, SECRET),
+        CONTENT_LENGTH=length,
+    )
+    assert response.status_code == 400, response.content
+    assert "Content-Length" in response.json()["error"]
+    _unchanged(job, before)
+
+
+@pytest.mark.parametrize(
+    "length", [str(MAX_BODY + 1), "9" * 30, "9" * 5000, "0" * 40 + str(MAX_BODY + 1)]
+)
+def test_a_content_length_over_the_limit_is_413(length):
+    job = parked_row()
+    raw = json.dumps({"payload": 1})
+    response = Client().post(
+        url(job.callback_id, "complete"),
+        data=raw,
+        content_type="application/json",
+        headers=sign(raw, SECRET),
+        CONTENT_LENGTH=length,
+    )
+    assert response.status_code == 413, response.content
+    assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
+
+
+def test_an_integer_too_long_to_read_is_400_saying_so():
+    job = parked_row()
+    before = snapshot(job.id)
+    response = post(job.callback_id, "complete", '{"payload": ' + "7" * 5001 + "}")
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert "integer" in error and "5001 digits" in error
+    assert "JSON object" not in error
+    _unchanged(job, before)
 
 
 def test_an_oversize_body_is_413():
