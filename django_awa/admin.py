@@ -21,10 +21,13 @@ from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import Q, QuerySet
+from django.db.models import JSONField, Q, QuerySet, TextField
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast
 from django.http import (
     HttpRequest,
     HttpResponse,
@@ -43,7 +46,7 @@ from django.utils.translation import ngettext
 
 from . import control, sql
 from .conf import awa_settings
-from .kinds import registry
+from .kinds import check_text, registry
 from .models import (
     CANCELLABLE_STATES,
     RETRIABLE_STATES,
@@ -65,6 +68,19 @@ MAX_FILTER_CHOICES = 200
 ESTIMATE_ABOVE = 100_000
 # Below this heap size a sequential scan of awa_job is cheap.
 SMALL_TABLE_BYTES = 64 * 1024 * 1024
+# JSON nested deeper than this is shown compact, not pretty-printed: indenting
+# each level makes a page quadratic in the depth.
+PRETTY_DEPTH = 32
+# A JSON value's text on a job page stops after this many characters.
+JSON_SHOWN_CHARS = 100_000
+# The largest id a bigint column holds.
+MAX_JOB_ID = 2**63 - 1
+# The JSON columns no column of the job list shows: left unread there (each
+# admin's ``unlisted_json``), so a value Python cannot decode (nested too
+# deep for its parser) spoils no list.
+JOB_UNLISTED_JSON = tuple(
+    field.name for field in Job._meta.concrete_fields if isinstance(field, JSONField)
+)
 
 
 def _alias() -> str:
@@ -72,11 +88,139 @@ def _alias() -> str:
     return awa_settings().database
 
 
+# -- user input -----------------------------------------------------------------
+
+
+def job_id(text: str) -> int | None:
+    """The job id ``text`` spells, or None: ASCII digits within bigint.
+
+    Not ``str.isdigit()``: it takes superscripts (``²``), which ``int()``
+    refuses, and other scripts' digits, which ``int()`` reads as numbers.
+    """
+    if not (text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if value <= MAX_JOB_ID else None
+
+
+def holdable(text: str) -> bool:
+    """Whether PostgreSQL can hold ``text`` (no NUL, valid UTF-8): else comparing a
+    column with it raises ``DataError`` instead of matching nothing."""
+    try:
+        check_text(text)
+    except ValueError:
+        return False
+    return True
+
+
+def unholdable_parameter(request: HttpRequest) -> HttpResponseBadRequest | None:
+    """A 400 naming the first query parameter PostgreSQL cannot hold, if any.
+
+    Every list filter, the search and any lookup Django passes on reach a
+    query as text; one check of them all here, before any of them is used.
+    """
+    for name, values in request.GET.lists():
+        if not all(holdable(text) for text in (name, *values)):
+            return HttpResponseBadRequest(
+                f"query parameter {name!r} holds a NUL character or invalid text, "
+                f"which PostgreSQL cannot hold: nothing can match it"
+            )
+    return None
+
+
+# -- rendering ----------------------------------------------------------------------
+
+
+class RawJSON(str):
+    """The text of a JSON column Python could not decode (nested too deep)."""
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest in ``value`` more than ``limit`` deep (no recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def json_text(value: Any, *, indent: int | None = None, limit: int = JSON_SHOWN_CHARS) -> str:
+    """``value`` as ``json.dumps(value, indent=indent, sort_keys=True,
+    ensure_ascii=False, default=str)`` writes it, cut after ``limit`` characters.
+
+    Iterative: ``json.dumps`` recurses once per level (twice with ``indent``),
+    and a value nested 950 deep, which jsonb holds, exceeds Python's recursion
+    limit. It stops writing at ``limit``, however large the value.
+    """
+    item_sep, key_sep = ("," if indent is not None else ", "), ": "
+    parts: list[str] = []
+    size = 0
+    # A stack of (value to write, level) and of text, written as it is popped.
+    stack: list[tuple[Any, int] | str] = [(value, 0)]
+    while stack and size < limit:
+        top = stack.pop()
+        if isinstance(top, str):
+            piece = top
+        else:
+            item, level = top
+            if isinstance(item, RawJSON):
+                piece = str(item)
+            elif isinstance(item, (dict, list)) and item:
+                close = "}" if isinstance(item, dict) else "]"
+                inner = "" if indent is None else "\n" + " " * (indent * (level + 1))
+                outer = "" if indent is None else "\n" + " " * (indent * level)
+                if isinstance(item, dict):
+                    entries = sorted(
+                        ((k if isinstance(k, str) else str(k)), v) for k, v in item.items()
+                    )
+                    members = [(json.dumps(k, ensure_ascii=False) + key_sep, v) for k, v in entries]
+                else:
+                    members = [("", v) for v in item]
+                stack.append(outer + close)
+                for position in range(len(members) - 1, -1, -1):
+                    prefix, child = members[position]
+                    stack.append((child, level + 1))
+                    stack.append((item_sep if position else "") + inner + prefix)
+                piece = "{" if isinstance(item, dict) else "["
+            elif isinstance(item, (dict, list)):
+                piece = "{}" if isinstance(item, dict) else "[]"
+            else:
+                piece = json.dumps(item, ensure_ascii=False, default=str)
+        parts.append(piece)
+        size += len(piece)
+    text = "".join(parts)
+    return text[:limit] + "…" if stack or len(text) > limit else text
+
+
+def short_text(value: Any, limit: int = 200) -> str:
+    """A JSON value for one line of a page: a string as it is, anything else as JSON."""
+    if isinstance(value, str) and not isinstance(value, RawJSON):
+        return value
+    return json_text(value, limit=limit)
+
+
 def _pretty_json(value: Any) -> SafeString:
+    """A JSON value for a job page: indented, or compact when nested too deep; cut
+    after ``JSON_SHOWN_CHARS``, saying so."""
     if value is None or value == {} or value == []:
         return format_html('<span class="awa-empty">{}</span>', "(none)")
-    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
-    return format_html('<pre class="awa-json">{}</pre>', text)
+    notes = []
+    if isinstance(value, RawJSON) or _depth_over(value, PRETTY_DEPTH):
+        text = json_text(value)
+        notes.append(f"nested too deep to indent (over {PRETTY_DEPTH} levels): shown compact")
+    else:
+        text = json_text(value, indent=2)
+    if len(text) > JSON_SHOWN_CHARS:
+        notes.append(f"cut after {JSON_SHOWN_CHARS:,} characters")
+    if not notes:
+        return format_html('<pre class="awa-json">{}</pre>', text)
+    return format_html(
+        '<p class="awa-json-note">{}</p><pre class="awa-json">{}</pre>', "; ".join(notes), text
+    )
 
 
 def _to_datetime(value: datetime | str | None) -> datetime | None:
@@ -103,8 +247,10 @@ def _short_time(value: datetime | None) -> SafeString | str:
     )
 
 
-def _long_time(value: datetime | str | None) -> str:
-    """``2026-01-31 13:05:09 UTC`` in the current time zone."""
+def _long_time(value: Any) -> str:
+    """``2026-01-31 13:05:09 UTC`` in the current time zone; other JSON as it is."""
+    if not isinstance(value, (datetime, str)) and value is not None:
+        return short_text(value)
     moment = _to_datetime(value)
     if moment is None:
         return str(value or "")
@@ -146,6 +292,60 @@ def _overdue_note(job: Job) -> SafeString | str:
         "No worker holds this attempt now; maintenance rescues it on its next pass.",
         why,
     )
+
+
+class _UnlistedJSONChangeList(ChangeList):
+    """A change list that does not read the JSON columns its rows do not show."""
+
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet:
+        queryset = super().get_queryset(request, exclude_parameters)
+        return queryset.defer(*self.model_admin.unlisted_json)
+
+
+class AwaModelAdmin(admin.ModelAdmin):
+    """What every awa admin page does with input no query can answer.
+
+    A list request with a parameter PostgreSQL cannot hold gets 400 (see
+    ``refusal``); an object id it cannot hold names no object (Django's "does
+    not exist" redirect). The list leaves ``unlisted_json`` unread.
+    """
+
+    # JSON columns the list does not show, so does not read.
+    unlisted_json: tuple[str, ...] = ()
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return _UnlistedJSONChangeList
+
+    def refusal(self, request: HttpRequest) -> HttpResponseBadRequest | None:
+        """A 400 for a list request that no query can answer, else None."""
+        return unholdable_parameter(request)
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        return self.refusal(request) or super().changelist_view(request, extra_context)
+
+    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+        if not holdable(object_id):
+            return None
+        return super().get_object(request, object_id, from_field)
+
+
+def _with_raw_json(queryset: QuerySet) -> Job | None:
+    """The one job of ``queryset``, its JSON columns decoded where Python can and
+    kept as ``RawJSON`` text where it cannot."""
+    texts = {f"{name}_text": Cast(name, TextField()) for name in JOB_UNLISTED_JSON}
+    job = queryset.defer(*JOB_UNLISTED_JSON).annotate(**texts).first()
+    if job is None:
+        return None
+    for name in JOB_UNLISTED_JSON:
+        text = getattr(job, f"{name}_text")
+        try:
+            value = None if text is None else json.loads(text)
+        except RecursionError:
+            value = RawJSON(text)
+        setattr(job, name, value)
+    return job
 
 
 class EstimatedCountPaginator(Paginator):
@@ -263,17 +463,16 @@ class TriggerFilter(admin.SimpleListFilter):
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         value = request.GET.get(self.parameter_name, "")
-        return [(value, f"job #{value}")] if value.isdigit() else []
+        return [(value, f"job #{value}")] if job_id(value) is not None else []
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
-        value = self.value()
-        if value and value.isdigit():
-            return queryset.followups_of(int(value))
-        return queryset
+        # JobAdmin.changelist_view refused a value that is not a job id.
+        trigger = job_id(self.value() or "")
+        return queryset if trigger is None else queryset.followups_of(trigger)
 
 
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
+class JobAdmin(AwaModelAdmin):
     list_display = (
         "id",
         "kind",
@@ -293,6 +492,7 @@ class JobAdmin(admin.ModelAdmin):
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
     paginator = EstimatedCountPaginator
+    unlisted_json = JOB_UNLISTED_JSON
     actions = ("retry_jobs", "cancel_jobs", "discard_jobs")
     readonly_fields = (
         "id",
@@ -376,9 +576,9 @@ class JobAdmin(admin.ModelAdmin):
         """Each word must match: a number (or ``#number``) is a job id, found by
         primary key; other text is part of the kind, the queue name, or a tag."""
         for word in search_term.split():
-            digits = word.removeprefix("#")
-            if digits.isdigit():
-                queryset = queryset.filter(id=int(digits))
+            number = job_id(word.removeprefix("#"))
+            if number is not None:
+                queryset = queryset.filter(id=number)
             else:
                 queryset = queryset.filter(
                     Q(kind__icontains=word) | Q(queue=word) | Q(tags__contains=[word])
@@ -392,6 +592,19 @@ class JobAdmin(admin.ModelAdmin):
         # discard_jobs replaces it: one DELETE, no collector walk per object.
         actions.pop("delete_selected", None)
         return actions
+
+    def refusal(self, request: HttpRequest) -> HttpResponseBadRequest | None:
+        refused = super().refusal(request)
+        if refused is not None:
+            return refused
+        trigger = request.GET.get(TriggerFilter.parameter_name)
+        if trigger is not None and job_id(trigger) is None:
+            return HttpResponseBadRequest(f"trigger must be a job id, got {trigger!r}")
+        selected = request.POST.getlist(helpers.ACTION_CHECKBOX_NAME)
+        odd = [value for value in selected if job_id(value) is None]
+        if odd:
+            return HttpResponseBadRequest(f"selected jobs must be job ids, got {odd[0]!r}")
+        return None
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -417,6 +630,19 @@ class JobAdmin(admin.ModelAdmin):
 
     # -- detail ------------------------------------------------------------
 
+    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+        if from_field is not None:
+            return super().get_object(request, object_id, from_field)
+        number = job_id(object_id)
+        if number is None:
+            return None
+        queryset = self.get_queryset(request).filter(id=number)
+        try:
+            return queryset.first()
+        except RecursionError:
+            # A JSON column nested deeper than json.loads goes (jsonb holds more).
+            return _with_raw_json(queryset)
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
@@ -430,7 +656,8 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="tags")
     def tag_list(self, obj: Job) -> str:
-        return ", ".join(str(tag) for tag in obj.tags or []) or "(none)"
+        tags = obj.tags if isinstance(obj.tags, list) else [obj.tags]
+        return ", ".join(short_text(tag) for tag in tags if tag is not None) or "(none)"
 
     @admin.display(description="args")
     def args_json(self, obj: Job) -> SafeString:
@@ -446,7 +673,9 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="errors")
     def error_list(self, obj: Job) -> SafeString:
-        errors = [e for e in obj.errors or [] if isinstance(e, dict)]
+        if not isinstance(obj.errors, list):
+            return _pretty_json(obj.errors)
+        errors = [e for e in obj.errors if isinstance(e, dict)]
         if not errors:
             return format_html('<span class="awa-empty">{}</span>', "(none)")
         return format_html(
@@ -457,10 +686,13 @@ class JobAdmin(admin.ModelAdmin):
                 '<pre class="awa-error-message">{}</pre>{}</li>',
                 (
                     (
-                        entry.get("attempt", "?"),
+                        short_text(entry.get("attempt", "?")),
                         _long_time(entry.get("at")),
-                        entry.get("error", ""),
-                        format_html('<pre class="awa-traceback">{}</pre>', entry["traceback"])
+                        short_text(entry.get("error", ""), JSON_SHOWN_CHARS),
+                        format_html(
+                            '<pre class="awa-traceback">{}</pre>',
+                            short_text(entry["traceback"], JSON_SHOWN_CHARS),
+                        )
                         if entry.get("traceback")
                         else "",
                     )
@@ -471,16 +703,23 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.display(description="enqueued by")
     def trigger_link(self, obj: Job) -> SafeString | str:
-        trigger = (obj.metadata or {}).get("awa_trigger")
-        if not isinstance(trigger, dict) or obj.trigger_id is None:
+        metadata = obj.metadata if isinstance(obj.metadata, dict) else {}
+        trigger = metadata.get("awa_trigger")
+        if not isinstance(trigger, dict) or not isinstance(trigger.get("job_id"), int):
             return "(no trigger: enqueued directly)"
-        outcome = trigger.get("outcome", "?")
-        parent = obj.trigger()
+        outcome = short_text(trigger.get("outcome", "?"))
+        # Only the columns shown: the parent's JSON may be nested too deep to read.
+        parent = (
+            Job.objects.using(obj._state.db)
+            .only("id", "kind", "state")
+            .filter(id=trigger["job_id"])
+            .first()
+        )
         if parent is None:
             return format_html(
                 '{} #{} (deleted), outcome <span class="awa-outcome">{}</span>',
-                trigger.get("kind", "?"),
-                obj.trigger_id,
+                short_text(trigger.get("kind", "?")),
+                trigger["job_id"],
                 outcome,
             )
         return format_html(
@@ -493,7 +732,9 @@ class JobAdmin(admin.ModelAdmin):
     @admin.display(description="its follow-ups")
     def followup_links(self, obj: Job) -> SafeString | str:
         children = list(
-            obj.followups().only("id", "kind", "state", "metadata")[: FOLLOWUPS_SHOWN + 1]
+            obj.followups()
+            .only("id", "kind", "state")
+            .annotate(outcome=KT("metadata__awa_trigger__outcome"))[: FOLLOWUPS_SHOWN + 1]
         )
         if not children:
             return "(none)"
@@ -504,7 +745,7 @@ class JobAdmin(admin.ModelAdmin):
                 (
                     _job_link(child.id, f"{child.kind} #{child.id}"),
                     _state_badge(child.state),
-                    (child.metadata.get("awa_trigger") or {}).get("outcome", "?"),
+                    child.outcome or "?",
                 )
                 for child in children[:FOLLOWUPS_SHOWN]
             ),
@@ -606,9 +847,10 @@ class JobAdmin(admin.ModelAdmin):
             return HttpResponseNotAllowed(["POST"])
         if not self.has_change_permission(request):
             raise PermissionDenied
-        if not object_id.isdigit():
-            return HttpResponseBadRequest("job id must be a number")
-        self._operate(request, self.get_queryset(request).filter(id=int(object_id)), operation)
+        number = job_id(object_id)
+        if number is None:
+            return HttpResponseBadRequest(f"job id must be a number, got {object_id!r}")
+        self._operate(request, self.get_queryset(request).filter(id=number), operation)
         return HttpResponseRedirect(reverse("admin:django_awa_job_change", args=[object_id]))
 
     def _operate(self, request: HttpRequest, queryset: QuerySet, operation: str) -> None:
@@ -697,7 +939,7 @@ class JobAdmin(admin.ModelAdmin):
 
 
 @admin.register(Queue)
-class QueueAdmin(admin.ModelAdmin):
+class QueueAdmin(AwaModelAdmin):
     """The queue overview: every queue with jobs, settings or a row, counts per state.
 
     A queue exists without a ``Queue`` row (the row only records a pause), so
@@ -780,6 +1022,8 @@ class QueueAdmin(admin.ModelAdmin):
         operation = request.POST.get("operation", "")
         if not name or len(name) > 128 or operation not in ("pause", "resume"):
             return HttpResponseBadRequest("queue and operation (pause or resume) are required")
+        if not holdable(name):
+            return HttpResponseBadRequest("a queue name cannot hold NUL or invalid text")
         if operation == "pause":
             control.pause_queue(name, using=_alias())
             self.message_user(request, f"Paused queue {name}: workers stop claiming from it.")
@@ -790,7 +1034,7 @@ class QueueAdmin(admin.ModelAdmin):
         return HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(AwaModelAdmin):
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
@@ -831,6 +1075,7 @@ class PendingFollowupAdmin(ReadOnlyAdmin):
     list_filter = ("outcome", "kind")
     search_fields = ("=job_id", "kind")
     ordering = ("next_attempt_at", "id")
+    unlisted_json = ("context", "snapshot")
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
     fields = (

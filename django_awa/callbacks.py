@@ -12,7 +12,8 @@ system answered before the handler returned ``WaitForCallback``) is recorded
 on the row and applied when the job parks.
 
 The HTTP receiver (``callback_view``) checks a timestamped HMAC-SHA256
-signature; ``sign()`` makes the headers for senders written in Python.
+signature of the callback id, the action and the body; ``sign()`` makes the
+headers for senders written in Python.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from . import sql
-from .conf import awa_settings, to_seconds
+from .conf import awa_settings, callback_timeout
 from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
 from .finalize import dispatch, send_signal
@@ -44,11 +45,11 @@ logger = logging.getLogger(__name__)
 
 EARLY_KEY = "awa_early_callback"
 RESULT_KEY = "awa_callback_result"
+ACTIONS = ("complete", "fail", "retry", "heartbeat")
 SIGNATURE_HEADER = "X-Awa-Signature"
 TIMESTAMP_HEADER = "X-Awa-Timestamp"
 MAX_SKEW = 300
 MAX_BODY = 1_000_000
-MAX_CALLBACK_TIMEOUT = 365 * 86400.0  # as the HTTP receiver allows
 # A receipt outlives every replay of its request that the clock check would let
 # through: a timestamp up to MAX_SKEW ahead stays acceptable 2 * MAX_SKEW.
 RECEIPT_RETENTION = 2 * MAX_SKEW + 60
@@ -189,16 +190,9 @@ def retry_external(callback_id: uuid.UUID | str, *, using: str | None = None) ->
 def heartbeat_callback(
     callback_id: uuid.UUID | str, timeout: float | dt.timedelta, *, using: str | None = None
 ) -> Job:
-    """Push the callback's timeout to ``timeout`` from now. Raises ``CallbackNotFound``."""
-    try:
-        seconds = to_seconds(timeout)
-    except (TypeError, ValueError) as exc:
-        raise ValidationError(f"heartbeat_callback: timeout: {exc}") from exc
-    if not 0 < seconds <= MAX_CALLBACK_TIMEOUT:
-        raise ValidationError(
-            f"heartbeat_callback: timeout must be positive and at most "
-            f"{MAX_CALLBACK_TIMEOUT:.0f}s, got {timeout!r}"
-        )
+    """Push the callback's timeout to ``timeout`` from now (1 second to 365 days).
+    Raises ``CallbackNotFound`` or ``ValidationError``."""
+    seconds = callback_timeout(timeout, "heartbeat_callback: timeout")
     alias = database_alias(using)
     cid = _parse_id(callback_id)
     with transaction.atomic(using=alias):
@@ -265,22 +259,42 @@ def prune_receipts(using: str | None = None) -> int:
         return cursor.rowcount
 
 
-def signature(body: bytes, secret: str, timestamp: str) -> str:
-    return hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+def signature(body: bytes, secret: str, timestamp: str, callback_id: str, action: str) -> str:
+    """HMAC-SHA256 of ``"{timestamp}.{callback_id}.{action}."`` and the raw body (SPEC §7):
+    good for one callback and one action only."""
+    signed = f"{timestamp}.{callback_id}.{action}.".encode() + body
+    return hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
 
 
-def sign(body: bytes | str, secret: str, timestamp: int | None = None) -> dict[str, str]:
-    """The two headers a sender adds to a callback request with this ``body``."""
+def sign(
+    body: bytes | str,
+    secret: str,
+    *,
+    callback_id: uuid.UUID | str,
+    action: str,
+    timestamp: int | None = None,
+) -> dict[str, str]:
+    """The two headers a sender adds to a callback request with this ``body``, to
+    ``POST <prefix>/callbacks/<callback_id>/<action>``.
+
+    Raises ``ValueError`` for an id that is not a UUID or an unknown action.
+    """
+    if action not in ACTIONS:
+        raise ValueError(f"action must be one of {', '.join(ACTIONS)}, got {action!r}")
+    cid = str(callback_id if isinstance(callback_id, uuid.UUID) else uuid.UUID(str(callback_id)))
     raw = body.encode() if isinstance(body, str) else body
     stamp = str(int(time.time()) if timestamp is None else int(timestamp))
-    return {TIMESTAMP_HEADER: stamp, SIGNATURE_HEADER: signature(raw, secret, stamp)}
+    return {TIMESTAMP_HEADER: stamp, SIGNATURE_HEADER: signature(raw, secret, stamp, cid, action)}
 
 
 def _error(status: int, message: str) -> JsonResponse:
     return JsonResponse({"error": message}, status=status)
 
 
-def _verify(request: HttpRequest, body: bytes) -> str | JsonResponse:
+def _verify(
+    request: HttpRequest, body: bytes, callback_id: uuid.UUID, action: str
+) -> str | JsonResponse:
+    """The request's signature if it is good for this callback and action, else a 403."""
     secret = awa_settings().callback_secret
     if not secret:
         return _error(403, "callbacks are disabled: AWA['CALLBACK_SECRET'] is not set")
@@ -294,15 +308,32 @@ def _verify(request: HttpRequest, body: bytes) -> str | JsonResponse:
         return _error(403, f"{TIMESTAMP_HEADER} must be Unix seconds")
     if skew > MAX_SKEW:
         return _error(403, "stale or future timestamp")
-    expected = signature(body, secret, stamp)
+    expected = signature(body, secret, stamp, str(callback_id), action)
     if not hmac.compare_digest(expected.encode(), given.strip().lower().encode()):
         return _error(403, "bad signature")
     return expected
 
 
+class _IntegerTooLong(ValueError):
+    pass
+
+
+def _parse_int(text: str) -> int:
+    # json.loads hands each integer's digits here; int() refuses more than
+    # sys.get_int_max_str_digits() (4,300) with a ValueError, which would read
+    # as malformed JSON.
+    try:
+        return int(text)
+    except ValueError:
+        digits = len(text.lstrip("-"))
+        raise _IntegerTooLong(f"an integer in the body is too large ({digits} digits)") from None
+
+
 def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
     try:
-        data = json.loads(body or b"{}")
+        data = json.loads(body or b"{}", parse_int=_parse_int)
+    except _IntegerTooLong as exc:
+        return _error(400, str(exc))
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return _error(400, "body must be a JSON object")
     if not isinstance(data, dict):
@@ -314,27 +345,27 @@ def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
     if action == "fail" and (not isinstance(data.get("error"), str) or not data["error"]):
         return _error(400, 'fail needs {"error": "<non-empty string>"}')
     if action == "heartbeat":
-        timeout = data.get("timeout")
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not (0 < timeout <= 365 * 86400)
-        ):
-            return _error(400, 'heartbeat needs {"timeout": <seconds, positive>}')
+        try:
+            callback_timeout(data.get("timeout"), 'heartbeat: {"timeout": <seconds>}')
+        except ValidationError as exc:
+            return _error(400, str(exc))
     return data
 
 
 @csrf_exempt
 def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> JsonResponse:
     """``POST <prefix>/callbacks/<uuid>/{complete,fail,retry,heartbeat}``."""
-    if action not in ("complete", "fail", "retry", "heartbeat"):
+    if action not in ACTIONS:
         return _error(404, f"unknown action {action!r}")
     if request.method != "POST":
         response = _error(405, "use POST")
         response["Allow"] = "POST"
         return response
     length = request.headers.get("Content-Length") or "0"
-    if not length.isdigit() or int(length) > MAX_BODY:
+    if not (length.isascii() and length.isdigit()):  # "-1", "²", "1e3": not a length
+        return _error(400, f"bad Content-Length header {length[:40]!r}")
+    # Compared as text first: int() refuses more than 4,300 digits.
+    if len(length.lstrip("0")) > len(str(MAX_BODY)) or int(length) > MAX_BODY:
         return _error(413, f"body over {MAX_BODY} bytes")
     try:
         body = request.body
@@ -342,7 +373,7 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
         return _error(413, "body over DATA_UPLOAD_MAX_MEMORY_SIZE")
     if len(body) > MAX_BODY:  # no Content-Length (chunked): judged once read
         return _error(413, f"body over {MAX_BODY} bytes")
-    verified = _verify(request, body)
+    verified = _verify(request, body, callback_id, action)
     if isinstance(verified, JsonResponse):
         return verified
     data = _parse(action, body)
@@ -352,11 +383,9 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
     try:
         with transaction.atomic(using=alias):
             # A replayed request is refused; the receipt commits only with success.
-            # Keyed by signature and target: the signature covers only timestamp
-            # and body (SPEC §7), so identical bodies sent to two callbacks in
-            # the same second are two requests, not a replay.
-            receipt = hashlib.sha256(f"{verified}:{callback_id}:{action}".encode()).hexdigest()
-            _, created = CallbackReceipt.objects.using(alias).get_or_create(signature=receipt)
+            # The signature covers timestamp, callback, action and body: it
+            # names the request.
+            _, created = CallbackReceipt.objects.using(alias).get_or_create(signature=verified)
             if not created:
                 return _error(403, "replayed request")
             if action == "complete":

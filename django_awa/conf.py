@@ -17,7 +17,13 @@ from django.conf import settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from .exceptions import ConfigurationError
+from .exceptions import ConfigurationError, ValidationError
+
+# A callback's timeout, however it is given (register_callback, heartbeat_callback,
+# the HTTP heartbeat): a shorter one lapses before an answer can arrive (1e-300 s
+# is no interval at all), a longer one outlives any sender worth waiting for.
+MIN_CALLBACK_TIMEOUT = 1.0
+MAX_CALLBACK_TIMEOUT = 365 * 86400.0
 
 QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 DEFAULT_CONCURRENCY = 10
@@ -110,6 +116,21 @@ def to_seconds(value: Any) -> float:
         raise TypeError(f"expected seconds (int or float) or a timedelta, got {value!r}")
     if seconds != seconds or seconds in (float("inf"), float("-inf")):
         raise ValueError(f"expected a finite duration, got {value!r}")
+    return seconds
+
+
+def callback_timeout(value: Any, what: str) -> float:
+    """Seconds of a callback timeout (seconds or a timedelta), from one second to
+    365 days; else ``ValidationError`` beginning with ``what``."""
+    try:
+        seconds = to_seconds(value)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"{what}: {exc}") from None
+    if not MIN_CALLBACK_TIMEOUT <= seconds <= MAX_CALLBACK_TIMEOUT:
+        raise ValidationError(
+            f"{what} must be from {MIN_CALLBACK_TIMEOUT:.0f} second to "
+            f"{MAX_CALLBACK_TIMEOUT / 86400:.0f} days, got {value!r}"
+        )
     return seconds
 
 

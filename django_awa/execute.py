@@ -22,7 +22,7 @@ from django.db import connections, transaction
 
 from . import db, sql
 from .compat import savepoint_create
-from .conf import to_seconds
+from .conf import callback_timeout, to_seconds
 from .exceptions import TerminalError, ValidationError
 from .followups import Outcome
 from .kinds import (
@@ -201,11 +201,10 @@ class JobContext:
         """Register a callback id for an outside system; then return ``WaitForCallback``.
 
         The id is stored at once, so the outside system may answer even before
-        the handler returns.
+        the handler returns. ``timeout`` is 1 second to 365 days, else
+        ``ValidationError``.
         """
-        seconds = _seconds(timeout, "register_callback timeout")
-        if seconds <= 0:
-            raise ValidationError("register_callback: timeout must be positive")
+        seconds = callback_timeout(timeout, "register_callback: timeout")
         callback_id = uuid.uuid4()
         job = self._attempt.job
         with connections[self._attempt.alias].cursor() as cursor:

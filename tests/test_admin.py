@@ -7,6 +7,7 @@ actions, buttons) and checks the database afterwards.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import re
 import tempfile
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import hypothesis
 import pytest
 from django.conf import settings
 from django.contrib.auth.models import Permission, User
@@ -22,6 +24,8 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.html import escape
+from hypothesis import strategies as st
 
 from django_awa import admin as awa_admin
 from django_awa.models import Job, JobState, PendingFollowup, PeriodicSchedule, Queue
@@ -522,3 +526,221 @@ def test_running_jobs_no_worker_holds_any_more_are_marked(client: Any, superuser
     assert "not held" not in rows[held.id]
     assert re.search(r"not held: deadline passed 4\ds ago", rows[overdue.id]), rows[overdue.id]
     assert re.search(r"not held: no heartbeat for 9\ds", rows[silent.id]), rows[silent.id]
+
+
+# -- odd input: a 4xx or a page, never a 500 (issue 16) ------------------------------
+
+
+def nested(depth: int) -> str:
+    """JSON text of lists nested ``depth`` deep around a marker string."""
+    return "[" * depth + '"the-innermost-value"' + "]" * depth
+
+
+def readonly_value(html: str, field: str) -> str:
+    """The text a job page shows for a read-only field that shares its row."""
+    found = re.search(rf'fieldBox field-{field}".*?<div class="readonly">(.*?)</div>', html, re.S)
+    assert found is not None, field
+    return found[1]
+
+
+def deep_row(depth: int) -> Job:
+    """A job whose args and callback payload are nested ``depth`` deep, written with raw
+    SQL as an older release or another program might have left it."""
+    job = make_job(kind="act", state=JobState.COMPLETED, finalized_at=timezone.now())
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE awa_job SET args = %(deep)s::jsonb, metadata = jsonb_build_object("
+            "'awa_callback_result', %(deep)s::jsonb) WHERE id = %(id)s",
+            {"deep": nested(depth), "id": job.id},
+        )
+    return job
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "kind=%00",
+        "queue=%00",
+        "state__exact=%00",
+        "state__exact=failed&kind=a%00b",
+        "q=%00",
+        "trigger=%00",
+        "%00=1",
+    ],
+)
+def test_a_list_filter_postgres_cannot_hold_is_400(
+    client: Any, superuser: User, query: str
+) -> None:
+    make_job()
+    client.force_login(superuser)
+    response = client.get(f"{JOBS_URL}?{query}")
+    assert response.status_code == 400, response.content[:300]
+    assert b"NUL" in response.content
+    for url in ("/admin/django_awa/pendingfollowup/", "/admin/django_awa/periodicschedule/"):
+        assert client.get(f"{url}?{query}").status_code == 400
+
+
+@pytest.mark.parametrize("value", ["²", "١٢", "1²", "-1", "1.0", " 1", "99999999999999999999"])
+def test_a_trigger_that_is_not_a_job_id_is_400(client: Any, superuser: User, value: str) -> None:
+    make_job()
+    client.force_login(superuser)
+    response = client.get(JOBS_URL, {"trigger": value})
+    assert response.status_code == 400, response.content[:300]
+    assert b"job id" in response.content
+
+
+def test_search_by_a_digit_that_is_not_ascii_is_a_text_search(client: Any, superuser: User) -> None:
+    """``"²".isdigit()`` is true and ``int("²")`` raises: ``²`` is searched as text."""
+    plain = make_job(kind="act")
+    squared = make_job(kind="area_m²")
+    client.force_login(superuser)
+    for term, expected in (
+        ("²", [squared.id]),
+        ("#²", []),
+        (str(plain.id), [plain.id]),
+        (f"#{squared.id}", [squared.id]),
+        ("99999999999999999999", []),
+    ):
+        response = client.get(JOBS_URL, {"q": term})
+        assert response.status_code == 200, term
+        assert [job.id for job in response.context["cl"].result_list] == expected, term
+
+
+@pytest.mark.parametrize("object_id", ["%C2%B2", "1%C2%B2", "%D9%A1", "99999999999999999999"])
+@pytest.mark.parametrize("operation", ["retry", "cancel"])
+def test_retry_or_cancel_of_an_odd_job_id_is_400_and_changes_nothing(
+    client: Any, superuser: User, object_id: str, operation: str
+) -> None:
+    job = failed_job() if operation == "retry" else make_job()
+    before = Job.objects.filter(id=job.id).values()[0]
+    client.force_login(superuser)
+    response = client.post(f"{JOBS_URL}{object_id}/{operation}/")
+    assert response.status_code == 400, response.content[:300]
+    assert Job.objects.filter(id=job.id).values()[0] == before
+
+
+@pytest.mark.parametrize("selected", ["²", "\x00", "1\x00", "99999999999999999999"])
+def test_an_action_on_odd_job_ids_is_400_and_changes_nothing(
+    client: Any, superuser: User, selected: str
+) -> None:
+    job = failed_job()
+    before = Job.objects.filter(id=job.id).values()[0]
+    client.force_login(superuser)
+    response = client.post(
+        JOBS_URL,
+        {"action": "retry_jobs", "index": "0", "_selected_action": [str(job.id), selected]},
+    )
+    assert response.status_code == 400, response.content[:300]
+    assert Job.objects.filter(id=job.id).values()[0] == before
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"{JOBS_URL}%00/change/",
+        f"{JOBS_URL}%C2%B2/change/",
+        "/admin/django_awa/pendingfollowup/%00/change/",
+        "/admin/django_awa/periodicschedule/%00/change/",
+        "/admin/django_awa/periodicschedule/a%00b/change/",
+    ],
+)
+def test_an_object_id_postgres_cannot_hold_is_not_found(
+    client: Any, superuser: User, url: str
+) -> None:
+    client.force_login(superuser)
+    response = client.get(url, follow=True)
+    assert response.status_code == 200
+    assert any("exist" in str(m) for m in response.context["messages"])
+
+
+def test_a_queue_name_postgres_cannot_hold_is_400(client: Any, superuser: User) -> None:
+    client.force_login(superuser)
+    response = client.post(QUEUES_URL, {"queue": "mail\x00", "operation": "pause"})
+    assert response.status_code == 400
+    assert not Queue.objects.exists()
+
+
+@pytest.mark.parametrize("depth", [950, 5000])
+def test_deeply_nested_json_is_shown_and_the_list_still_loads(
+    client: Any, superuser: User, depth: int
+) -> None:
+    deep = deep_row(depth)
+    other = failed_job()
+    client.force_login(superuser)
+
+    response = client.get(JOBS_URL)
+    assert response.status_code == 200
+    assert {job.id for job in response.context["cl"].result_list} == {deep.id, other.id}
+
+    response = client.get(change_url(deep))
+    assert response.status_code == 200
+    html = response.content.decode()
+    # Compact JSON text, not pretty-printed 950 levels deep; cut, and saying so.
+    assert "[[[[[[[[" in html
+    assert "nested too deep" in html
+    assert len(html) < 200_000
+    assert client.get(change_url(other)).status_code == 200
+
+
+def test_deep_json_text_in_a_short_page_shows_the_innermost_value(
+    client: Any, superuser: User
+) -> None:
+    deep = deep_row(200)
+    client.force_login(superuser)
+    html = client.get(change_url(deep)).content.decode()
+    assert html.count("the-innermost-value") == 2  # args and the callback payload
+
+
+def test_json_is_pretty_printed_as_before() -> None:
+    value = {"b": [1, 2.5, {"c": None}], "a": "ü <x>", "e": {}, "f": [], "t": True}
+    html = str(awa_admin._pretty_json(value))
+    expected = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+    assert html == f'<pre class="awa-json">{escape(expected)}</pre>'
+
+
+def test_the_chain_is_shown_both_ways_between_jobs_nested_too_deep_to_read(
+    client: Any, superuser: User
+) -> None:
+    parent = deep_row(5000)
+    child = make_job(kind="echo")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE awa_job SET args = %(deep)s::jsonb, tags = %(deep)s::jsonb, "
+            "errors = %(deep)s::jsonb, metadata = jsonb_build_object('awa_trigger', "
+            "jsonb_build_object('job_id', %(parent)s, 'kind', 'act', 'outcome', 'exhausted')) "
+            "WHERE id = %(id)s",
+            {"deep": nested(5000), "parent": parent.id, "id": child.id},
+        )
+    client.force_login(superuser)
+
+    html = client.get(change_url(parent)).content.decode()
+    assert f'<a href="{change_url(child)}">echo #{child.id}</a>' in html
+    assert "on exhausted" in html
+
+    response = client.get(change_url(child))
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert f'<a href="{change_url(parent)}">act #{parent.id}</a>' in html
+    assert 'outcome <span class="awa-outcome">exhausted</span>' in html
+    assert html.count("nested too deep") == 2  # args and errors
+    tags = re.search(
+        r'fieldBox field-tag_list.*?<div class="readonly">(.*?)</div>', html, re.DOTALL
+    )
+    assert tags is not None and tags[1].startswith("[[[[[[[[") and len(tags[1]) < 300
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    value=st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+        lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+        max_leaves=30,
+    )
+)
+def test_json_text_writes_what_json_dumps_writes(value: Any) -> None:
+    for indent in (None, 2):
+        expected = json.dumps(value, indent=indent, sort_keys=True, ensure_ascii=False)
+        assert awa_admin.json_text(value, indent=indent) == expected
+    compact = json.dumps(value, sort_keys=True, ensure_ascii=False)
+    cut = compact if len(compact) <= 5 else compact[:5] + "…"
+    assert awa_admin.json_text(value, limit=5) == cut

@@ -11,10 +11,15 @@ import datetime as dt
 import hashlib
 import hmac
 import json
+import re
+import shlex
+import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +36,7 @@ from django_awa.callbacks import (
     prune_receipts,
     sign,
 )
-from django_awa.execute import AttemptResult
+from django_awa.execute import Attempt, AttemptResult, JobContext
 from django_awa.finalize import finalize
 from django_awa.followups import FollowupError, FollowupSpec, Outcome, followup_registry
 from django_awa.maintenance import Maintenance
@@ -503,13 +508,49 @@ def test_a_heartbeat_keeps_the_callback_from_timing_out():
     assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
 
 
-@pytest.mark.parametrize("timeout", [0, -5, "60", None, True, float("nan")])
+BAD_TIMEOUTS = [
+    0,
+    -5,
+    "60",
+    None,
+    True,
+    float("nan"),
+    1e-300,
+    0.5,
+    dt.timedelta(microseconds=1),
+    366 * 86400,
+    dt.timedelta.max,
+    10**400,
+]
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
 def test_heartbeat_refuses_a_bad_timeout(timeout):
     job = parked_row()
     before = snapshot(job.id)
-    with pytest.raises(awa.ValidationError):
+    with pytest.raises(awa.ValidationError, match="timeout"):
         awa.heartbeat_callback(job.callback_id, timeout)
     assert snapshot(job.id) == before
+
+
+@pytest.mark.parametrize("timeout", [1, 1.0, dt.timedelta(seconds=1), 365 * 86400])
+def test_heartbeat_takes_a_timeout_from_one_second_to_a_year(timeout):
+    job = parked_row()
+    row = awa.heartbeat_callback(job.callback_id, timeout)
+    seconds = timeout.total_seconds() if isinstance(timeout, dt.timedelta) else timeout
+    assert close_to(row.callback_timeout_at, db_now() + dt.timedelta(seconds=seconds))
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+def test_register_callback_refuses_a_bad_timeout(timeout):
+    """A handler asking for a callback that times out before any answer can arrive
+    gets a ValidationError, and the row gets no callback."""
+    job = make_job(kind="parked", state=JobState.RUNNING, attempt=1, run_lease=1)
+    context = JobContext(Attempt(job=job, alias="default"), Parked())
+    with pytest.raises(awa.ValidationError, match="register_callback: timeout"):
+        context.register_callback(timeout)
+    row = Job.objects.get(id=job.id)
+    assert (row.callback_id, row.callback_timeout_at) == (None, None)
 
 
 @pytest.mark.parametrize(
@@ -547,23 +588,86 @@ def post(
     headers: dict[str, str] | None = None,
     client: Client | None = None,
 ):
+    """POST ``body`` to the receiver, signed for ``callback_id`` and ``action`` unless
+    ``headers`` are given."""
     raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
     client = client or Client(enforce_csrf_checks=True)
+    if headers is None:
+        headers = sign(raw, SECRET, callback_id=callback_id, action=action)
     return client.post(
-        url(callback_id, action),
-        data=raw,
-        content_type="application/json",
-        headers=sign(raw, SECRET) if headers is None else headers,
+        url(callback_id, action), data=raw, content_type="application/json", headers=headers
     )
 
 
-def test_sign_is_the_hmac_of_timestamp_dot_body():
+def spec_signature(secret: str, stamp: int, signed: str, body: bytes) -> str:
+    """The HMAC-SHA256 hex of SPEC §7, written out here rather than taken from the code."""
+    return hmac.new(
+        secret.encode(), f"{stamp}.{signed}".encode() + body, hashlib.sha256
+    ).hexdigest()
+
+
+def test_sign_is_the_hmac_of_timestamp_callback_id_action_and_body():
     body = b'{"payload":{"ok":true}}'
-    headers = sign(body, SECRET, timestamp=1_700_000_000)
-    expected = hmac.new(SECRET.encode(), b"1700000000." + body, hashlib.sha256).hexdigest()
+    cid = uuid.UUID("0F1E2D3C-4B5A-6978-8796-A5B4C3D2E1F0")
+    headers = sign(body, SECRET, callback_id=cid, action="complete", timestamp=1_700_000_000)
+    expected = spec_signature(
+        SECRET, 1_700_000_000, "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0.complete.", body
+    )
     assert headers == {"X-Awa-Timestamp": "1700000000", "X-Awa-Signature": expected}
-    assert sign(body.decode(), SECRET, 1_700_000_000) == headers
-    assert abs(int(sign(body, SECRET)["X-Awa-Timestamp"]) - time.time()) < 5
+    # The id as text in any case, the body as str: the same signature.
+    for same_id in (str(cid), str(cid).upper(), cid.hex):
+        again = sign(
+            body.decode(), SECRET, callback_id=same_id, action="complete", timestamp=1_700_000_000
+        )
+        assert again == headers
+    stamp = sign(body, SECRET, callback_id=cid, action="complete")["X-Awa-Timestamp"]
+    assert abs(int(stamp) - time.time()) < 5
+    # Another action, another signature.
+    assert sign(body, SECRET, callback_id=cid, action="retry", timestamp=1_700_000_000) != headers
+
+
+def test_sign_needs_the_callback_id_and_action_by_keyword():
+    with pytest.raises(TypeError):
+        sign(b"{}", SECRET)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        sign(b"{}", SECRET, uuid.uuid4(), "complete")  # type: ignore[misc]
+    with pytest.raises(ValueError, match="action"):
+        sign(b"{}", SECRET, callback_id=uuid.uuid4(), action="explode")
+    with pytest.raises(ValueError):
+        sign(b"{}", SECRET, callback_id="not-a-uuid", action="complete")
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.mark.skipif(
+    not (shutil.which("openssl") and shutil.which("curl")), reason="needs openssl and curl"
+)
+def test_the_readme_shell_recipe_completes_a_callback(live_server):
+    """The README's openssl and curl lines, run as they are written (with this test's
+    secret, callback id and server), make a request the receiver accepts."""
+    recipe = re.search(r"```sh\n(SECRET=.*?)```", README.read_text(), re.DOTALL)
+    assert recipe is not None, "README.md lost its shell recipe for signed callbacks"
+    job = parked_row()
+    script = recipe[1]
+    for name, value in (("SECRET", SECRET), ("CALLBACK_ID", str(job.callback_id))):
+        script, found = re.subn(
+            rf"^{name}=.*$", f"{name}={shlex.quote(value)}", script, flags=re.MULTILINE
+        )
+        assert found == 1, name
+    assert script.count("http://127.0.0.1:8000") == 1
+    script = script.replace("http://127.0.0.1:8000", live_server.url)
+    done = subprocess.run(
+        ["bash", "-eu", "-o", "pipefail", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"id": job.id, "state": "completed"}, done.stdout
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.COMPLETED and row.metadata[RESULT_KEY] == {"ok": True}
 
 
 def test_the_receiver_is_mounted_under_the_prefix():
@@ -621,31 +725,66 @@ def _unchanged(job: Job, before: dict[str, Any]) -> None:
     assert followups(job.id) == []
 
 
+def good(raw: str, cid: uuid.UUID, action: str, **kwargs: Any) -> dict[str, str]:
+    """Headers signed for ``cid`` and ``action``, for the tests that spoil them."""
+    return sign(raw, kwargs.pop("secret", SECRET), callback_id=cid, action=action, **kwargs)
+
+
+OTHER_ACTION = {"complete": "retry", "fail": "complete", "retry": "complete", "heartbeat": "retry"}
+
+
 @pytest.mark.parametrize(
     "make_headers",
     [
-        pytest.param(lambda raw: {}, id="no-headers"),
-        pytest.param(lambda raw: {"X-Awa-Timestamp": str(int(time.time()))}, id="no-signature"),
+        pytest.param(lambda raw, cid, action: {}, id="no-headers"),
         pytest.param(
-            lambda raw: {"X-Awa-Signature": sign(raw, SECRET)["X-Awa-Signature"]},
+            lambda raw, cid, action: {"X-Awa-Timestamp": str(int(time.time()))},
+            id="no-signature",
+        ),
+        pytest.param(
+            lambda raw, cid, action: {"X-Awa-Signature": good(raw, cid, action)["X-Awa-Signature"]},
             id="no-timestamp",
         ),
-        pytest.param(lambda raw: sign(raw, "not-the-secret"), id="wrong-secret"),
-        pytest.param(lambda raw: sign(raw + " ", SECRET), id="other-body"),
         pytest.param(
-            lambda raw: {**sign(raw, SECRET), "X-Awa-Signature": "0" * 64}, id="forged-hex"
+            lambda raw, cid, action: good(raw, cid, action, secret="not-the-secret"),
+            id="wrong-secret",
+        ),
+        pytest.param(lambda raw, cid, action: good(raw + " ", cid, action), id="other-body"),
+        pytest.param(lambda raw, cid, action: good(raw, uuid.uuid4(), action), id="other-callback"),
+        pytest.param(
+            lambda raw, cid, action: good(raw, cid, OTHER_ACTION[action]), id="other-action"
         ),
         pytest.param(
-            lambda raw: {
+            lambda raw, cid, action: {
+                "X-Awa-Timestamp": str(int(time.time())),
+                "X-Awa-Signature": spec_signature(SECRET, int(time.time()), "", raw.encode()),
+            },
+            id="old-form-timestamp-and-body-only",
+        ),
+        pytest.param(
+            lambda raw, cid, action: {**good(raw, cid, action), "X-Awa-Signature": "0" * 64},
+            id="forged-hex",
+        ),
+        pytest.param(
+            lambda raw, cid, action: {
                 "X-Awa-Timestamp": str(int(time.time()) + 1),
-                "X-Awa-Signature": sign(raw, SECRET)["X-Awa-Signature"],
+                "X-Awa-Signature": good(raw, cid, action)["X-Awa-Signature"],
             },
             id="timestamp-not-signed",
         ),
-        pytest.param(lambda raw: sign(raw, SECRET, int(time.time()) - 301), id="stale"),
-        pytest.param(lambda raw: sign(raw, SECRET, int(time.time()) + 400), id="future"),
         pytest.param(
-            lambda raw: {"X-Awa-Timestamp": "yesterday", "X-Awa-Signature": "ab" * 32},
+            lambda raw, cid, action: good(raw, cid, action, timestamp=int(time.time()) - 301),
+            id="stale",
+        ),
+        pytest.param(
+            lambda raw, cid, action: good(raw, cid, action, timestamp=int(time.time()) + 400),
+            id="future",
+        ),
+        pytest.param(
+            lambda raw, cid, action: {
+                "X-Awa-Timestamp": "yesterday",
+                "X-Awa-Signature": "ab" * 32,
+            },
             id="timestamp-not-a-number",
         ),
     ],
@@ -662,7 +801,8 @@ def test_a_missing_forged_or_stale_signature_is_refused_with_403(action, make_he
             "heartbeat": {"timeout": 999},
         }[action]
     )
-    response = post(job.callback_id, action, raw, headers=make_headers(raw))
+    headers = make_headers(raw, job.callback_id, action)
+    response = post(job.callback_id, action, raw, headers=headers)
     assert response.status_code == 403, response.content
     assert "error" in response.json()
     _unchanged(job, before)
@@ -672,34 +812,92 @@ def test_a_missing_forged_or_stale_signature_is_refused_with_403(action, make_he
 def test_a_timestamp_within_300_seconds_is_accepted():
     job = parked_row()
     raw = json.dumps({"timeout": 100})
-    response = post(job.callback_id, "heartbeat", raw, headers=sign(raw, SECRET, time.time() - 250))
+    headers = good(raw, job.callback_id, "heartbeat", timestamp=int(time.time()) - 250)
+    response = post(job.callback_id, "heartbeat", raw, headers=headers)
     assert response.status_code == 200, response.content
 
 
 def test_a_replayed_request_is_refused_with_403():
     job = parked_row()
     raw = json.dumps({"timeout": 120})
-    headers = sign(raw, SECRET)
+    headers = good(raw, job.callback_id, "heartbeat")
     assert post(job.callback_id, "heartbeat", raw, headers=headers).status_code == 200
     after = snapshot(job.id)
     # The same timestamp, body and signature again to the same callback and action.
     response = post(job.callback_id, "heartbeat", raw, headers=headers)
     assert response.status_code == 403 and "replay" in response.json()["error"]
     assert snapshot(job.id) == after
-    # The signature covers timestamp and body only (SPEC §7): the same body sent to
-    # another callback in the same second is a request of its own, not a replay.
+    # The same body to another callback in the same second, signed for it: a request
+    # of its own, not a replay.
     other = parked_row()
-    assert post(other.callback_id, "heartbeat", raw, headers=headers).status_code == 200
+    assert post(other.callback_id, "heartbeat", raw).status_code == 200
     # Another timestamp makes another request.
     stamp = int(headers["X-Awa-Timestamp"]) - 1
-    response = post(job.callback_id, "heartbeat", raw, headers=sign(raw, SECRET, stamp))
+    response = post(
+        job.callback_id,
+        "heartbeat",
+        raw,
+        headers=good(raw, job.callback_id, "heartbeat", timestamp=stamp),
+    )
     assert response.status_code == 200
+
+
+def test_a_signature_for_one_callback_replayed_to_another_is_403_and_changes_nothing():
+    """A sender's signed ``complete`` for callback A, seen by someone else and sent
+    within 300 s to callback B: B is left as it was, whatever the action."""
+    a, b = parked_row(), parked_row()
+    before = snapshot(b.id)
+    for action, body in [("complete", {"payload": {"ok": True}}), ("retry", {})]:
+        raw = json.dumps(body)
+        headers = good(raw, a.callback_id, action)
+        response = post(b.callback_id, action, raw, headers=headers)
+        assert response.status_code == 403, response.content
+        assert "signature" in response.json()["error"]
+    _unchanged(b, before)
+    assert not CallbackReceipt.objects.exists()
+    # The same headers still resolve A, the callback they were made for.
+    raw = json.dumps({"payload": {"ok": True}})
+    headers = good(raw, a.callback_id, "complete")
+    assert post(a.callback_id, "complete", raw, headers=headers).status_code == 200
+    assert post(b.callback_id, "complete", raw, headers=headers).status_code == 403
+    _unchanged(b, before)
+
+
+@pytest.mark.parametrize(
+    ("signed", "sent"),
+    [("complete", "retry"), ("complete", "fail"), ("fail", "complete"), ("heartbeat", "retry")],
+)
+def test_a_signature_for_one_action_used_for_another_is_403_and_changes_nothing(signed, sent):
+    job = parked_row()
+    before = snapshot(job.id)
+    # A body the sent action takes: only the action differs from what was signed.
+    raw = json.dumps({"complete": {}, "fail": {"error": "x"}, "retry": {}}[sent])
+    response = post(job.callback_id, sent, raw, headers=good(raw, job.callback_id, signed))
+    assert response.status_code == 403, response.content
+    _unchanged(job, before)
+    assert not CallbackReceipt.objects.exists()
+
+
+def test_the_old_signature_of_timestamp_and_body_alone_is_403():
+    """Before 0.2 the signature covered ``"{timestamp}."`` and the body only."""
+    job = parked_row()
+    before = snapshot(job.id)
+    raw = json.dumps({"payload": {"ok": True}})
+    stamp = int(time.time())
+    old = {
+        "X-Awa-Timestamp": str(stamp),
+        "X-Awa-Signature": spec_signature(SECRET, stamp, "", raw.encode()),
+    }
+    response = post(job.callback_id, "complete", raw, headers=old)
+    assert response.status_code == 403, response.content
+    assert response.json()["error"] == "bad signature"
+    _unchanged(job, before)
 
 
 def test_a_replayed_completion_is_refused_with_403_not_404():
     job = parked_row()
     raw = json.dumps({"payload": {"n": 1}})
-    headers = sign(raw, SECRET)
+    headers = good(raw, job.callback_id, "complete")
     assert post(job.callback_id, "complete", raw, headers=headers).status_code == 200
     assert post(job.callback_id, "complete", raw, headers=headers).status_code == 403
     assert len(followups(job.id)) == 1
@@ -728,7 +926,7 @@ def test_a_resolved_callback_is_404(first):
         ("retry", {}),
         ("heartbeat", {"timeout": 9}),
     ]:
-        headers = sign(json.dumps(again), SECRET, time.time() - 10)
+        headers = good(json.dumps(again), job.callback_id, action, timestamp=int(time.time()) - 10)
         assert post(job.callback_id, action, again, headers=headers).status_code == 404
     assert snapshot(job.id) == after
 
@@ -741,9 +939,8 @@ def test_unknown_actions_and_malformed_ids_are_404():
         f"/awa/callbacks/{job.callback_id}/explode",
         "/awa/callbacks/not-a-uuid/complete",
     ):
-        response = client.post(
-            path, data=raw, content_type="application/json", headers=sign(raw, SECRET)
-        )
+        headers = good(raw, job.callback_id, "complete")
+        response = client.post(path, data=raw, content_type="application/json", headers=headers)
         assert response.status_code == 404
     assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
 
@@ -778,6 +975,8 @@ def test_unknown_actions_and_malformed_ids_are_404():
         ("heartbeat", '{"timeout": 1e400}'),
         ("heartbeat", '{"timeout": NaN}'),
         ("heartbeat", '{"timeout": 999999999999}'),
+        ("heartbeat", '{"timeout": 1e-300}'),
+        ("heartbeat", '{"timeout": 0.5}'),
         ("heartbeat", '{"timeout": 60, "extra": 1}'),
     ],
 )
@@ -799,6 +998,51 @@ def test_other_methods_are_405(method):
     assert response.status_code == 405
     assert response["Allow"] == "POST"
     assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
+
+
+@pytest.mark.parametrize("length", ["-1", "+5", "²", "1e3", "0x10", " ", "-" + "9" * 5000])
+def test_a_bad_content_length_header_is_400(length):
+    job = parked_row()
+    before = snapshot(job.id)
+    raw = json.dumps({"payload": 1})
+    response = Client().post(
+        url(job.callback_id, "complete"),
+        data=raw,
+        content_type="application/json",
+        headers=good(raw, job.callback_id, "complete"),
+        CONTENT_LENGTH=length,
+    )
+    assert response.status_code == 400, response.content
+    assert "Content-Length" in response.json()["error"]
+    _unchanged(job, before)
+
+
+@pytest.mark.parametrize(
+    "length", [str(MAX_BODY + 1), "9" * 30, "9" * 5000, "0" * 40 + str(MAX_BODY + 1)]
+)
+def test_a_content_length_over_the_limit_is_413(length):
+    job = parked_row()
+    raw = json.dumps({"payload": 1})
+    response = Client().post(
+        url(job.callback_id, "complete"),
+        data=raw,
+        content_type="application/json",
+        headers=good(raw, job.callback_id, "complete"),
+        CONTENT_LENGTH=length,
+    )
+    assert response.status_code == 413, response.content
+    assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
+
+
+def test_an_integer_too_long_to_read_is_400_saying_so():
+    job = parked_row()
+    before = snapshot(job.id)
+    response = post(job.callback_id, "complete", '{"payload": ' + "7" * 5001 + "}")
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert "integer" in error and "5001 digits" in error
+    assert "JSON object" not in error
+    _unchanged(job, before)
 
 
 def test_an_oversize_body_is_413():
@@ -832,7 +1076,7 @@ def test_a_failing_followup_is_503_and_the_same_request_succeeds_once_fixed():
     )
     before = snapshot(job.id)
     raw = json.dumps({"payload": {"order": 5}})
-    headers = sign(raw, SECRET)
+    headers = good(raw, job.callback_id, "complete")
     FAIL["completed"] = True
     response = post(job.callback_id, "complete", raw, headers=headers)
     assert response.status_code == 503, response.content

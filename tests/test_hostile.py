@@ -629,6 +629,7 @@ def test_periodic_refuses_bad_names(db: Any, name: Any) -> None:
 # -- callback request bodies over HTTP ------------------------------------------------------
 
 ACTIONS = ["complete", "fail", "retry", "heartbeat", "explode"]
+SIGNED = ACTIONS[:4]
 json_values = st.recursive(
     st.one_of(
         st.none(),
@@ -680,21 +681,32 @@ def bodies(draw: st.DrawFn) -> bytes:
 
 
 @st.composite
-def headers_for(draw: st.DrawFn, body: bytes) -> dict[str, str]:
-    mode = draw(st.sampled_from(["good", "good", "good", "none", "stale", "future", "junk", "bad"]))
+def headers_for(
+    draw: st.DrawFn, body: bytes, callback_id: uuid.UUID, action: str
+) -> dict[str, str]:
+    modes = ["good", "good", "good", "none", "stale", "future", "junk", "bad", "elsewhere"]
+    mode = draw(st.sampled_from(modes))
     now = int(time.time())
+    # An unknown action is 404 before any signature is read; sign it as another.
+    target = {"callback_id": callback_id, "action": action if action in SIGNED else "complete"}
     if mode == "good":
-        return sign(body, SECRET)
+        return sign(body, SECRET, **target)
     if mode == "none":
         return {}
     if mode == "stale":
-        return sign(body, SECRET, timestamp=now - 301)
+        return sign(body, SECRET, **target, timestamp=now - 301)
     if mode == "future":
-        return sign(body, SECRET, timestamp=now + 10**6)
+        return sign(body, SECRET, **target, timestamp=now + 10**6)
     if mode == "bad":
-        headers = sign(body, SECRET)
-        headers["X-Awa-Signature"] = sign(body + b" ", SECRET)["X-Awa-Signature"]
+        headers = sign(body, SECRET, **target)
+        headers["X-Awa-Signature"] = sign(body + b" ", SECRET, **target)["X-Awa-Signature"]
         return headers
+    if mode == "elsewhere":  # signed for another callback or action
+        other = draw(st.sampled_from([a for a in SIGNED if a != target["action"]]))
+        elsewhere = draw(
+            st.sampled_from([{**target, "callback_id": uuid.uuid4()}, {**target, "action": other}])
+        )
+        return sign(body, SECRET, **elsewhere)
     return {
         "X-Awa-Timestamp": draw(st.text(alphabet=st.characters(codec="latin-1"), max_size=12)),
         "X-Awa-Signature": draw(st.text(alphabet=st.characters(codec="latin-1"), max_size=70)),
@@ -735,9 +747,9 @@ def test_callback_requests_get_a_clear_answer_and_change_nothing_unless_accepted
     db: Any, data: st.DataObject, action: str, known: bool
 ) -> None:
     body = data.draw(bodies(), label="body")
-    headers = data.draw(headers_for(body), label="headers")
     job = parked()
     callback_id = job.callback_id if known else uuid.uuid4()
+    headers = data.draw(headers_for(body, callback_id, action), label="headers")
     before = (job_count(), CallbackReceipt.objects.count(), row_state(job.id))
     with transaction.atomic():  # a savepoint: an unexpected error leaves the test usable
         response = Client(raise_request_exception=True).post(
@@ -778,7 +790,7 @@ def test_callback_bodies_postgres_cannot_store_are_400(db: Any, action: str, bod
         f"/awa/callbacks/{job.callback_id}/{action}",
         data=body,
         content_type="application/json",
-        headers=sign(body, SECRET),
+        headers=sign(body, SECRET, callback_id=job.callback_id, action=action),
     )
     assert response.status_code == 400, response.content
     assert (job_count(), CallbackReceipt.objects.count(), row_state(job.id)) == before

@@ -282,14 +282,17 @@ class HttpCarrier(Carrier):
         path = reverse(
             "django_awa:callback", kwargs={"callback_id": callback_id, "action": "complete"}
         )
-        # The payload names the callback, so no two bodies (and signatures) are alike:
-        # the receiver refuses a signature it has seen.
+        # The signature names the callback and the action: the receiver refuses one it
+        # has seen, or one made for another callback.
         body = json.dumps({"payload": self.payload(callback_id)}).encode()
         request = urllib.request.Request(  # noqa: S310 - our own http://127.0.0.1 server
             self.base_url + path,
             data=body,
             method="POST",
-            headers={"Content-Type": "application/json", **sign(body, self.secret)},
+            headers={
+                "Content-Type": "application/json",
+                **sign(body, self.secret, callback_id=callback_id, action="complete"),
+            },
         )
         try:
             with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
