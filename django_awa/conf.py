@@ -59,6 +59,12 @@ DEFAULTS: dict[str, Any] = {
     "DIRECT_DATABASE": "",
 }
 
+# The longest value a duration setting takes: past it, timestamps and waits
+# computed from it overflow (a claim's deadline_at beyond year 9999 could not
+# be read back, and would fail every claim of the queue). Retentions may be
+# longer than the rest.
+MAX_DURATION = 365 * 86400.0
+MAX_RETENTION = 100 * 365 * 86400.0
 _DURATIONS = {
     "POLL_INTERVAL": False,
     "HEARTBEAT_INTERVAL": False,
@@ -160,8 +166,15 @@ def problems(raw: dict[str, Any] | None = None) -> list[tuple[str, str]]:
         except (TypeError, ValueError) as exc:
             found.append((key, f"AWA[{key!r}]: {exc}"))
             continue
-        if seconds <= 0:
-            found.append((key, f"AWA[{key!r}] must be a positive duration, got {value!r}"))
+        longest = MAX_RETENTION if key.endswith("_RETENTION") else MAX_DURATION
+        if not 0 < seconds <= longest:
+            found.append(
+                (
+                    key,
+                    f"AWA[{key!r}] must be a positive duration of at most "
+                    f"{longest / 86400:.0f} days, got {value!r}",
+                )
+            )
     if "DATABASE" in raw:
         alias = raw["DATABASE"]
         if not isinstance(alias, str) or alias not in settings.DATABASES:

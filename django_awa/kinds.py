@@ -175,7 +175,7 @@ def worker(
     atomic: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the one handler for ``args_cls.kind`` and its enqueue defaults."""
-    from .conf import QUEUE_NAME_RE, to_seconds
+    from .conf import MAX_DURATION, QUEUE_NAME_RE, to_seconds
 
     if not (isinstance(args_cls, type) and issubclass(args_cls, JobArgs)):
         raise ImproperlyConfigured(f"@awa.worker() takes a JobArgs subclass, got {args_cls!r}")
@@ -194,8 +194,11 @@ def worker(
             deadline_s = to_seconds(deadline)
         except (TypeError, ValueError) as exc:
             raise ValidationError(f"{where}: deadline: {exc}") from exc
-        if deadline_s <= 0:
-            raise ValidationError(f"{where}: deadline must be positive, got {deadline!r}")
+        if not 0 < deadline_s <= MAX_DURATION:
+            raise ValidationError(
+                f"{where}: deadline must be positive and at most {MAX_DURATION / 86400:.0f} "
+                f"days, got {deadline!r}"
+            )
 
     def decorator(handler: Callable[..., Any]) -> Callable[..., Any]:
         kind = args_cls.kind

@@ -508,6 +508,10 @@ def test_worker_decorator_validates_its_options():
         awa.worker(Thing, max_attempts=0)
     with pytest.raises(awa.ValidationError, match="queue"):
         awa.worker(Thing, queue="no spaces please")
+    # A claim would stamp a deadline_at no timestamp holds, and fail for the whole queue.
+    for deadline in (1e13, dt.timedelta(days=366), 0):
+        with pytest.raises(awa.ValidationError, match="deadline must be positive and at most"):
+            awa.worker(Thing, deadline=deadline)
     with pytest.raises(Exception, match="JobArgs"):
         awa.worker(dict)  # type: ignore[arg-type]
 

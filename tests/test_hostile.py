@@ -488,6 +488,8 @@ BAD_DURATION = [
     dt.timedelta(0),
     b"1",
     1j,
+    10**200,  # a float, but no timestamp lies that far away
+    dt.timedelta.max,
 ]
 BAD: dict[str, list[Any]] = {
     "DATABASE": ["nope", 3, None, ["default"], {"default": 1}, ""],
