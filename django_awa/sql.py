@@ -147,12 +147,14 @@ RETURNING {J_JOB_COLUMNS}
 # from stale ones. Primary key lookups only. Error entries are stamped with
 # the database clock. callback_id is kept only for the waiting_external
 # outcome, whose row must carry the callback id the handler registered.
-_HELD_ROWS = """
-WITH held AS (
+# The attempts given as two arrays whose rows are still running them.
+_RUNNING_ATTEMPTS = """
     SELECT j.id FROM ONLY awa_job AS j
     JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
       ON j.id = d.id AND j.run_lease = d.run_lease
-    WHERE j.state = 'running'
+    WHERE j.state = 'running'"""
+_HELD_ROWS = f"""
+WITH held AS ({_RUNNING_ATTEMPTS}
     FOR UPDATE OF j SKIP LOCKED
 )"""
 _FINALIZE = f"""{_HELD_ROWS}
@@ -208,12 +210,7 @@ FINALIZE_RETURNING_ROWS = _FINALIZE + f"RETURNING {J_JOB_COLUMNS}"
 # running this attempt: another session held it locked, and the outcome is
 # written again later. The others were stale. No lock taken; primary key
 # lookups.
-STILL_HELD = """
-SELECT j.id FROM ONLY awa_job AS j
-JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
-  ON j.id = d.id AND j.run_lease = d.run_lease
-WHERE j.state = 'running'
-"""
+STILL_HELD = _RUNNING_ATTEMPTS
 
 # -- HEARTBEAT --
 # Mark this worker's running attempts alive and report which are still held:
@@ -222,12 +219,8 @@ WHERE j.state = 'running'
 # (the completer finalizing them) are skipped, not waited for, so a heartbeat
 # never deadlocks with a batched finalize; they still count as held when the
 # statement's snapshot shows them running. Primary key lookups.
-HEARTBEAT = """
-WITH held AS (
-    SELECT j.id FROM ONLY awa_job AS j
-    JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
-      ON j.id = d.id AND j.run_lease = d.run_lease
-    WHERE j.state = 'running'
+HEARTBEAT = f"""
+WITH held AS ({_RUNNING_ATTEMPTS}
 ),
 beat AS (
     UPDATE ONLY awa_job AS j SET heartbeat_at = now()

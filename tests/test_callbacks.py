@@ -1000,18 +1000,23 @@ def test_other_methods_are_405(method):
     assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
 
 
-@pytest.mark.parametrize("length", ["-1", "+5", "²", "1e3", "0x10", " ", "-" + "9" * 5000])
-def test_a_bad_content_length_header_is_400(length):
-    job = parked_row()
-    before = snapshot(job.id)
+def post_claiming_length(job: Job, length: str) -> Any:
+    """A signed ``complete`` whose Content-Length header says ``length``."""
     raw = json.dumps({"payload": 1})
-    response = Client().post(
+    return Client().post(
         url(job.callback_id, "complete"),
         data=raw,
         content_type="application/json",
         headers=good(raw, job.callback_id, "complete"),
         CONTENT_LENGTH=length,
     )
+
+
+@pytest.mark.parametrize("length", ["-1", "+5", "²", "1e3", "0x10", " ", "-" + "9" * 5000])
+def test_a_bad_content_length_header_is_400(length):
+    job = parked_row()
+    before = snapshot(job.id)
+    response = post_claiming_length(job, length)
     assert response.status_code == 400, response.content
     assert "Content-Length" in response.json()["error"]
     _unchanged(job, before)
@@ -1022,14 +1027,7 @@ def test_a_bad_content_length_header_is_400(length):
 )
 def test_a_content_length_over_the_limit_is_413(length):
     job = parked_row()
-    raw = json.dumps({"payload": 1})
-    response = Client().post(
-        url(job.callback_id, "complete"),
-        data=raw,
-        content_type="application/json",
-        headers=good(raw, job.callback_id, "complete"),
-        CONTENT_LENGTH=length,
-    )
+    response = post_claiming_length(job, length)
     assert response.status_code == 413, response.content
     assert Job.objects.get(id=job.id).state == JobState.WAITING_EXTERNAL
 
