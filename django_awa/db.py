@@ -1,27 +1,68 @@
-"""The hot path's statements, run with server-side binding and prepared plans.
+"""The database door: which connection, which cursor, and the one fast path.
 
-Django's PostgreSQL cursors bind parameters on the client: every value is
-quoted into the SQL text in Python and each statement is planned again. The
-statements django-awa runs per job (claim, finalize, heartbeat, enqueue) go
-instead through a plain psycopg cursor on the *same* connection, so they
-join the caller's transaction exactly as the ORM does, but bind parameters
-on the server, and those in ``sql.PREPARED`` reuse a prepared plan. An
-enqueue that is its own transaction skips the cursor too (``fetch_one``).
+All of django-awa's statements (sql.py) run on Django's connection of the
+alias in use, in its current transaction, by one of three routes:
+
+* **Django's cursor** (``connections[alias].cursor()``): everything not run
+  per job: operator controls (control.py), callbacks, maintenance, periodic
+  schedules, the admin, the Django Tasks backend. Django instruments these
+  itself.
+* **``cursor(alias)``**, a psycopg cursor on the same connection: the
+  statements run per job and per batch: CLAIM (claim.py); FINALIZE, COMPLETE
+  and STILL_HELD (finalize.py); HEARTBEAT; SET_PROGRESS (execute.py); an
+  enqueue inside a transaction (INSERT_ONE, INSERT_ONE_UNIQUE,
+  FIND_UNIQUE_HOLDER); enqueue_many's RESERVE_IDS, COPY_AVAILABLE(_UNNUMBERED),
+  INSERT_MANY and NOTIFY_QUEUES. Why: Django's PostgreSQL cursors bind on the
+  client (every value quoted into the SQL text in Python, every statement
+  parsed and planned again) and offer no COPY. This cursor binds on the
+  server, and those in ``sql.PREPARED`` reuse a prepared plan.
+* **``fetch_one()``**, straight through libpq's ``PQexecPrepared``
+  (``Cursor.fetch_direct``): an enqueue that is its own transaction (the
+  connection in autocommit, outside ``atomic()``): INSERT_ONE,
+  INSERT_ONE_UNIQUE, FIND_UNIQUE_HOLDER. Why: a psycopg cursor's execute
+  spends about 40 µs of Python per statement, an eighth of a one-job enqueue.
+
+The last two are seen as Django's own statements are. When the connection
+has ``execute_wrappers`` (``connection.execute_wrapper()``: APM agents,
+sqlcommenter, blockers), each statement runs through them as Django's
+``CursorWrapper`` runs its own: ``wrapper(execute, sql, params, many,
+context)`` with ``context = {"connection": <DatabaseWrapper>, "cursor":
+<Cursor>}``, database errors raised inside the chain as Django's; a wrapper
+that raises blocks the statement. When ``queries_logged`` (``DEBUG``, or
+``force_debug_cursor`` as ``assertNumQueries`` and ``CaptureQueriesContext``
+set it), each is added to ``connection.queries`` with its time and logged
+to ``django.db.backends``, as ``CursorDebugWrapper`` does. A COPY goes
+through them as its statement with ``params=None``: its rows are data, not
+parameters. A wrapper that rewrites the statement (a comment, as
+sqlcommenter adds) gets it run as rewritten, unprepared: a text that changes
+per request would otherwise prepare a new statement each time. With neither
+set, a statement pays one check.
+
+Outside Django's connections: the worker's listener holds a psycopg
+connection of its own for LISTEN (sql.LISTEN_JOBS, sql.LISTEN_CANCELS,
+sql.LISTENER_PING), because a LISTEN must outlive every transaction on a
+connection Django does not close or hand to a pooler; and
+``contrib.embedded_postgres`` configures its development server before
+Django is set up.
+
 Errors are wrapped into Django's database exceptions, as the ORM's are.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
+import logging
 import re
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import psycopg
-from django.db import connections
+from django.db import ProgrammingError, connections
 from psycopg.adapt import Transformer
 from psycopg.postgres import types as pg_types
 from psycopg.pq import ConnStatus, DiagnosticField, ExecStatus, Format, TransactionStatus
@@ -86,7 +127,7 @@ def cursor(alias: str) -> Iterator[Cursor]:
     if prepare and connection.prepare_threshold is None:
         connection.prepare_threshold = _NEVER_AUTOMATICALLY
     utc = wrapper.timezone is dt.UTC
-    current = _kept(wrapper, connection, utc) or Cursor(_open(connection, utc), utc)
+    current = _kept(wrapper, connection, utc) or Cursor(wrapper, _open(connection, utc), utc)
     current._busy = True
     current._prepare = prepare
     try:
@@ -109,7 +150,7 @@ def _kept(wrapper: Any, connection: psycopg.Connection[Any], utc: bool) -> Curso
     if held is not None and held._busy:
         return None
     if held is None or not held._fits(connection, utc):
-        held = Cursor(_open(connection, utc), utc)
+        held = Cursor(wrapper, _open(connection, utc), utc)
         setattr(wrapper, _HELD, held)
     return held
 
@@ -122,11 +163,15 @@ def _open(connection: psycopg.Connection[Any], utc: bool) -> psycopg.Cursor[Any]
 
 
 class Cursor:
+    """A psycopg cursor on a Django connection, whose statements Django's instrumentation sees."""
+
     __slots__ = (
         "_busy", "_direct_names", "_encoding", "_prepare", "_raw", "_transformer", "_utc",
+        "_wrapper",
     )  # fmt: skip
 
-    def __init__(self, raw: psycopg.Cursor[Any], utc: bool) -> None:
+    def __init__(self, wrapper: Any, raw: psycopg.Cursor[Any], utc: bool) -> None:
+        self._wrapper = wrapper  # the Django DatabaseWrapper whose connection raw is on
         self._raw = raw
         self._utc = utc
         self._prepare = False
@@ -142,6 +187,15 @@ class Cursor:
         return raw.connection is connection and not raw.closed and self._utc == utc
 
     def execute(self, statement: str, params: Mapping[str, Any] | None = None) -> Cursor:
+        wrapper = self._wrapper
+        if wrapper.execute_wrappers or wrapper.queries_logged:
+            _as_django_does(self, self._execute, statement, params)
+        else:
+            self._execute(statement, params)
+        return self
+
+    def _execute(self, statement: str, params: Mapping[str, Any] | None) -> Cursor:
+        # A statement rewritten by an execute_wrapper is not in PREPARED.
         prepare = self._prepare and statement in sql.PREPARED
         self._raw.execute(statement, params, prepare=prepare)  # type: ignore[arg-type]
         return self
@@ -154,9 +208,17 @@ class Cursor:
 
     def copy_rows(self, statement: str, rows: Iterable[Sequence[Any]]) -> None:
         """``COPY ... FROM STDIN`` of ``rows``, in the cursor's transaction."""
+        wrapper = self._wrapper
+        if wrapper.execute_wrappers or wrapper.queries_logged:
+            _as_django_does(self, lambda text, _: self._copy(text, rows), statement, None)
+        else:
+            self._copy(statement, rows)
+
+    def _copy(self, statement: str, rows: Iterable[Sequence[Any]]) -> Cursor:
         with self._raw.copy(statement) as copy:
             for row in rows:
                 copy.write_row(row)
+        return self
 
     @property
     def rowcount(self) -> int:
@@ -180,6 +242,22 @@ class Cursor:
         transaction. On its own it has failed nothing yet, and is prepared and
         run again.
         """
+        wrapper = self._wrapper
+        if wrapper.execute_wrappers or wrapper.queries_logged:
+            run = functools.partial(self._direct_or_rewritten, statement)
+            return _as_django_does(self, run, statement, params)  # type: ignore[no-any-return]
+        return self._direct(statement, params)
+
+    def _direct_or_rewritten(
+        self, original: str, statement: str, params: Any
+    ) -> tuple[Any, ...] | None:
+        """``fetch_direct``'s executor: as sent, unless an execute_wrapper rewrote it."""
+        if statement == original and isinstance(params, Mapping):
+            return self._direct(statement, params)
+        self._raw.execute(statement, params)
+        return self._raw.fetchone()
+
+    def _direct(self, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
         plan = _plan(statement)
         connection = self._raw.connection
         encoding = self._encoding
@@ -216,6 +294,75 @@ class Cursor:
             message = result.error_message.decode(self._encoding, "replace").strip()
             return psycopg.OperationalError(message or "the connection is lost")
         return psycopg.errors.error_from_result(result, encoding=self._encoding)
+
+
+def _as_django_does(
+    cursor: Cursor, run: Callable[[str, Any], Any], statement: str, params: Any
+) -> Any:
+    """``run(statement, params)`` through the connection's execute_wrappers and query log.
+
+    As Django's ``CursorWrapper._execute_with_wrappers`` and
+    ``CursorDebugWrapper.debug_sql`` do for its own cursors; see the module
+    docstring. Returns what ``run`` returned: taken from the innermost call,
+    not from the chain, so a wrapper that forgets to return the result loses
+    nothing. A wrapper that returns without running the statement at all is
+    an error here (Django would leave the cursor without a result): taken
+    for "no row", the enqueue would report a unique conflict.
+    """
+    wrapper = cursor._wrapper
+    ran: list[Any] = []
+
+    def execute(statement: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+        with wrapper.wrap_database_errors:
+            ran.append(run(statement, params))
+        return ran[-1]
+
+    executor: Callable[..., Any] = execute
+    for outer in reversed(wrapper.execute_wrappers):
+        executor = functools.partial(outer, executor)
+    context = {"connection": wrapper, "cursor": cursor}
+    if wrapper.queries_logged:
+        start = time.monotonic()
+        try:
+            executor(statement, params, False, context)
+        finally:
+            _log_query(cursor, statement, params, time.monotonic() - start)
+    else:
+        executor(statement, params, False, context)
+    if not ran:
+        raise ProgrammingError(
+            "django-awa: an execute_wrapper returned without running the statement "
+            f"{statement.strip()[:60]!r}"
+        )
+    return ran[-1]
+
+
+_query_logger = logging.getLogger("django.db.backends")
+
+
+def _log_query(cursor: Cursor, statement: str, params: Any, duration: float) -> None:
+    """Record a statement in ``connection.queries`` and Django's SQL log, as Django's do."""
+    wrapper = cursor._wrapper
+    text = _composed(cursor, statement, params)
+    wrapper.queries_log.append({"sql": text, "time": f"{duration:.3f}"})
+    _query_logger.debug(
+        "(%.3f) %s; args=%s; alias=%s",
+        duration,
+        text,
+        params,
+        wrapper.alias,
+        extra={"duration": duration, "sql": text, "params": params, "alias": wrapper.alias},
+    )
+
+
+def _composed(cursor: Cursor, statement: str, params: Any) -> str:
+    """The statement with its parameters quoted in, as Django shows its own queries."""
+    if params is None:
+        return statement
+    try:
+        return psycopg.ClientCursor(cursor._raw.connection).mogrify(statement, params)
+    except (psycopg.Error, TypeError, ValueError, KeyError):
+        return statement  # as sent: the log must not fail where the statement did not
 
 
 def fetch_one(alias: str, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:

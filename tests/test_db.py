@@ -1,0 +1,286 @@
+"""The database door: every statement is seen by execute_wrapper and the query log.
+
+django-awa's hot path runs its statements on a psycopg cursor of Django's
+connection, and an enqueue that is its own transaction straight through
+libpq (db.py). Django's own instrumentation points must see them all the
+same: ``connection.execute_wrapper`` (APM agents, sqlcommenter, blockers),
+``connection.queries`` under DEBUG, ``assertNumQueries`` and
+``CaptureQueriesContext``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import pytest
+from django.db import connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+import django_awa as awa
+from django_awa import db, sql
+from django_awa.claim import claim
+from django_awa.enqueueing import COPY_THRESHOLD
+from django_awa.execute import Attempt, completed
+from django_awa.finalize import finalize
+from django_awa.models import Job, JobState
+from tests.conftest import make_job
+from tests.testapp.jobs import Echo
+
+
+class Recorder:
+    """An execute_wrapper that passes every statement on and notes what it saw."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, execute: Callable[..., Any], sql_: str, params: Any, many: bool,
+                 context: dict[str, Any]) -> Any:  # fmt: skip
+        self.calls.append({"sql": sql_, "params": params, "many": many, "context": context})
+        return execute(sql_, params, many, context)
+
+    @property
+    def statements(self) -> list[str]:
+        return [call["sql"] for call in self.calls]
+
+
+def ours(recorder: Recorder) -> list[str]:
+    """The statements seen, less the savepoints of Django's own atomic()."""
+    return [s for s in recorder.statements if "SAVEPOINT" not in s]
+
+
+@contextmanager
+def recording() -> Iterator[Recorder]:
+    recorder = Recorder()
+    with connection.execute_wrapper(recorder):
+        yield recorder
+
+
+def _blocker(*args: Any) -> Any:
+    raise RuntimeError("no database access here")
+
+
+def _heartbeat(attempts: list[Attempt]) -> None:
+    """The worker's heartbeat of ``attempts``, as its lifecycle thread sends it."""
+    from django_awa.worker import Worker  # not at the top: it would shadow awa.worker
+
+    Worker({"default": 1}, install_signal_handlers=False)._heartbeat(attempts)
+
+
+# -- enqueue: the direct path (autocommit) and the cursor path (inside atomic) ------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_execute_wrapper_sees_an_enqueue_that_is_its_own_transaction():
+    assert connection.get_autocommit()
+    with recording() as seen:
+        job = awa.enqueue(Echo(n=1))
+    assert seen.statements == [sql.INSERT_ONE]
+    call = seen.calls[0]
+    assert call["many"] is False
+    assert call["params"]["kind"] == "echo"
+    assert call["context"]["connection"] is connections["default"]
+    assert isinstance(call["context"]["cursor"], db.Cursor)
+    # Run once, not once per wrapper layer.
+    assert list(Job.objects.values_list("id", flat=True)) == [job.id]
+
+
+@pytest.mark.django_db
+def test_an_execute_wrapper_sees_an_enqueue_inside_atomic():
+    with transaction.atomic(), recording() as seen:
+        job = awa.enqueue(Echo(n=1))
+    assert seen.statements == [sql.INSERT_ONE]
+    assert seen.calls[0]["context"]["connection"] is connections["default"]
+    assert list(Job.objects.values_list("id", flat=True)) == [job.id]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_execute_wrapper_sees_a_unique_conflict_and_its_lookup():
+    awa.enqueue(Echo(n=1), unique=awa.Unique())
+    with recording() as seen, pytest.raises(awa.UniqueConflict):
+        awa.enqueue(Echo(n=1), unique=awa.Unique())
+    assert seen.statements == [sql.INSERT_ONE_UNIQUE, sql.FIND_UNIQUE_HOLDER]
+    assert Job.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_execute_wrapper_sees_enqueue_many_with_its_copy():
+    scheduled = awa.EnqueueRequest(Echo(n=-1), run_at=timezone.now() + dt.timedelta(hours=1))
+    items = [Echo(n=i) for i in range(COPY_THRESHOLD)] + [scheduled]
+    with recording() as seen:
+        ids = awa.enqueue_many(items)
+    assert seen.statements == [
+        sql.RESERVE_IDS,
+        sql.COPY_AVAILABLE,
+        sql.INSERT_MANY,
+        sql.NOTIFY_QUEUES,
+    ]
+    assert {call["context"]["connection"] for call in seen.calls} == {connections["default"]}
+    assert sorted(Job.objects.values_list("id", flat=True)) == sorted(ids)
+    assert len(ids) == len(items)
+
+
+@pytest.mark.django_db
+def test_an_execute_wrapper_sees_claim_finalize_and_heartbeat():
+    enqueued = awa.enqueue(Echo(n=1))
+    with recording() as seen:
+        (job,) = claim("echo", 10, "default")
+    assert seen.statements == [sql.CLAIM]
+    # Claimed once: the first attempt, the first lease.
+    assert (job.id, job.attempt, job.run_lease) == (enqueued.id, 1, 1)
+
+    with recording() as seen:
+        _heartbeat([Attempt(job=job, alias="default")])
+    assert seen.statements == [sql.HEARTBEAT]
+
+    with recording() as seen:
+        assert len(finalize([completed(job)], "default")) == 1
+    assert ours(seen) in ([sql.COMPLETE], [sql.COMPLETE_RETURNING_ROWS])
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+
+
+@pytest.mark.django_db
+def test_an_execute_wrapper_sees_a_finalize_that_reports_locked_rows():
+    running = make_job(state="running", attempt=1, run_lease=1, heartbeat_at=timezone.now())
+    stale = Job.objects.get(id=running.id)
+    stale.run_lease = 7  # a lost attempt: its write matches nothing
+    with recording() as seen:
+        assert finalize([completed(stale)], "default") == []
+    assert ours(seen)[1:] == [sql.STILL_HELD]
+    assert ours(seen)[0] in (sql.COMPLETE, sql.COMPLETE_RETURNING_ROWS)
+
+
+# -- what counts queries --------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_assert_num_queries_counts_an_enqueue_that_is_its_own_transaction(
+    django_assert_num_queries: Any,
+):
+    with django_assert_num_queries(1) as captured:
+        awa.enqueue(Echo(n=7, note="counted"))
+    (query,) = captured.captured_queries
+    assert query["sql"].lstrip().startswith("INSERT INTO awa_job")
+    # The statement as it ran, with its values, as Django shows its own.
+    assert "VALUES ('echo', 'echo', '{\"n\": 7, \"note\": \"counted\"" in query["sql"]
+    assert float(query["time"]) >= 0
+
+
+@pytest.mark.django_db
+def test_assert_num_queries_counts_an_enqueue_inside_atomic(django_assert_num_queries: Any):
+    with transaction.atomic(), django_assert_num_queries(1):
+        awa.enqueue(Echo(n=1))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_debug_query_log_holds_enqueue_many_and_claim(settings: Any):
+    settings.DEBUG = True
+    connection.queries_log.clear()
+    awa.enqueue_many([Echo(n=i) for i in range(COPY_THRESHOLD)])
+    claim("echo", 1, "default")
+    logged = [query["sql"] for query in connection.queries]
+    assert any(text.startswith("COPY awa_job") for text in logged), logged
+    assert any("FOR UPDATE SKIP LOCKED" in text and "'echo'" in text for text in logged), logged
+
+
+@pytest.mark.django_db
+def test_the_query_log_is_untouched_when_nobody_asks():
+    assert not connection.queries_logged and not connection.execute_wrappers
+    with CaptureQueriesContext(connection):
+        pass  # leaves force_debug_cursor as it found it
+    before = len(connection.queries_log)
+    awa.enqueue(Echo(n=1))
+    assert len(connection.queries_log) == before
+
+
+# -- wrappers that block or rewrite ---------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_raising_wrapper_blocks_an_enqueue_that_is_its_own_transaction():
+    with connection.execute_wrapper(_blocker), pytest.raises(RuntimeError, match="no database"):
+        awa.enqueue(Echo(n=1))
+    assert not Job.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_raising_wrapper_blocks_an_enqueue_inside_atomic():
+    with transaction.atomic():
+        # Inside: atomic's own SAVEPOINT would be blocked first.
+        with connection.execute_wrapper(_blocker), pytest.raises(RuntimeError, match="no data"):
+            awa.enqueue(Echo(n=1))
+    assert not Job.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wrapper_raising_on_copy_blocks_enqueue_many():
+    def block_copy(execute: Callable[..., Any], sql_: str, *args: Any) -> Any:
+        if sql_.startswith("COPY"):
+            raise RuntimeError("no COPY here")
+        return execute(sql_, *args)
+
+    with connection.execute_wrapper(block_copy), pytest.raises(RuntimeError, match="no COPY"):
+        awa.enqueue_many([Echo(n=i) for i in range(COPY_THRESHOLD)])
+    assert not Job.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wrapper_sees_database_errors_as_django_raises_them():
+    from django.db import DataError
+
+    seen: list[BaseException] = []
+
+    def catcher(execute: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return execute(*args)
+        except Exception as exc:
+            seen.append(exc)
+            raise
+
+    with connection.execute_wrapper(catcher), pytest.raises(DataError):
+        db.fetch_one("default", "SELECT %(n)s::int", {"n": "not a number"})
+    assert [type(exc) for exc in seen] == [DataError]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("atomic", [False, True], ids=["own-transaction", "in-atomic"])
+def test_a_wrapper_may_rewrite_the_statement_and_it_runs_once(atomic: bool):
+    # As sqlcommenter does: a comment with the request's trace context.
+    def comment(execute: Callable[..., Any], sql_: str, params: Any, many: bool,
+                context: dict[str, Any]) -> Any:  # fmt: skip
+        return execute(sql_ + " /*traceparent='00-abc'*/", params, many, context)
+
+    with connection.execute_wrapper(comment), transaction.atomic() if atomic else nullcontext():
+        job = awa.enqueue(Echo(n=1))
+    assert list(Job.objects.values_list("id", "state")) == [(job.id, JobState.AVAILABLE)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wrapper_that_does_not_return_the_result_still_gives_enqueue_its_row():
+    def forgetful(execute: Callable[..., Any], *args: Any) -> None:
+        execute(*args)
+
+    with connection.execute_wrapper(forgetful):
+        job = awa.enqueue(Echo(n=1))
+        job_in_atomic = None
+        with transaction.atomic():
+            job_in_atomic = awa.enqueue(Echo(n=2))
+    assert {job.id, job_in_atomic.id} == set(Job.objects.values_list("id", flat=True))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wrapper_that_skips_the_statement_is_an_error_not_a_missing_row():
+    from django.db import ProgrammingError
+
+    def skip(*args: Any) -> None:
+        return None
+
+    with connection.execute_wrapper(skip), pytest.raises(ProgrammingError, match="without running"):
+        awa.enqueue(Echo(n=1))
+    with connection.execute_wrapper(skip), pytest.raises(ProgrammingError, match="without running"):
+        with transaction.atomic():
+            awa.enqueue(Echo(n=1))
+    assert not Job.objects.exists()
