@@ -6,9 +6,8 @@ from typing import Any
 
 from django.conf import settings
 from django.core import checks
-from django.db import connections
 
-from . import conf
+from . import conf, db
 from .followups import CONTEXT_PARAMETERS, followup_registry, signature_fits
 from .kinds import JobArgs
 
@@ -27,11 +26,11 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     alias = conf.raw_settings().get("DATABASE", conf.DEFAULTS["DATABASE"])
     if not isinstance(alias, str) or alias not in settings.DATABASES:
         return []  # reported by check_settings
-    vendor = connections[alias].vendor
-    if vendor != "postgresql":
+    problem = db.postgresql_problem(alias)
+    if problem is not None:
         return [
             checks.Error(
-                f"django-awa needs PostgreSQL, but database {alias!r} uses {vendor!r}.",
+                f"{problem}.",
                 hint="Point AWA['DATABASE'] at a PostgreSQL database (django.db.backends."
                 "postgresql, psycopg 3).",
                 id="awa.E101",

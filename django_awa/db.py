@@ -1,7 +1,10 @@
 """The database door: which connection, which cursor, and the one fast path.
 
-All of django-awa's statements (sql.py) run on Django's connection of the
-alias in use, in its current transaction, by one of three routes:
+Every public function taking ``using`` resolves it with ``database_alias()``,
+which refuses an alias that is not PostgreSQL (``postgresql_problem()``, the
+one vendor check, which the system check awa.E101 and the worker use too).
+All of django-awa's statements (sql.py) then run on that alias's Django
+connection, in its current transaction, by one of three routes:
 
 * **Django's cursor** (``connections[alias].cursor()``): everything not run
   per job: operator controls (control.py), callbacks, maintenance, periodic
@@ -62,12 +65,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from django.conf import settings
 from django.db import ProgrammingError, connections
 from psycopg.adapt import Transformer
 from psycopg.postgres import types as pg_types
 from psycopg.pq import ConnStatus, DiagnosticField, ExecStatus, Format, TransactionStatus
 
 from . import sql
+from .exceptions import ConfigurationError
 
 # Prepared statements are per connection; a transaction-mode pooler that does
 # not track them (PgBouncer before 1.21) needs AWA["PREPARED_STATEMENTS"] off.
@@ -82,6 +87,41 @@ _NEVER_AUTOMATICALLY = sys.maxsize
 
 # Aliases database_alias() has found to be PostgreSQL.
 checked_aliases: set[str] = set()
+
+
+def database_alias(using: str | None) -> str:
+    """The connection alias to use, checked to be PostgreSQL.
+
+    Every public function taking ``using`` resolves it here. Only ``None``
+    means ``AWA["DATABASE"]``: anything else must name an entry of
+    ``DATABASES`` (``""`` is refused, not taken for the default). Raises
+    ``ConfigurationError``.
+    """
+    from .conf import awa_settings
+
+    alias = awa_settings().database if using is None else using
+    if isinstance(alias, str) and alias in checked_aliases:
+        return alias
+    if not isinstance(alias, str) or alias not in settings.DATABASES:
+        raise ConfigurationError(f"django-awa: no database alias {alias!r} in DATABASES")
+    problem = postgresql_problem(alias)
+    if problem is not None:
+        raise ConfigurationError(problem)
+    checked_aliases.add(alias)
+    return alias
+
+
+def postgresql_problem(alias: str) -> str | None:
+    """Why database ``alias`` (an entry of ``DATABASES``) cannot hold jobs; None if it can.
+
+    The one vendor check: enqueueing and every other ``using``
+    (``database_alias``), the system check awa.E101 and the worker command.
+    Reads the settings only, without connecting.
+    """
+    vendor = connections[alias].vendor
+    if vendor == "postgresql":
+        return None
+    return f"django-awa needs PostgreSQL, but database {alias!r} is {vendor!r}"
 
 
 def use_prepared(alias: str) -> bool:

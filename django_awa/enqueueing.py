@@ -16,12 +16,15 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, cast
 
 from django.conf import settings
-from django.db import connections, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from . import db, sql
 from .conf import QUEUE_NAME_RE, awa_settings, to_seconds
-from .exceptions import ConfigurationError, UniqueConflict, ValidationError
+
+# Resolved and checked in db.py; imported from here by callbacks, control, backends.
+from .db import database_alias as database_alias
+from .exceptions import UniqueConflict, ValidationError
 from .kinds import (
     ArgsDecodeError,
     JobArgs,
@@ -91,27 +94,6 @@ MAX_TAGS = 100
 
 # json.dumps(..., ensure_ascii=False) would build an encoder per call.
 _ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False)
-
-
-def database_alias(using: str | None) -> str:
-    """The connection alias to use, checked to be PostgreSQL.
-
-    Every public function taking ``using`` resolves it here. Only ``None``
-    means ``AWA["DATABASE"]``: anything else must name an entry of
-    ``DATABASES`` (``""`` is refused, not taken for the default).
-    """
-    alias = awa_settings().database if using is None else using
-    if isinstance(alias, str) and alias in db.checked_aliases:
-        return alias
-    if not isinstance(alias, str) or alias not in settings.DATABASES:
-        raise ConfigurationError(f"django-awa: no database alias {alias!r} in DATABASES")
-    vendor = connections[alias].vendor
-    if vendor != "postgresql":
-        raise ConfigurationError(
-            f"django-awa needs PostgreSQL, but database {alias!r} is {vendor!r}"
-        )
-    db.checked_aliases.add(alias)
-    return alias
 
 
 def prepare(
