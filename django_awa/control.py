@@ -47,7 +47,7 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
                 return _get(job_id, alias)
             previous, job = row[0], job_from_row(row[1:], alias)
             if previous == JobState.RUNNING:
-                cursor.execute("SELECT pg_notify('awa_cancel', %s)", [str(job_id)])
+                cursor.execute(sql.NOTIFY_CANCEL, {"job_id": str(job_id)})
         dispatch(Outcome.CANCELLED, job, {"reason": reason}, alias)
         send_signal(Outcome.CANCELLED, job, {"reason": reason}, alias)
     return job

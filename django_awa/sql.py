@@ -1,4 +1,4 @@
-"""Every hand-written statement, named.
+"""Every hand-written statement and channel name, named.
 
 Each statement opens with its purpose, the locks it takes and the index it
 uses. Parameters are always bound (``%(name)s``); no SQL is assembled from
@@ -19,6 +19,36 @@ from .models import Job
 
 JOB_COLUMNS = ", ".join(f'"{f.column}"' for f in Job._meta.concrete_fields)
 J_JOB_COLUMNS = ", ".join(f'j."{f.column}"' for f in Job._meta.concrete_fields)
+
+# ==== Channels, LISTEN and NOTIFY ====
+
+# -- NOTIFY_CHANNEL, CANCEL_CHANNEL --
+# The LISTEN/NOTIFY channels. On NOTIFY_CHANNEL the payload is a queue name:
+# a job became available there (INSERT_ONE, NOTIFY_QUEUES). On CANCEL_CHANNEL
+# it is a job id whose running attempt was cancelled (NOTIFY_CANCEL).
+NOTIFY_CHANNEL = "awa_job"
+CANCEL_CHANNEL = "awa_cancel"
+
+# -- LISTEN_JOBS, LISTEN_CANCELS --
+# The worker's listener subscribes to both channels, on a psycopg connection
+# of its own in autocommit (a LISTEN lasts as long as the session, and
+# notifications reach it only between transactions). A channel is an
+# identifier, which LISTEN takes no parameter for: these are fixed names.
+LISTEN_JOBS = f"LISTEN {NOTIFY_CHANNEL}"
+LISTEN_CANCELS = f"LISTEN {CANCEL_CHANNEL}"
+
+# -- LISTENER_PING --
+# Sent by the listener after a quiet second, so a connection that died
+# without a word fails now and is opened again. Reads nothing, locks nothing.
+LISTENER_PING = "SELECT 1"
+
+# -- NOTIFY_CANCEL --
+# Tell the worker running a job that it was cancelled (awa.cancel, inside its
+# transaction: delivered at commit, not at all on rollback). No lock.
+NOTIFY_CANCEL = f"SELECT pg_notify('{CANCEL_CHANNEL}', %(job_id)s)"
+
+
+# ==== Enqueueing (enqueueing.py) ====
 
 _INSERT_COLUMNS = (
     "kind, queue, args, state, priority, max_attempts, run_at, tags, metadata, "
@@ -43,7 +73,7 @@ VALUES (%(kind)s, %(queue)s, %(args)s::jsonb,
         %(tags)s::jsonb, %(metadata)s::jsonb, %(unique_key)s, %(unique_states)s::jsonb)
 {{on_conflict}}
 RETURNING {", ".join(INSERTED_COLUMNS)},
-          CASE WHEN state = 'available' THEN pg_notify('awa_job', queue) END
+          CASE WHEN state = 'available' THEN pg_notify('{NOTIFY_CHANNEL}', queue) END
 """
 UNIQUE_CONFLICT_CLAUSE = (
     "ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND unique_states ? state DO NOTHING"
@@ -103,7 +133,7 @@ COPY_AVAILABLE_UNNUMBERED = f"COPY awa_job ({_COPY_COLUMNS}) FROM STDIN"
 # -- NOTIFY_QUEUES --
 # Wake workers of these queues at commit. Postgres folds identical
 # notifications within one transaction into one.
-NOTIFY_QUEUES = "SELECT pg_notify('awa_job', q) FROM unnest(%(queues)s::text[]) AS q"
+NOTIFY_QUEUES = f"SELECT pg_notify('{NOTIFY_CHANNEL}', q) FROM unnest(%(queues)s::text[]) AS q"
 
 # -- CLAIM --
 # Claim up to %(limit)s runnable jobs of one queue in one statement. The CTE

@@ -10,9 +10,11 @@ same: ``connection.execute_wrapper`` (APM agents, sqlcommenter, blockers),
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -286,3 +288,32 @@ def test_a_wrapper_that_skips_the_statement_is_an_error_not_a_missing_row():
         with transaction.atomic():
             awa.enqueue(Echo(n=1))
     assert not Job.objects.exists()
+
+
+# -- every statement lives in sql.py -------------------------------------------------
+
+PACKAGE = Path(awa.__file__).parent
+# Not django-awa's statements on the app's database: the schema's history, and
+# the development server's setup, which runs before Django is configured.
+OUTSIDE = {"migrations", "contrib"}
+# Its listener still spells LISTEN and its ping out; sql.LISTEN_JOBS,
+# sql.LISTEN_CANCELS and sql.LISTENER_PING are waiting for it.
+PENDING = {"worker.py"}
+
+
+def test_every_statement_is_a_named_constant_of_sql_py():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] in OUTSIDE or str(relative) in PENDING | {"sql.py"}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in {"execute", "executemany", "copy", "copy_rows"}
+                and node.args
+                and isinstance(node.args[0], ast.Constant | ast.JoinedStr | ast.BinOp)
+            ):
+                found.append(f"{relative}:{node.lineno}")
+    assert not found, f"SQL text outside sql.py: {found}"
