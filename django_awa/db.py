@@ -115,9 +115,8 @@ def database_alias(using: str | None) -> str:
 def postgresql_problem(alias: str) -> str | None:
     """Why database ``alias`` (an entry of ``DATABASES``) cannot hold jobs; None if it can.
 
-    The one vendor check: enqueueing and every other ``using``
-    (``database_alias``), the system check awa.E101 and the worker command.
-    Reads the settings only, without connecting.
+    The one vendor check, behind every ``using`` (``database_alias``) and
+    the system check awa.E101. Reads the settings only, without connecting.
     """
     vendor = connections[alias].vendor
     if vendor == "postgresql":
