@@ -12,9 +12,9 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa import sql
-from django_awa.claim import claim
 from django_awa.maintenance import LeadershipLost, Maintenance
 from django_awa.models import Job, JobState, MaintenanceLease, PeriodicSchedule
+from django_awa.producer import claim
 from django_awa.schedules import fire_due, schedules
 from tests.conftest import make_job
 from tests.testapp.jobs import Act, Echo

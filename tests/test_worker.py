@@ -233,26 +233,6 @@ def test_an_attempt_interrupted_on_its_last_try_is_exhausted_with_its_followups(
     assert followup.metadata["awa_trigger"]["outcome"] == "exhausted"
 
 
-def test_quick_handlers_are_kept_two_claims_ahead_and_slow_ones_none():
-    # While one claim of CLAIM_BATCH_SIZE is under way, the handlers still
-    # have the one before it to work through; slow handlers get no prefetch.
-    import queue
-    import threading
-
-    from django_awa.worker import QueueRunner
-
-    runner = QueueRunner(
-        name="q", concurrency=10, inbox=queue.SimpleQueue(), wake=threading.Event()
-    )
-    assert runner.prefetch(0.05, 100) == 0  # nothing measured yet
-    runner.observe(0.000_02)
-    assert runner.prefetch(0.05, 100) == 200
-    assert runner.prefetch(None, 100) == 0
-    for _ in range(30):
-        runner.observe(2.0)
-    assert runner.prefetch(0.05, 100) == 0
-
-
 def test_sigterm_gives_back_prefetched_jobs_without_using_an_attempt(start_worker):
     # Quick jobs first (priority 1) teach the worker that handlers are fast, so
     # it claims ahead; the slow ones after them fill its prefetch buffer.
@@ -406,23 +386,6 @@ def test_the_maintenance_leader_warns_when_autovacuum_will_not_visit_awa_job(sta
     finally:
         with connection.cursor() as cursor:
             cursor.execute("ALTER TABLE awa_job RESET (autovacuum_enabled)")
-
-
-def test_finishing_an_attempt_leaves_a_newer_attempt_of_the_same_job_tracked():
-    # Once an outcome such as Snooze(0) is written, the job may be claimed again
-    # before the completer stops tracking the old attempt: the new one must stay
-    # tracked (heartbeated, given back at shutdown), not be dropped by the old one.
-    from django_awa.execute import Attempt
-    from django_awa.worker import Worker
-
-    worker = Worker({"default": 1}, install_signal_handlers=False)
-    old = Job(id=41, kind="act", queue="default", run_lease=1)
-    new = Job(id=41, kind="act", queue="default", run_lease=2)
-    worker.running[41] = Attempt(job=new, alias="default")
-    worker._forget_job(old)
-    assert worker.running[41].job.run_lease == 2
-    worker._forget_job(new)
-    assert 41 not in worker.running
 
 
 BASE_EXCEPTIONS = ("KeyboardInterrupt", "SystemExit", "GeneratorExit", "CancelledError", "Bail")
