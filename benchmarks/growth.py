@@ -16,7 +16,7 @@ Each repeat measures, on the empty table and on the full one in turn:
          start one default worker (``awa_worker --queue bench``) and time
          until all are completed; rate from worker start, and from the first
          claim to the last completion (database clock, no start-up)
-  claim  enqueue --jobs jobs, then call django_awa.claim.claim() (the
+  claim  enqueue --jobs jobs, then call django_awa.producer.claim() (the
          worker's own function, each call its own transaction) at --limit
          (default CLAIM_BATCH_SIZE) until all are claimed; no worker runs
 
@@ -286,8 +286,8 @@ def capture_claim_params(queue: str, limit: int) -> tuple[str, dict[str, Any]]:
     from django.db import transaction
 
     from django_awa import db, sql
-    from django_awa.claim import claim
     from django_awa.conf import awa_settings
+    from django_awa.producer import claim
 
     alias = awa_settings().database
     seen: list[dict[str, Any]] = []
@@ -390,8 +390,8 @@ def child_claim(n: int, limit: int, explain: int) -> None:
     django_setup()
     from django.db import connections
 
-    from django_awa.claim import claim
     from django_awa.conf import awa_settings
+    from django_awa.producer import claim
 
     limit = limit or awa_settings().claim_batch_size
     alias, params = capture_claim_params(QUEUE, limit)
@@ -1003,7 +1003,7 @@ def main(argv: list[str]) -> int:
     out += [
         "",
         "Worker: python -m django awa_worker --queue bench (the defaults; settings "
-        "djbench.settings_awa). claim(): django_awa.claim.claim('bench', limit, alias), "
+        "djbench.settings_awa). claim(): django_awa.producer.claim('bench', limit, alias), "
         "each call its own transaction, as the worker calls it.",
         f"PostgreSQL {facts['version']} at 127.0.0.1: shared_buffers {facts['shared_buffers']}, "
         f"autovacuum {facts['autovacuum']}, max_wal_size {facts['max_wal_size']}.",

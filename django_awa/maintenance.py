@@ -29,6 +29,7 @@ from .finalize import dispatch, from_snapshot, keep_pending, send_signal
 from .followups import FollowupError, Outcome, RescueReason, followup_registry
 from .kinds import MAX_ERROR_CHARS, escape_text
 from .models import PendingFollowup, job_from_row
+from .state import DB_ERRORS, WorkerState, reset_connection
 
 logger = logging.getLogger(__name__)
 
@@ -415,3 +416,58 @@ class Maintenance:
         if total:
             logger.info("pruned %s finished job(s)", total)
         return total
+
+
+class MaintenanceService:
+    """A worker's maintenance thread: compete for the lease, run maintenance while leading.
+
+    ``run`` is the thread body; ``run_once`` is one of its passes: try to lead
+    (or renew), then one leader ``tick``.
+    """
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+        self.maintenance = Maintenance(state.alias, state.conf, holder=state.name)
+        self.is_leader = False
+        self._warned = False
+
+    def run(self) -> None:
+        halt = self.state.halt
+        while not halt.is_set():
+            self.run_once()
+            halt.wait(min(1.0, self.state.conf.maintenance_interval))
+        if self.is_leader:
+            try:
+                self.maintenance.resign()
+            except DB_ERRORS as exc:
+                logger.debug("could not hand the maintenance lease back (%s); it runs out", exc)
+
+    def run_once(self) -> None:
+        """Take or keep the lease; while leading, one tick. Errors are logged, not raised."""
+        maintenance, name = self.maintenance, self.state.name
+        try:
+            if not self.is_leader:
+                self.is_leader = maintenance.try_lead()
+                if self.is_leader:
+                    logger.info(
+                        "worker %s is now the maintenance leader (term %s)", name, maintenance.term
+                    )
+                if self.is_leader and not self._warned:
+                    self._warned = True
+                    maintenance.warn_without_autovacuum()
+            if self.is_leader:
+                maintenance.tick(wake=self.wake_queues)
+        except LeadershipLost as exc:
+            logger.warning("worker %s is no longer the maintenance leader: %s", name, exc)
+            self.is_leader = False
+        except DB_ERRORS as exc:
+            if self.is_leader:
+                logger.warning("maintenance leader lost its connection (%s)", exc)
+            self.is_leader = False
+            reset_connection()
+        except Exception:
+            logger.exception("maintenance failed")
+
+    def wake_queues(self, names: set[str]) -> None:
+        """Wake this worker's producers of queues ``names``: maintenance made jobs due there."""
+        self.state.wake(names)

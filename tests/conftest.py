@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from django_awa.models import Job
 from tests.testapp.followups import CALLS, FAIL
@@ -146,3 +148,8 @@ def make_job(**fields: Any) -> Job:
     fields.setdefault("queue", "default")
     fields.setdefault("args", {"action": "ok"})
     return Job.objects.create(**fields)
+
+
+def due_job(**fields: Any) -> Job:
+    """An available job due a second ago: in a test's transaction, now() is when it began."""
+    return make_job(run_at=timezone.now() - dt.timedelta(seconds=1), **fields)

@@ -20,9 +20,9 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa import sql
-from django_awa.claim import claim
 from django_awa.maintenance import ARCHIVE_BATCH, Maintenance
 from django_awa.models import Job, JobState
+from django_awa.producer import claim
 from tests.conftest import make_job, wait_for
 from tests.testapp.jobs import Act, Echo
 

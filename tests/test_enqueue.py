@@ -15,9 +15,10 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
-from django_awa.claim import claim
 from django_awa.kinds import registry
+from django_awa.listener import listen_params
 from django_awa.models import Job, JobState
+from django_awa.producer import claim
 from tests.testapp.jobs import Echo, Unhandled
 
 pytestmark = pytest.mark.django_db
@@ -147,8 +148,6 @@ def test_enqueue_joins_the_callers_transaction_commit_and_rollback():
 def test_enqueue_notifies_listeners_at_commit_only():
     import psycopg
 
-    from django_awa.worker import listen_params
-
     with psycopg.connect(**listen_params("default"), autocommit=True) as listener:
         listener.execute("LISTEN awa_job")
         with transaction.atomic():
@@ -215,8 +214,6 @@ def test_enqueue_on_a_lost_connection_raises_operational_error_and_then_reconnec
     import psycopg
     from django.db import OperationalError, connection
 
-    from django_awa.worker import listen_params
-
     first = awa.enqueue(Echo(n=1))
     pid = connection.connection.info.backend_pid
     with psycopg.connect(**listen_params("default"), autocommit=True) as other:
@@ -264,8 +261,6 @@ def test_an_enqueue_on_its_own_is_committed_before_it_returns():
     # Outside atomic() enqueue's INSERT is its own transaction, sent straight
     # through libpq (db.fetch_one) rather than a psycopg cursor.
     import psycopg
-
-    from django_awa.worker import listen_params
 
     job = awa.enqueue(Echo(n=1))
     unique = awa.enqueue(Echo(n=2), unique=awa.Unique(by_args=True))

@@ -15,7 +15,6 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa import signals
-from django_awa.claim import claim
 from django_awa.execute import Attempt, AttemptResult, completed, run_attempt
 from django_awa.finalize import finalize
 from django_awa.followups import (
@@ -27,6 +26,7 @@ from django_awa.followups import (
 )
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, PendingFollowup
+from django_awa.producer import claim
 from stress import audit
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.followups import CALLS, FAIL

@@ -12,10 +12,11 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa import sql
-from django_awa.claim import claim
-from django_awa.maintenance import LeadershipLost, Maintenance
+from django_awa.maintenance import LeadershipLost, Maintenance, MaintenanceService
 from django_awa.models import Job, JobState, MaintenanceLease, PeriodicSchedule
+from django_awa.producer import claim
 from django_awa.schedules import fire_due, schedules
+from django_awa.state import WorkerState
 from tests.conftest import make_job
 from tests.testapp.jobs import Act, Echo
 
@@ -404,3 +405,27 @@ def test_rows_without_a_callback_take_no_callback_index_entries():
     assert "awa_job_callback_id_uniq" in plan, plan
     with pytest.raises(IntegrityError), transaction.atomic():
         make_job(state="waiting_external", callback_id=parked.callback_id)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_maintenance_service_leads_ticks_and_wakes_the_queues_it_made_due(caplog):
+    state = WorkerState.create({"default": 1, "other": 1})
+    service = MaintenanceService(state)
+    other = MaintenanceService(WorkerState.create({"default": 1}))
+    other.maintenance.holder = "elsewhere:1"
+    due = make_job(state=JobState.SCHEDULED, run_at=ago(seconds=1))
+
+    with caplog.at_level("INFO", logger="django_awa.maintenance"):
+        service.run_once()
+        other.run_once()
+
+    assert service.is_leader and not other.is_leader
+    assert f"worker {state.name} is now the maintenance leader" in caplog.text
+    assert Job.objects.get(id=due.id).state == JobState.AVAILABLE
+    assert state.queues["default"].wake.is_set() and not state.queues["other"].wake.is_set()
+
+    expire_lease()  # it stood still
+    assert other.maintenance.try_lead()
+    service.run_once()
+    assert not service.is_leader
+    assert "is no longer the maintenance leader" in caplog.text

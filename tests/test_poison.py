@@ -19,8 +19,10 @@ from django.db import connection
 from django.utils import timezone
 
 import django_awa as awa
+from django_awa.completer import Completer
 from django_awa.execute import Attempt, AttemptResult
 from django_awa.models import Job, JobState
+from django_awa.state import WorkerState
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.jobs import Act, Poison
 
@@ -98,13 +100,11 @@ def test_the_completer_isolates_a_member_it_cannot_store_and_writes_the_rest() -
     batch = [
         bad if job is running[3] else _result(job, state=JobState.COMPLETED) for job in running
     ]
-    from django_awa.worker import Worker  # not at the top: it would shadow awa.worker
-
-    worker = Worker({"default": 1}, install_signal_handlers=False)
+    state = WorkerState.create({"default": 1})
     for result in batch:
-        worker.running[result.job.id] = Attempt(job=result.job, alias="default")
+        state.running[result.job.id] = Attempt(job=result.job, alias="default")
 
-    worker._write_batch(batch)
+    Completer(state).write_batch(batch)
 
     rows = {job.id: job for job in Job.objects.filter(id__in=[j.id for j in running])}
     bad_row = rows.pop(running[3].id)

@@ -6,6 +6,7 @@ import datetime as dt
 import os
 import re
 import signal
+import time
 
 import pytest
 from django.db import connection
@@ -233,26 +234,6 @@ def test_an_attempt_interrupted_on_its_last_try_is_exhausted_with_its_followups(
     assert followup.metadata["awa_trigger"]["outcome"] == "exhausted"
 
 
-def test_quick_handlers_are_kept_two_claims_ahead_and_slow_ones_none():
-    # While one claim of CLAIM_BATCH_SIZE is under way, the handlers still
-    # have the one before it to work through; slow handlers get no prefetch.
-    import queue
-    import threading
-
-    from django_awa.worker import QueueRunner
-
-    runner = QueueRunner(
-        name="q", concurrency=10, inbox=queue.SimpleQueue(), wake=threading.Event()
-    )
-    assert runner.prefetch(0.05, 100) == 0  # nothing measured yet
-    runner.observe(0.000_02)
-    assert runner.prefetch(0.05, 100) == 200
-    assert runner.prefetch(None, 100) == 0
-    for _ in range(30):
-        runner.observe(2.0)
-    assert runner.prefetch(0.05, 100) == 0
-
-
 def test_sigterm_gives_back_prefetched_jobs_without_using_an_attempt(start_worker):
     # Quick jobs first (priority 1) teach the worker that handlers are fast, so
     # it claims ahead; the slow ones after them fill its prefetch buffer.
@@ -283,9 +264,12 @@ def test_sigterm_gives_back_prefetched_jobs_without_using_an_attempt(start_worke
 def test_maintenance_leader_failover(start_worker):
     first = start_worker("--queue", "default")
     wait_for(lambda: "is now the maintenance leader" in first.output(), timeout=10)
-    second = start_worker("--queue", "default")
-    wait_for(lambda: "awa worker" in second.output() and "starting" in second.output())
+    second = start_worker("--queue", "default", "--queue", "other")
+    # A job only the second runs: by its outcome the second worker's
+    # maintenance thread (started before its producers) has tried to lead.
+    wait_for_state(awa.enqueue(Act(action="ok"), queue="other").id, JobState.COMPLETED)
     assert "is now the maintenance leader" not in second.output()
+    assert MaintenanceLease.objects.get(name="maintenance").holder.endswith(f":{first.pid}")
     first.kill()
     wait_for(lambda: "is now the maintenance leader" in second.output(), timeout=10)
     # The new leader does maintenance: a scheduled job becomes due and runs.
@@ -333,8 +317,15 @@ def test_a_frozen_leader_loses_the_lease_and_does_nothing_when_thawed(start_work
 
 
 def test_cancel_reaches_the_running_handler_within_a_second(start_worker):
+    # Through NOTIFY awa_cancel: with heartbeats 20 s apart, the heartbeat
+    # (which also finds the row no longer running this attempt) comes too late.
     job = awa.enqueue(Act(action="sleep", seconds=20))
-    start_worker("--queue", "default")
+    worker = start_worker(
+        "--queue",
+        "default",
+        env={"AWA_TEST_HEARTBEAT_INTERVAL": "20", "AWA_TEST_STALE_AFTER": "60"},
+    )
+    wait_for(lambda: "listening for new jobs" in worker.output(), message=worker.output)
     wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
     cancelled = awa.cancel(job.id, "operator said so")
     assert cancelled.state == JobState.CANCELLED
@@ -365,10 +356,18 @@ def test_heartbeats_keep_a_long_job_alive(start_worker):
 
 
 def test_worker_wakes_on_notify_without_waiting_for_the_poll(start_worker):
+    # Polling every 30 s: only NOTIFY picks a job up within seconds. The
+    # listener wakes every queue as it connects, and a producer claims once as
+    # it starts, so the job timed is enqueued once the listener listens and a
+    # first job has been picked up: the producer sleeps again by then.
     worker = start_worker("--queue", "default", env={"AWA_TEST_POLL_INTERVAL": "30"})
-    wait_for(lambda: "starting" in worker.output())
+    wait_for(lambda: "listening for new jobs" in worker.output(), message=worker.output)
+    wait_for_state(awa.enqueue(Act(action="ok")).id, JobState.COMPLETED, timeout=5)
     job = awa.enqueue(Act(action="ok"))
-    wait_for_state(job.id, JobState.COMPLETED, timeout=5)
+    enqueued = time.monotonic()
+    done = wait_for_state(job.id, JobState.COMPLETED, timeout=5)
+    assert time.monotonic() - enqueued < 3
+    assert (done.attempted_at - done.created_at).total_seconds() < 3
 
 
 def test_startup_log_names_queues_concurrency_database_and_pid(start_worker):
@@ -406,23 +405,6 @@ def test_the_maintenance_leader_warns_when_autovacuum_will_not_visit_awa_job(sta
     finally:
         with connection.cursor() as cursor:
             cursor.execute("ALTER TABLE awa_job RESET (autovacuum_enabled)")
-
-
-def test_finishing_an_attempt_leaves_a_newer_attempt_of_the_same_job_tracked():
-    # Once an outcome such as Snooze(0) is written, the job may be claimed again
-    # before the completer stops tracking the old attempt: the new one must stay
-    # tracked (heartbeated, given back at shutdown), not be dropped by the old one.
-    from django_awa.execute import Attempt
-    from django_awa.worker import Worker
-
-    worker = Worker({"default": 1}, install_signal_handlers=False)
-    old = Job(id=41, kind="act", queue="default", run_lease=1)
-    new = Job(id=41, kind="act", queue="default", run_lease=2)
-    worker.running[41] = Attempt(job=new, alias="default")
-    worker._forget_job(old)
-    assert worker.running[41].job.run_lease == 2
-    worker._forget_job(new)
-    assert 41 not in worker.running
 
 
 BASE_EXCEPTIONS = ("KeyboardInterrupt", "SystemExit", "GeneratorExit", "CancelledError", "Bail")

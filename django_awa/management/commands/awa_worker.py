@@ -18,9 +18,9 @@ from django.db import connections
 
 from django_awa.conf import DEFAULT_CONCURRENCY, QUEUE_NAME_RE, AwaSettings, awa_settings
 from django_awa.exceptions import ConfigurationError
-from django_awa.worker import Worker
+from django_awa.process import Worker
 
-logger = logging.getLogger("django_awa.worker")
+logger = logging.getLogger("django_awa.process")
 
 
 def parse_queue(value: str) -> tuple[str, int | None]:

@@ -21,7 +21,7 @@ from django.db import connections
 
 from django_awa.conf import DEFAULT_CONCURRENCY, AwaSettings, awa_settings
 from django_awa.exceptions import ConfigurationError
-from django_awa.worker import Worker
+from django_awa.process import Worker
 from example_project.shop.demo import (
     CallbackServer,
     Carrier,

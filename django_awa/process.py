@@ -1,0 +1,238 @@
+"""The worker process: start the services, act on signals, drain at shutdown.
+
+Services, each in threads of its own with its own database connection, and
+sharing only the ``WorkerState``:
+
+* ``producer.Producer``, one per queue, claims jobs while the queue has room;
+* ``handlers.HandlerPool``: as many handler threads per queue as its
+  concurrency run handlers; the main thread keeps the pool at full strength;
+* ``completer.Completer`` writes results in batches (``finalize``);
+* ``listener.Listener`` holds a LISTEN connection and wakes producers;
+* ``heartbeat.Heartbeat`` heartbeats running attempts and stores progress;
+* ``maintenance.MaintenanceService`` competes for leadership and runs maintenance.
+
+SIGTERM/SIGINT stop claiming and give back at once the prefetched jobs no
+handler started (no attempt used); running attempts get ``SHUTDOWN_TIMEOUT``
+to finish; what is left is given back as an interrupted attempt (``available``
+again, or ``failed`` on the last attempt, with its follow-ups) before exit.
+A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue as queue_module
+import signal
+import threading
+import time
+from types import FrameType
+
+from django.db import connections
+
+from .completer import Completer
+from .conf import AwaSettings
+from .execute import Attempt, AttemptResult, errored
+from .finalize import finalize
+from .handlers import HandlerPool
+from .heartbeat import Heartbeat
+from .listener import Listener
+from .maintenance import MaintenanceService
+from .models import Job, JobState
+from .producer import Producer
+from .state import DB_ERRORS, WorkerState
+
+logger = logging.getLogger(__name__)
+
+INTERRUPTED = "interrupted: the worker shut down before the attempt finished"
+_WAKE = 0  # not a signal: stop() wakes the main thread with it
+
+
+class Worker:
+    """One worker process. ``run()`` blocks until stopped."""
+
+    def __init__(
+        self,
+        queues: dict[str, int],
+        *,
+        alias: str | None = None,
+        conf: AwaSettings | None = None,
+        install_signal_handlers: bool = True,
+        repeat_halts: bool = True,
+    ) -> None:
+        self.state = state = WorkerState.create(queues, alias=alias, conf=conf)
+        self.install_signal_handlers = install_signal_handlers
+        # Whether a second SIGTERM/SIGINT means "now". Not for --processes
+        # children: they get each signal twice (from the terminal or service
+        # manager, and from their supervisor), which sends SIGQUIT for "now".
+        self.repeat_halts = repeat_halts
+        # Signals received, for the main thread to act on (see _on_signal).
+        self.signals: queue_module.SimpleQueue[int] = queue_module.SimpleQueue()
+        self.producers = [Producer(state, runner) for runner in state.queues.values()]
+        self.handlers = HandlerPool(state)
+        self.completer = Completer(state)
+        self.listener = Listener(state) if state.conf.direct_database is not None else None
+        self.heartbeat = Heartbeat(state)
+        self.maintenance = MaintenanceService(state)
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once the worker stops claiming."""
+        return self.state.stopping
+
+    # -- running and stopping --------------------------------------------------
+
+    def run(self) -> None:
+        state = self.state
+        if self.install_signal_handlers:
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+                signal.signal(signum, self._on_signal)
+        settings_dict = connections[state.alias].settings_dict
+        logger.info(
+            "awa worker %s starting: queues %s; database %r (%s:%s/%s)",
+            state.name,
+            ", ".join(f"{q.name}={q.concurrency}" for q in state.queues.values()),
+            state.alias,
+            settings_dict.get("HOST") or "local socket",
+            settings_dict.get("PORT") or 5432,
+            settings_dict.get("NAME"),
+        )
+        if self.listener is None:
+            logger.info(
+                "no direct database connection (AWA['DIRECT_DATABASE'] is None): polling "
+                "every %.1fs instead of LISTEN",
+                state.conf.poll_interval,
+            )
+        else:
+            state.start(self.listener.run, "awa-listener")
+        completer = state.start(self.completer.run, "awa-completer")
+        state.start(self.heartbeat.run, "awa-heartbeat")
+        state.start(self.maintenance.run, "awa-maintenance")
+        self.handlers.start()
+        producers = [
+            state.start(producer.run, f"awa-producer-{producer.runner.name}")
+            for producer in self.producers
+        ]
+        try:
+            while not state.stopping.is_set():
+                self._take_signals(0.5)
+                self.handlers.tend()
+        finally:
+            self._drain(producers, completer)
+
+    def stop(self, *, now: bool = False) -> None:
+        """Stop claiming; in-flight attempts may finish within SHUTDOWN_TIMEOUT.
+
+        A second call, or ``now``, skips that wait: they are given back at once.
+        """
+        state = self.state
+        if now or state.stopping.is_set():
+            state.halt.set()
+        state.stopping.set()
+        state.wake()
+        self.signals.put(_WAKE)  # the main thread may be waiting for a signal
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only a reentrant put: the handler runs in the main thread between
+        # two bytecodes, maybe while it holds an Event's lock, maybe inside
+        # this handler for the previous signal. Setting an Event here could
+        # wait on a lock this very thread holds, for ever.
+        self.signals.put(signum)
+
+    def _take_signals(self, timeout: float) -> None:
+        """Act on the signals received, waiting up to ``timeout`` for one (main thread)."""
+        with contextlib.suppress(queue_module.Empty):
+            signum = self.signals.get(timeout=timeout)
+            while True:
+                self._act_on(signum)
+                signum = self.signals.get_nowait()
+
+    def _act_on(self, signum: int) -> None:
+        if signum == _WAKE:
+            return
+        name = signal.Signals(signum).name
+        stopping = self.state.stopping.is_set()
+        if signum == signal.SIGQUIT or (stopping and self.repeat_halts):
+            logger.warning("%s: giving back in-flight jobs now", name)
+            self.stop(now=True)
+        elif not stopping:
+            logger.info(
+                "%s received: finishing in-flight jobs (up to %.0fs), claiming no more",
+                name,
+                self.state.conf.shutdown_timeout,
+            )
+            self.stop()
+
+    # -- shutdown ----------------------------------------------------------------
+
+    def _drain(self, producers: list[threading.Thread], completer: threading.Thread) -> None:
+        state = self.state
+        for thread in producers:
+            thread.join()
+        self._give_back(self._withdraw_waiting(), started=False)
+        deadline = time.monotonic() + state.conf.shutdown_timeout
+        while state.running and time.monotonic() < deadline and not state.halt.is_set():
+            self._take_signals(0.05)
+        state.results.put(None)  # the completer writes what it has, then exits
+        until = max(deadline, time.monotonic() + 5.0)
+        while completer.is_alive() and time.monotonic() < until:
+            completer.join(timeout=0.1)
+            self._take_signals(0)
+        with state.running_lock:
+            unfinished = [a for a in state.running.values() if a.job.id not in state.waiting]
+        self._give_back(unfinished + self._withdraw_waiting(), started=True)
+        state.halt.set()
+        for runner in state.queues.values():
+            for _ in range(runner.concurrency):
+                # Each handler thread closes its connections and exits. There are
+                # ``concurrency`` of them: abandoned ones take nothing from the inbox.
+                runner.inbox.put(None)
+        # A thread still stuck in a handler (an abandoned one too) keeps its
+        # connection until the process exits; they are daemon threads.
+        until = time.monotonic() + 3.0
+        for thread in state.threads:
+            thread.join(timeout=max(0.0, until - time.monotonic()))
+        logger.info("awa worker %s stopped after %s jobs", state.name, state.processed)
+
+    def _withdraw_waiting(self) -> list[Attempt]:
+        """Take the prefetched attempts no handler has started; none will start now."""
+        state = self.state
+        with state.running_lock:
+            withdrawn = [state.running.pop(i) for i in state.waiting if i in state.running]
+            state.waiting.clear()
+        return withdrawn
+
+    def _give_back(self, attempts: list[Attempt], *, started: bool) -> None:
+        """Write back attempts this worker will not finish, so others can run them.
+
+        An attempt that never started leaves no trace: the job is available again
+        and its next run keeps this attempt's number. One that was interrupted
+        counts, as if its handler had raised: available again at once with an
+        ``errors`` entry, or failed on its last attempt, with its follow-ups.
+        """
+        if not attempts:
+            return
+        for attempt in attempts:
+            attempt.cancelled.set()
+        results = [self._given_back(a.job, started) for a in attempts]
+        try:
+            written = finalize(results, self.state.alias)
+            logger.warning(
+                "gave back %s %s job(s) at shutdown: %s",
+                len(written),
+                "interrupted" if started else "prefetched",
+                ", ".join(str(r.job.id) for r in written),
+            )
+        except DB_ERRORS:
+            logger.exception("could not give back unfinished jobs; maintenance will rescue them")
+        finally:
+            connections.close_all()
+
+    @staticmethod
+    def _given_back(job: Job, started: bool) -> AttemptResult:
+        if not started:
+            return AttemptResult(job=job, state=JobState.AVAILABLE, delay=0.0, snoozed=True)
+        result = errored(job, INTERRUPTED)
+        if result.state is JobState.RETRYABLE:
+            result.state, result.delay = JobState.AVAILABLE, 0.0
+        return result

@@ -1,0 +1,142 @@
+"""The producer: one per queue, claiming jobs while the queue has room.
+
+It sleeps on the queue's wake-up event (set by the listener on NOTIFY, by
+maintenance when it makes jobs due, at shutdown) or for the poll interval.
+While handlers are quick it claims ahead what they will start within
+``PREFETCH_WINDOW``, so they never wait for a claim's round trip; slow
+handlers get no prefetch. Claimed attempts go to the queue's inbox, where its
+handler threads (``handlers.py``) take them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import db, sql
+from .conf import awa_settings
+from .execute import Attempt
+from .kinds import registry
+from .models import Job, jobs_from_rows
+from .state import DB_ERRORS, Backoff, QueueRunner, WorkerState, log_context, reset_connection
+
+logger = logging.getLogger(__name__)
+
+# How long a busy queue's producer may wait for more room to claim together.
+GATHER_SECONDS = 0.005
+
+
+def claim(queue: str, limit: int, alias: str) -> list[Job]:
+    """Claim up to ``limit`` runnable jobs of ``queue``, in priority, run_at, id order.
+
+    Each claimed row is ``running`` with a new ``run_lease``: the attempt's
+    guard for every later write. Commits at once (autocommit): a claim must be
+    visible to other workers' SKIP LOCKED and to maintenance.
+    """
+    conf = awa_settings()
+    with db.cursor(alias) as cursor:
+        cursor.execute(
+            sql.CLAIM,
+            {
+                "queue": queue,
+                "limit": limit,
+                "deadlines": registry.deadlines_json(),
+                "default_deadline": conf.default_deadline,
+            },
+        )
+        rows = cursor.fetchall()
+    jobs = jobs_from_rows(rows, alias)
+    jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
+    return jobs
+
+
+class Producer:
+    """The claim loop of one queue (``run``, a thread body); ``run_once`` claims one batch."""
+
+    def __init__(self, state: WorkerState, runner: QueueRunner) -> None:
+        self.state = state
+        self.runner = runner
+        self.busy = False  # the last claim took all it asked for: more jobs are waiting
+
+    def run(self) -> None:
+        state, runner = self.state, self.runner
+        backoff = Backoff()
+        while not state.stopping.is_set():
+            if state.results.qsize() > state.backlog_limit:
+                state.stopping.wait(0.01)
+                continue
+            try:
+                jobs = self.run_once()
+            except DB_ERRORS as exc:
+                logger.warning("claim on queue %s failed (%s); reconnecting", runner.name, exc)
+                reset_connection()
+                backoff.wait(state.stopping)
+                continue
+            if jobs is None:
+                continue  # no room yet
+            backoff.reset()
+            if not self.busy:
+                runner.wake.wait(state.conf.poll_interval)
+
+    def run_once(self) -> list[Job] | None:
+        """Claim one batch, as much as the queue has room for, and put it in the inbox.
+
+        Returns the jobs claimed, or ``None`` when the queue had no room
+        within half a second. A database error is raised, the room given back.
+        """
+        state, runner = self.state, self.runner
+        want = self.reserve(self.busy)
+        if not want:
+            return None
+        runner.wake.clear()
+        try:
+            jobs = claim(runner.name, want, state.alias)
+        except BaseException:
+            self.unreserve(want)
+            raise
+        self.busy = len(jobs) == want
+        self.unreserve(want - len(jobs))
+        debug = logger.isEnabledFor(logging.DEBUG)
+        alias, running, waiting, lock, inbox = (
+            state.alias, state.running, state.waiting, state.running_lock, runner.inbox
+        )  # fmt: skip
+        for job in jobs:
+            attempt = Attempt(job=job, alias=alias)
+            with lock:
+                running[job.id] = attempt
+                waiting.add(job.id)
+            if debug:
+                logger.debug("claimed job %s kind=%s attempt=%s", job.id, job.kind,
+                             job.attempt, extra=log_context(job, state.name))  # fmt: skip
+            inbox.put(attempt)
+        return jobs
+
+    def reserve(self, busy: bool) -> int:
+        """Wait for room on the queue and reserve it; return how many jobs to claim.
+
+        Room is the concurrency plus the prefetch. While a queue is busy,
+        handlers make room one job at a time: claiming at the first free place
+        would mean one claim statement (and one commit) per job. Waiting up to
+        ``GATHER_SECONDS`` for half the room keeps batches large; an idle queue
+        (not busy) claims at once, so pickup latency does not suffer.
+        """
+        runner = self.runner
+        most = self.state.conf.claim_batch_size
+        capacity = runner.concurrency + runner.prefetch(self.state.conf.prefetch_window, most)
+        with runner.room:
+            if runner.held >= capacity and not runner.room.wait(0.5):
+                return 0
+            if busy:
+                runner.room.wait_for(
+                    lambda: capacity - runner.held >= min(most, capacity) // 2, GATHER_SECONDS
+                )
+            want = max(0, min(most, capacity - runner.held))
+            runner.held += want
+        return want
+
+    def unreserve(self, n: int) -> None:
+        """Give back ``n`` reserved places the claim did not fill."""
+        if n:
+            runner = self.runner
+            with runner.room:
+                runner.held -= n
+                runner.room.notify()

@@ -1,0 +1,170 @@
+"""What a worker's services share: the ``WorkerState``, one per worker process.
+
+The services (``producer``, ``handlers``, ``completer``, ``listener``,
+``heartbeat``, ``maintenance.MaintenanceService``) each run in threads of
+their own and meet only here: the queues' runners, the attempts claimed and
+not yet finished, the results waiting for the completer, and the events that
+stop them. ``process.Worker`` makes the state and starts the services.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue as queue_module
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from django.db import DatabaseError, InterfaceError, connections
+
+from .conf import AwaSettings, awa_settings
+
+if TYPE_CHECKING:
+    from .execute import Attempt, AttemptResult
+    from .models import Job
+
+DB_ERRORS = (DatabaseError, InterfaceError, psycopg.Error)
+
+
+def log_context(job: Job, worker: str = "") -> dict[str, Any]:
+    """The ``extra`` of a job's log records."""
+    return {
+        "job_id": job.id,
+        "kind": job.kind,
+        "queue": job.queue,
+        "attempt": job.attempt,
+        "worker": worker,
+    }
+
+
+def reset_connection() -> None:
+    """Close this thread's connections after a database error; the next use reconnects."""
+    with contextlib.suppress(Exception):
+        connections.close_all()
+
+
+class Backoff:
+    """Exponential backoff for reconnecting: 0.1 s doubling to 5 s."""
+
+    def __init__(self) -> None:
+        self.delay = 0.1
+
+    def reset(self) -> None:
+        self.delay = 0.1
+
+    def wait(self, stop: threading.Event) -> None:
+        stop.wait(self.delay)
+        self.delay = min(self.delay * 2, 5.0)
+
+
+@dataclass(slots=True)
+class QueueRunner:
+    """One queue of the worker: the producer fills ``inbox``, its handler threads empty it."""
+
+    name: str
+    concurrency: int
+    inbox: queue_module.SimpleQueue[Attempt | None] = field(
+        default_factory=queue_module.SimpleQueue
+    )
+    wake: threading.Event = field(default_factory=threading.Event)  # claim now
+    room: threading.Condition = field(default_factory=threading.Condition)
+    held: int = 0  # claimed and not finished: running, or prefetched and waiting
+    run_time: float | None = None  # moving average of handler run time, seconds
+
+    def prefetch(self, window: float | None, most: int) -> int:
+        """How many jobs beyond ``concurrency`` to hold: what starts within ``window``.
+
+        At most two claims' worth: handlers work through one batch while the
+        next claim is under way. With one, they ran dry during each claim.
+        """
+        if not window or self.run_time is None:
+            return 0
+        return min(2 * most, int(self.concurrency * window / max(self.run_time, 1e-6)))
+
+    def observe(self, seconds: float) -> None:
+        previous = self.run_time
+        self.run_time = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def finished(self) -> None:
+        """A held job's place is free again (its handler is done, or it was given up)."""
+        with self.room:
+            self.held -= 1
+            self.room.notify()
+
+
+@dataclass(eq=False)
+class WorkerState:
+    """The fields a worker's services share; ``running_lock`` guards ``running`` and ``waiting``.
+
+    ``stopping`` stops claiming, ``halt`` stops everything now. ``results``
+    takes every attempt's result for the completer (``None`` ends it).
+    """
+
+    alias: str
+    conf: AwaSettings
+    name: str  # host:pid, for logs and the maintenance lease
+    queues: dict[str, QueueRunner]
+    stopping: threading.Event = field(default_factory=threading.Event)
+    halt: threading.Event = field(default_factory=threading.Event)
+    results: queue_module.SimpleQueue[AttemptResult | None] = field(
+        default_factory=queue_module.SimpleQueue
+    )
+    running: dict[int, Attempt] = field(default_factory=dict)  # claimed, not finished
+    waiting: set[int] = field(default_factory=set)  # claimed ids no handler has started yet
+    running_lock: threading.Lock = field(default_factory=threading.Lock)
+    threads: list[threading.Thread] = field(default_factory=list)
+    processed: int = 0  # attempts finished, for the log at exit
+    # Results waiting for the completer: past this, producers stop claiming,
+    # so claimed-but-unrecorded jobs stay bounded when the database is slow.
+    backlog_limit: int = 1000
+
+    @classmethod
+    def create(
+        cls, queues: dict[str, int], *, alias: str | None = None, conf: AwaSettings | None = None
+    ) -> WorkerState:
+        """The state of a worker running ``queues`` (name: concurrency) on ``alias``."""
+        conf = conf or awa_settings()
+        return cls(
+            alias=alias or conf.database,
+            conf=conf,
+            name=f"{socket.gethostname()}:{os.getpid()}",
+            queues={name: QueueRunner(name=name, concurrency=n) for name, n in queues.items()},
+            backlog_limit=max(1000, 2 * sum(queues.values())),
+        )
+
+    def forget(self, job: Job) -> None:
+        """Stop tracking this attempt of ``job``: its outcome is written.
+
+        Only this attempt: once its outcome is written (a snooze, say) the job
+        may already be claimed again, and that attempt is tracked under the
+        same id.
+        """
+        with self.running_lock:
+            tracked = self.running.get(job.id)
+            if tracked is not None and tracked.job.run_lease == job.run_lease:
+                del self.running[job.id]
+            self.processed += 1
+
+    def wake(self, names: set[str] | None = None) -> None:
+        """Make the producers of queues ``names`` (default: all) claim now."""
+        for name, runner in self.queues.items():
+            if names is None or name in names:
+                runner.wake.set()
+
+    def start(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Run ``target`` in a new daemon thread that closes its connections when it ends."""
+
+        def run() -> None:
+            try:
+                target()
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return thread

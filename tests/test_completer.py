@@ -1,0 +1,57 @@
+"""The completer in-process: ``Completer.run_once`` writes the results queued."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from django_awa.completer import Completer
+from django_awa.handlers import HandlerPool
+from django_awa.listener import listen_params
+from django_awa.models import Job, JobState
+from django_awa.producer import Producer
+from django_awa.state import WorkerState
+from tests.conftest import due_job
+
+
+def _run(n: int, **fields: object) -> tuple[WorkerState, list[int]]:
+    """Claim and run ``n`` jobs in this thread; their results wait for the completer."""
+    ids = [due_job(**fields).id for _ in range(n)]
+    state = WorkerState.create({"default": n})
+    runner = state.queues["default"]
+    Producer(state, runner).run_once()
+    pool = HandlerPool(state)
+    while pool.run_once(runner, timeout=0):
+        pass
+    return state, ids
+
+
+@pytest.mark.django_db
+def test_run_once_writes_the_queued_results_and_forgets_their_attempts():
+    state, ids = _run(3)
+
+    assert Completer(state).run_once() == []
+
+    assert set(Job.objects.filter(id__in=ids).values_list("state", flat=True)) == {
+        JobState.COMPLETED
+    }
+    assert not state.running and state.processed == 3
+    assert Completer(state).run_once() == []  # nothing queued: returns at once
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_result_whose_row_is_locked_is_returned_still_tracked_and_written_later():
+    state, ids = _run(2, args={"action": "ok", "tag": "none"})
+    completer = Completer(state)
+    with psycopg.connect(**listen_params("default")) as other:
+        other.execute("SELECT id FROM awa_job WHERE id = %s FOR UPDATE", [ids[0]])
+        [deferred] = completer.run_once()
+        other.rollback()
+    assert deferred.job.id == ids[0] and not deferred.locked
+    assert Job.objects.get(id=ids[0]).state == JobState.RUNNING
+    assert Job.objects.get(id=ids[1]).state == JobState.COMPLETED
+    assert list(state.running) == [ids[0]]
+
+    state.results.put(deferred)
+    assert completer.run_once() == []
+    assert Job.objects.get(id=ids[0]).state == JobState.COMPLETED and not state.running

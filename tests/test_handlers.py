@@ -1,0 +1,53 @@
+"""Handler threads in-process: ``HandlerPool.run_once`` runs one attempt of the inbox."""
+
+from __future__ import annotations
+
+import pytest
+
+from django_awa.execute import Attempt
+from django_awa.handlers import HandlerPool
+from django_awa.models import JobState
+from django_awa.producer import Producer
+from django_awa.state import WorkerState
+from tests.conftest import due_job
+from tests.testapp.models import Ledger
+
+pytestmark = pytest.mark.django_db
+
+
+def _claimed(*args: dict) -> tuple[WorkerState, HandlerPool, list[Attempt]]:
+    for a in args:
+        due_job(args=a)
+    state = WorkerState.create({"default": len(args)})
+    runner = state.queues["default"]
+    Producer(state, runner).run_once()
+    return state, HandlerPool(state), [state.running[i] for i in sorted(state.running)]
+
+
+def test_run_once_runs_an_attempt_and_hands_its_result_to_the_completer():
+    state, pool, [attempt] = _claimed({"action": "ok"})
+    runner = state.queues["default"]
+
+    assert pool.run_once(runner, timeout=1)
+
+    result = state.results.get_nowait()
+    assert result.job is attempt.job and result.state == JobState.COMPLETED
+    assert Ledger.objects.filter(job_id=attempt.job.id).count() == 1
+    # It started and finished: no longer waiting, its place free, its run time seen.
+    assert not state.waiting and runner.held == 0 and runner.run_time is not None
+    assert state.running == {attempt.job.id: attempt}  # until the completer writes it
+    assert not pool.run_once(runner, timeout=0.01)  # nothing else in the inbox
+
+
+def test_an_attempt_lost_or_given_back_before_it_started_does_not_run():
+    state, pool, [lost, given_back] = _claimed({"action": "ok"}, {"action": "ok"})
+    runner = state.queues["default"]
+    lost.cancelled.set()  # cancelled or rescued while it waited
+    state.waiting.discard(given_back.job.id)  # given back at shutdown
+
+    assert pool.run_once(runner, timeout=1) and pool.run_once(runner, timeout=1)
+
+    assert state.results.empty()
+    assert not Ledger.objects.filter(job_id__in=[lost.job.id, given_back.job.id]).exists()
+    assert lost.job.id not in state.running and state.processed == 1
+    assert runner.held == 0

@@ -1,0 +1,39 @@
+"""The package: its public names survive importing every one of its modules."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import types
+
+import django_awa as awa
+
+
+def _submodules() -> list[str]:
+    return [
+        info.name
+        for info in pkgutil.walk_packages(awa.__path__, prefix="django_awa.")
+        if ".migrations." not in info.name
+    ]
+
+
+def test_no_module_of_the_package_shadows_a_public_name() -> None:
+    # Importing django_awa.X binds the package attribute X to that module: a
+    # module named like a public name (awa.worker, awa.enqueue...) would then
+    # replace it for everyone, and `@awa.worker(...)` in a jobs.py imported
+    # later fails with "'module' object is not callable".
+    before = {name: getattr(awa, name) for name in awa.__all__}
+    names = _submodules()
+    for name in names:
+        importlib.import_module(name)
+
+    rebound = [name for name in awa.__all__ if getattr(awa, name) is not before[name]]
+    assert not rebound, f"importing the modules rebound: {rebound}"
+    clashes = sorted(set(awa.__all__) & {name.split(".")[1] for name in names})
+    assert not clashes, f"modules named like public names: {clashes}"
+    # Also when some module was imported before this test ran (by another test).
+    for name in awa.__all__:
+        value = getattr(awa, name)
+        assert not isinstance(value, types.ModuleType), f"awa.{name} is a module"
+        home = importlib.import_module(f"django_awa.{awa._EXPORTS[name]}")
+        assert value is getattr(home, name), f"awa.{name} is not {home.__name__}.{name}"

@@ -1,0 +1,45 @@
+"""What a worker's services share: queue runners and the attempts tracked."""
+
+from __future__ import annotations
+
+from django_awa.execute import Attempt
+from django_awa.models import Job
+from django_awa.state import QueueRunner, WorkerState
+
+
+def test_quick_handlers_are_kept_two_claims_ahead_and_slow_ones_none():
+    # While one claim of CLAIM_BATCH_SIZE is under way, the handlers still
+    # have the one before it to work through; slow handlers get no prefetch.
+    runner = QueueRunner(name="q", concurrency=10)
+    assert runner.prefetch(0.05, 100) == 0  # nothing measured yet
+    runner.observe(0.000_02)
+    assert runner.prefetch(0.05, 100) == 200
+    assert runner.prefetch(None, 100) == 0
+    for _ in range(30):
+        runner.observe(2.0)
+    assert runner.prefetch(0.05, 100) == 0
+
+
+def test_finishing_an_attempt_leaves_a_newer_attempt_of_the_same_job_tracked():
+    # Once an outcome such as Snooze(0) is written, the job may be claimed again
+    # before the completer stops tracking the old attempt: the new one must stay
+    # tracked (heartbeated, given back at shutdown), not be dropped by the old one.
+    state = WorkerState.create({"default": 1})
+    old = Job(id=41, kind="act", queue="default", run_lease=1)
+    new = Job(id=41, kind="act", queue="default", run_lease=2)
+    state.running[41] = Attempt(job=new, alias="default")
+    state.forget(old)
+    assert state.running[41].job.run_lease == 2
+    state.forget(new)
+    assert 41 not in state.running
+    assert state.processed == 2
+
+
+def test_wake_sets_the_named_queues_or_all():
+    state = WorkerState.create({"a": 1, "b": 2, "c": 3})
+    state.wake({"b", "unknown"})
+    assert [name for name, r in state.queues.items() if r.wake.is_set()] == ["b"]
+    state.wake()
+    assert all(r.wake.is_set() for r in state.queues.values())
+    assert state.backlog_limit == 1000
+    assert WorkerState.create({"big": 800}).backlog_limit == 1600
