@@ -18,12 +18,10 @@ from typing import Any
 import psycopg
 from django.db import connections
 
+from . import sql
 from .state import Backoff, WorkerState
 
 logger = logging.getLogger(__name__)
-
-NOTIFY_CHANNEL = "awa_job"
-CANCEL_CHANNEL = "awa_cancel"
 
 
 def listen_params(alias: str) -> dict[str, Any]:
@@ -66,8 +64,8 @@ class Listener:
         direct = self.state.conf.direct_database or self.state.alias
         conn = psycopg.connect(**listen_params(direct), autocommit=True)
         try:
-            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            conn.execute(f"LISTEN {CANCEL_CHANNEL}")
+            conn.execute(sql.LISTEN_JOBS)
+            conn.execute(sql.LISTEN_CANCELS)
             selector = selectors.DefaultSelector()
             selector.register(conn.fileno(), selectors.EVENT_READ)
         except BaseException:
@@ -102,7 +100,7 @@ class Listener:
         if conn is None or selector is None:
             conn, selector = self.connect()
         if not selector.select(timeout=timeout):
-            conn.execute("SELECT 1")
+            conn.execute(sql.LISTENER_PING)
             return 0
         count = 0
         for notify in conn.notifies(timeout=0, stop_after=0):
@@ -111,11 +109,11 @@ class Listener:
         return count
 
     def on_notify(self, channel: str, payload: str) -> None:
-        if channel == NOTIFY_CHANNEL:
+        if channel == sql.NOTIFY_CHANNEL:
             runner = self.state.queues.get(payload)
             if runner is not None:
                 runner.wake.set()
-        elif channel == CANCEL_CHANNEL:
+        elif channel == sql.CANCEL_CHANNEL:
             with contextlib.suppress(ValueError):
                 attempt = self.state.running.get(int(payload))
                 if attempt is not None:

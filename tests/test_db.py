@@ -24,11 +24,13 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa import db, sql
-from django_awa.claim import claim
 from django_awa.enqueueing import COPY_THRESHOLD
 from django_awa.execute import Attempt, completed
 from django_awa.finalize import finalize
+from django_awa.heartbeat import Heartbeat
 from django_awa.models import Job, JobState
+from django_awa.producer import claim
+from django_awa.state import WorkerState
 from tests.conftest import make_job
 from tests.testapp.jobs import Echo
 
@@ -66,12 +68,8 @@ def _blocker(*args: Any) -> Any:
 
 
 def _heartbeat(attempts: list[Attempt]) -> None:
-    """The worker's heartbeat of ``attempts``, as its lifecycle thread sends it."""
-    decorator = awa.worker
-    from django_awa.worker import Worker
-
-    awa.worker = decorator  # the import rebound it to the module, for the tests after this one
-    Worker({"default": 1}, install_signal_handlers=False)._heartbeat(attempts)
+    """The worker's heartbeat of ``attempts``, as its heartbeat thread sends it."""
+    Heartbeat(WorkerState.create({"default": 1})).heartbeat(attempts)
 
 
 # -- enqueue: the direct path (autocommit) and the cursor path (inside atomic) ------------
@@ -298,7 +296,7 @@ PACKAGE = Path(awa.__file__).parent
 OUTSIDE = {"migrations", "contrib"}
 # Its listener still spells LISTEN and its ping out; sql.LISTEN_JOBS,
 # sql.LISTEN_CANCELS and sql.LISTENER_PING are waiting for it.
-PENDING = {"worker.py"}
+PENDING: set[str] = set()
 
 
 def test_every_statement_is_a_named_constant_of_sql_py():

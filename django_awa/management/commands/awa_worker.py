@@ -17,6 +17,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 
 from django_awa.conf import DEFAULT_CONCURRENCY, QUEUE_NAME_RE, AwaSettings, awa_settings
+from django_awa.db import database_alias
 from django_awa.exceptions import ConfigurationError
 from django_awa.process import Worker
 
@@ -82,9 +83,10 @@ class Command(BaseCommand):
         processes = options["processes"]
         if processes < 1:
             raise CommandError("--processes must be at least 1")
-        alias = options["database"] or conf.database
-        if connections[alias].vendor != "postgresql":
-            raise CommandError(f"django-awa needs PostgreSQL; database {alias!r} is not")
+        try:
+            alias = database_alias(options["database"])
+        except ConfigurationError as exc:
+            raise CommandError(str(exc)) from exc
         if options["shutdown_timeout"] is not None:
             if options["shutdown_timeout"] < 0:
                 raise CommandError("--shutdown-timeout cannot be negative")
