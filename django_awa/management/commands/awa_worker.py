@@ -11,6 +11,7 @@ import queue
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -118,8 +119,8 @@ class Command(BaseCommand):
 
         # The handlers only queue the signal (a reentrant put); this thread acts.
         received: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
-            signal.signal(signum, lambda signum, _frame: received.put(signum))
+        for handled in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            signal.signal(handled, lambda signum, _frame: received.put(signum))
         count = 0
         while any(child.is_alive() for child in children):
             try:
@@ -136,7 +137,10 @@ class Command(BaseCommand):
 
 
 def _forward(
-    received: signal.Signals, children: list[multiprocessing.process.BaseProcess], *, now: bool
+    received: signal.Signals,
+    children: Sequence[multiprocessing.process.BaseProcess],
+    *,
+    now: bool,
 ) -> None:
     """Pass a signal on to the children: SIGTERM to finish what they run, SIGQUIT for now.
 
