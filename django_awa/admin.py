@@ -45,8 +45,9 @@ from django.utils.text import Truncator
 from django.utils.translation import ngettext
 
 from . import control, sql
+from .codec import check_text
 from .conf import awa_settings
-from .kinds import check_text, registry
+from .kinds import registry
 from .models import (
     CANCELLABLE_STATES,
     RETRIABLE_STATES,

@@ -33,12 +33,12 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from . import sql
+from .codec import check_json, require_text
 from .conf import awa_settings, callback_timeout
 from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
 from .finalize import dispatch, send_signal
 from .followups import FollowupError, Outcome
-from .kinds import check_json, require_text
 from .models import CallbackReceipt, Job, JobState, job_from_row
 
 logger = logging.getLogger(__name__)

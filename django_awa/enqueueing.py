@@ -20,20 +20,10 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from . import db, sql
+from .codec import ArgsDecodeError, canonical_json, check_json, encode_checked, require_text
 from .conf import QUEUE_NAME_RE, awa_settings, to_seconds
 from .exceptions import ConfigurationError, UniqueConflict, ValidationError
-from .kinds import (
-    ArgsDecodeError,
-    JobArgs,
-    Unique,
-    canonical_json,
-    check_json,
-    check_max_attempts,
-    check_priority,
-    encode_checked,
-    registry,
-    require_text,
-)
+from .kinds import JobArgs, Unique, check_max_attempts, check_priority, registry
 from .models import Job, JobState, job_from_values, load_json
 
 

@@ -21,21 +21,19 @@ from typing import Any
 from django.db import connections, transaction
 
 from . import db, sql
+from .codec import (
+    MAX_ERROR_CHARS,
+    MAX_TRACEBACK_CHARS,
+    ArgsDecodeError,
+    decode_args,
+    escape_json,
+    escape_text,
+)
 from .compat import savepoint_create
 from .conf import callback_timeout, to_seconds
 from .exceptions import TerminalError, ValidationError
 from .followups import Outcome
-from .kinds import (
-    MAX_ERROR_CHARS,
-    MAX_TRACEBACK_CHARS,
-    ArgsDecodeError,
-    JobArgs,
-    WorkerSpec,
-    decode_args,
-    escape_json,
-    escape_text,
-    registry,
-)
+from .kinds import JobArgs, WorkerSpec, registry
 from .models import Job, JobState
 
 logger = logging.getLogger(__name__)

@@ -23,9 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .codec import ArgsDecodeError, decode_args
 from .enqueueing import EnqueueRequest, PreparedJob, prepare
 from .exceptions import AwaError, ValidationError
-from .kinds import ArgsDecodeError, JobArgs, decode_args, registry
+from .kinds import JobArgs, registry
 from .models import Job
 
 

@@ -23,11 +23,11 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from . import db, sql
+from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
 from .execute import backoff
 from .finalize import dispatch, from_snapshot, keep_pending, send_signal
 from .followups import FollowupError, Outcome, RescueReason, followup_registry
-from .kinds import MAX_ERROR_CHARS, escape_text
 from .models import PendingFollowup, job_from_row
 
 logger = logging.getLogger(__name__)

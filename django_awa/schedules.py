@@ -17,9 +17,10 @@ from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 from django.db import transaction
 from django.utils import timezone as dj_timezone
 
+from .codec import require_text
 from .enqueueing import EnqueueRequest, insert_one, prepare
 from .exceptions import UniqueConflict, ValidationError
-from .kinds import JobArgs, check_priority, require_text
+from .kinds import JobArgs, check_priority
 from .models import PeriodicSchedule
 
 logger = logging.getLogger(__name__)

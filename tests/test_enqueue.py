@@ -423,7 +423,7 @@ def test_args_round_trip_rich_types():
         items: list[int]
         maybe: int | None = None
 
-    from django_awa.kinds import decode_args
+    from django_awa.codec import decode_args
 
     when = timezone.now()
     job = awa.enqueue(Rich(when=when, day=when.date(), items=[1, 2]))
