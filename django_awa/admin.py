@@ -48,15 +48,7 @@ from . import control, sql
 from .codec import check_text
 from .conf import awa_settings
 from .kinds import registry
-from .models import (
-    CANCELLABLE_STATES,
-    RETRIABLE_STATES,
-    Job,
-    JobState,
-    PendingFollowup,
-    PeriodicSchedule,
-    Queue,
-)
+from .models import Job, JobState, PendingFollowup, PeriodicSchedule, Queue
 from .schedules import schedules
 
 logger = logging.getLogger(__name__)
@@ -768,8 +760,8 @@ class JobAdmin(AwaModelAdmin):
         context = {
             "awa_can_retry": can_change,
             "awa_can_cancel": can_change,
-            "awa_retriable_states": [str(s) for s in RETRIABLE_STATES],
-            "awa_cancellable_states": [str(s) for s in CANCELLABLE_STATES],
+            "awa_retriable_states": [str(s) for s in JobState.RETRIABLE],
+            "awa_cancellable_states": [str(s) for s in JobState.LIVE],
             **(extra_context or {}),
         }
         return super().change_view(request, object_id, form_url, extra_context=context)
@@ -858,14 +850,14 @@ class JobAdmin(AwaModelAdmin):
         """Retry or cancel each job of ``queryset``, one transaction each; report counts."""
         alias = _alias()
         if operation == "retry":
-            states: Iterable[str] = RETRIABLE_STATES
+            states: Iterable[str] = JobState.RETRIABLE
             done_state = JobState.AVAILABLE
             verb, past = "retry", "Retried"
 
             def apply(job_id: int) -> Job:
                 return control.retry(job_id, using=alias)
         else:
-            states = CANCELLABLE_STATES
+            states = JobState.LIVE
             done_state = JobState.CANCELLED
             verb, past = "cancel", "Cancelled"
             reason = f"cancelled in admin by {request.user.get_username()}"

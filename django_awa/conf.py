@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -88,7 +88,7 @@ class QueueConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AwaSettings:
     database: str
-    queues: dict[str, QueueConfig] = field(default_factory=dict)
+    queues: dict[str, QueueConfig]
     poll_interval: float
     heartbeat_interval: float
     stale_after: float
@@ -100,11 +100,11 @@ class AwaSettings:
     callback_secret: str | None
     priority_aging_interval: float | None
     claim_batch_size: int
-    prefetch_window: float | None = None
+    prefetch_window: float | None
     max_args_bytes: int
     max_metadata_bytes: int
-    prepared_statements: bool = True
-    direct_database: str | None = "default"
+    prepared_statements: bool
+    direct_database: str | None
 
 
 def to_seconds(value: Any) -> float:

@@ -16,7 +16,7 @@ from .enqueueing import database_alias
 from .exceptions import JobNotFound, UniqueConflict
 from .finalize import dispatch, send_signal
 from .followups import Outcome
-from .models import CANCELLABLE_STATES, RETRIABLE_STATES, Job, JobState, Queue, job_from_row
+from .models import Job, JobState, Queue, job_from_row
 
 
 def _get(job_id: int, alias: str) -> Job:
@@ -40,7 +40,7 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:
             cursor.execute(
-                sql.CANCEL_JOB, {"id": job_id, "error": error, "states": list(CANCELLABLE_STATES)}
+                sql.CANCEL_JOB, {"id": job_id, "error": error, "states": list(JobState.LIVE)}
             )
             row = cursor.fetchone()
             if row is None:
@@ -62,16 +62,16 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
     alias = database_alias(using)
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-            cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(RETRIABLE_STATES)})
+            cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(JobState.RETRIABLE)})
             row = cursor.fetchone()
             if row is None:
                 job = _get(job_id, alias)
-                if job.state not in RETRIABLE_STATES:
+                if job.state not in JobState.RETRIABLE:
                     return job
                 # Maintenance moved the row into awa_job_done while this
                 # UPDATE waited for it: the copy there was not yet committed
                 # when the statement began. The next statement sees it.
-                cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(RETRIABLE_STATES)})
+                cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(JobState.RETRIABLE)})
                 row = cursor.fetchone()
                 if row is None:
                     return _get(job_id, alias)

@@ -389,7 +389,7 @@ def send_signal(outcome: Outcome, row: Job, context: dict[str, Any], alias: str)
 
 def _log(result: AttemptResult) -> None:
     job = result.job
-    if result.state == "retryable":
+    if result.state == JobState.RETRYABLE:
         logger.warning(
             "job %s kind=%s attempt=%s failed, retrying in %.1fs: %s",
             job.id, job.kind, job.attempt, result.delay or 0, result.error or "RetryAfter",

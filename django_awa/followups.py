@@ -26,7 +26,7 @@ from typing import Any
 from .codec import ArgsDecodeError, decode_args
 from .enqueueing import EnqueueRequest, PreparedJob, prepare
 from .exceptions import AwaError, ValidationError
-from .kinds import JobArgs, registry
+from .kinds import JobArgs
 from .models import Job
 
 
@@ -225,7 +225,3 @@ def build(
                 f"follow-up {spec.name} failed: {type(exc).__name__}: {exc}", spec=spec
             ) from exc
     return prepared
-
-
-def known_kinds() -> set[str]:
-    return set(registry.args_classes)

@@ -12,7 +12,7 @@ import functools
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from django.core.exceptions import ImproperlyConfigured
@@ -69,13 +69,15 @@ class Unique:
     by_args: bool = True
     by_queue: bool = False
     by_period: float | dt.timedelta | None = None
-    states: tuple[str, ...] = (
-        "scheduled",
-        "available",
-        "running",
-        "retryable",
-        "completed",
-    )
+    states: tuple[str, ...] = field(default_factory=lambda: _unique_held())
+
+
+def _unique_held() -> tuple[str, ...]:
+    # Imported here: this module is imported before the app registry is
+    # ready (jobs.py declares kinds at import), and models cannot be.
+    from .models import JobState
+
+    return JobState.UNIQUE_HELD
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,7 @@ from .conf import AwaSettings, awa_settings
 from .execute import backoff
 from .finalize import dispatch, from_snapshot, keep_pending, send_signal
 from .followups import FollowupError, Outcome, RescueReason, followup_registry
-from .models import PendingFollowup, job_from_row
+from .models import JobState, PendingFollowup, job_from_row
 
 logger = logging.getLogger(__name__)
 
@@ -393,8 +393,8 @@ class Maintenance:
         """Delete finished rows past retention, in batches; returns how many."""
         total = 0
         for states, retention in (
-            (["completed"], self.conf.completed_retention),
-            (["failed", "cancelled"], self.conf.failed_retention),
+            ([JobState.COMPLETED], self.conf.completed_retention),
+            ([JobState.FAILED, JobState.CANCELLED], self.conf.failed_retention),
         ):
             if retention is None:
                 continue

@@ -6,7 +6,7 @@ import json
 import json.scanner
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from django.db import models
 from django.db.models import Q
@@ -27,18 +27,37 @@ class JobState(models.TextChoices):
     CANCELLED = "cancelled"
     WAITING_EXTERNAL = "waiting_external"
 
+    # Groups of states, each the one statement of a rule (set below the class,
+    # once the members exist; sql.py builds its fragments from them too).
+    # Finished: finalized_at is set, nothing runs again unless retried.
+    FINAL: ClassVar[tuple[JobState, ...]]
+    # Not finished: what an operator may cancel.
+    LIVE: ClassVar[tuple[JobState, ...]]
+    # Waiting for their run_at: maintenance makes them available when due.
+    DELAYED: ClassVar[tuple[JobState, ...]]
+    # What an operator may retry: made available now, attempts reset.
+    RETRIABLE: ClassVar[tuple[JobState, ...]]
+    # Where a job holds its unique key unless Unique(states=...) says otherwise.
+    UNIQUE_HELD: ClassVar[tuple[JobState, ...]]
 
-FINAL_STATES = (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
-WAITING_STATES = (JobState.SCHEDULED, JobState.RETRYABLE)
-# States from which an operator may cancel a job.
-CANCELLABLE_STATES = (
+
+JobState.FINAL = (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+JobState.LIVE = (
     JobState.SCHEDULED,
     JobState.AVAILABLE,
     JobState.RUNNING,
     JobState.RETRYABLE,
     JobState.WAITING_EXTERNAL,
 )
-RETRIABLE_STATES = (JobState.FAILED, JobState.CANCELLED, JobState.RETRYABLE)
+JobState.DELAYED = (JobState.SCHEDULED, JobState.RETRYABLE)
+JobState.RETRIABLE = (JobState.FAILED, JobState.CANCELLED, JobState.RETRYABLE)
+JobState.UNIQUE_HELD = (
+    JobState.SCHEDULED,
+    JobState.AVAILABLE,
+    JobState.RUNNING,
+    JobState.RETRYABLE,
+    JobState.COMPLETED,
+)
 
 # What timestamptz holds that Python can read back: years 1 to 9999 in UTC.
 # PostgreSQL itself stores 4713 BC to 294276 AD, so an aware datetime at the
@@ -58,22 +77,7 @@ def _in_range(column: str) -> models.CheckConstraint:
 
 
 class JobQuerySet(models.QuerySet["Job"]):
-    """Filters shared by the admin, control functions and maintenance."""
-
-    def runnable(self) -> JobQuerySet:
-        return self.filter(state=JobState.AVAILABLE, run_at__lte=Now())
-
-    def waiting(self) -> JobQuerySet:
-        return self.filter(state__in=WAITING_STATES)
-
-    def running(self) -> JobQuerySet:
-        return self.filter(state=JobState.RUNNING)
-
-    def finished(self) -> JobQuerySet:
-        return self.filter(state__in=FINAL_STATES)
-
-    def stale(self, cutoff: datetime) -> JobQuerySet:
-        return self.running().filter(heartbeat_at__lt=cutoff)
+    """The filters of the admin's job list and of ``Job.followups()``."""
 
     def in_queue(self, queue: str) -> JobQuerySet:
         return self.filter(queue=queue)
@@ -143,35 +147,35 @@ class Job(models.Model):
             models.Index(
                 fields=["queue", "priority", "run_at", "id"],
                 name="awa_job_claim_idx",
-                condition=Q(state="available"),
+                condition=Q(state=JobState.AVAILABLE),
             ),
             # Promotion of due scheduled and retryable jobs.
             models.Index(
                 fields=["run_at"],
                 name="awa_job_due_idx",
-                condition=Q(state__in=["scheduled", "retryable"]),
+                condition=Q(state__in=JobState.DELAYED),
             ),
             # Rescue of stale heartbeats and passed deadlines.
             models.Index(
                 fields=["heartbeat_at"],
                 name="awa_job_running_idx",
-                condition=Q(state="running"),
+                condition=Q(state=JobState.RUNNING),
             ),
             models.Index(
                 fields=["deadline_at"],
                 name="awa_job_deadline_idx",
-                condition=Q(state="running"),
+                condition=Q(state=JobState.RUNNING),
             ),
             models.Index(
                 fields=["callback_timeout_at"],
                 name="awa_job_callback_idx",
-                condition=Q(state="waiting_external"),
+                condition=Q(state=JobState.WAITING_EXTERNAL),
             ),
             # Pruning finished rows past retention.
             models.Index(
                 fields=["state", "finalized_at"],
                 name="awa_job_finalized_idx",
-                condition=Q(state__in=["completed", "failed", "cancelled"]),
+                condition=Q(state__in=JobState.FINAL),
             ),
             # Lineage: follow-ups of a trigger.
             models.Index(
@@ -219,10 +223,6 @@ class Job(models.Model):
     def followups(self) -> JobQuerySet:
         """Jobs enqueued by this job's follow-ups, oldest first."""
         return Job.objects.using(self._state.db).followups_of(self.id).order_by("id")
-
-    @property
-    def is_final(self) -> bool:
-        return self.state in FINAL_STATES
 
 
 class Queue(models.Model):

@@ -15,10 +15,23 @@ read both.
 
 from __future__ import annotations
 
-from .models import Job
+from collections.abc import Iterable
+
+from .models import Job, JobState
 
 JOB_COLUMNS = ", ".join(f'"{f.column}"' for f in Job._meta.concrete_fields)
 J_JOB_COLUMNS = ", ".join(f'j."{f.column}"' for f in Job._meta.concrete_fields)
+
+
+def _states(states: Iterable[JobState]) -> str:
+    """A group of states as the SQL list ``('completed', 'failed', ...)``."""
+    return "(" + ", ".join(f"'{state}'" for state in states) + ")"
+
+
+# The JobState groups, in their order: partial indexes name them in the same
+# words (their predicate must match the statement's for the index to serve).
+_FINAL = _states(JobState.FINAL)
+_DELAYED = _states(JobState.DELAYED)
 
 _INSERT_COLUMNS = (
     "kind, queue, args, state, priority, max_attempts, run_at, tags, metadata, "
@@ -162,7 +175,7 @@ UPDATE ONLY awa_job AS j
 SET state = d.state,
     run_at = CASE WHEN d.delay IS NULL THEN j.run_at
                   ELSE now() + make_interval(secs => d.delay) END,
-    finalized_at = CASE WHEN d.state IN ('completed', 'failed', 'cancelled') THEN now() END,
+    finalized_at = CASE WHEN d.state IN {_FINAL} THEN now() END,
     errors = CASE WHEN d.error IS NULL THEN j.errors
                   ELSE j.errors || jsonb_build_array(jsonb_build_object(
                       'attempt', j.attempt, 'at', now(), 'error', d.error,
@@ -254,10 +267,10 @@ RETURNING id
 # -- PROMOTE_DUE --
 # Make due scheduled and retryable jobs available, in batches.
 # Index: awa_job_due_idx (run_at) WHERE state IN ('scheduled', 'retryable').
-PROMOTE_DUE = """
+PROMOTE_DUE = f"""
 WITH due AS (
     SELECT id FROM ONLY awa_job
-    WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
+    WHERE state IN {_DELAYED} AND run_at <= now()
     ORDER BY run_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -374,12 +387,12 @@ DELETE FROM awa_job WHERE id IN (
 # Index: awa_job_archive_idx (finalized_at), partial on this WHERE clause:
 # finished rows that hold their key are not in it, and the entries of rows
 # already moved (dead until VACUUM) lie before %(since)s.
-_ARCHIVE = """
+_ARCHIVE = f"""
 WITH moved AS (
     DELETE FROM ONLY awa_job WHERE id IN (
         SELECT id FROM ONLY awa_job
-        WHERE state IN ('completed', 'failed', 'cancelled')
-          AND (unique_key IS NULL OR NOT coalesce(unique_states ? state, false)){since}
+        WHERE state IN {_FINAL}
+          AND (unique_key IS NULL OR NOT coalesce(unique_states ? state, false)){{since}}
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     )
@@ -509,7 +522,7 @@ SELECT {JOB_COLUMNS} FROM awa_job WHERE callback_id = %(callback_id)s FOR UPDATE
 RESOLVE_CALLBACK = f"""
 UPDATE awa_job
 SET state = %(state)s,
-    finalized_at = CASE WHEN %(state)s IN ('completed', 'failed') THEN now() END,
+    finalized_at = CASE WHEN %(state)s IN {_FINAL} THEN now() END,
     attempt = CASE WHEN %(reset)s THEN 0 ELSE attempt END,
     run_at = CASE WHEN %(state)s = 'available' THEN now() ELSE run_at END,
     metadata = (metadata - 'awa_early_callback') || %(metadata)s::jsonb,
