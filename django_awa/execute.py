@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import random
 import threading
 import traceback
 import uuid
@@ -38,7 +37,8 @@ from .models import Job, JobState
 
 logger = logging.getLogger(__name__)
 
-MAX_BACKOFF = 86400.0
+# The longest RetryAfter or Snooze delay (SPEC §5).
+MAX_DELAY = 86400.0
 
 
 # -- what a handler may return -------------------------------------------------
@@ -57,7 +57,7 @@ def _seconds(value: float | dt.timedelta, what: str) -> float:
 
 def _delay(value: float | dt.timedelta) -> float:
     """A RetryAfter or Snooze delay in seconds, capped at a day (SPEC §5)."""
-    return min(to_seconds(value), MAX_BACKOFF)
+    return min(to_seconds(value), MAX_DELAY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +100,6 @@ class WaitForCallback:
     """Park the job in ``waiting_external`` until its callback is resolved."""
 
     token: CallbackToken
-
-
-def backoff(attempt: int) -> float:
-    """Seconds before retrying after failed run ``attempt``: 2**n plus 0-25%, at most a day."""
-    base = 2.0 ** min(attempt, 32)
-    return min(base * (1 + random.uniform(0, 0.25)), MAX_BACKOFF)  # noqa: S311 - jitter
 
 
 # -- the attempt's shared state --------------------------------------------------
@@ -251,6 +245,8 @@ class AttemptResult:
     job: Job
     state: JobState
     outcome: Outcome | None = None
+    # Seconds from now to the next run_at; None keeps run_at, except that a
+    # retryable result without a delay waits the backoff (sql._backoff).
     delay: float | None = None
     error: str | None = None
     traceback: str = ""
@@ -294,7 +290,11 @@ def failed_terminally(job: Job, error: str, tb: str = "") -> AttemptResult:
 
 
 def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
-    """The handler failed: retry after backoff, or exhaust on the last attempt."""
+    """The handler failed: retry after the backoff, or exhaust on the last attempt.
+
+    The backoff is drawn by the database as the outcome is written (FINALIZE):
+    a retryable result without a ``delay`` waits it.
+    """
     if job.attempt >= job.max_attempts:
         return failed_terminally(job, error, tb)
     error = escape_text(error, MAX_ERROR_CHARS)
@@ -302,7 +302,6 @@ def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
         job=job,
         state=JobState.RETRYABLE,
         outcome=Outcome.RETRIED,
-        delay=backoff(job.attempt),
         error=error,
         traceback=escape_text(tb, MAX_TRACEBACK_CHARS),
         context={"error": error, "attempt": job.attempt},

@@ -24,6 +24,7 @@ from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, transaction
+from django.db.models.functions import Now
 
 from . import db, signals, sql
 from .compat import savepoint_create
@@ -260,6 +261,9 @@ def keep_pending(
         context=json.loads(json.dumps(context, cls=DjangoJSONEncoder)),
         snapshot=snapshot(row),
         last_error=_error_text(error) if error is not None else "",
+        # The database clock, as replay_pending judges it by.
+        next_attempt_at=Now(),
+        created_at=Now(),
     )
     if error is not None:
         logger.error(
@@ -390,9 +394,16 @@ def send_signal(outcome: Outcome, row: Job, context: dict[str, Any], alias: str)
 def _log(result: AttemptResult) -> None:
     job = result.job
     if result.state == JobState.RETRYABLE:
+        # The backoff is drawn by the database; the row, when read back, says when.
+        if result.delay is not None:
+            when = f"in {result.delay:.1f}s"
+        elif result.row is not None:
+            when = f"at {result.row.run_at.isoformat()}"
+        else:
+            when = "after a backoff"
         logger.warning(
-            "job %s kind=%s attempt=%s failed, retrying in %.1fs: %s",
-            job.id, job.kind, job.attempt, result.delay or 0, result.error or "RetryAfter",
+            "job %s kind=%s attempt=%s failed, retrying %s: %s",
+            job.id, job.kind, job.attempt, when, result.error or "RetryAfter",
             extra={"job_id": job.id, "kind": job.kind, "queue": job.queue, "attempt": job.attempt},
         )  # fmt: skip
     elif result.outcome is Outcome.EXHAUSTED:

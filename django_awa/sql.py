@@ -33,6 +33,32 @@ def _states(states: Iterable[JobState]) -> str:
 _FINAL = _states(JobState.FINAL)
 _DELAYED = _states(JobState.DELAYED)
 
+
+def _backoff(attempt: str) -> str:
+    """Seconds before the retry after failed run number ``attempt`` (SPEC §5): 2**n
+    plus a random 0 to 25% of that, at most a day. Every retry that waits a backoff
+    is scheduled with it (a handler's error, a rescue, a pending follow-up);
+    random() is drawn per row, so jobs that failed together retry apart."""
+    return f"least(power(2, least({attempt}, 32)) * (1 + random() * 0.25), 86400)"
+
+
+def _errors_plus(row: str, error: str, traceback: str = "''") -> str:
+    """The ``errors`` column of ``row`` (``"j."``, or ``""`` for the updated table)
+    with an entry ``{"attempt", "at", "error", "traceback"}`` appended for the
+    row's current attempt, stamped with the database clock; unchanged when
+    ``error`` is NULL."""
+    return f"""CASE WHEN {error} IS NULL THEN {row}errors
+                  ELSE {row}errors || jsonb_build_array(jsonb_build_object(
+                      'attempt', {row}attempt, 'at', now(), 'error', {error},
+                      'traceback', {traceback})) END"""
+
+
+# What an attempt leaves on the row once it is over and nothing waits on it:
+# no heartbeat, no deadline, no callback.
+_ATTEMPT_CLEARED = (
+    "heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL"
+)
+
 _INSERT_COLUMNS = (
     "kind, queue, args, state, priority, max_attempts, run_at, tags, metadata, "
     "unique_key, unique_states"
@@ -158,8 +184,10 @@ RETURNING {J_JOB_COLUMNS}
 # flight) are skipped, not waited for, so one locked row never holds back the
 # batch; they are absent from RETURNING too, and STILL_HELD tells them apart
 # from stale ones. Primary key lookups only. Error entries are stamped with
-# the database clock. callback_id is kept only for the waiting_external
-# outcome, whose row must carry the callback id the handler registered.
+# the database clock. A delay moves run_at; a retryable outcome without one
+# (the handler raised) waits the backoff. callback_id is kept only for the
+# waiting_external outcome, whose row must carry the callback id the handler
+# registered.
 # The attempts given as two arrays whose rows are still running them.
 _RUNNING_ATTEMPTS = """
     SELECT j.id FROM ONLY awa_job AS j
@@ -173,13 +201,12 @@ WITH held AS ({_RUNNING_ATTEMPTS}
 _FINALIZE = f"""{_HELD_ROWS}
 UPDATE ONLY awa_job AS j
 SET state = d.state,
-    run_at = CASE WHEN d.delay IS NULL THEN j.run_at
-                  ELSE now() + make_interval(secs => d.delay) END,
+    run_at = CASE WHEN d.delay IS NOT NULL THEN now() + make_interval(secs => d.delay)
+                  WHEN d.state = 'retryable'
+                      THEN now() + make_interval(secs => {_backoff("j.attempt")})
+                  ELSE j.run_at END,
     finalized_at = CASE WHEN d.state IN {_FINAL} THEN now() END,
-    errors = CASE WHEN d.error IS NULL THEN j.errors
-                  ELSE j.errors || jsonb_build_array(jsonb_build_object(
-                      'attempt', j.attempt, 'at', now(), 'error', d.error,
-                      'traceback', coalesce(d.traceback, ''))) END,
+    errors = {_errors_plus("j.", "d.error", "coalesce(d.traceback, '')")},
     snoozed = d.snoozed,
     attempt = CASE WHEN d.reset_attempts THEN 0 ELSE j.attempt END,
     progress = coalesce(d.progress, j.progress),
@@ -207,10 +234,7 @@ UPDATE ONLY awa_job AS j
 SET state = 'completed',
     finalized_at = now(),
     snoozed = false,
-    heartbeat_at = NULL,
-    deadline_at = NULL,
-    callback_id = NULL,
-    callback_timeout_at = NULL
+    {_ATTEMPT_CLEARED}
 FROM held
 WHERE j.id = held.id AND j.state = 'running'
 """
@@ -320,19 +344,34 @@ UPDATE ONLY awa_job AS j
 SET state = CASE WHEN j.attempt >= j.max_attempts THEN 'failed' ELSE 'retryable' END,
     finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN now() END,
     run_at = CASE WHEN j.attempt >= j.max_attempts THEN j.run_at
-             ELSE now() + make_interval(secs => least(
-                 power(2, least(j.attempt, 32)) * (1 + random() * 0.25), 86400)) END,
-    errors = j.errors || jsonb_build_array(jsonb_build_object(
-        'attempt', j.attempt, 'at', now(),
-        'error', 'rescued: ' || replace(v.reason, '_', ' '), 'traceback', '')),
-    heartbeat_at = NULL,
-    deadline_at = NULL,
-    callback_id = NULL,
-    callback_timeout_at = NULL
+             ELSE now() + make_interval(secs => {_backoff("j.attempt")}) END,
+    errors = {_errors_plus("j.", "'rescued: ' || replace(v.reason, '_', ' ')")},
+    {_ATTEMPT_CLEARED}
 FROM locked JOIN victims AS v ON v.id = locked.id
 WHERE j.id = locked.id
 RETURNING v.reason, {J_JOB_COLUMNS}
 """
+
+# -- POSTPONE_PENDING --
+# A pending follow-up's insert failed again: count the try, keep the error and
+# retry it after the backoff of its try number (at most 12: about an hour
+# apart), from %(now)s (maintenance's injected now) or the database clock.
+# Primary key lookup.
+POSTPONE_PENDING = f"""
+UPDATE awa_pending_followup
+SET attempts = attempts + 1,
+    next_attempt_at = coalesce(%(now)s::timestamptz, now())
+        + make_interval(secs => {_backoff("least(attempts + 1, 12)")}),
+    last_error = %(error)s
+WHERE id = %(id)s
+RETURNING attempts, outcome, job_id,
+          extract(epoch FROM next_attempt_at - coalesce(%(now)s::timestamptz, now()))
+"""
+
+# -- DATABASE_NOW --
+# The database clock, for maintenance duties that judge due times in Python
+# (periodic fires) when no now is injected.
+DATABASE_NOW = "SELECT now()"
 
 # -- AGE_PRIORITIES --
 # Priority aging: an available job moves up one priority level per aging
@@ -488,9 +527,8 @@ WITH old AS (
 )
 UPDATE ONLY awa_job AS j
 SET state = 'cancelled', finalized_at = now(),
-    errors = j.errors || jsonb_build_array(jsonb_build_object(
-        'attempt', j.attempt, 'at', now(), 'error', %(error)s::text, 'traceback', '')),
-    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
+    errors = {_errors_plus("j.", "%(error)s::text")},
+    {_ATTEMPT_CLEARED}
 FROM old
 WHERE j.id = old.id
 RETURNING old.state, {J_JOB_COLUMNS}
@@ -502,7 +540,7 @@ RETURNING old.state, {J_JOB_COLUMNS}
 RETRY_JOB = f"""
 UPDATE awa_job
 SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
-    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
+    {_ATTEMPT_CLEARED}
 WHERE id = %(id)s AND state = ANY(%(states)s::text[])
 RETURNING {JOB_COLUMNS}
 """
@@ -526,10 +564,7 @@ SET state = %(state)s,
     attempt = CASE WHEN %(reset)s THEN 0 ELSE attempt END,
     run_at = CASE WHEN %(state)s = 'available' THEN now() ELSE run_at END,
     metadata = (metadata - 'awa_early_callback') || %(metadata)s::jsonb,
-    errors = CASE WHEN %(error)s::text IS NULL THEN errors
-                  ELSE errors || jsonb_build_array(jsonb_build_object(
-                      'attempt', attempt, 'at', now(), 'error', %(error)s::text,
-                      'traceback', '')) END,
+    errors = {_errors_plus("", "%(error)s::text")},
     callback_id = CASE WHEN %(state)s = 'available' THEN NULL ELSE callback_id END,
     callback_timeout_at = NULL
 WHERE id = %(id)s
