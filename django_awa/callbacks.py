@@ -38,7 +38,7 @@ from .conf import awa_settings, callback_timeout
 from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
 from .finalize import dispatch, send_signal
-from .followups import FollowupError, Outcome
+from .followups import COMPLETED, Exhausted, FollowupError, OutcomeContext, Retried
 from .models import CallbackReceipt, Job, JobState, job_from_row
 
 logger = logging.getLogger(__name__)
@@ -88,17 +88,18 @@ def _resolve(
     alias: str,
 ) -> Job:
     """Apply a resolution to a locked ``waiting_external`` job, with its follow-ups."""
+    context: OutcomeContext
     if action == "complete":
-        state, outcome, reset, context = JobState.COMPLETED, Outcome.COMPLETED, False, {}
+        state, reset, context = JobState.COMPLETED, False, COMPLETED
         metadata, error_entry = {RESULT_KEY: payload}, None
     elif action == "fail":
-        state, outcome, reset = JobState.FAILED, Outcome.EXHAUSTED, False
-        context = {"error": error, "attempt": job.attempt}
+        state, reset = JobState.FAILED, False
+        context = Exhausted(error=error or "", attempt=job.attempt)
         metadata, error_entry = {}, error
     elif action == "retry":
-        state, outcome, reset = JobState.AVAILABLE, Outcome.RETRIED, True
+        state, reset = JobState.AVAILABLE, True
         metadata, error_entry = {}, None
-        context = {"error": "retried externally", "attempt": job.attempt}
+        context = Retried(error="retried externally", attempt=job.attempt)
     else:  # pragma: no cover - callers pass one of the three
         raise ValueError(action)
     with connections[alias].cursor() as cursor:
@@ -115,10 +116,9 @@ def _resolve(
         row = job_from_row(cursor.fetchone(), alias)
         if state == JobState.AVAILABLE:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [row.queue]})
-    if outcome is Outcome.RETRIED:
-        context["next_run_at"] = row.run_at
-    dispatch(outcome, row, context, alias)
-    send_signal(outcome, row, context, alias)
+    context = context.after(row)
+    dispatch(row, context, alias)
+    send_signal(row, context, alias)
     logger.info(
         "job %s kind=%s attempt=%s -> %s by callback %s (%s)",
         row.id, row.kind, job.attempt, row.state, job.callback_id, action,

@@ -15,7 +15,7 @@ from . import sql
 from .enqueueing import database_alias
 from .exceptions import JobNotFound, UniqueConflict
 from .finalize import dispatch, send_signal
-from .followups import Outcome
+from .followups import Cancelled
 from .models import Job, JobState, Queue, job_from_row
 
 
@@ -36,11 +36,12 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     Raises ``JobNotFound``.
     """
     alias = database_alias(using)
-    error = f"cancelled: {reason}" if reason else "cancelled"
+    context = Cancelled(reason=reason)
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:
             cursor.execute(
-                sql.CANCEL_JOB, {"id": job_id, "error": error, "states": list(JobState.LIVE)}
+                sql.CANCEL_JOB,
+                {"id": job_id, "error": context.error_entry, "states": list(JobState.LIVE)},
             )
             row = cursor.fetchone()
             if row is None:
@@ -48,8 +49,8 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
             previous, job = row[0], job_from_row(row[1:], alias)
             if previous == JobState.RUNNING:
                 cursor.execute("SELECT pg_notify('awa_cancel', %s)", [str(job_id)])
-        dispatch(Outcome.CANCELLED, job, {"reason": reason}, alias)
-        send_signal(Outcome.CANCELLED, job, {"reason": reason}, alias)
+        dispatch(job, context, alias)
+        send_signal(job, context, alias)
     return job
 
 

@@ -31,7 +31,15 @@ from .codec import (
 from .compat import savepoint_create
 from .conf import callback_timeout, to_seconds
 from .exceptions import TerminalError, ValidationError
-from .followups import Outcome
+from .followups import (
+    COMPLETED,
+    WAITING_FOR_CALLBACK,
+    Cancelled,
+    Exhausted,
+    Outcome,
+    OutcomeContext,
+    Retried,
+)
 from .kinds import JobArgs, WorkerSpec, registry
 from .models import Job, JobState
 
@@ -244,7 +252,9 @@ class AttemptResult:
 
     job: Job
     state: JobState
-    outcome: Outcome | None = None
+    # The outcome and what its follow-ups and signal get; None: no outcome
+    # (a Snooze), so neither.
+    context: OutcomeContext | None = None
     # Seconds from now to the next run_at; None keeps run_at, except that a
     # retryable result without a delay waits the backoff (sql._backoff).
     delay: float | None = None
@@ -253,11 +263,15 @@ class AttemptResult:
     snoozed: bool = False
     reset_attempts: bool = False
     progress: dict[str, Any] | None = None
-    context: dict[str, Any] = field(default_factory=dict)
     # Set by finalize: the row as it stands after the transition, or, when it
     # was not written because another session held the row locked, locked.
     row: Job | None = None
     locked: bool = False
+
+    @property
+    def outcome(self) -> Outcome | None:
+        context = self.context
+        return None if context is None else context.outcome
 
     def params(self) -> dict[str, Any]:
         return {
@@ -274,7 +288,7 @@ class AttemptResult:
 
 
 def completed(job: Job) -> AttemptResult:
-    return AttemptResult(job=job, state=JobState.COMPLETED, outcome=Outcome.COMPLETED)
+    return AttemptResult(job=job, state=JobState.COMPLETED, context=COMPLETED)
 
 
 def failed_terminally(job: Job, error: str, tb: str = "") -> AttemptResult:
@@ -282,10 +296,9 @@ def failed_terminally(job: Job, error: str, tb: str = "") -> AttemptResult:
     return AttemptResult(
         job=job,
         state=JobState.FAILED,
-        outcome=Outcome.EXHAUSTED,
+        context=Exhausted(error=error, attempt=job.attempt),
         error=error,
         traceback=escape_text(tb, MAX_TRACEBACK_CHARS),
-        context={"error": error, "attempt": job.attempt},
     )
 
 
@@ -301,10 +314,9 @@ def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
     return AttemptResult(
         job=job,
         state=JobState.RETRYABLE,
-        outcome=Outcome.RETRIED,
+        context=Retried(error=error, attempt=job.attempt),
         error=error,
         traceback=escape_text(tb, MAX_TRACEBACK_CHARS),
-        context={"error": error, "attempt": job.attempt},
     )
 
 
@@ -358,9 +370,8 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
             return AttemptResult(
                 job=job,
                 state=JobState.RETRYABLE,
-                outcome=Outcome.RETRIED,
+                context=Retried(error="", attempt=job.attempt),
                 delay=_delay(seconds),
-                context={"error": "", "attempt": job.attempt},
             )
         case Snooze(seconds=seconds):
             delay = _delay(seconds)
@@ -371,13 +382,9 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
                 snoozed=True,
             )
         case Cancel(reason=reason):
-            reason = escape_text(str(reason), MAX_ERROR_CHARS)
+            cancelled = Cancelled(reason=escape_text(str(reason), MAX_ERROR_CHARS))
             return AttemptResult(
-                job=job,
-                state=JobState.CANCELLED,
-                outcome=Outcome.CANCELLED,
-                error=f"cancelled: {reason}" if reason else "cancelled",
-                context={"reason": reason},
+                job=job, state=JobState.CANCELLED, context=cancelled, error=cancelled.error_entry
             )
         case WaitForCallback(token=token):
             if attempt.callback_id is None or token.id != attempt.callback_id:
@@ -387,7 +394,7 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
                     "register (call job.register_callback() first)",
                 )
             return AttemptResult(
-                job=job, state=JobState.WAITING_EXTERNAL, outcome=Outcome.WAITING_FOR_CALLBACK
+                job=job, state=JobState.WAITING_EXTERNAL, context=WAITING_FOR_CALLBACK
             )
         case _:
             return errored(

@@ -15,6 +15,7 @@ themselves (callback resolution, ``awa.cancel``): it raises to the caller.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import traceback
@@ -30,7 +31,17 @@ from . import db, signals, sql
 from .compat import savepoint_create
 from .enqueueing import PreparedJob, insert_flagged, insert_reserved
 from .execute import AttemptResult, errored
-from .followups import FollowupError, FollowupSpec, Outcome, build, followup_registry
+from .followups import (
+    CONTEXT_PARAMETERS,
+    CONTEXTS,
+    FollowupError,
+    FollowupSpec,
+    Outcome,
+    OutcomeContext,
+    RescueReason,
+    build,
+    followup_registry,
+)
 from .models import Job, JobState, PendingFollowup, jobs_from_rows
 
 logger = logging.getLogger(__name__)
@@ -118,11 +129,11 @@ def _mark_locked(cursor: db.Cursor, results: Sequence[AttemptResult], written: s
         result.locked = result.job.id in held
 
 
-def followup_context(result: AttemptResult) -> dict[str, Any]:
-    context = dict(result.context)
-    if result.outcome is Outcome.RETRIED and result.row is not None:
-        context["next_run_at"] = result.row.run_at
-    return context
+def followup_context(result: AttemptResult) -> OutcomeContext:
+    """The context of a written result's outcome, as its row now stands."""
+    if result.context is None or result.row is None:  # pragma: no cover - by construction
+        raise RuntimeError(f"job {result.job.id}: follow-ups without an outcome or row")
+    return result.context.after(result.row)
 
 
 def _insert(
@@ -153,10 +164,8 @@ def _apply_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
     failures: dict[int, tuple[AttemptResult, Exception]] = {}
     batch = []
     for result in applied:
-        if result.outcome is None or result.row is None:  # pragma: no cover - by construction
-            raise RuntimeError(f"job {result.job.id}: follow-ups without an outcome or row")
         try:
-            batch.append((result, build(result.outcome, result.row, followup_context(result))))
+            batch.append((result, build(result.row, followup_context(result))))
         except FollowupError as exc:
             failures[result.job.id] = (result, exc)
     if not failures:
@@ -238,7 +247,7 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
             second = next(iter(second.failures.values()))[1]
         applied = _write([fallback], alias, rows=True)
         for done in applied:
-            keep_pending(done.row, fallback.outcome, followup_context(done), alias, second)
+            keep_pending(done.row, followup_context(done), alias, second)
         return applied
     transaction.savepoint_commit(savepoint, using=alias)
     return applied
@@ -246,19 +255,19 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
 
 def keep_pending(
     row: Job | None,
-    outcome: Outcome | None,
-    context: dict[str, Any],
+    context: OutcomeContext,
     alias: str,
     error: Exception | None = None,
 ) -> PendingFollowup:
     """Record follow-ups to insert later, in the current transaction."""
-    if row is None or outcome is None:  # pragma: no cover - by construction
-        raise RuntimeError("a pending follow-up needs the trigger's row and outcome")
+    if row is None:  # pragma: no cover - by construction
+        raise RuntimeError("a pending follow-up needs the trigger's row")
+    outcome = context.outcome
     pending = PendingFollowup.objects.using(alias).create(
         job_id=row.id,
         kind=row.kind,
         outcome=outcome.value,
-        context=json.loads(json.dumps(context, cls=DjangoJSONEncoder)),
+        context=context_json(context),
         snapshot=snapshot(row),
         last_error=_error_text(error) if error is not None else "",
         # The database clock, as replay_pending judges it by.
@@ -276,6 +285,33 @@ def keep_pending(
             pending.id,
         )
     return pending
+
+
+def context_json(context: OutcomeContext) -> dict[str, Any]:
+    """``context`` as a pending row keeps it: ``{field: value}``, datetimes in ISO format.
+
+    The shape 0.1.0 wrote its context dicts in, so either release reads the other's.
+    """
+    return {
+        name: value.isoformat() if isinstance(value, dt.datetime) else value
+        for name, value in context.as_dict().items()
+    }
+
+
+def context_from_json(outcome: Outcome, data: dict[str, Any]) -> OutcomeContext:
+    """The context a pending row of ``outcome`` kept (``context_json``, or 0.1.0's dict).
+
+    Raises ``FollowupError`` for a row it cannot restore.
+    """
+    values = {name: data.get(name) for name in CONTEXT_PARAMETERS[outcome]}
+    try:
+        if isinstance(values.get("next_run_at"), str):
+            values["next_run_at"] = dt.datetime.fromisoformat(values["next_run_at"])
+        if outcome is Outcome.RESCUED:
+            values["reason"] = RescueReason(values["reason"])
+        return CONTEXTS[outcome](**values)
+    except (TypeError, ValueError) as exc:
+        raise FollowupError(f"the kept {outcome} context cannot be restored: {exc}") from exc
 
 
 def snapshot(job: Job) -> dict[str, Any]:
@@ -306,7 +342,7 @@ def _send_signals(applied: Sequence[AttemptResult], alias: str) -> None:
     heard = _heard(result.outcome for result in applied)
     for result in applied:
         if result.outcome in heard and result.row is not None:
-            send_signal(result.outcome, result.row, followup_context(result), alias)
+            send_signal(result.row, followup_context(result), alias)
 
 
 def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult]:
@@ -363,13 +399,13 @@ def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
     return bool(applied)
 
 
-def dispatch(outcome: Outcome, row: Job, context: dict[str, Any], alias: str) -> list[int]:
-    """Insert the follow-ups of ``outcome`` for ``row`` in the caller's transaction.
+def dispatch(row: Job, context: OutcomeContext, alias: str) -> list[int]:
+    """Insert the follow-ups of ``context``'s outcome for ``row`` in the caller's transaction.
 
     Raises ``FollowupError`` if a function fails or an insert is refused.
     Returns the ids of the inserted follow-ups.
     """
-    prepared = [job for _, job in build(outcome, row, context)]
+    prepared = [job for _, job in build(row, context)]
     if not prepared:
         return []
     reserved, inserted = insert_reserved(prepared, alias)
@@ -382,12 +418,15 @@ def dispatch(outcome: Outcome, row: Job, context: dict[str, Any], alias: str) ->
     return [rid for rid in reserved if rid in inserted]
 
 
-def send_signal(outcome: Outcome, row: Job, context: dict[str, Any], alias: str) -> None:
-    """Send ``outcome``'s signal after the current transaction commits (if anyone listens)."""
-    signal = _SIGNALS.get(outcome)
+def send_signal(row: Job, context: OutcomeContext, alias: str) -> None:
+    """Send the signal of ``context``'s outcome after the current transaction commits
+    (if anyone listens), with ``job=row`` and the context's fields."""
+    signal = _SIGNALS.get(context.outcome)
     if signal is not None and signal.has_listeners():
         transaction.on_commit(
-            partial(signal.send_robust, sender=Job, job=row, **context), using=alias, robust=True
+            partial(signal.send_robust, sender=Job, job=row, **context.as_dict()),
+            using=alias,
+            robust=True,
         )
 
 

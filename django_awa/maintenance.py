@@ -23,8 +23,8 @@ from django.db.models.functions import Now
 from . import db, sql
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
-from .finalize import dispatch, from_snapshot, keep_pending, send_signal
-from .followups import FollowupError, Outcome, RescueReason, followup_registry
+from .finalize import context_from_json, dispatch, from_snapshot, keep_pending, send_signal
+from .followups import FollowupError, Outcome, Rescued, RescueReason, followup_registry
 from .models import JobState, PendingFollowup, job_from_row
 
 logger = logging.getLogger(__name__)
@@ -304,10 +304,10 @@ class Maintenance:
                     job.state,
                     extra={"job_id": job.id, "kind": job.kind, "queue": job.queue},
                 )
-                context = {"reason": reason.value}
+                context = Rescued(reason=reason)
                 if followup_registry.has(Outcome.RESCUED, job.kind):
-                    pending_ids.append(keep_pending(job, Outcome.RESCUED, context, self.alias).id)
-                send_signal(Outcome.RESCUED, job, {"reason": reason}, self.alias)
+                    pending_ids.append(keep_pending(job, context, self.alias).id)
+                send_signal(job, context, self.alias)
         if rescued:
             reasons = Counter(row[0] for row in rescued)
             logger.warning(
@@ -350,7 +350,7 @@ class Maintenance:
                     return False
                 job = from_snapshot(pending.snapshot, self.alias)
                 outcome = Outcome(pending.outcome)
-                ids = dispatch(outcome, job, dict(pending.context), self.alias)
+                ids = dispatch(job, context_from_json(outcome, pending.context), self.alias)
                 pending.delete()
         except (FollowupError, DatabaseError) as exc:
             self._postpone(pending_id, exc, now)
