@@ -15,34 +15,28 @@ themselves (callback resolution, ``awa.cancel``): it raises to the caller.
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import logging
 import traceback
 from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any
 
-from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, transaction
-from django.db.models.functions import Now
 
 from . import db, signals, sql
 from .compat import savepoint_create
 from .enqueueing import PreparedJob, insert_flagged, insert_reserved
 from .execute import AttemptResult, errored
 from .followups import (
-    CONTEXT_PARAMETERS,
-    CONTEXTS,
     FollowupError,
     FollowupSpec,
     Outcome,
     OutcomeContext,
-    RescueReason,
     build,
     followup_registry,
 )
-from .models import Job, JobState, PendingFollowup, jobs_from_rows
+from .models import Job, JobState, jobs_from_rows
+from .pending import keep_pending
 
 logger = logging.getLogger(__name__)
 
@@ -247,87 +241,20 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
             second = next(iter(second.failures.values()))[1]
         applied = _write([fallback], alias, rows=True)
         for done in applied:
-            keep_pending(done.row, followup_context(done), alias, second)
+            kept = keep_pending(done.row, followup_context(done), alias, _error_text(second))
+            logger.error(
+                "follow-ups of job %s kind=%s outcome=%s could not be inserted (%s); "
+                "kept as pending follow-up %s for maintenance to retry",
+                done.job.id,
+                done.job.kind,
+                done.outcome,
+                second,
+                kept.id,
+                extra={"job_id": done.job.id, "kind": done.job.kind},
+            )
         return applied
     transaction.savepoint_commit(savepoint, using=alias)
     return applied
-
-
-def keep_pending(
-    row: Job | None,
-    context: OutcomeContext,
-    alias: str,
-    error: Exception | None = None,
-) -> PendingFollowup:
-    """Record follow-ups to insert later, in the current transaction."""
-    if row is None:  # pragma: no cover - by construction
-        raise RuntimeError("a pending follow-up needs the trigger's row")
-    outcome = context.outcome
-    pending = PendingFollowup.objects.using(alias).create(
-        job_id=row.id,
-        kind=row.kind,
-        outcome=outcome.value,
-        context=context_json(context),
-        snapshot=snapshot(row),
-        last_error=_error_text(error) if error is not None else "",
-        # The database clock, as replay_pending judges it by.
-        next_attempt_at=Now(),
-        created_at=Now(),
-    )
-    if error is not None:
-        logger.error(
-            "follow-ups of job %s kind=%s outcome=%s could not be inserted (%s); "
-            "kept as pending follow-up %s for maintenance to retry",
-            row.id,
-            row.kind,
-            outcome,
-            error,
-            pending.id,
-        )
-    return pending
-
-
-def context_json(context: OutcomeContext) -> dict[str, Any]:
-    """``context`` as a pending row keeps it: ``{field: value}``, datetimes in ISO format.
-
-    The shape 0.1.0 wrote its context dicts in, so either release reads the other's.
-    """
-    return {
-        name: value.isoformat() if isinstance(value, dt.datetime) else value
-        for name, value in context.as_dict().items()
-    }
-
-
-def context_from_json(outcome: Outcome, data: dict[str, Any]) -> OutcomeContext:
-    """The context a pending row of ``outcome`` kept (``context_json``, or 0.1.0's dict).
-
-    Raises ``FollowupError`` for a row it cannot restore.
-    """
-    values = {name: data.get(name) for name in CONTEXT_PARAMETERS[outcome]}
-    try:
-        if isinstance(values.get("next_run_at"), str):
-            values["next_run_at"] = dt.datetime.fromisoformat(values["next_run_at"])
-        if outcome is Outcome.RESCUED:
-            values["reason"] = RescueReason(values["reason"])
-        return CONTEXTS[outcome](**values)
-    except (TypeError, ValueError) as exc:
-        raise FollowupError(f"the kept {outcome} context cannot be restored: {exc}") from exc
-
-
-def snapshot(job: Job) -> dict[str, Any]:
-    data = {f.attname: getattr(job, f.attname) for f in Job._meta.concrete_fields}
-    return json.loads(json.dumps(data, cls=DjangoJSONEncoder))
-
-
-def from_snapshot(data: dict[str, Any], alias: str) -> Job:
-    values = {}
-    for f in Job._meta.concrete_fields:
-        value = data.get(f.attname)
-        values[f.attname] = value if isinstance(value, (dict, list)) else f.to_python(value)
-    job = Job(**values)
-    job._state.adding = False
-    job._state.db = alias
-    return job
 
 
 def _apply_early_callbacks(applied: Sequence[AttemptResult], alias: str) -> None:

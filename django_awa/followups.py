@@ -9,7 +9,7 @@ An app declares them in its ``followups.py``::
 Worker-driven outcomes, callback resolution and ``awa.cancel`` insert the
 follow-ups in the transaction that commits the state change (see
 ``finalize.py``); a rescue inserts them right after it commits, through a
-durable pending row (``maintenance.py``).
+durable pending row (``pending.py``) that maintenance replays.
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ from django.db.models.functions import Now
 from . import db, sql
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
-from .finalize import context_from_json, dispatch, from_snapshot, keep_pending, send_signal
+from .finalize import dispatch, send_signal
 from .followups import FollowupError, Outcome, Rescued, RescueReason, followup_registry
 from .models import JobState, PendingFollowup, job_from_row
+from .pending import keep_pending, restore
 
 logger = logging.getLogger(__name__)
 
@@ -348,9 +349,8 @@ class Maintenance:
                 )
                 if pending is None:
                     return False
-                job = from_snapshot(pending.snapshot, self.alias)
-                outcome = Outcome(pending.outcome)
-                ids = dispatch(job, context_from_json(outcome, pending.context), self.alias)
+                job, context = restore(pending, self.alias)
+                ids = dispatch(job, context, self.alias)
                 pending.delete()
         except (FollowupError, DatabaseError) as exc:
             self._postpone(pending_id, exc, now)
@@ -360,7 +360,7 @@ class Maintenance:
             len(ids),
             job.id,
             job.kind,
-            outcome.value,
+            context.outcome.value,
         )
         return True
 

@@ -19,7 +19,7 @@ import django_awa as awa
 from django_awa import signals
 from django_awa.claim import claim
 from django_awa.execute import Attempt, AttemptResult, completed, run_attempt
-from django_awa.finalize import context_from_json, context_json, finalize
+from django_awa.finalize import finalize
 from django_awa.followups import (
     CONTEXT_PARAMETERS,
     Cancelled,
@@ -36,6 +36,7 @@ from django_awa.followups import (
 )
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, PendingFollowup
+from django_awa.pending import context_from_json, context_json
 from stress import audit
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.followups import CALLS, FAIL
