@@ -39,7 +39,7 @@ from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
 from .finalize import dispatch, send_signal
 from .followups import COMPLETED, Exhausted, FollowupError, OutcomeContext, Retried
-from .models import CallbackReceipt, Job, JobState, job_from_row
+from .models import CallbackReceipt, Job, JobState, jobs_from_rows
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ def _lock(callback_id: uuid.UUID, alias: str) -> Job:
         row = cursor.fetchone()
     if row is None:
         raise CallbackNotFound(f"no job is waiting on callback {callback_id}")
-    return job_from_row(row, alias)
+    (job,) = jobs_from_rows([row], alias)
+    return job
 
 
 def _early_for(job: Job, callback_id: uuid.UUID | None) -> dict[str, Any] | None:
@@ -113,7 +114,7 @@ def _resolve(
                 "error": error_entry,
             },
         )
-        row = job_from_row(cursor.fetchone(), alias)
+        (row,) = jobs_from_rows([cursor.fetchone()], alias)
         if state == JobState.AVAILABLE:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [row.queue]})
     context = context.after(row)
@@ -203,7 +204,8 @@ def heartbeat_callback(
             )
         with connections[alias].cursor() as cursor:
             cursor.execute(sql.EXTEND_CALLBACK, {"id": job.id, "timeout": seconds})
-            return job_from_row(cursor.fetchone(), alias)
+            (extended,) = jobs_from_rows([cursor.fetchone()], alias)
+            return extended
 
 
 def apply_early(row: Job, alias: str) -> Job | None:

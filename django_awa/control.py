@@ -16,7 +16,7 @@ from .enqueueing import database_alias
 from .exceptions import JobNotFound, UniqueConflict
 from .finalize import dispatch, send_signal
 from .followups import Cancelled
-from .models import Job, JobState, Queue, job_from_row
+from .models import Job, JobState, Queue, jobs_from_rows
 
 
 def _get(job_id: int, alias: str) -> Job:
@@ -46,7 +46,7 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
             row = cursor.fetchone()
             if row is None:
                 return _get(job_id, alias)
-            previous, job = row[0], job_from_row(row[1:], alias)
+            previous, (job,) = row[0], jobs_from_rows([row[1:]], alias)
             if previous == JobState.RUNNING:
                 cursor.execute("SELECT pg_notify('awa_cancel', %s)", [str(job_id)])
         dispatch(job, context, alias)
@@ -76,7 +76,7 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
                 row = cursor.fetchone()
                 if row is None:
                     return _get(job_id, alias)
-            job = job_from_row(row, alias)
+            (job,) = jobs_from_rows([row], alias)
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [job.queue]})
     except IntegrityError as exc:
         raise UniqueConflict(

@@ -11,6 +11,7 @@ import datetime as dt
 import hashlib
 import json
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, cast
@@ -24,7 +25,7 @@ from .codec import ArgsDecodeError, canonical_json, check_json, encode_checked, 
 from .conf import QUEUE_NAME_RE, awa_settings, to_seconds
 from .exceptions import ConfigurationError, UniqueConflict, ValidationError
 from .kinds import JobArgs, Unique, check_max_attempts, check_priority, registry
-from .models import Job, JobState, job_from_values, load_json
+from .models import JOB_ATTNAMES, Job, JobState, jobs_from_rows, load_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,45 +372,59 @@ def insert_one(prepared: PreparedJob, alias: str) -> Job:
     return _inserted_job(prepared, row, alias)
 
 
-# Columns enqueue neither sends nor reads back: a new job has the model's default.
-_SENT_OR_RETURNED = frozenset(sql.INSERTED_COLUMNS) | {
-    "kind", "queue", "args", "priority", "max_attempts", "tags", "metadata",
+# The row enqueue builds its Job from, in sql.JOB_COLUMNS order, is picked
+# (_row) from the columns the server set (INSERTED_COLUMNS, as RETURNING
+# gives them), then those enqueue sent (in _SENT order), then defaults:
+# every other column holds its field's default, the value the migration gives
+# the column too (a test compares every field with the row). Defaults are taken
+# once where they are fixed and immutable (None, 0, False); a callable default
+# (``errors``' list) is called for each job.
+_SENT = (
+    "kind", "queue", "args", "priority", "max_attempts", "metadata", "tags",
     "unique_key", "unique_states",
-}  # fmt: skip
-_DEFAULTED = [f for f in Job._meta.concrete_fields if f.attname not in _SENT_OR_RETURNED]
-# Their defaults, taken once where they are fixed and immutable (None, 0,
-# False); a callable default (``errors``' list) is called for each job.
-_CONSTANT_DEFAULTS = {
-    f.attname: f.get_default()
-    for f in _DEFAULTED
-    if not (f.has_default() and callable(f.default))
-    and isinstance(f.get_default(), (type(None), bool, int, str))
-}
-_FRESH_DEFAULTS = [f for f in _DEFAULTED if f.attname not in _CONSTANT_DEFAULTS]
+)  # fmt: skip
+_DEFAULTED = [
+    f for f in Job._meta.concrete_fields if f.attname not in {*_SENT, *sql.INSERTED_COLUMNS}
+]
 
 
-def _inserted_job(prepared: PreparedJob, returned: Sequence[Any], alias: str) -> Job:
-    """The row INSERT_ONE wrote: the server's ``sql.INSERTED_COLUMNS``, the rest as sent.
-
-    A column enqueue does not send takes its field's default, the value the
-    migration gives the column too (a test compares every field with the row).
-    """
-    values = _CONSTANT_DEFAULTS.copy()
-    for f in _FRESH_DEFAULTS:
-        values[f.attname] = f.get_default()
-    values.update(zip(sql.INSERTED_COLUMNS, returned, strict=False))
-    values.update(
-        kind=prepared.kind,
-        queue=prepared.queue,
-        args=load_json(prepared.args),
-        priority=prepared.priority,
-        max_attempts=prepared.max_attempts,
-        metadata=load_json(prepared.metadata),
-        tags=list(prepared.tags),
-        unique_key=prepared.unique_key,
-        unique_states=None if prepared.unique_states is None else list(prepared.unique_states),
+def _is_constant(f: Any) -> bool:
+    return not (f.has_default() and callable(f.default)) and isinstance(
+        f.get_default(), (type(None), bool, int, str)
     )
-    return job_from_values(values, alias)
+
+
+_FRESH_DEFAULTS = [f for f in _DEFAULTED if not _is_constant(f)]
+_CONSTANT_DEFAULTS = [f for f in _DEFAULTED if _is_constant(f)]
+_CONSTANT_VALUES = tuple(f.get_default() for f in _CONSTANT_DEFAULTS)
+_SOURCES = [
+    *sql.INSERTED_COLUMNS,
+    "",  # RETURNING's last value: the NOTIFY
+    *_SENT,
+    *(f.attname for f in _FRESH_DEFAULTS),
+    *(f.attname for f in _CONSTANT_DEFAULTS),
+]
+_row = operator.itemgetter(*(_SOURCES.index(name) for name in JOB_ATTNAMES))
+
+
+def _inserted_job(prepared: PreparedJob, returned: tuple[Any, ...], alias: str) -> Job:
+    """The row INSERT_ONE wrote: the server's ``sql.INSERTED_COLUMNS``, the rest as sent."""
+    unique_states = prepared.unique_states
+    sent = (
+        prepared.kind,
+        prepared.queue,
+        load_json(prepared.args),
+        prepared.priority,
+        prepared.max_attempts,
+        load_json(prepared.metadata),
+        list(prepared.tags),
+        prepared.unique_key,
+        None if unique_states is None else list(unique_states),
+    )
+    fresh = tuple([f.get_default() for f in _FRESH_DEFAULTS])
+    row = _row(returned + sent + fresh + _CONSTANT_VALUES)
+    (job,) = jobs_from_rows((row,), alias, json_text=False)
+    return job
 
 
 def enqueue_many(

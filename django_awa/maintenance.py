@@ -25,7 +25,7 @@ from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
 from .finalize import dispatch, send_signal
 from .followups import FollowupError, Outcome, Rescued, RescueReason, followup_registry
-from .models import JobState, PendingFollowup, job_from_row
+from .models import JobState, PendingFollowup, jobs_from_rows
 from .pending import keep_pending, restore
 
 logger = logging.getLogger(__name__)
@@ -292,9 +292,9 @@ class Maintenance:
             with connections[self.alias].cursor() as cursor:
                 cursor.execute(sql.RESCUE, {"stale_after": self.conf.stale_after, "limit": BATCH})
                 rescued = cursor.fetchall()
-            for row in rescued:
+            jobs = jobs_from_rows([row[1:] for row in rescued], self.alias)
+            for row, job in zip(rescued, jobs, strict=True):
                 reason = RescueReason(row[0])
-                job = job_from_row(row[1:], self.alias)
                 queues.add(job.queue)
                 logger.debug(
                     "rescued job %s kind=%s attempt=%s (%s): now %s",

@@ -273,7 +273,8 @@ class PendingFollowup(models.Model):
 
 
 _JOB_FIELDS = Job._meta.concrete_fields
-_JOB_ATTNAMES = [f.attname for f in _JOB_FIELDS]
+# The columns of a row for jobs_from_rows, in sql.JOB_COLUMNS order.
+JOB_ATTNAMES = [f.attname for f in _JOB_FIELDS]
 _JSON_FIELDS = frozenset(i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, models.JSONField))
 
 
@@ -300,36 +301,32 @@ def load_json(text: str) -> Any:
     return value if end == len(text) else json.loads(text)
 
 
-def job_from_values(values: dict[str, Any], using: str) -> Job:
-    """A ``Job`` from ``{attname: value}`` for every column (JSON fields decoded)."""
-    if _plain_init():
-        return _job(values.items(), using)
-    return Job.from_db(using, _JOB_ATTNAMES, [values[name] for name in _JOB_ATTNAMES])
+def jobs_from_rows(
+    rows: Iterable[Sequence[Any]], using: str, *, json_text: bool = True
+) -> list[Job]:
+    """``Job`` instances read on connection ``using``, from rows holding every column
+    in ``sql.JOB_COLUMNS`` order: the one way a ``Job`` is built from stored values
+    (a statement's rows, enqueue's new row, a pending follow-up's snapshot).
 
-
-def job_from_row(values: Sequence[Any], using: str) -> Job:
-    """A ``Job`` from a row of ``sql.JOB_COLUMNS``, read on connection ``using``."""
-    return jobs_from_rows([values], using)[0]
-
-
-def jobs_from_rows(rows: Iterable[Sequence[Any]], using: str) -> list[Job]:
-    """``Job`` instances from rows of ``sql.JOB_COLUMNS``, read on connection ``using``.
-
-    Django reads jsonb as text; the Job's JSON fields use no custom decoder,
-    so the text is parsed here directly (empty lists and objects, the common
-    case, without the parser) rather than through each field's from_db_value.
+    With ``json_text``, a JSON column given as text is parsed here, as Django
+    reads jsonb as text and the Job's JSON fields use no custom decoder
+    (empty lists and objects, the common case, without the parser) rather
+    than through each field's from_db_value; without it, every JSON column
+    holds its value already.
     """
-    converted_rows = []
-    for values in rows:
-        converted = list(values)
-        for i in _JSON_FIELDS:
-            text = converted[i]
-            if isinstance(text, str):
-                converted[i] = load_json(text)
-        converted_rows.append(converted)
+    if json_text:
+        converted_rows = []
+        for values in rows:
+            converted = list(values)
+            for i in _JSON_FIELDS:
+                text = converted[i]
+                if isinstance(text, str):
+                    converted[i] = load_json(text)
+            converted_rows.append(converted)
+        rows = converted_rows
     if _plain_init():
-        return [_job(zip(_JOB_ATTNAMES, row, strict=True), using) for row in converted_rows]
-    return [Job.from_db(using, _JOB_ATTNAMES, row) for row in converted_rows]
+        return [_job(zip(JOB_ATTNAMES, row, strict=True), using) for row in rows]
+    return [Job.from_db(using, JOB_ATTNAMES, row) for row in rows]
 
 
 def _plain_init() -> bool:

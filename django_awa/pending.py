@@ -26,7 +26,7 @@ from .followups import (
     OutcomeContext,
     RescueReason,
 )
-from .models import Job, PendingFollowup
+from .models import Job, PendingFollowup, jobs_from_rows
 
 
 def keep_pending(
@@ -95,11 +95,9 @@ def snapshot(job: Job) -> dict[str, Any]:
 
 def from_snapshot(data: dict[str, Any], alias: str) -> Job:
     """The ``Job`` a ``snapshot`` describes, as read on ``alias``."""
-    values = {}
+    row = []
     for f in Job._meta.concrete_fields:
         value = data.get(f.attname)
-        values[f.attname] = value if isinstance(value, (dict, list)) else f.to_python(value)
-    job = Job(**values)
-    job._state.adding = False
-    job._state.db = alias
+        row.append(value if isinstance(value, (dict, list)) else f.to_python(value))
+    (job,) = jobs_from_rows([row], alias, json_text=False)
     return job
