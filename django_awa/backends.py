@@ -39,7 +39,7 @@ except ImportError:  # Django 5.2 with the django-tasks backport
     )
 
 from . import sql
-from .enqueueing import EnqueueRequest, database_alias, insert_one, prepare
+from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, prepare
 from .execute import JobContext
 from .kinds import JobArgs, WorkerSpec, check_max_attempts, registry
 from .models import Job, JobState
@@ -191,7 +191,7 @@ class AwaTaskBackend(BaseTaskBackend):
             )
         )
         prepared.kind = f"{KIND_PREFIX}:{task.module_path}"
-        job = insert_one(prepared, alias)
+        job = enqueue_prepared(prepared, alias)
         result = self.result_from_job(job, task)
         task_enqueued.send(sender=type(self), task_result=result)
         return result

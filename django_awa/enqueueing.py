@@ -14,7 +14,7 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import connections, transaction
@@ -354,13 +354,15 @@ def enqueue(
         metadata=metadata,
         unique=unique,
     )
-    return insert_one(prepared, alias)
+    return enqueue_prepared(prepared, alias)
 
 
-def insert_one(prepared: PreparedJob, alias: str) -> Job:
-    """Insert a validated job on ``alias``; ``UniqueConflict`` if its key is held."""
-    statement = sql.INSERT_ONE_UNIQUE if prepared.unique_key else sql.INSERT_ONE
-    row = db.fetch_one(alias, statement, prepared.params())
+def enqueue_prepared(prepared: PreparedJob, alias: str) -> Job:
+    """``enqueue`` of a validated job: insert it on ``alias`` and return its row.
+
+    Raises ``UniqueConflict`` (nothing written) if its unique key is held.
+    """
+    row = _insert_alone(prepared, alias)
     if row is None:
         holder = db.fetch_one(alias, sql.FIND_UNIQUE_HOLDER, {"unique_key": prepared.unique_key})
         holder_id = holder[0] if holder else None
@@ -446,7 +448,7 @@ def enqueue_many(
             raise ValidationError(f"enqueue_many item {index}: {exc}") from exc
     if not prepared:
         return []
-    return insert_many(prepared, alias)
+    return insert(prepared, alias).ids
 
 
 # Below this many plain jobs, one INSERT is as quick as a COPY.
@@ -457,34 +459,43 @@ def _json_list(value: list[str]) -> str:
     return json.dumps(value) if value else "[]"
 
 
-def insert_many(prepared: Sequence[PreparedJob], alias: str) -> list[int]:
-    """Insert validated jobs on ``alias`` in one statement; skipped duplicates are left out."""
-    reserved, inserted = insert_reserved(prepared, alias)
-    return [i for i in reserved if i in inserted]
+class Inserted(NamedTuple):
+    """What ``insert`` wrote."""
+
+    # The inserted jobs' ids, in input order; empty unless asked for (ids=True).
+    ids: list[int]
+    # The positions, in the input, of the jobs skipped as unique duplicates.
+    skipped: list[int]
 
 
-def insert_reserved(prepared: Sequence[PreparedJob], alias: str) -> tuple[list[int], set[int]]:
-    """Insert validated jobs; return the id reserved for each and the set actually inserted.
+def insert(prepared: Sequence[PreparedJob], alias: str, *, ids: bool = True) -> Inserted:
+    """Insert validated jobs on ``alias``, in its current transaction: the one way jobs
+    are written (``enqueue`` through ``enqueue_prepared``, which reads the row back).
 
-    Ids are drawn first, so the result follows the input order. Jobs to run now
-    without a unique key (the common bulk case) are streamed with COPY; the
-    others go through one INSERT that resolves scheduling by the database
-    clock and skips unique duplicates.
+    A unique duplicate is skipped, not raised, and leaves the transaction
+    usable. Workers of the queues of jobs to run now are woken at commit.
+    One job is one INSERT. For several, ids are drawn first, so they follow
+    the input order; jobs to run now without a unique key (the common bulk
+    case) are streamed with COPY from ``COPY_THRESHOLD`` of them, the others go
+    through one INSERT that resolves scheduling by the database clock.
+    ``ids=False`` is for callers that need no ids (the completer's follow-ups):
+    jobs nothing can refuse then take theirs from the column's default and are
+    streamed with COPY however few; only the others draw ids, to tell which
+    were skipped.
     """
-    ids, inserted = _insert(prepared, alias, number_plain=True)
-    return cast("list[int]", ids), inserted
+    if len(prepared) == 1:
+        row = _insert_alone(prepared[0], alias)
+        if row is None:
+            return Inserted([], [0])
+        return Inserted([row[0]] if ids else [], [])
+    return _insert_bulk(prepared, alias, ids)
 
 
-def insert_flagged(prepared: Sequence[PreparedJob], alias: str) -> list[bool]:
-    """Insert validated jobs; for each, whether it was inserted (False: a unique duplicate).
-
-    For callers that need no ids (the completer's follow-ups): jobs to run now
-    without a unique key, which nothing can refuse, take theirs from the
-    column's default and are streamed with COPY; only the others draw ids, to
-    tell which were skipped.
-    """
-    ids, inserted = _insert(prepared, alias, number_plain=False)
-    return [i is None or i in inserted for i in ids]
+def _insert_alone(prepared: PreparedJob, alias: str) -> tuple[Any, ...] | None:
+    """INSERT one job; the columns the server set (``sql.INSERTED_COLUMNS``), or None
+    for a unique duplicate."""
+    statement = sql.INSERT_ONE_UNIQUE if prepared.unique_key else sql.INSERT_ONE
+    return db.fetch_one(alias, statement, prepared.params())
 
 
 def _copy_values(p: PreparedJob) -> tuple[Any, ...]:
@@ -492,14 +503,8 @@ def _copy_values(p: PreparedJob) -> tuple[Any, ...]:
     return (p.kind, p.queue, p.args, p.priority, p.max_attempts, _json_list(p.tags), p.metadata)
 
 
-def _insert(
-    prepared: Sequence[PreparedJob], alias: str, *, number_plain: bool
-) -> tuple[list[int | None], set[int]]:
-    """Insert validated jobs in the current transaction: ``insert_reserved``, ``insert_flagged``.
-
-    Returns each job's drawn id (``None`` for a plain job left unnumbered) and
-    the set of drawn ids inserted.
-    """
+def _insert_bulk(prepared: Sequence[PreparedJob], alias: str, number_plain: bool) -> Inserted:
+    """``insert`` of several jobs; ``number_plain``: draw ids for plain jobs too."""
     plain = [p.run_at is None and p.unique_key is None for p in prepared]
     if number_plain and sum(plain) < COPY_THRESHOLD:
         plain = [False] * len(prepared)
@@ -543,4 +548,7 @@ def _insert(
         queues.update(p.queue for p, i in rest if i in inserted)
         if queues:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(queues)})
-    return ids, inserted
+    if len(inserted) == len(drawn):  # no duplicate skipped: the common case
+        return Inserted(drawn if number_plain else [], [])
+    skipped = [n for n, i in enumerate(ids) if i is not None and i not in inserted]
+    return Inserted([i for i in drawn if i in inserted] if number_plain else [], skipped)

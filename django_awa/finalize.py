@@ -25,7 +25,7 @@ from django.db import DatabaseError, transaction
 
 from . import db, signals, sql
 from .compat import savepoint_create
-from .enqueueing import PreparedJob, insert_flagged, insert_reserved
+from .enqueueing import PreparedJob, insert
 from .execute import AttemptResult, errored
 from .followups import (
     FollowupError,
@@ -130,17 +130,18 @@ def followup_context(result: AttemptResult) -> OutcomeContext:
     return result.context.after(result.row)
 
 
-def _insert(
+def _insert_followups(
     batch: Sequence[tuple[AttemptResult, list[tuple[FollowupSpec, PreparedJob]]]], alias: str
 ) -> dict[int, tuple[AttemptResult, Exception]]:
     """Insert every prepared follow-up in one statement; report refused triggers."""
     flat = [(result, spec, job) for result, items in batch for spec, job in items]
     if not flat:
         return {}
-    flags = insert_flagged([job for _, _, job in flat], alias)
+    inserted = insert([job for _, _, job in flat], alias, ids=False)
     failures: dict[int, tuple[AttemptResult, Exception]] = {}
-    for (result, spec, job), was_inserted in zip(flat, flags, strict=True):
-        if not was_inserted and result.job.id not in failures:
+    for position in inserted.skipped:
+        result, spec, job = flat[position]
+        if result.job.id not in failures:
             failures[result.job.id] = (
                 result,
                 FollowupError(
@@ -163,7 +164,7 @@ def _apply_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
         except FollowupError as exc:
             failures[result.job.id] = (result, exc)
     if not failures:
-        failures = _insert(batch, alias)
+        failures = _insert_followups(batch, alias)
     if failures:
         raise _FollowupsFailed(failures)
     return applied
@@ -199,7 +200,7 @@ def _write_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
 
 def _rollback_to(savepoint: str, alias: str) -> None:
     """Roll back to ``savepoint`` and clear the mark an inner ``atomic(savepoint=False)``
-    (``insert_reserved``) leaves after a database error: the transaction is usable again."""
+    (``enqueueing.insert``) leaves after a database error: the transaction is usable again."""
     transaction.savepoint_rollback(savepoint, using=alias)
     transaction.set_rollback(False, using=alias)
 
@@ -335,14 +336,13 @@ def dispatch(row: Job, context: OutcomeContext, alias: str) -> list[int]:
     prepared = [job for _, job in build(row, context)]
     if not prepared:
         return []
-    reserved, inserted = insert_reserved(prepared, alias)
-    missing = [job for job, rid in zip(prepared, reserved, strict=True) if rid not in inserted]
-    if missing:
+    inserted = insert(prepared, alias)
+    if inserted.skipped:
         raise FollowupError(
-            f"follow-up insert refused: UniqueConflict: a job of kind {missing[0].kind!r} with "
-            f"the same unique key is already held"
+            f"follow-up insert refused: UniqueConflict: a job of kind "
+            f"{prepared[inserted.skipped[0]].kind!r} with the same unique key is already held"
         )
-    return [rid for rid in reserved if rid in inserted]
+    return inserted.ids
 
 
 def send_signal(row: Job, context: OutcomeContext, alias: str) -> None:

@@ -17,8 +17,8 @@ from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 from django.db import transaction
 
 from .codec import require_text
-from .enqueueing import EnqueueRequest, insert_one, prepare
-from .exceptions import UniqueConflict, ValidationError
+from .enqueueing import EnqueueRequest, insert, prepare
+from .exceptions import ValidationError
 from .kinds import JobArgs, check_priority
 from .models import PeriodicSchedule
 
@@ -151,10 +151,8 @@ def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
                 schedule.args, queue=schedule.queue, priority=schedule.priority, run_at=fire_at
             )
             periodic = {"awa_periodic": {"name": schedule.name, "fire_at": fire_at.isoformat()}}
-            try:
-                with transaction.atomic(using=alias):
-                    insert_one(prepare(request, metadata_json=json.dumps(periodic)), alias)
-            except UniqueConflict:
+            prepared = prepare(request, metadata_json=json.dumps(periodic))
+            if insert((prepared,), alias).skipped:
                 logger.info(
                     "periodic %r fire at %s skipped: unique conflict", schedule.name, fire_at
                 )
