@@ -974,7 +974,7 @@ class QueueAdmin(AwaModelAdmin):
         alias = _alias()
         stats = control.queue_stats(using=alias)
         for name in awa_settings().queues:
-            stats.setdefault(name, {state: 0 for state in JobState.values} | {"paused": False})
+            stats.setdefault(name, control.empty_queue_stats())
         jobs_url = reverse("admin:django_awa_job_changelist")
         rows = []
         for name in sorted(stats):

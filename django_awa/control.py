@@ -105,6 +105,11 @@ def resume_queue(name: str, *, using: str | None = None) -> None:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [name]})
 
 
+def empty_queue_stats() -> dict[str, Any]:
+    """A queue's ``queue_stats()`` entry before it holds any job: 0 in every state, not paused."""
+    return {state: 0 for state in JobState.values} | {"paused": False}
+
+
 def queue_stats(*, using: str | None = None) -> dict[str, dict[str, Any]]:
     """``{queue: {state: count for every state, "paused": bool}}`` for every known queue."""
     alias = database_alias(using)
@@ -112,7 +117,7 @@ def queue_stats(*, using: str | None = None) -> dict[str, dict[str, Any]]:
 
     def entry(name: str) -> dict[str, Any]:
         if name not in stats:
-            stats[name] = {state: 0 for state in JobState.values} | {"paused": False}
+            stats[name] = empty_queue_stats()
         return stats[name]
 
     with connections[alias].cursor() as cursor:
