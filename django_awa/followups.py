@@ -255,7 +255,7 @@ def trigger_metadata_json(job: Job, outcome: Outcome) -> str:
     """``{"awa_trigger": {"job_id", "kind", "outcome"}}`` as JSON text, written out directly.
 
     One per follow-up, in the completer's batch: formatting an int and two
-    strings took 0.8 µs here, encoding the dict 3.6.
+    strings is a fraction of what encoding the dict would cost.
     """
     return (
         f'{{"awa_trigger": {{"job_id": {int(job.id)}, "kind": {_json_text(job.kind)}, '

@@ -279,7 +279,7 @@ _JSON_FIELDS = frozenset(i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, m
 
 
 # json's C scanner, called directly: json.loads wraps it in three Python calls
-# and two whitespace matches, which took 0.7 of its 1.0 µs for a small object.
+# and two whitespace matches, which cost more than the parse of a small object.
 _scan_json = json.scanner.make_scanner(json.JSONDecoder())
 
 
