@@ -159,8 +159,11 @@ def _apply_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
     failures: dict[int, tuple[AttemptResult, Exception]] = {}
     batch = []
     for result in applied:
+        row, context = result.row, result.context
+        if row is None or context is None:  # pragma: no cover - by construction
+            raise RuntimeError(f"job {result.job.id}: follow-ups without an outcome or row")
         try:
-            batch.append((result, build(result.row, followup_context(result))))
+            batch.append((result, build(row, context.after(row))))
         except FollowupError as exc:
             failures[result.job.id] = (result, exc)
     if not failures:

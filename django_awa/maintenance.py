@@ -230,7 +230,8 @@ class Maintenance:
         """The database clock: what due times are judged by when no now is given."""
         with connections[self.alias].cursor() as cursor:
             cursor.execute(sql.DATABASE_NOW)
-            return cursor.fetchone()[0]
+            now: datetime = cursor.fetchone()[0]
+        return now
 
     def promote(self) -> set[str]:
         """Make due scheduled and retryable jobs available; NOTIFY their queues."""

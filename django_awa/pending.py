@@ -76,7 +76,7 @@ def context_from_json(outcome: Outcome, data: dict[str, Any]) -> OutcomeContext:
 
     Raises ``FollowupError`` for a row it cannot restore.
     """
-    values = {name: data.get(name) for name in CONTEXT_PARAMETERS[outcome]}
+    values: dict[str, Any] = {name: data.get(name) for name in CONTEXT_PARAMETERS[outcome]}
     try:
         if isinstance(values.get("next_run_at"), str):
             values["next_run_at"] = dt.datetime.fromisoformat(values["next_run_at"])
