@@ -65,7 +65,8 @@ class _Context:
 
     def values(self) -> tuple[Any, ...]:
         """The fields in declaration order: the follow-up function's arguments."""
-        return tuple(getattr(self, name) for name in CONTEXT_PARAMETERS[self.outcome])
+        names = CONTEXT_PARAMETERS[self.outcome]
+        return tuple([getattr(self, name) for name in names]) if names else ()
 
     def as_dict(self) -> dict[str, Any]:
         """``{field: value}``: the signal's keyword arguments."""
