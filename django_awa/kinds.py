@@ -58,6 +58,14 @@ class JobArgs:
             registry.args_classes[cls.kind] = cls
 
 
+def _unique_held() -> tuple[str, ...]:
+    # Imported when called: JobArgs, Unique and @worker work before the app
+    # registry is ready, and importing the models needs it.
+    from .models import JobState
+
+    return JobState.UNIQUE_HELD
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Unique:
     """Uniqueness of a job: the database refuses a second job with the same key.
@@ -69,15 +77,7 @@ class Unique:
     by_args: bool = True
     by_queue: bool = False
     by_period: float | dt.timedelta | None = None
-    states: tuple[str, ...] = field(default_factory=lambda: _unique_held())
-
-
-def _unique_held() -> tuple[str, ...]:
-    # Imported here: this module is imported before the app registry is
-    # ready (jobs.py declares kinds at import), and models cannot be.
-    from .models import JobState
-
-    return JobState.UNIQUE_HELD
+    states: tuple[str, ...] = field(default_factory=_unique_held)
 
 
 @dataclass(frozen=True, kw_only=True)
