@@ -45,18 +45,10 @@ from django.utils.text import Truncator
 from django.utils.translation import ngettext
 
 from . import control, sql
+from .codec import check_text
 from .conf import awa_settings
-from .kinds import check_text, registry
-from .models import (
-    CANCELLABLE_STATES,
-    RETRIABLE_STATES,
-    Job,
-    JobQuerySet,
-    JobState,
-    PendingFollowup,
-    PeriodicSchedule,
-    Queue,
-)
+from .kinds import registry
+from .models import Job, JobQuerySet, JobState, PendingFollowup, PeriodicSchedule, Queue
 from .schedules import schedules
 
 if TYPE_CHECKING:
@@ -799,8 +791,8 @@ class JobAdmin(AwaModelAdmin[Job]):
         context = {
             "awa_can_retry": can_change,
             "awa_can_cancel": can_change,
-            "awa_retriable_states": [str(s) for s in RETRIABLE_STATES],
-            "awa_cancellable_states": [str(s) for s in CANCELLABLE_STATES],
+            "awa_retriable_states": [str(s) for s in JobState.RETRIABLE],
+            "awa_cancellable_states": [str(s) for s in JobState.LIVE],
             **(extra_context or {}),
         }
         return super().change_view(request, object_id, form_url, extra_context=context)
@@ -889,14 +881,14 @@ class JobAdmin(AwaModelAdmin[Job]):
         """Retry or cancel each job of ``queryset``, one transaction each; report counts."""
         alias = _alias()
         if operation == "retry":
-            states: Iterable[str] = RETRIABLE_STATES
+            states: Iterable[str] = JobState.RETRIABLE
             done_state = JobState.AVAILABLE
             verb, past = "retry", "Retried"
 
             def apply(job_id: int) -> Job:
                 return control.retry(job_id, using=alias)
         else:
-            states = CANCELLABLE_STATES
+            states = JobState.LIVE
             done_state = JobState.CANCELLED
             verb, past = "cancel", "Cancelled"
             reason = f"cancelled in admin by {request.user.get_username()}"
@@ -1013,7 +1005,7 @@ class QueueAdmin(AwaModelAdmin[Queue]):
         alias = _alias()
         stats = control.queue_stats(using=alias)
         for name in awa_settings().queues:
-            stats.setdefault(name, {state: 0 for state in JobState.values} | {"paused": False})
+            stats.setdefault(name, control.empty_queue_stats())
         jobs_url = reverse("admin:django_awa_job_changelist")
         rows = []
         for name in sorted(stats):

@@ -45,7 +45,7 @@ else:
         from django_tasks.signals import task_enqueued, task_started
 
 from . import sql
-from .enqueueing import EnqueueRequest, database_alias, insert_one, prepare
+from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, prepare
 from .execute import JobContext
 from .kinds import JobArgs, WorkerSpec, check_max_attempts, registry
 from .models import Job, JobState
@@ -214,7 +214,7 @@ class AwaTaskBackend(BaseTaskBackend):
             )
         )
         prepared.kind = f"{KIND_PREFIX}:{task.module_path}"
-        job = insert_one(prepared, alias)
+        job = enqueue_prepared(prepared, alias)
         result = self.result_from_job(job, task)
         task_enqueued.send(sender=type(self), task_result=result)
         return result

@@ -19,6 +19,7 @@ headers for senders written in Python.
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import hashlib
 import hmac
 import json
@@ -33,19 +34,39 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from . import sql
+from .codec import check_json, require_text
 from .conf import awa_settings, callback_timeout
 from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
 from .finalize import dispatch, send_signal
-from .followups import FollowupError, Outcome
-from .kinds import check_json, require_text
-from .models import CallbackReceipt, Job, JobState, job_from_row
+from .followups import COMPLETED, Exhausted, FollowupError, OutcomeContext, Retried
+from .models import CallbackReceipt, Job, JobState, jobs_from_rows
 
 logger = logging.getLogger(__name__)
 
 EARLY_KEY = "awa_early_callback"
 RESULT_KEY = "awa_callback_result"
-ACTIONS = ("complete", "fail", "retry", "heartbeat")
+
+
+class CallbackAction(enum.StrEnum):
+    """What an outside system may do with a callback: the last segment of its URL,
+    and part of what a signature covers (SPEC §7)."""
+
+    COMPLETE = "complete"
+    FAIL = "fail"
+    RETRY = "retry"
+    HEARTBEAT = "heartbeat"
+
+
+# The actions that resolve a callback (a heartbeat only extends it).
+RESOLVING = (CallbackAction.COMPLETE, CallbackAction.FAIL, CallbackAction.RETRY)
+# The body fields each action takes.
+BODY_FIELDS = {
+    CallbackAction.COMPLETE: {"payload"},
+    CallbackAction.FAIL: {"error"},
+    CallbackAction.RETRY: set(),
+    CallbackAction.HEARTBEAT: {"timeout"},
+}
 SIGNATURE_HEADER = "X-Awa-Signature"
 TIMESTAMP_HEADER = "X-Awa-Timestamp"
 MAX_SKEW = 300
@@ -68,7 +89,8 @@ def _lock(callback_id: uuid.UUID, alias: str) -> Job:
         row = cursor.fetchone()
     if row is None:
         raise CallbackNotFound(f"no job is waiting on callback {callback_id}")
-    return job_from_row(row, alias)
+    (job,) = jobs_from_rows([row], alias)
+    return job
 
 
 def _early_for(job: Job, callback_id: uuid.UUID | None) -> dict[str, Any] | None:
@@ -81,24 +103,25 @@ def _early_for(job: Job, callback_id: uuid.UUID | None) -> dict[str, Any] | None
 
 def _resolve(
     job: Job,
-    action: str,
+    action: CallbackAction,
     *,
     payload: Any = None,
     error: str | None = None,
     alias: str,
 ) -> Job:
     """Apply a resolution to a locked ``waiting_external`` job, with its follow-ups."""
-    if action == "complete":
-        state, outcome, reset, context = JobState.COMPLETED, Outcome.COMPLETED, False, {}
+    context: OutcomeContext
+    if action == CallbackAction.COMPLETE:
+        state, reset, context = JobState.COMPLETED, False, COMPLETED
         metadata, error_entry = {RESULT_KEY: payload}, None
-    elif action == "fail":
-        state, outcome, reset = JobState.FAILED, Outcome.EXHAUSTED, False
-        context = {"error": error, "attempt": job.attempt}
+    elif action == CallbackAction.FAIL:
+        state, reset = JobState.FAILED, False
+        context = Exhausted(error=error or "", attempt=job.attempt)
         metadata, error_entry = {}, error
-    elif action == "retry":
-        state, outcome, reset = JobState.AVAILABLE, Outcome.RETRIED, True
+    elif action == CallbackAction.RETRY:
+        state, reset = JobState.AVAILABLE, True
         metadata, error_entry = {}, None
-        context = {"error": "retried externally", "attempt": job.attempt}
+        context = Retried(error="retried externally", attempt=job.attempt)
     else:  # pragma: no cover - callers pass one of the three
         raise ValueError(action)
     with connections[alias].cursor() as cursor:
@@ -112,13 +135,12 @@ def _resolve(
                 "error": error_entry,
             },
         )
-        row = job_from_row(cursor.fetchone(), alias)
+        (row,) = jobs_from_rows([cursor.fetchone()], alias)
         if state == JobState.AVAILABLE:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [row.queue]})
-    if outcome is Outcome.RETRIED:
-        context["next_run_at"] = row.run_at
-    dispatch(outcome, row, context, alias)
-    send_signal(outcome, row, context, alias)
+    context = context.after(row)
+    dispatch(row, context, alias)
+    send_signal(row, context, alias)
     logger.info(
         "job %s kind=%s attempt=%s -> %s by callback %s (%s)",
         row.id, row.kind, job.attempt, row.state, job.callback_id, action,
@@ -129,7 +151,7 @@ def _resolve(
 
 def _external(
     callback_id: uuid.UUID | str,
-    action: str,
+    action: CallbackAction,
     *,
     payload: Any = None,
     error: str | None = None,
@@ -168,7 +190,7 @@ def complete_external(
         check_json(payload)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValidationError(f"complete_external: payload cannot be stored: {exc}") from exc
-    return _external(callback_id, "complete", payload=payload, using=using)
+    return _external(callback_id, CallbackAction.COMPLETE, payload=payload, using=using)
 
 
 def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None = None) -> Job:
@@ -176,7 +198,7 @@ def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None
     if not isinstance(error, str):
         raise ValidationError(f"fail_external: error must be a string, got {error!r}")
     require_text(error, "fail_external: error")
-    return _external(callback_id, "fail", error=error, using=using)
+    return _external(callback_id, CallbackAction.FAIL, error=error, using=using)
 
 
 def retry_external(callback_id: uuid.UUID | str, *, using: str | None = None) -> Job:
@@ -184,7 +206,7 @@ def retry_external(callback_id: uuid.UUID | str, *, using: str | None = None) ->
 
     Retried follow-ups get ``error="retried externally"``, the attempt before
     the reset and ``next_run_at`` now."""
-    return _external(callback_id, "retry", using=using)
+    return _external(callback_id, CallbackAction.RETRY, using=using)
 
 
 def heartbeat_callback(
@@ -203,7 +225,8 @@ def heartbeat_callback(
             )
         with connections[alias].cursor() as cursor:
             cursor.execute(sql.EXTEND_CALLBACK, {"id": job.id, "timeout": seconds})
-            return job_from_row(cursor.fetchone(), alias)
+            (extended,) = jobs_from_rows([cursor.fetchone()], alias)
+            return extended
 
 
 def apply_early(row: Job, alias: str) -> Job | None:
@@ -218,14 +241,14 @@ def apply_early(row: Job, alias: str) -> Job | None:
     if early is None:
         return None
     action = early.get("action")
-    if action not in ("complete", "fail", "retry"):
+    if action not in RESOLVING:
         logger.error("job %s: ignoring an early callback with action %r", row.id, action)
         return None
     try:
         with transaction.atomic(using=alias):
             return _resolve(
                 row,
-                action,
+                CallbackAction(action),
                 payload=early.get("payload"),
                 error=early.get("error"),
                 alias=alias,
@@ -279,8 +302,8 @@ def sign(
 
     Raises ``ValueError`` for an id that is not a UUID or an unknown action.
     """
-    if action not in ACTIONS:
-        raise ValueError(f"action must be one of {', '.join(ACTIONS)}, got {action!r}")
+    if action not in CallbackAction:
+        raise ValueError(f"action must be one of {', '.join(CallbackAction)}, got {action!r}")
     cid = str(callback_id if isinstance(callback_id, uuid.UUID) else uuid.UUID(str(callback_id)))
     raw = body.encode() if isinstance(body, str) else body
     stamp = str(int(time.time()) if timestamp is None else int(timestamp))
@@ -329,7 +352,7 @@ def _parse_int(text: str) -> int:
         raise _IntegerTooLong(f"an integer in the body is too large ({digits} digits)") from None
 
 
-def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
+def _parse(action: CallbackAction, body: bytes) -> dict[str, Any] | JsonResponse:
     try:
         data = json.loads(body or b"{}", parse_int=_parse_int)
     except _IntegerTooLong as exc:
@@ -338,13 +361,13 @@ def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
         return _error(400, "body must be a JSON object")
     if not isinstance(data, dict):
         return _error(400, "body must be a JSON object")
-    allowed = {"complete": {"payload"}, "fail": {"error"}, "retry": set(), "heartbeat": {"timeout"}}
-    extra = set(data) - allowed[action]
+    extra = set(data) - BODY_FIELDS[action]
     if extra:
         return _error(400, f"unexpected field(s) for {action}: {', '.join(sorted(extra))}")
-    if action == "fail" and (not isinstance(data.get("error"), str) or not data["error"]):
+    error = data.get("error")
+    if action == CallbackAction.FAIL and (not isinstance(error, str) or not error):
         return _error(400, 'fail needs {"error": "<non-empty string>"}')
-    if action == "heartbeat":
+    if action == CallbackAction.HEARTBEAT:
         try:
             callback_timeout(data.get("timeout"), 'heartbeat: {"timeout": <seconds>}')
         except ValidationError as exc:
@@ -355,8 +378,9 @@ def _parse(action: str, body: bytes) -> dict[str, Any] | JsonResponse:
 @csrf_exempt
 def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> JsonResponse:
     """``POST <prefix>/callbacks/<uuid>/{complete,fail,retry,heartbeat}``."""
-    if action not in ACTIONS:
+    if action not in CallbackAction:
         return _error(404, f"unknown action {action!r}")
+    action = CallbackAction(action)
     if request.method != "POST":
         response = _error(405, "use POST")
         response["Allow"] = "POST"
@@ -388,11 +412,11 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
             _, created = CallbackReceipt.objects.using(alias).get_or_create(signature=verified)
             if not created:
                 return _error(403, "replayed request")
-            if action == "complete":
+            if action == CallbackAction.COMPLETE:
                 job = complete_external(callback_id, data.get("payload"), using=alias)
-            elif action == "fail":
+            elif action == CallbackAction.FAIL:
                 job = fail_external(callback_id, data["error"], using=alias)
-            elif action == "retry":
+            elif action == CallbackAction.RETRY:
                 job = retry_external(callback_id, using=alias)
             else:
                 job = heartbeat_callback(callback_id, data["timeout"], using=alias)

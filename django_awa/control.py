@@ -15,8 +15,8 @@ from . import sql
 from .enqueueing import database_alias
 from .exceptions import JobNotFound, UniqueConflict
 from .finalize import dispatch, send_signal
-from .followups import Outcome
-from .models import CANCELLABLE_STATES, RETRIABLE_STATES, Job, JobState, Queue, job_from_row
+from .followups import Cancelled
+from .models import Job, JobState, Queue, jobs_from_rows
 
 
 def _get(job_id: int, alias: str) -> Job:
@@ -36,20 +36,21 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     Raises ``JobNotFound``.
     """
     alias = database_alias(using)
-    error = f"cancelled: {reason}" if reason else "cancelled"
+    context = Cancelled(reason=reason)
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:
             cursor.execute(
-                sql.CANCEL_JOB, {"id": job_id, "error": error, "states": list(CANCELLABLE_STATES)}
+                sql.CANCEL_JOB,
+                {"id": job_id, "error": context.error_entry, "states": list(JobState.LIVE)},
             )
             row = cursor.fetchone()
             if row is None:
                 return _get(job_id, alias)
-            previous, job = row[0], job_from_row(row[1:], alias)
+            previous, (job,) = row[0], jobs_from_rows([row[1:]], alias)
             if previous == JobState.RUNNING:
                 cursor.execute(sql.NOTIFY_CANCEL, {"job_id": str(job_id)})
-        dispatch(Outcome.CANCELLED, job, {"reason": reason}, alias)
-        send_signal(Outcome.CANCELLED, job, {"reason": reason}, alias)
+        dispatch(job, context, alias)
+        send_signal(job, context, alias)
     return job
 
 
@@ -62,20 +63,20 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
     alias = database_alias(using)
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-            cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(RETRIABLE_STATES)})
+            cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(JobState.RETRIABLE)})
             row = cursor.fetchone()
             if row is None:
                 job = _get(job_id, alias)
-                if job.state not in RETRIABLE_STATES:
+                if job.state not in JobState.RETRIABLE:
                     return job
                 # Maintenance moved the row into awa_job_done while this
                 # UPDATE waited for it: the copy there was not yet committed
                 # when the statement began. The next statement sees it.
-                cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(RETRIABLE_STATES)})
+                cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(JobState.RETRIABLE)})
                 row = cursor.fetchone()
                 if row is None:
                     return _get(job_id, alias)
-            job = job_from_row(row, alias)
+            (job,) = jobs_from_rows([row], alias)
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [job.queue]})
     except IntegrityError as exc:
         raise UniqueConflict(
@@ -104,6 +105,11 @@ def resume_queue(name: str, *, using: str | None = None) -> None:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [name]})
 
 
+def empty_queue_stats() -> dict[str, Any]:
+    """A queue's ``queue_stats()`` entry before it holds any job: 0 in every state, not paused."""
+    return {state: 0 for state in JobState.values} | {"paused": False}
+
+
 def queue_stats(*, using: str | None = None) -> dict[str, dict[str, Any]]:
     """``{queue: {state: count for every state, "paused": bool}}`` for every known queue."""
     alias = database_alias(using)
@@ -111,7 +117,7 @@ def queue_stats(*, using: str | None = None) -> dict[str, dict[str, Any]]:
 
     def entry(name: str) -> dict[str, Any]:
         if name not in stats:
-            stats[name] = {state: 0 for state in JobState.values} | {"paused": False}
+            stats[name] = empty_queue_stats()
         return stats[name]
 
     with connections[alias].cursor() as cursor:

@@ -11,33 +11,24 @@ import datetime as dt
 import hashlib
 import json
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from . import db, sql
+from .codec import ArgsDecodeError, canonical_json, check_json, encode_checked, require_text
 from .conf import QUEUE_NAME_RE, awa_settings, to_seconds
 
 # Resolved and checked in db.py; imported from here by callbacks, control, backends.
 from .db import database_alias as database_alias
 from .exceptions import UniqueConflict, ValidationError
-from .kinds import (
-    ArgsDecodeError,
-    JobArgs,
-    Unique,
-    canonical_json,
-    check_json,
-    check_max_attempts,
-    check_priority,
-    encode_checked,
-    registry,
-    require_text,
-)
-from .models import Job, JobState, job_from_values, load_json
+from .kinds import JobArgs, Unique, check_max_attempts, check_priority, registry
+from .models import JOB_ATTNAMES, Job, JobState, jobs_from_rows, load_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,13 +336,15 @@ def enqueue(
         metadata=metadata,
         unique=unique,
     )
-    return insert_one(prepared, alias)
+    return enqueue_prepared(prepared, alias)
 
 
-def insert_one(prepared: PreparedJob, alias: str) -> Job:
-    """Insert a validated job on ``alias``; ``UniqueConflict`` if its key is held."""
-    statement = sql.INSERT_ONE_UNIQUE if prepared.unique_key else sql.INSERT_ONE
-    row = db.fetch_one(alias, statement, prepared.params())
+def enqueue_prepared(prepared: PreparedJob, alias: str) -> Job:
+    """``enqueue`` of a validated job: insert it on ``alias`` and return its row.
+
+    Raises ``UniqueConflict`` (nothing written) if its unique key is held.
+    """
+    row = _insert_alone(prepared, alias)
     if row is None:
         holder = db.fetch_one(alias, sql.FIND_UNIQUE_HOLDER, {"unique_key": prepared.unique_key})
         holder_id = holder[0] if holder else None
@@ -363,45 +356,59 @@ def insert_one(prepared: PreparedJob, alias: str) -> Job:
     return _inserted_job(prepared, row, alias)
 
 
-# Columns enqueue neither sends nor reads back: a new job has the model's default.
-_SENT_OR_RETURNED = frozenset(sql.INSERTED_COLUMNS) | {
-    "kind", "queue", "args", "priority", "max_attempts", "tags", "metadata",
+# The row enqueue builds its Job from, in sql.JOB_COLUMNS order, is picked
+# (_row) from the columns the server set (INSERTED_COLUMNS, as RETURNING
+# gives them), then those enqueue sent (in _SENT order), then defaults:
+# every other column holds its field's default, the value the migration gives
+# the column too (a test compares every field with the row). Defaults are taken
+# once where they are fixed and immutable (None, 0, False); a callable default
+# (``errors``' list) is called for each job.
+_SENT = (
+    "kind", "queue", "args", "priority", "max_attempts", "metadata", "tags",
     "unique_key", "unique_states",
-}  # fmt: skip
-_DEFAULTED = [f for f in Job._meta.concrete_fields if f.attname not in _SENT_OR_RETURNED]
-# Their defaults, taken once where they are fixed and immutable (None, 0,
-# False); a callable default (``errors``' list) is called for each job.
-_CONSTANT_DEFAULTS = {
-    f.attname: f.get_default()
-    for f in _DEFAULTED
-    if not (f.has_default() and callable(f.default))
-    and isinstance(f.get_default(), (type(None), bool, int, str))
-}
-_FRESH_DEFAULTS = [f for f in _DEFAULTED if f.attname not in _CONSTANT_DEFAULTS]
+)  # fmt: skip
+_DEFAULTED = [
+    f for f in Job._meta.concrete_fields if f.attname not in {*_SENT, *sql.INSERTED_COLUMNS}
+]
 
 
-def _inserted_job(prepared: PreparedJob, returned: Sequence[Any], alias: str) -> Job:
-    """The row INSERT_ONE wrote: the server's ``sql.INSERTED_COLUMNS``, the rest as sent.
-
-    A column enqueue does not send takes its field's default, the value the
-    migration gives the column too (a test compares every field with the row).
-    """
-    values = _CONSTANT_DEFAULTS.copy()
-    for f in _FRESH_DEFAULTS:
-        values[f.attname] = f.get_default()
-    values.update(zip(sql.INSERTED_COLUMNS, returned, strict=False))
-    values.update(
-        kind=prepared.kind,
-        queue=prepared.queue,
-        args=load_json(prepared.args),
-        priority=prepared.priority,
-        max_attempts=prepared.max_attempts,
-        metadata=load_json(prepared.metadata),
-        tags=list(prepared.tags),
-        unique_key=prepared.unique_key,
-        unique_states=None if prepared.unique_states is None else list(prepared.unique_states),
+def _is_constant(f: Any) -> bool:
+    return not (f.has_default() and callable(f.default)) and isinstance(
+        f.get_default(), (type(None), bool, int, str)
     )
-    return job_from_values(values, alias)
+
+
+_FRESH_DEFAULTS = [f for f in _DEFAULTED if not _is_constant(f)]
+_CONSTANT_DEFAULTS = [f for f in _DEFAULTED if _is_constant(f)]
+_CONSTANT_VALUES = tuple(f.get_default() for f in _CONSTANT_DEFAULTS)
+_SOURCES = [
+    *sql.INSERTED_COLUMNS,
+    "",  # RETURNING's last value: the NOTIFY
+    *_SENT,
+    *(f.attname for f in _FRESH_DEFAULTS),
+    *(f.attname for f in _CONSTANT_DEFAULTS),
+]
+_row = operator.itemgetter(*(_SOURCES.index(name) for name in JOB_ATTNAMES))
+
+
+def _inserted_job(prepared: PreparedJob, returned: tuple[Any, ...], alias: str) -> Job:
+    """The row INSERT_ONE wrote: the server's ``sql.INSERTED_COLUMNS``, the rest as sent."""
+    unique_states = prepared.unique_states
+    sent = (
+        prepared.kind,
+        prepared.queue,
+        load_json(prepared.args),
+        prepared.priority,
+        prepared.max_attempts,
+        load_json(prepared.metadata),
+        list(prepared.tags),
+        prepared.unique_key,
+        None if unique_states is None else list(unique_states),
+    )
+    fresh = tuple([f.get_default() for f in _FRESH_DEFAULTS])
+    row = _row(returned + sent + fresh + _CONSTANT_VALUES)
+    (job,) = jobs_from_rows((row,), alias, json_text=False)
+    return job
 
 
 def enqueue_many(
@@ -423,7 +430,7 @@ def enqueue_many(
             raise ValidationError(f"enqueue_many item {index}: {exc}") from exc
     if not prepared:
         return []
-    return insert_many(prepared, alias)
+    return insert(prepared, alias).ids
 
 
 # Below this many plain jobs, one INSERT is as quick as a COPY.
@@ -434,34 +441,43 @@ def _json_list(value: list[str]) -> str:
     return json.dumps(value) if value else "[]"
 
 
-def insert_many(prepared: Sequence[PreparedJob], alias: str) -> list[int]:
-    """Insert validated jobs on ``alias`` in one statement; skipped duplicates are left out."""
-    reserved, inserted = insert_reserved(prepared, alias)
-    return [i for i in reserved if i in inserted]
+class Inserted(NamedTuple):
+    """What ``insert`` wrote."""
+
+    # The inserted jobs' ids, in input order; empty unless asked for (ids=True).
+    ids: list[int]
+    # The positions, in the input, of the jobs skipped as unique duplicates.
+    skipped: list[int]
 
 
-def insert_reserved(prepared: Sequence[PreparedJob], alias: str) -> tuple[list[int], set[int]]:
-    """Insert validated jobs; return the id reserved for each and the set actually inserted.
+def insert(prepared: Sequence[PreparedJob], alias: str, *, ids: bool = True) -> Inserted:
+    """Insert validated jobs on ``alias``, in its current transaction: the one way jobs
+    are written (``enqueue`` through ``enqueue_prepared``, which reads the row back).
 
-    Ids are drawn first, so the result follows the input order. Jobs to run now
-    without a unique key (the common bulk case) are streamed with COPY; the
-    others go through one INSERT that resolves scheduling by the database
-    clock and skips unique duplicates.
+    A unique duplicate is skipped, not raised, and leaves the transaction
+    usable. Workers of the queues of jobs to run now are woken at commit.
+    One job is one INSERT. For several, ids are drawn first, so they follow
+    the input order; jobs to run now without a unique key (the common bulk
+    case) are streamed with COPY from ``COPY_THRESHOLD`` of them, the others go
+    through one INSERT that resolves scheduling by the database clock.
+    ``ids=False`` is for callers that need no ids (the completer's follow-ups):
+    jobs nothing can refuse then take theirs from the column's default and are
+    streamed with COPY however few; only the others draw ids, to tell which
+    were skipped.
     """
-    ids, inserted = _insert(prepared, alias, number_plain=True)
-    return cast("list[int]", ids), inserted
+    if len(prepared) == 1:
+        row = _insert_alone(prepared[0], alias)
+        if row is None:
+            return Inserted([], [0])
+        return Inserted([row[0]] if ids else [], [])
+    return _insert_bulk(prepared, alias, ids)
 
 
-def insert_flagged(prepared: Sequence[PreparedJob], alias: str) -> list[bool]:
-    """Insert validated jobs; for each, whether it was inserted (False: a unique duplicate).
-
-    For callers that need no ids (the completer's follow-ups): jobs to run now
-    without a unique key, which nothing can refuse, take theirs from the
-    column's default and are streamed with COPY; only the others draw ids, to
-    tell which were skipped.
-    """
-    ids, inserted = _insert(prepared, alias, number_plain=False)
-    return [i is None or i in inserted for i in ids]
+def _insert_alone(prepared: PreparedJob, alias: str) -> tuple[Any, ...] | None:
+    """INSERT one job; the columns the server set (``sql.INSERTED_COLUMNS``), or None
+    for a unique duplicate."""
+    statement = sql.INSERT_ONE_UNIQUE if prepared.unique_key else sql.INSERT_ONE
+    return db.fetch_one(alias, statement, prepared.params())
 
 
 def _copy_values(p: PreparedJob) -> tuple[Any, ...]:
@@ -469,14 +485,8 @@ def _copy_values(p: PreparedJob) -> tuple[Any, ...]:
     return (p.kind, p.queue, p.args, p.priority, p.max_attempts, _json_list(p.tags), p.metadata)
 
 
-def _insert(
-    prepared: Sequence[PreparedJob], alias: str, *, number_plain: bool
-) -> tuple[list[int | None], set[int]]:
-    """Insert validated jobs in the current transaction: ``insert_reserved``, ``insert_flagged``.
-
-    Returns each job's drawn id (``None`` for a plain job left unnumbered) and
-    the set of drawn ids inserted.
-    """
+def _insert_bulk(prepared: Sequence[PreparedJob], alias: str, number_plain: bool) -> Inserted:
+    """``insert`` of several jobs; ``number_plain``: draw ids for plain jobs too."""
     plain = [p.run_at is None and p.unique_key is None for p in prepared]
     if number_plain and sum(plain) < COPY_THRESHOLD:
         plain = [False] * len(prepared)
@@ -520,4 +530,7 @@ def _insert(
         queues.update(p.queue for p, i in rest if i in inserted)
         if queues:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(queues)})
-    return ids, inserted
+    if len(inserted) == len(drawn):  # no duplicate skipped: the common case
+        return Inserted(drawn if number_plain else [], [])
+    skipped = [n for n, i in enumerate(ids) if i is not None and i not in inserted]
+    return Inserted([i for i in drawn if i in inserted] if number_plain else [], skipped)

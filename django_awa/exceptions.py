@@ -40,9 +40,5 @@ class TerminalError(AwaError):
     """Raised by a handler: fail the job now, without further attempts."""
 
 
-class UnknownKind(AwaError, LookupError):
-    """No handler is registered for this job kind."""
-
-
 class ConfigurationError(AwaError, ImproperlyConfigured):
     """django-awa is configured wrongly."""

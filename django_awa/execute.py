@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import random
 import threading
 import traceback
 import uuid
@@ -21,26 +20,33 @@ from typing import Any
 from django.db import connections, transaction
 
 from . import db, sql
-from .compat import savepoint_create
-from .conf import callback_timeout, to_seconds
-from .exceptions import TerminalError, ValidationError
-from .followups import Outcome
-from .kinds import (
+from .codec import (
     MAX_ERROR_CHARS,
     MAX_TRACEBACK_CHARS,
     ArgsDecodeError,
-    JobArgs,
-    WorkerSpec,
     decode_args,
     escape_json,
     escape_text,
-    registry,
 )
+from .compat import savepoint_create
+from .conf import callback_timeout, to_seconds
+from .exceptions import TerminalError, ValidationError
+from .followups import (
+    COMPLETED,
+    WAITING_FOR_CALLBACK,
+    Cancelled,
+    Exhausted,
+    Outcome,
+    OutcomeContext,
+    Retried,
+)
+from .kinds import JobArgs, WorkerSpec, registry
 from .models import Job, JobState
 
 logger = logging.getLogger(__name__)
 
-MAX_BACKOFF = 86400.0
+# The longest RetryAfter or Snooze delay (SPEC §5).
+MAX_DELAY = 86400.0
 
 
 # -- what a handler may return -------------------------------------------------
@@ -59,7 +65,7 @@ def _seconds(value: float | dt.timedelta, what: str) -> float:
 
 def _delay(value: float | dt.timedelta) -> float:
     """A RetryAfter or Snooze delay in seconds, capped at a day (SPEC §5)."""
-    return min(to_seconds(value), MAX_BACKOFF)
+    return min(to_seconds(value), MAX_DELAY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +108,6 @@ class WaitForCallback:
     """Park the job in ``waiting_external`` until its callback is resolved."""
 
     token: CallbackToken
-
-
-def backoff(attempt: int) -> float:
-    """Seconds before retrying after failed run ``attempt``: 2**n plus 0-25%, at most a day."""
-    base = 2.0 ** min(attempt, 32)
-    return min(base * (1 + random.uniform(0, 0.25)), MAX_BACKOFF)  # noqa: S311 - jitter
 
 
 # -- the attempt's shared state --------------------------------------------------
@@ -252,18 +252,26 @@ class AttemptResult:
 
     job: Job
     state: JobState
-    outcome: Outcome | None = None
+    # The outcome and what its follow-ups and signal get; None: no outcome
+    # (a Snooze), so neither.
+    context: OutcomeContext | None = None
+    # Seconds from now to the next run_at; None keeps run_at, except that a
+    # retryable result without a delay waits the backoff (sql._backoff).
     delay: float | None = None
     error: str | None = None
     traceback: str = ""
     snoozed: bool = False
     reset_attempts: bool = False
     progress: dict[str, Any] | None = None
-    context: dict[str, Any] = field(default_factory=dict)
     # Set by finalize: the row as it stands after the transition, or, when it
     # was not written because another session held the row locked, locked.
     row: Job | None = None
     locked: bool = False
+
+    @property
+    def outcome(self) -> Outcome | None:
+        context = self.context
+        return None if context is None else context.outcome
 
     def params(self) -> dict[str, Any]:
         return {
@@ -280,7 +288,7 @@ class AttemptResult:
 
 
 def completed(job: Job) -> AttemptResult:
-    return AttemptResult(job=job, state=JobState.COMPLETED, outcome=Outcome.COMPLETED)
+    return AttemptResult(job=job, state=JobState.COMPLETED, context=COMPLETED)
 
 
 def failed_terminally(job: Job, error: str, tb: str = "") -> AttemptResult:
@@ -288,26 +296,27 @@ def failed_terminally(job: Job, error: str, tb: str = "") -> AttemptResult:
     return AttemptResult(
         job=job,
         state=JobState.FAILED,
-        outcome=Outcome.EXHAUSTED,
+        context=Exhausted(error=error, attempt=job.attempt),
         error=error,
         traceback=escape_text(tb, MAX_TRACEBACK_CHARS),
-        context={"error": error, "attempt": job.attempt},
     )
 
 
 def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
-    """The handler failed: retry after backoff, or exhaust on the last attempt."""
+    """The handler failed: retry after the backoff, or exhaust on the last attempt.
+
+    The backoff is drawn by the database as the outcome is written (FINALIZE):
+    a retryable result without a ``delay`` waits it.
+    """
     if job.attempt >= job.max_attempts:
         return failed_terminally(job, error, tb)
     error = escape_text(error, MAX_ERROR_CHARS)
     return AttemptResult(
         job=job,
         state=JobState.RETRYABLE,
-        outcome=Outcome.RETRIED,
-        delay=backoff(job.attempt),
+        context=Retried(error=error, attempt=job.attempt),
         error=error,
         traceback=escape_text(tb, MAX_TRACEBACK_CHARS),
-        context={"error": error, "attempt": job.attempt},
     )
 
 
@@ -361,9 +370,8 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
             return AttemptResult(
                 job=job,
                 state=JobState.RETRYABLE,
-                outcome=Outcome.RETRIED,
+                context=Retried(error="", attempt=job.attempt),
                 delay=_delay(seconds),
-                context={"error": "", "attempt": job.attempt},
             )
         case Snooze(seconds=seconds):
             delay = _delay(seconds)
@@ -374,13 +382,9 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
                 snoozed=True,
             )
         case Cancel(reason=reason):
-            reason = escape_text(str(reason), MAX_ERROR_CHARS)
+            cancelled = Cancelled(reason=escape_text(str(reason), MAX_ERROR_CHARS))
             return AttemptResult(
-                job=job,
-                state=JobState.CANCELLED,
-                outcome=Outcome.CANCELLED,
-                error=f"cancelled: {reason}" if reason else "cancelled",
-                context={"reason": reason},
+                job=job, state=JobState.CANCELLED, context=cancelled, error=cancelled.error_entry
             )
         case WaitForCallback(token=token):
             if attempt.callback_id is None or token.id != attempt.callback_id:
@@ -390,7 +394,7 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
                     "register (call job.register_callback() first)",
                 )
             return AttemptResult(
-                job=job, state=JobState.WAITING_EXTERNAL, outcome=Outcome.WAITING_FOR_CALLBACK
+                job=job, state=JobState.WAITING_EXTERNAL, context=WAITING_FOR_CALLBACK
             )
         case _:
             return errored(

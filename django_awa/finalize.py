@@ -15,22 +15,28 @@ themselves (callback resolution, ``awa.cancel``): it raises to the caller.
 
 from __future__ import annotations
 
-import json
 import logging
 import traceback
 from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any
 
-from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, transaction
 
 from . import db, signals, sql
 from .compat import savepoint_create
-from .enqueueing import PreparedJob, insert_flagged, insert_reserved
+from .enqueueing import PreparedJob, insert
 from .execute import AttemptResult, errored
-from .followups import FollowupError, FollowupSpec, Outcome, build, followup_registry
-from .models import Job, JobState, PendingFollowup, jobs_from_rows
+from .followups import (
+    FollowupError,
+    FollowupSpec,
+    Outcome,
+    OutcomeContext,
+    build,
+    followup_registry,
+)
+from .models import Job, JobState, jobs_from_rows
+from .pending import keep_pending
 
 logger = logging.getLogger(__name__)
 
@@ -117,24 +123,25 @@ def _mark_locked(cursor: db.Cursor, results: Sequence[AttemptResult], written: s
         result.locked = result.job.id in held
 
 
-def followup_context(result: AttemptResult) -> dict[str, Any]:
-    context = dict(result.context)
-    if result.outcome is Outcome.RETRIED and result.row is not None:
-        context["next_run_at"] = result.row.run_at
-    return context
+def followup_context(result: AttemptResult) -> OutcomeContext:
+    """The context of a written result's outcome, as its row now stands."""
+    if result.context is None or result.row is None:  # pragma: no cover - by construction
+        raise RuntimeError(f"job {result.job.id}: follow-ups without an outcome or row")
+    return result.context.after(result.row)
 
 
-def _insert(
+def _insert_followups(
     batch: Sequence[tuple[AttemptResult, list[tuple[FollowupSpec, PreparedJob]]]], alias: str
 ) -> dict[int, tuple[AttemptResult, Exception]]:
     """Insert every prepared follow-up in one statement; report refused triggers."""
     flat = [(result, spec, job) for result, items in batch for spec, job in items]
     if not flat:
         return {}
-    flags = insert_flagged([job for _, _, job in flat], alias)
+    inserted = insert([job for _, _, job in flat], alias, ids=False)
     failures: dict[int, tuple[AttemptResult, Exception]] = {}
-    for (result, spec, job), was_inserted in zip(flat, flags, strict=True):
-        if not was_inserted and result.job.id not in failures:
+    for position in inserted.skipped:
+        result, spec, job = flat[position]
+        if result.job.id not in failures:
             failures[result.job.id] = (
                 result,
                 FollowupError(
@@ -152,14 +159,15 @@ def _apply_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
     failures: dict[int, tuple[AttemptResult, Exception]] = {}
     batch = []
     for result in applied:
-        if result.outcome is None or result.row is None:  # pragma: no cover - by construction
+        row, context = result.row, result.context
+        if row is None or context is None:  # pragma: no cover - by construction
             raise RuntimeError(f"job {result.job.id}: follow-ups without an outcome or row")
         try:
-            batch.append((result, build(result.outcome, result.row, followup_context(result))))
+            batch.append((result, build(row, context.after(row))))
         except FollowupError as exc:
             failures[result.job.id] = (result, exc)
     if not failures:
-        failures = _insert(batch, alias)
+        failures = _insert_followups(batch, alias)
     if failures:
         raise _FollowupsFailed(failures)
     return applied
@@ -195,7 +203,7 @@ def _write_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
 
 def _rollback_to(savepoint: str, alias: str) -> None:
     """Roll back to ``savepoint`` and clear the mark an inner ``atomic(savepoint=False)``
-    (``insert_reserved``) leaves after a database error: the transaction is usable again."""
+    (``enqueueing.insert``) leaves after a database error: the transaction is usable again."""
     transaction.savepoint_rollback(savepoint, using=alias)
     transaction.set_rollback(False, using=alias)
 
@@ -237,57 +245,20 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
             second = next(iter(second.failures.values()))[1]
         applied = _write([fallback], alias, rows=True)
         for done in applied:
-            keep_pending(done.row, fallback.outcome, followup_context(done), alias, second)
+            kept = keep_pending(done.row, followup_context(done), alias, _error_text(second))
+            logger.error(
+                "follow-ups of job %s kind=%s outcome=%s could not be inserted (%s); "
+                "kept as pending follow-up %s for maintenance to retry",
+                done.job.id,
+                done.job.kind,
+                done.outcome,
+                second,
+                kept.id,
+                extra={"job_id": done.job.id, "kind": done.job.kind},
+            )
         return applied
     transaction.savepoint_commit(savepoint, using=alias)
     return applied
-
-
-def keep_pending(
-    row: Job | None,
-    outcome: Outcome | None,
-    context: dict[str, Any],
-    alias: str,
-    error: Exception | None = None,
-) -> PendingFollowup:
-    """Record follow-ups to insert later, in the current transaction."""
-    if row is None or outcome is None:  # pragma: no cover - by construction
-        raise RuntimeError("a pending follow-up needs the trigger's row and outcome")
-    pending = PendingFollowup.objects.using(alias).create(
-        job_id=row.id,
-        kind=row.kind,
-        outcome=outcome.value,
-        context=json.loads(json.dumps(context, cls=DjangoJSONEncoder)),
-        snapshot=snapshot(row),
-        last_error=_error_text(error) if error is not None else "",
-    )
-    if error is not None:
-        logger.error(
-            "follow-ups of job %s kind=%s outcome=%s could not be inserted (%s); "
-            "kept as pending follow-up %s for maintenance to retry",
-            row.id,
-            row.kind,
-            outcome,
-            error,
-            pending.id,
-        )
-    return pending
-
-
-def snapshot(job: Job) -> dict[str, Any]:
-    data = {f.attname: getattr(job, f.attname) for f in Job._meta.concrete_fields}
-    return json.loads(json.dumps(data, cls=DjangoJSONEncoder))
-
-
-def from_snapshot(data: dict[str, Any], alias: str) -> Job:
-    values = {}
-    for f in Job._meta.concrete_fields:
-        value = data.get(f.attname)
-        values[f.attname] = value if isinstance(value, (dict, list)) else f.to_python(value)
-    job = Job(**values)
-    job._state.adding = False
-    job._state.db = alias
-    return job
 
 
 def _apply_early_callbacks(applied: Sequence[AttemptResult], alias: str) -> None:
@@ -302,7 +273,7 @@ def _send_signals(applied: Sequence[AttemptResult], alias: str) -> None:
     heard = _heard(result.outcome for result in applied)
     for result in applied:
         if result.outcome in heard and result.row is not None:
-            send_signal(result.outcome, result.row, followup_context(result), alias)
+            send_signal(result.row, followup_context(result), alias)
 
 
 def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult]:
@@ -359,40 +330,49 @@ def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
     return bool(applied)
 
 
-def dispatch(outcome: Outcome, row: Job, context: dict[str, Any], alias: str) -> list[int]:
-    """Insert the follow-ups of ``outcome`` for ``row`` in the caller's transaction.
+def dispatch(row: Job, context: OutcomeContext, alias: str) -> list[int]:
+    """Insert the follow-ups of ``context``'s outcome for ``row`` in the caller's transaction.
 
     Raises ``FollowupError`` if a function fails or an insert is refused.
     Returns the ids of the inserted follow-ups.
     """
-    prepared = [job for _, job in build(outcome, row, context)]
+    prepared = [job for _, job in build(row, context)]
     if not prepared:
         return []
-    reserved, inserted = insert_reserved(prepared, alias)
-    missing = [job for job, rid in zip(prepared, reserved, strict=True) if rid not in inserted]
-    if missing:
+    inserted = insert(prepared, alias)
+    if inserted.skipped:
         raise FollowupError(
-            f"follow-up insert refused: UniqueConflict: a job of kind {missing[0].kind!r} with "
-            f"the same unique key is already held"
+            f"follow-up insert refused: UniqueConflict: a job of kind "
+            f"{prepared[inserted.skipped[0]].kind!r} with the same unique key is already held"
         )
-    return [rid for rid in reserved if rid in inserted]
+    return inserted.ids
 
 
-def send_signal(outcome: Outcome, row: Job, context: dict[str, Any], alias: str) -> None:
-    """Send ``outcome``'s signal after the current transaction commits (if anyone listens)."""
-    signal = _SIGNALS.get(outcome)
+def send_signal(row: Job, context: OutcomeContext, alias: str) -> None:
+    """Send the signal of ``context``'s outcome after the current transaction commits
+    (if anyone listens), with ``job=row`` and the context's fields."""
+    signal = _SIGNALS.get(context.outcome)
     if signal is not None and signal.has_listeners():
         transaction.on_commit(
-            partial(signal.send_robust, sender=Job, job=row, **context), using=alias, robust=True
+            partial(signal.send_robust, sender=Job, job=row, **context.as_dict()),
+            using=alias,
+            robust=True,
         )
 
 
 def _log(result: AttemptResult) -> None:
     job = result.job
-    if result.state == "retryable":
+    if result.state == JobState.RETRYABLE:
+        # The backoff is drawn by the database; the row, when read back, says when.
+        if result.delay is not None:
+            when = f"in {result.delay:.1f}s"
+        elif result.row is not None:
+            when = f"at {result.row.run_at.isoformat()}"
+        else:
+            when = "after a backoff"
         logger.warning(
-            "job %s kind=%s attempt=%s failed, retrying in %.1fs: %s",
-            job.id, job.kind, job.attempt, result.delay or 0, result.error or "RetryAfter",
+            "job %s kind=%s attempt=%s failed, retrying %s: %s",
+            job.id, job.kind, job.attempt, when, result.error or "RetryAfter",
             extra={"job_id": job.id, "kind": job.kind, "queue": job.queue, "attempt": job.attempt},
         )  # fmt: skip
     elif result.outcome is Outcome.EXHAUSTED:

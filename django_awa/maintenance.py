@@ -14,21 +14,19 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
-from django.db.models import F
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from . import db, sql
+from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
-from .execute import backoff
-from .finalize import dispatch, from_snapshot, keep_pending, send_signal
-from .followups import FollowupError, Outcome, RescueReason, followup_registry
-from .kinds import MAX_ERROR_CHARS, escape_text
-from .models import PendingFollowup, job_from_row
+from .finalize import dispatch, send_signal
+from .followups import FollowupError, Outcome, Rescued, RescueReason, followup_registry
+from .models import JobState, PendingFollowup, jobs_from_rows
+from .pending import keep_pending, restore
 from .state import DB_ERRORS, WorkerState, reset_connection
 
 logger = logging.getLogger(__name__)
@@ -211,17 +209,30 @@ class Maintenance:
             logger.exception("maintenance duty %s failed: %s", name, exc)
         return None
 
-    def run_once(self) -> None:
-        """Every duty once, now (for tests and ``awa_worker --maintenance-once``)."""
+    def run_once(self, now: datetime | None = None) -> None:
+        """Every duty once (for tests and shells).
+
+        ``now`` is the moment periodic fires and pending follow-up retries are
+        judged by: the database clock's unless given.
+        """
+        if now is None:
+            now = self.database_now()
         self.promote()
         self.rescue()
         self.archive()
-        self.replay_pending()
+        self.replay_pending(now)
         self.age_priorities()
-        self.fire_periodic()
+        self.fire_periodic(now)
         self.prune()
 
     # -- duties ------------------------------------------------------------------------
+
+    def database_now(self) -> datetime:
+        """The database clock: what due times are judged by when no now is given."""
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.DATABASE_NOW)
+            now: datetime = cursor.fetchone()[0]
+        return now
 
     def promote(self) -> set[str]:
         """Make due scheduled and retryable jobs available; NOTIFY their queues."""
@@ -283,9 +294,9 @@ class Maintenance:
             with connections[self.alias].cursor() as cursor:
                 cursor.execute(sql.RESCUE, {"stale_after": self.conf.stale_after, "limit": BATCH})
                 rescued = cursor.fetchall()
-            for row in rescued:
+            jobs = jobs_from_rows([row[1:] for row in rescued], self.alias)
+            for row, job in zip(rescued, jobs, strict=True):
                 reason = RescueReason(row[0])
-                job = job_from_row(row[1:], self.alias)
                 queues.add(job.queue)
                 logger.debug(
                     "rescued job %s kind=%s attempt=%s (%s): now %s",
@@ -296,10 +307,10 @@ class Maintenance:
                     job.state,
                     extra={"job_id": job.id, "kind": job.kind, "queue": job.queue},
                 )
-                context = {"reason": reason.value}
+                context = Rescued(reason=reason)
                 if followup_registry.has(Outcome.RESCUED, job.kind):
-                    pending_ids.append(keep_pending(job, Outcome.RESCUED, context, self.alias).id)
-                send_signal(Outcome.RESCUED, job, {"reason": reason}, self.alias)
+                    pending_ids.append(keep_pending(job, context, self.alias).id)
+                send_signal(job, context, self.alias)
         if rescued:
             reasons = Counter(row[0] for row in rescued)
             logger.warning(
@@ -313,20 +324,22 @@ class Maintenance:
             self.replay_one(pending_id)
         return queues
 
-    def replay_pending(self) -> int:
-        """Insert due pending follow-ups; returns how many were inserted."""
+    def replay_pending(self, now: datetime | None = None) -> int:
+        """Insert the pending follow-ups due at ``now`` (default: the database clock's);
+        returns how many were inserted."""
         due = list(
             PendingFollowup.objects.using(self.alias)
-            .filter(next_attempt_at__lte=Now())
+            .filter(next_attempt_at__lte=Now() if now is None else now)
             .order_by("next_attempt_at", "id")
             .values_list("id", flat=True)[:BATCH]
         )
-        return sum(1 for pending_id in due if self.replay_one(pending_id))
+        return sum(1 for pending_id in due if self.replay_one(pending_id, now))
 
-    def replay_one(self, pending_id: int) -> bool:
+    def replay_one(self, pending_id: int, now: datetime | None = None) -> bool:
         """Insert one pending row's follow-ups and delete it, in one transaction.
 
-        On failure the row stays, with its error and a backed-off retry time.
+        On failure the row stays, with its error and a backed-off retry time
+        counted from ``now`` (default: the database clock's).
         """
         try:
             with self._transaction():
@@ -338,39 +351,36 @@ class Maintenance:
                 )
                 if pending is None:
                     return False
-                job = from_snapshot(pending.snapshot, self.alias)
-                outcome = Outcome(pending.outcome)
-                ids = dispatch(outcome, job, dict(pending.context), self.alias)
+                job, context = restore(pending, self.alias)
+                ids = dispatch(job, context, self.alias)
                 pending.delete()
         except (FollowupError, DatabaseError) as exc:
-            self._postpone(pending_id, exc)
+            self._postpone(pending_id, exc, now)
             return False
         logger.info(
             "inserted %s follow-up(s) of job %s kind=%s outcome=%s",
             len(ids),
             job.id,
             job.kind,
-            outcome.value,
+            context.outcome.value,
         )
         return True
 
-    def _postpone(self, pending_id: int, exc: Exception) -> None:
-        pending = PendingFollowup.objects.using(self.alias).filter(id=pending_id).first()
-        if pending is None:
+    def _postpone(self, pending_id: int, exc: Exception, now: datetime | None) -> None:
+        """Count the failed try and schedule the next one after the backoff."""
+        error = escape_text(str(exc), MAX_ERROR_CHARS)
+        with self._transaction(), connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.POSTPONE_PENDING, {"id": pending_id, "now": now, "error": error})
+            row = cursor.fetchone()
+        if row is None:  # inserted meanwhile, or discarded
             return
-        delay = backoff(min(pending.attempts + 1, 12))
-        with self._transaction():
-            PendingFollowup.objects.using(self.alias).filter(id=pending_id).update(
-                attempts=F("attempts") + 1,
-                next_attempt_at=timezone.now() + timedelta(seconds=delay),
-                last_error=escape_text(str(exc), MAX_ERROR_CHARS),
-            )
+        tries, outcome, job_id, delay = row
         logger.warning(
             "pending follow-ups %s (%s of job %s) failed again (try %s): %s; next try in %.0fs",
             pending_id,
-            pending.outcome,
-            pending.job_id,
-            pending.attempts + 1,
+            outcome,
+            job_id,
+            tries,
             exc,
             delay,
         )
@@ -382,20 +392,21 @@ class Maintenance:
         with self._transaction(), connections[self.alias].cursor() as cursor:
             cursor.execute(sql.AGE_PRIORITIES, {"interval": interval, "limit": BATCH})
 
-    def fire_periodic(self) -> None:
-        """Enqueue due periodic jobs (see ``periodic.py``)."""
+    def fire_periodic(self, now: datetime | None = None) -> None:
+        """Enqueue the periodic jobs due at ``now`` (default: the database clock's;
+        see ``schedules.py``)."""
         from .schedules import fire_due
 
         # One transaction: each schedule fires under its row lock, in a savepoint.
         with self._transaction():
-            fire_due(self.alias)
+            fire_due(self.alias, self.database_now() if now is None else now)
 
     def prune(self) -> int:
         """Delete finished rows past retention, in batches; returns how many."""
         total = 0
         for states, retention in (
-            (["completed"], self.conf.completed_retention),
-            (["failed", "cancelled"], self.conf.failed_retention),
+            ([JobState.COMPLETED], self.conf.completed_retention),
+            ([JobState.FAILED, JobState.CANCELLED], self.conf.failed_retention),
         ):
             if retention is None:
                 continue

@@ -6,7 +6,7 @@ import json
 import json.scanner
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from django.db import models
 from django.db.models import Q
@@ -27,18 +27,37 @@ class JobState(models.TextChoices):
     CANCELLED = "cancelled"
     WAITING_EXTERNAL = "waiting_external"
 
+    # Groups of states, each the one statement of a rule (set below the class,
+    # once the members exist; sql.py builds its fragments from them too).
+    # Finished: finalized_at is set, nothing runs again unless retried.
+    FINAL: ClassVar[tuple[JobState, ...]]
+    # Not finished: what an operator may cancel.
+    LIVE: ClassVar[tuple[JobState, ...]]
+    # Waiting for their run_at: maintenance makes them available when due.
+    DELAYED: ClassVar[tuple[JobState, ...]]
+    # What an operator may retry: made available now, attempts reset.
+    RETRIABLE: ClassVar[tuple[JobState, ...]]
+    # Where a job holds its unique key unless Unique(states=...) says otherwise.
+    UNIQUE_HELD: ClassVar[tuple[JobState, ...]]
 
-FINAL_STATES = (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
-WAITING_STATES = (JobState.SCHEDULED, JobState.RETRYABLE)
-# States from which an operator may cancel a job.
-CANCELLABLE_STATES = (
+
+JobState.FINAL = (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+JobState.LIVE = (
     JobState.SCHEDULED,
     JobState.AVAILABLE,
     JobState.RUNNING,
     JobState.RETRYABLE,
     JobState.WAITING_EXTERNAL,
 )
-RETRIABLE_STATES = (JobState.FAILED, JobState.CANCELLED, JobState.RETRYABLE)
+JobState.DELAYED = (JobState.SCHEDULED, JobState.RETRYABLE)
+JobState.RETRIABLE = (JobState.FAILED, JobState.CANCELLED, JobState.RETRYABLE)
+JobState.UNIQUE_HELD = (
+    JobState.SCHEDULED,
+    JobState.AVAILABLE,
+    JobState.RUNNING,
+    JobState.RETRYABLE,
+    JobState.COMPLETED,
+)
 
 # What timestamptz holds that Python can read back: years 1 to 9999 in UTC.
 # PostgreSQL itself stores 4713 BC to 294276 AD, so an aware datetime at the
@@ -58,22 +77,7 @@ def _in_range(column: str) -> models.CheckConstraint:
 
 
 class JobQuerySet(models.QuerySet["Job"]):
-    """Filters shared by the admin, control functions and maintenance."""
-
-    def runnable(self) -> JobQuerySet:
-        return self.filter(state=JobState.AVAILABLE, run_at__lte=Now())
-
-    def waiting(self) -> JobQuerySet:
-        return self.filter(state__in=WAITING_STATES)
-
-    def running(self) -> JobQuerySet:
-        return self.filter(state=JobState.RUNNING)
-
-    def finished(self) -> JobQuerySet:
-        return self.filter(state__in=FINAL_STATES)
-
-    def stale(self, cutoff: datetime) -> JobQuerySet:
-        return self.running().filter(heartbeat_at__lt=cutoff)
+    """The filters of the admin's job list and of ``Job.followups()``."""
 
     def in_queue(self, queue: str) -> JobQuerySet:
         return self.filter(queue=queue)
@@ -143,35 +147,35 @@ class Job(models.Model):
             models.Index(
                 fields=["queue", "priority", "run_at", "id"],
                 name="awa_job_claim_idx",
-                condition=Q(state="available"),
+                condition=Q(state=JobState.AVAILABLE),
             ),
             # Promotion of due scheduled and retryable jobs.
             models.Index(
                 fields=["run_at"],
                 name="awa_job_due_idx",
-                condition=Q(state__in=["scheduled", "retryable"]),
+                condition=Q(state__in=JobState.DELAYED),
             ),
             # Rescue of stale heartbeats and passed deadlines.
             models.Index(
                 fields=["heartbeat_at"],
                 name="awa_job_running_idx",
-                condition=Q(state="running"),
+                condition=Q(state=JobState.RUNNING),
             ),
             models.Index(
                 fields=["deadline_at"],
                 name="awa_job_deadline_idx",
-                condition=Q(state="running"),
+                condition=Q(state=JobState.RUNNING),
             ),
             models.Index(
                 fields=["callback_timeout_at"],
                 name="awa_job_callback_idx",
-                condition=Q(state="waiting_external"),
+                condition=Q(state=JobState.WAITING_EXTERNAL),
             ),
             # Pruning finished rows past retention.
             models.Index(
                 fields=["state", "finalized_at"],
                 name="awa_job_finalized_idx",
-                condition=Q(state__in=["completed", "failed", "cancelled"]),
+                condition=Q(state__in=JobState.FINAL),
             ),
             # Lineage: follow-ups of a trigger.
             models.Index(
@@ -219,10 +223,6 @@ class Job(models.Model):
     def followups(self) -> JobQuerySet:
         """Jobs enqueued by this job's follow-ups, oldest first."""
         return Job.objects.using(self._state.db).followups_of(self.id).order_by("id")
-
-    @property
-    def is_final(self) -> bool:
-        return self.state in FINAL_STATES
 
 
 class Queue(models.Model):
@@ -273,12 +273,13 @@ class PendingFollowup(models.Model):
 
 
 _JOB_FIELDS = Job._meta.concrete_fields
-_JOB_ATTNAMES = [f.attname for f in _JOB_FIELDS]
+# The columns of a row for jobs_from_rows, in sql.JOB_COLUMNS order.
+JOB_ATTNAMES = [f.attname for f in _JOB_FIELDS]
 _JSON_FIELDS = frozenset(i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, models.JSONField))
 
 
 # json's C scanner, called directly: json.loads wraps it in three Python calls
-# and two whitespace matches, which took 0.7 of its 1.0 µs for a small object.
+# and two whitespace matches, which cost more than the parse of a small object.
 _scan_json = json.scanner.make_scanner(json.JSONDecoder())
 
 
@@ -300,36 +301,32 @@ def load_json(text: str) -> Any:
     return value if end == len(text) else json.loads(text)
 
 
-def job_from_values(values: dict[str, Any], using: str) -> Job:
-    """A ``Job`` from ``{attname: value}`` for every column (JSON fields decoded)."""
-    if _plain_init():
-        return _job(values.items(), using)
-    return Job.from_db(using, _JOB_ATTNAMES, [values[name] for name in _JOB_ATTNAMES])
+def jobs_from_rows(
+    rows: Iterable[Sequence[Any]], using: str, *, json_text: bool = True
+) -> list[Job]:
+    """``Job`` instances read on connection ``using``, from rows holding every column
+    in ``sql.JOB_COLUMNS`` order: the one way a ``Job`` is built from stored values
+    (a statement's rows, enqueue's new row, a pending follow-up's snapshot).
 
-
-def job_from_row(values: Sequence[Any], using: str) -> Job:
-    """A ``Job`` from a row of ``sql.JOB_COLUMNS``, read on connection ``using``."""
-    return jobs_from_rows([values], using)[0]
-
-
-def jobs_from_rows(rows: Iterable[Sequence[Any]], using: str) -> list[Job]:
-    """``Job`` instances from rows of ``sql.JOB_COLUMNS``, read on connection ``using``.
-
-    Django reads jsonb as text; the Job's JSON fields use no custom decoder,
-    so the text is parsed here directly (empty lists and objects, the common
-    case, without the parser) rather than through each field's from_db_value.
+    With ``json_text``, a JSON column given as text is parsed here, as Django
+    reads jsonb as text and the Job's JSON fields use no custom decoder
+    (empty lists and objects, the common case, without the parser) rather
+    than through each field's from_db_value; without it, every JSON column
+    holds its value already.
     """
-    converted_rows = []
-    for values in rows:
-        converted = list(values)
-        for i in _JSON_FIELDS:
-            text = converted[i]
-            if isinstance(text, str):
-                converted[i] = load_json(text)
-        converted_rows.append(converted)
+    if json_text:
+        converted_rows = []
+        for values in rows:
+            converted = list(values)
+            for i in _JSON_FIELDS:
+                text = converted[i]
+                if isinstance(text, str):
+                    converted[i] = load_json(text)
+            converted_rows.append(converted)
+        rows = converted_rows
     if _plain_init():
-        return [_job(zip(_JOB_ATTNAMES, row, strict=True), using) for row in converted_rows]
-    return [Job.from_db(using, _JOB_ATTNAMES, row) for row in converted_rows]
+        return [_job(zip(JOB_ATTNAMES, row, strict=True), using) for row in rows]
+    return [Job.from_db(using, JOB_ATTNAMES, row) for row in rows]
 
 
 def _plain_init() -> bool:

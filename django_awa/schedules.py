@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 from django.db import transaction
-from django.utils import timezone as dj_timezone
 
-from .enqueueing import EnqueueRequest, insert_one, prepare
-from .exceptions import UniqueConflict, ValidationError
-from .kinds import JobArgs, check_priority, require_text
+from .codec import require_text
+from .enqueueing import EnqueueRequest, insert, prepare
+from .exceptions import ValidationError
+from .kinds import JobArgs, check_priority
 from .models import PeriodicSchedule
 
 logger = logging.getLogger(__name__)
@@ -110,9 +110,9 @@ def periodic(
     return schedule
 
 
-def fire_due(alias: str, now: dt.datetime | None = None) -> int:
-    """Enqueue every due fire of every declared schedule; returns how many were enqueued."""
-    now = now or dj_timezone.now()
+def fire_due(alias: str, now: dt.datetime) -> int:
+    """Enqueue every fire of every declared schedule due at ``now``; returns how many
+    were enqueued. The caller's clock judges: maintenance passes the database's."""
     fired = 0
     for schedule in list(schedules.values()):
         try:
@@ -151,10 +151,8 @@ def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
                 schedule.args, queue=schedule.queue, priority=schedule.priority, run_at=fire_at
             )
             periodic = {"awa_periodic": {"name": schedule.name, "fire_at": fire_at.isoformat()}}
-            try:
-                with transaction.atomic(using=alias):
-                    insert_one(prepare(request, metadata_json=json.dumps(periodic)), alias)
-            except UniqueConflict:
+            prepared = prepare(request, metadata_json=json.dumps(periodic))
+            if insert((prepared,), alias).skipped:
                 logger.info(
                     "periodic %r fire at %s skipped: unique conflict", schedule.name, fire_at
                 )

@@ -15,7 +15,9 @@ read both.
 
 from __future__ import annotations
 
-from .models import Job
+from collections.abc import Iterable
+
+from .models import Job, JobState
 
 JOB_COLUMNS = ", ".join(f'"{f.column}"' for f in Job._meta.concrete_fields)
 J_JOB_COLUMNS = ", ".join(f'j."{f.column}"' for f in Job._meta.concrete_fields)
@@ -48,6 +50,42 @@ LISTENER_PING = "SELECT 1"
 NOTIFY_CANCEL = f"SELECT pg_notify('{CANCEL_CHANNEL}', %(job_id)s)"
 
 
+def _states(states: Iterable[JobState]) -> str:
+    """A group of states as the SQL list ``('completed', 'failed', ...)``."""
+    return "(" + ", ".join(f"'{state}'" for state in states) + ")"
+
+
+# The JobState groups, in their order: partial indexes name them in the same
+# words (their predicate must match the statement's for the index to serve).
+_FINAL = _states(JobState.FINAL)
+_DELAYED = _states(JobState.DELAYED)
+
+
+def _backoff(attempt: str) -> str:
+    """Seconds before the retry after failed run number ``attempt`` (SPEC §5): 2**n
+    plus a random 0 to 25% of that, at most a day. Every retry that waits a backoff
+    is scheduled with it (a handler's error, a rescue, a pending follow-up);
+    random() is drawn per row, so jobs that failed together retry apart."""
+    return f"least(power(2, least({attempt}, 32)) * (1 + random() * 0.25), 86400)"
+
+
+def _errors_plus(row: str, error: str, traceback: str = "''") -> str:
+    """The ``errors`` column of ``row`` (``"j."``, or ``""`` for the updated table)
+    with an entry ``{"attempt", "at", "error", "traceback"}`` appended for the
+    row's current attempt, stamped with the database clock; unchanged when
+    ``error`` is NULL."""
+    return f"""CASE WHEN {error} IS NULL THEN {row}errors
+                  ELSE {row}errors || jsonb_build_array(jsonb_build_object(
+                      'attempt', {row}attempt, 'at', now(), 'error', {error},
+                      'traceback', {traceback})) END"""
+
+
+# What an attempt leaves on the row once it is over and nothing waits on it:
+# no heartbeat, no deadline, no callback.
+_ATTEMPT_CLEARED = (
+    "heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL"
+)
+
 # ==== Enqueueing (enqueueing.py) ====
 
 _INSERT_COLUMNS = (
@@ -62,8 +100,8 @@ _INSERT_COLUMNS = (
 # caller's transaction. pg_notify wakes idle workers of the queue when the
 # caller commits (Postgres delivers NOTIFY at commit, and not on rollback).
 # It returns only what the server decides (INSERTED_COLUMNS): the caller
-# knows the rest. Sending back and parsing the whole row took about 40 µs of
-# an enqueue's 280 here.
+# knows the rest, and sending back and parsing the whole row would be a good
+# part of an enqueue's cost.
 INSERTED_COLUMNS = ("id", "state", "run_at", "created_at")
 INSERT_ONE = f"""
 INSERT INTO awa_job ({_INSERT_COLUMNS})
@@ -93,7 +131,7 @@ LIMIT 1
 # Draw ids for a bulk insert up front, so the ids returned follow the input
 # order even when unique duplicates are skipped. The sequence is looked up
 # once (a MATERIALIZED CTE): as a nextval() argument pg_get_serial_sequence
-# ran for every id, 4 of the 4.6 ms that 1,000 ids took.
+# ran for every id, and took most of the statement's time.
 RESERVE_IDS = """
 WITH s AS MATERIALIZED (SELECT pg_get_serial_sequence('awa_job', 'id')::regclass AS seq)
 SELECT nextval(s.seq) FROM s, generate_series(1, %(n)s)
@@ -175,8 +213,10 @@ RETURNING {J_JOB_COLUMNS}
 # flight) are skipped, not waited for, so one locked row never holds back the
 # batch; they are absent from RETURNING too, and STILL_HELD tells them apart
 # from stale ones. Primary key lookups only. Error entries are stamped with
-# the database clock. callback_id is kept only for the waiting_external
-# outcome, whose row must carry the callback id the handler registered.
+# the database clock. A delay moves run_at; a retryable outcome without one
+# (the handler raised) waits the backoff. callback_id is kept only for the
+# waiting_external outcome, whose row must carry the callback id the handler
+# registered.
 # The attempts given as two arrays whose rows are still running them.
 _RUNNING_ATTEMPTS = """
     SELECT j.id FROM ONLY awa_job AS j
@@ -190,13 +230,12 @@ WITH held AS ({_RUNNING_ATTEMPTS}
 _FINALIZE = f"""{_HELD_ROWS}
 UPDATE ONLY awa_job AS j
 SET state = d.state,
-    run_at = CASE WHEN d.delay IS NULL THEN j.run_at
-                  ELSE now() + make_interval(secs => d.delay) END,
-    finalized_at = CASE WHEN d.state IN ('completed', 'failed', 'cancelled') THEN now() END,
-    errors = CASE WHEN d.error IS NULL THEN j.errors
-                  ELSE j.errors || jsonb_build_array(jsonb_build_object(
-                      'attempt', j.attempt, 'at', now(), 'error', d.error,
-                      'traceback', coalesce(d.traceback, ''))) END,
+    run_at = CASE WHEN d.delay IS NOT NULL THEN now() + make_interval(secs => d.delay)
+                  WHEN d.state = 'retryable'
+                      THEN now() + make_interval(secs => {_backoff("j.attempt")})
+                  ELSE j.run_at END,
+    finalized_at = CASE WHEN d.state IN {_FINAL} THEN now() END,
+    errors = {_errors_plus("j.", "d.error", "coalesce(d.traceback, '')")},
     snoozed = d.snoozed,
     attempt = CASE WHEN d.reset_attempts THEN 0 ELSE j.attempt END,
     progress = coalesce(d.progress, j.progress),
@@ -224,10 +263,7 @@ UPDATE ONLY awa_job AS j
 SET state = 'completed',
     finalized_at = now(),
     snoozed = false,
-    heartbeat_at = NULL,
-    deadline_at = NULL,
-    callback_id = NULL,
-    callback_timeout_at = NULL
+    {_ATTEMPT_CLEARED}
 FROM held
 WHERE j.id = held.id AND j.state = 'running'
 """
@@ -284,10 +320,10 @@ RETURNING id
 # -- PROMOTE_DUE --
 # Make due scheduled and retryable jobs available, in batches.
 # Index: awa_job_due_idx (run_at) WHERE state IN ('scheduled', 'retryable').
-PROMOTE_DUE = """
+PROMOTE_DUE = f"""
 WITH due AS (
     SELECT id FROM ONLY awa_job
-    WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
+    WHERE state IN {_DELAYED} AND run_at <= now()
     ORDER BY run_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -337,19 +373,34 @@ UPDATE ONLY awa_job AS j
 SET state = CASE WHEN j.attempt >= j.max_attempts THEN 'failed' ELSE 'retryable' END,
     finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN now() END,
     run_at = CASE WHEN j.attempt >= j.max_attempts THEN j.run_at
-             ELSE now() + make_interval(secs => least(
-                 power(2, least(j.attempt, 32)) * (1 + random() * 0.25), 86400)) END,
-    errors = j.errors || jsonb_build_array(jsonb_build_object(
-        'attempt', j.attempt, 'at', now(),
-        'error', 'rescued: ' || replace(v.reason, '_', ' '), 'traceback', '')),
-    heartbeat_at = NULL,
-    deadline_at = NULL,
-    callback_id = NULL,
-    callback_timeout_at = NULL
+             ELSE now() + make_interval(secs => {_backoff("j.attempt")}) END,
+    errors = {_errors_plus("j.", "'rescued: ' || replace(v.reason, '_', ' ')")},
+    {_ATTEMPT_CLEARED}
 FROM locked JOIN victims AS v ON v.id = locked.id
 WHERE j.id = locked.id
 RETURNING v.reason, {J_JOB_COLUMNS}
 """
+
+# -- POSTPONE_PENDING --
+# A pending follow-up's insert failed again: count the try, keep the error and
+# retry it after the backoff of its try number (at most 12: about an hour
+# apart), from %(now)s (maintenance's injected now) or the database clock.
+# Primary key lookup.
+POSTPONE_PENDING = f"""
+UPDATE awa_pending_followup
+SET attempts = attempts + 1,
+    next_attempt_at = coalesce(%(now)s::timestamptz, now())
+        + make_interval(secs => {_backoff("least(attempts + 1, 12)")}),
+    last_error = %(error)s
+WHERE id = %(id)s
+RETURNING attempts, outcome, job_id,
+          extract(epoch FROM next_attempt_at - coalesce(%(now)s::timestamptz, now()))
+"""
+
+# -- DATABASE_NOW --
+# The database clock, for maintenance duties that judge due times in Python
+# (periodic fires) when no now is injected.
+DATABASE_NOW = "SELECT now()"
 
 # -- AGE_PRIORITIES --
 # Priority aging: an available job moves up one priority level per aging
@@ -404,12 +455,12 @@ DELETE FROM awa_job WHERE id IN (
 # Index: awa_job_archive_idx (finalized_at), partial on this WHERE clause:
 # finished rows that hold their key are not in it, and the entries of rows
 # already moved (dead until VACUUM) lie before %(since)s.
-_ARCHIVE = """
+_ARCHIVE = f"""
 WITH moved AS (
     DELETE FROM ONLY awa_job WHERE id IN (
         SELECT id FROM ONLY awa_job
-        WHERE state IN ('completed', 'failed', 'cancelled')
-          AND (unique_key IS NULL OR NOT coalesce(unique_states ? state, false)){since}
+        WHERE state IN {_FINAL}
+          AND (unique_key IS NULL OR NOT coalesce(unique_states ? state, false)){{since}}
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     )
@@ -505,9 +556,8 @@ WITH old AS (
 )
 UPDATE ONLY awa_job AS j
 SET state = 'cancelled', finalized_at = now(),
-    errors = j.errors || jsonb_build_array(jsonb_build_object(
-        'attempt', j.attempt, 'at', now(), 'error', %(error)s::text, 'traceback', '')),
-    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
+    errors = {_errors_plus("j.", "%(error)s::text")},
+    {_ATTEMPT_CLEARED}
 FROM old
 WHERE j.id = old.id
 RETURNING old.state, {J_JOB_COLUMNS}
@@ -519,7 +569,7 @@ RETURNING old.state, {J_JOB_COLUMNS}
 RETRY_JOB = f"""
 UPDATE awa_job
 SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
-    heartbeat_at = NULL, deadline_at = NULL, callback_id = NULL, callback_timeout_at = NULL
+    {_ATTEMPT_CLEARED}
 WHERE id = %(id)s AND state = ANY(%(states)s::text[])
 RETURNING {JOB_COLUMNS}
 """
@@ -539,14 +589,11 @@ SELECT {JOB_COLUMNS} FROM awa_job WHERE callback_id = %(callback_id)s FOR UPDATE
 RESOLVE_CALLBACK = f"""
 UPDATE awa_job
 SET state = %(state)s,
-    finalized_at = CASE WHEN %(state)s IN ('completed', 'failed') THEN now() END,
+    finalized_at = CASE WHEN %(state)s IN {_FINAL} THEN now() END,
     attempt = CASE WHEN %(reset)s THEN 0 ELSE attempt END,
     run_at = CASE WHEN %(state)s = 'available' THEN now() ELSE run_at END,
     metadata = (metadata - 'awa_early_callback') || %(metadata)s::jsonb,
-    errors = CASE WHEN %(error)s::text IS NULL THEN errors
-                  ELSE errors || jsonb_build_array(jsonb_build_object(
-                      'attempt', attempt, 'at', now(), 'error', %(error)s::text,
-                      'traceback', '')) END,
+    errors = {_errors_plus("", "%(error)s::text")},
     callback_id = CASE WHEN %(state)s = 'available' THEN NULL ELSE callback_id END,
     callback_timeout_at = NULL
 WHERE id = %(id)s
@@ -665,8 +712,8 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 # listed: statements that join awa_job to arrays (FINALIZE, COMPLETE,
 # HEARTBEAT, SET_PROGRESS). Their generic plan does not know the array's length, and
 # with the statistics of a quiet table it scanned every running row for each
-# batch instead of looking ids up by primary key (10 ms instead of 2 ms for
-# 50 jobs among 20,000), so they are planned on each run.
+# batch instead of looking ids up by primary key, so they are planned on each
+# run.
 PREPARED = frozenset(
     {INSERT_ONE, INSERT_ONE_UNIQUE, RESERVE_IDS, INSERT_MANY, NOTIFY_QUEUES, CLAIM}
 )

@@ -38,7 +38,13 @@ from django_awa.callbacks import (
 )
 from django_awa.execute import Attempt, AttemptResult, JobContext
 from django_awa.finalize import finalize
-from django_awa.followups import FollowupError, FollowupSpec, Outcome, followup_registry
+from django_awa.followups import (
+    WAITING_FOR_CALLBACK,
+    FollowupError,
+    FollowupSpec,
+    Outcome,
+    followup_registry,
+)
 from django_awa.maintenance import Maintenance
 from django_awa.models import CallbackReceipt, Job, JobState
 from tests.conftest import make_job, wait_for, wait_for_state
@@ -422,7 +428,7 @@ def _park_in_process(job_id: int) -> Job:
     """Finalize the running attempt of ``job_id`` as ``WaitForCallback``, as a worker would."""
     running = Job.objects.get(id=job_id)
     result = AttemptResult(
-        job=running, state=JobState.WAITING_EXTERNAL, outcome=Outcome.WAITING_FOR_CALLBACK
+        job=running, state=JobState.WAITING_EXTERNAL, context=WAITING_FOR_CALLBACK
     )
     assert finalize([result], "default") == [result]
     return Job.objects.get(id=job_id)

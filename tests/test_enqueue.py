@@ -349,6 +349,25 @@ def test_enqueue_many_skips_unique_duplicates_and_keeps_order():
     assert [Job.objects.get(id=i).args["n"] for i in ids] == [2, 3]
 
 
+@pytest.mark.parametrize("count", [1, 2, 30])
+@pytest.mark.parametrize("ids", [True, False])
+def test_insert_reports_skipped_duplicates_by_position_alone_or_in_bulk(count, ids):
+    from django_awa.enqueueing import insert, prepare
+
+    unique = awa.Unique()
+    held = awa.enqueue(Echo(n=-1), unique=unique)
+    plain = [prepare(Echo(n=n)) for n in range(count - 1)]
+    duplicate = prepare(awa.EnqueueRequest(Echo(n=-1), unique=unique))
+    inserted = insert([*plain, duplicate], "default", ids=ids)
+    assert inserted.skipped == [count - 1]
+    assert Job.objects.filter(args__n=-1).get().id == held.id
+    assert Job.objects.filter(kind="echo").count() == count
+    if ids:
+        assert [Job.objects.get(id=i).args["n"] for i in inserted.ids] == list(range(count - 1))
+    else:
+        assert inserted.ids == []
+
+
 class _NoValidOffset(dt.tzinfo):
     def utcoffset(self, moment):
         return dt.timedelta(hours=30)
@@ -418,7 +437,7 @@ def test_args_round_trip_rich_types():
         items: list[int]
         maybe: int | None = None
 
-    from django_awa.kinds import decode_args
+    from django_awa.codec import decode_args
 
     when = timezone.now()
     job = awa.enqueue(Rich(when=when, day=when.date(), items=[1, 2]))

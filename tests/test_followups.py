@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import random
 import signal
 from dataclasses import dataclass
 
 import pytest
 from django.core import checks
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 from django.db.models import Count
 from django.utils import timezone
@@ -18,14 +20,22 @@ from django_awa import signals
 from django_awa.execute import Attempt, AttemptResult, completed, run_attempt
 from django_awa.finalize import finalize
 from django_awa.followups import (
+    CONTEXT_PARAMETERS,
+    Cancelled,
+    Completed,
+    Exhausted,
     FollowupSpec,
     Outcome,
+    Rescued,
+    Retried,
+    WaitingForCallback,
     followup_registry,
     on_completed,
     on_retried,
 )
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, PendingFollowup
+from django_awa.pending import context_from_json, context_json
 from django_awa.producer import claim
 from stress import audit
 from tests.conftest import make_job, wait_for, wait_for_state
@@ -261,6 +271,74 @@ def test_when_the_fallbacks_followups_fail_too_they_are_kept_and_replayed():
     assert child.args["note"].startswith(
         "retried:1:follow-up tests.testapp.followups.act_completed"
     )
+
+
+@db
+@pytest.mark.parametrize(
+    ("outcome", "context", "expected"),
+    [
+        (
+            Outcome.RETRIED,
+            {"error": "boom", "attempt": 2, "next_run_at": "2031-05-06T07:08:09.123Z"},
+            ("boom", 2, dt.datetime(2031, 5, 6, 7, 8, 9, 123000, tzinfo=dt.UTC)),
+        ),
+        (Outcome.EXHAUSTED, {"error": "boom", "attempt": 3}, ("boom", 3)),
+        (Outcome.RESCUED, {"reason": "deadline_exceeded"}, (awa.RescueReason.DEADLINE_EXCEEDED,)),
+    ],
+)
+def test_a_pending_row_kept_by_0_1_0_still_replays(outcome, context, expected):
+    # 0.1.0 kept the context as a dict and the row through DjangoJSONEncoder
+    # (datetimes to the millisecond, "Z" for UTC).
+    job = make_job(state=JobState.FAILED, attempt=3, finalized_at=timezone.now())
+    fields = {f.attname: getattr(job, f.attname) for f in Job._meta.concrete_fields}
+    snapshot = json.loads(json.dumps(fields, cls=DjangoJSONEncoder))
+    PendingFollowup.objects.create(
+        job_id=job.id, kind=job.kind, outcome=outcome.value, context=context, snapshot=snapshot
+    )
+    seen = []
+
+    def capture(args, job, *extra):
+        seen.append((job.id, job.state, job.finalized_at, *extra))
+        return Echo(n=job.id, note="replayed")
+
+    spec = FollowupSpec(outcome=outcome, trigger=Act, function=capture)
+    followup_registry.add(spec)
+    try:
+        assert Maintenance().replay_pending() == 1
+    finally:
+        followup_registry._remove(spec)
+    kept_at = job.finalized_at.replace(microsecond=job.finalized_at.microsecond // 1000 * 1000)
+    assert seen == [(job.id, job.state, kept_at, *expected)]
+    assert "replayed" in notes(job.id) and not PendingFollowup.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "context",
+    [
+        Completed(),
+        Retried(error="e", attempt=2, next_run_at=dt.datetime(2030, 1, 2, 3, 4, 5, 6, dt.UTC)),
+        Exhausted(error="e", attempt=2),
+        Cancelled(reason="r"),
+        WaitingForCallback(),
+        Rescued(reason=awa.RescueReason.CALLBACK_TIMEOUT),
+    ],
+)
+def test_an_outcome_context_is_kept_as_json_and_restored_as_it_was(context):
+    kept = json.loads(json.dumps(context_json(context)))
+    assert context_from_json(context.outcome, kept) == context
+    assert context.values() == tuple(context.as_dict().values())
+    assert tuple(context.as_dict()) == CONTEXT_PARAMETERS[context.outcome]
+
+
+def test_the_context_parameters_are_the_spec_ones():
+    assert CONTEXT_PARAMETERS == {
+        Outcome.COMPLETED: (),
+        Outcome.RETRIED: ("error", "attempt", "next_run_at"),
+        Outcome.EXHAUSTED: ("error", "attempt"),
+        Outcome.CANCELLED: ("reason",),
+        Outcome.WAITING_FOR_CALLBACK: (),
+        Outcome.RESCUED: ("reason",),
+    }
 
 
 @db

@@ -33,10 +33,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import django_awa as awa
-from django_awa import conf, kinds
+from django_awa import codec, conf
 from django_awa.callbacks import sign
 from django_awa.checks import check_database, check_settings
-from django_awa.kinds import decode_args
+from django_awa.codec import decode_args
 from django_awa.models import CallbackReceipt, Job, JobState, load_json
 from django_awa.schedules import schedules
 from tests.conftest import make_job
@@ -220,17 +220,17 @@ class PlainPayload(awa.JobArgs):
 def _general_path(args: PlainPayload) -> Any:
     """What the general encoder and decoder make of ``args``: the fast path's reference."""
     try:
-        encoded = kinds.encode_args(args)
-        return encoded, kinds._decode_dataclass(PlainPayload, encoded, "")
-    except (awa.ValidationError, kinds.ArgsDecodeError) as exc:
+        encoded = codec.encode_args(args)
+        return encoded, codec._decode_dataclass(PlainPayload, encoded, "")
+    except (awa.ValidationError, codec.ArgsDecodeError) as exc:
         return type(exc)
 
 
 def _fast_path(args: PlainPayload) -> Any:
     try:
-        encoded = kinds.encode_checked(args)
+        encoded = codec.encode_checked(args)
         return encoded, decode_args(PlainPayload, json.loads(json.dumps(encoded)))
-    except (awa.ValidationError, kinds.ArgsDecodeError) as exc:
+    except (awa.ValidationError, codec.ArgsDecodeError) as exc:
         return type(exc)
 
 
@@ -821,7 +821,7 @@ def test_external_functions_refuse_unstorable_values(db: Any, call: Callable[[An
 
 
 def test_callback_payloads_nested_deeper_than_100_levels_are_refused(db: Any) -> None:
-    # The limit args and metadata have (kinds.MAX_JSON_DEPTH), by the same check.
+    # The limit args and metadata have (codec.MAX_JSON_DEPTH), by the same check.
     job = parked()
     before = (job_count(), row_state(job.id))
     too_deep = {"k": deeply_nested(99)}  # 101 levels: the dict, then 100 lists

@@ -13,7 +13,7 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa import sql
 from django_awa.maintenance import LeadershipLost, Maintenance, MaintenanceService
-from django_awa.models import Job, JobState, MaintenanceLease, PeriodicSchedule
+from django_awa.models import Job, JobState, MaintenanceLease, PendingFollowup, PeriodicSchedule
 from django_awa.producer import claim
 from django_awa.schedules import fire_due, schedules
 from django_awa.state import WorkerState
@@ -115,6 +115,55 @@ def test_rescued_job_retries_with_backoff():
     assert row.state == JobState.RETRYABLE
     delay = (row.run_at - dt.datetime.fromisoformat(row.errors[-1]["at"])).total_seconds()
     assert 3.9 <= delay <= 5.1  # 2**2 plus up to 25%
+
+
+def retry_delay(row: Job) -> float:
+    """Seconds from a retryable row's last errors entry to its run_at."""
+    return (row.run_at - dt.datetime.fromisoformat(row.errors[-1]["at"])).total_seconds()
+
+
+@pytest.mark.parametrize("attempt", [1, 3])
+def test_a_handler_error_waits_the_backoff_the_database_draws(attempt):
+    from django_awa.execute import Attempt, run_attempt
+    from django_awa.finalize import finalize
+
+    make_job(args={"action": "raise"}, attempt=attempt - 1)
+    (claimed,) = claim("default", 1, "default")
+    result = run_attempt(Attempt(job=claimed, alias="default"))
+    assert result.state == JobState.RETRYABLE and result.delay is None
+    finalize([result], "default")
+    row = Job.objects.get(id=claimed.id)
+    assert row.state == JobState.RETRYABLE and row.attempt == attempt
+    assert 2**attempt - 0.1 <= retry_delay(row) <= 1.25 * 2**attempt + 0.1
+
+
+def test_pending_followup_retries_back_off_from_the_injected_now():
+    from tests.testapp.followups import FAIL
+
+    FAIL["rescued_times"] = 5
+    make_job(state=JobState.RUNNING, attempt=1, heartbeat_at=ago(minutes=5))
+    maintenance = Maintenance()
+    maintenance.rescue()  # its on_rescued follow-up fails: kept, retried later
+    (pending,) = PendingFollowup.objects.all()
+    assert pending.attempts == 1
+    now = timezone.now() + dt.timedelta(days=3)
+    assert maintenance.replay_pending(now) == 0  # due by the injected now; fails again
+    pending.refresh_from_db()
+    assert pending.attempts == 2 and "rescued follow-up exploded" in pending.last_error
+    waited = (pending.next_attempt_at - now).total_seconds()
+    assert 4 <= waited <= 5  # the backoff of try 2, from now
+    assert maintenance.replay_pending() == 0  # not due by the database clock
+
+
+def test_run_once_judges_periodic_fires_by_the_injected_now(periodic_schedule):
+    periodic_schedule("hourly", "0 * * * *", Report(day="run-once"))
+    start = timezone.now().replace(minute=30, second=0, microsecond=0)
+    Maintenance().run_once(now=start)  # first sight: starts from now
+    Maintenance().run_once(now=start + dt.timedelta(hours=1))
+    (fired,) = Job.objects.filter(kind="report")
+    assert fired.run_at == start.replace(minute=0) + dt.timedelta(hours=1)
+    Maintenance().run_once()  # the database clock: an hour before that fire, nothing due
+    assert Job.objects.filter(kind="report").count() == 1
 
 
 def expire_lease() -> None:

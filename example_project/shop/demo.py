@@ -38,7 +38,7 @@ from django.urls import NoReverseMatch, reverse
 import django_awa as awa
 from django_awa.callbacks import sign
 from django_awa.conf import awa_settings
-from django_awa.models import FINAL_STATES, Job, JobState
+from django_awa.models import Job, JobState
 
 from .jobs import ChargeCard, ResizeImage, ShipOrder, SyncInventory, is_cancelled, is_declined
 from .models import Order
@@ -450,7 +450,9 @@ class Ticker:
 
 
 def unfinished(alias: str, marks: Marks) -> int:
-    return Job.objects.using(alias).filter(id__gt=marks.job).exclude(state__in=FINAL_STATES).count()
+    return (
+        Job.objects.using(alias).filter(id__gt=marks.job).exclude(state__in=JobState.FINAL).count()
+    )
 
 
 # -- the summary -------------------------------------------------------------------
