@@ -279,7 +279,8 @@ def prune_receipts(using: str | None = None) -> int:
     alias = database_alias(using)
     with connections[alias].cursor() as cursor:
         cursor.execute(sql.PRUNE_RECEIPTS, {"keep": RECEIPT_RETENTION})
-        return cursor.rowcount
+        deleted: int = cursor.rowcount
+        return deleted
 
 
 def signature(body: bytes, secret: str, timestamp: str, callback_id: str, action: str) -> str:

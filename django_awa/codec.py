@@ -22,7 +22,7 @@ import sys
 import types
 import typing
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from .exceptions import ValidationError
 from .kinds import JobArgs
@@ -32,14 +32,14 @@ class ArgsDecodeError(Exception):
     """Stored args do not fit the kind's JobArgs class (a terminal failure)."""
 
 
-def encode_args(args: JobArgs) -> dict[str, Any]:
+def encode_args(args: object) -> dict[str, Any]:
     """The JSON object of ``args``' fields; :class:`ValidationError` if not encodable."""
-    if not isinstance(args, JobArgs) or not dataclasses.is_dataclass(args):
+    if not isinstance(args, JobArgs) or not dataclasses.is_dataclass(type(args)):
         raise ValidationError(
             f"expected a JobArgs dataclass instance, got {type(args).__name__}: {args!r}"
         )
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(args):
+    for f in dataclasses.fields(cast(Any, args)):  # a dataclass, checked just above
         try:
             out[f.name] = _encode(getattr(args, f.name))
         except (TypeError, ValueError) as exc:
@@ -295,7 +295,8 @@ def encode_checked(args: JobArgs) -> dict[str, Any]:
     :class:`ValidationError` (encoding) or :class:`ArgsDecodeError` (a value
     its field's type refuses) name the field.
     """
-    plan = _plain_fields(type(args)) if isinstance(args, JobArgs) else None
+    # (A class is hashable; typeshed's Hashable refuses a dataclass whose instances are not.)
+    plan = _plain_fields(type(args)) if isinstance(args, JobArgs) else None  # type: ignore[arg-type]
     if plan is not None:
         encoded = {}
         for name, hint, optional in plan:
@@ -321,7 +322,7 @@ def canonical_json(data: Any) -> str:
 
 def decode_args(cls: type[JobArgs], data: Any) -> JobArgs:
     """Rebuild ``cls`` from stored JSON; :class:`ArgsDecodeError` names kind and field."""
-    plan = _plain_fields(cls)
+    plan = _plain_fields(cls)  # type: ignore[arg-type]  # see encode_checked
     if plan is not None and isinstance(data, dict) and len(data) == len(plan):
         values = {}
         for name, hint, optional in plan:
@@ -332,7 +333,8 @@ def decode_args(cls: type[JobArgs], data: Any) -> JobArgs:
         else:
             return cls(**values)
     try:
-        return _decode_dataclass(cls, data, path="")
+        decoded: JobArgs = _decode_dataclass(cls, data, path="")
+        return decoded
     except ArgsDecodeError as exc:
         raise ArgsDecodeError(f"cannot decode args of kind {cls.kind!r}: {exc}") from None
 

@@ -109,13 +109,15 @@ def to_seconds(value: Any) -> float:
     """Seconds from an int, float or timedelta; ``TypeError``/``ValueError`` otherwise."""
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif isinstance(value, int) and not isinstance(value, bool):
         try:
             seconds = float(value)
         except OverflowError:
             raise ValueError(
                 f"expected a finite duration, got an integer of {value.bit_length()} bits"
             ) from None
+    elif isinstance(value, float):
+        seconds = value
     else:
         raise TypeError(f"expected seconds (int or float) or a timedelta, got {value!r}")
     if seconds != seconds or seconds in (float("inf"), float("-inf")):
@@ -142,8 +144,9 @@ def raw_settings() -> dict[str, Any]:
     return dict(getattr(settings, "AWA", None) or {})
 
 
-def problems(raw: dict[str, Any] | None = None) -> list[tuple[str, str]]:
-    """Every wrong value in ``settings.AWA`` as ``(key, message)`` pairs."""
+def problems(raw: Any = None) -> list[tuple[str, str]]:
+    """Every wrong value in ``settings.AWA`` (or in ``raw``, which may be any
+    value a user put there) as ``(key, message)`` pairs."""
     raw = raw_settings() if raw is None else raw
     found: list[tuple[str, str]] = []
     if not isinstance(raw, dict):
@@ -253,18 +256,22 @@ def awa_settings() -> AwaSettings:
         value = merged[key]
         return None if value is None else to_seconds(value)
 
+    def required(key: str) -> float:
+        # problems() refused None for these keys before we got here.
+        return to_seconds(merged[key])
+
     return AwaSettings(
         database=merged["DATABASE"],
         queues={
             name: QueueConfig(name=name, concurrency=opts.get("concurrency", DEFAULT_CONCURRENCY))
             for name, opts in merged["QUEUES"].items()
         },
-        poll_interval=duration("POLL_INTERVAL"),
-        heartbeat_interval=duration("HEARTBEAT_INTERVAL"),
-        stale_after=duration("STALE_AFTER"),
-        maintenance_interval=duration("MAINTENANCE_INTERVAL"),
+        poll_interval=required("POLL_INTERVAL"),
+        heartbeat_interval=required("HEARTBEAT_INTERVAL"),
+        stale_after=required("STALE_AFTER"),
+        maintenance_interval=required("MAINTENANCE_INTERVAL"),
         default_deadline=duration("DEFAULT_DEADLINE"),
-        shutdown_timeout=duration("SHUTDOWN_TIMEOUT"),
+        shutdown_timeout=required("SHUTDOWN_TIMEOUT"),
         completed_retention=duration("COMPLETED_RETENTION"),
         failed_retention=duration("FAILED_RETENTION"),
         callback_secret=merged["CALLBACK_SECRET"],

@@ -206,7 +206,8 @@ def _check_run_at(run_at: Any, where: str) -> dt.datetime:
             f"{where}: run_at {run_at.isoformat()} is outside what PostgreSQL stores "
             f"(years 1 to 9999 in UTC)"
         ) from None
-    return run_at
+    checked: dt.datetime = run_at
+    return checked
 
 
 def _check_tags(tags: Sequence[str] | None, where: str) -> list[str]:

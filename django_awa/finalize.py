@@ -61,9 +61,11 @@ def _has_followups(result: AttemptResult) -> bool:
 
 def _heard(outcomes: Iterable[Outcome | None]) -> set[Outcome]:
     """Those of ``outcomes`` whose signal has receivers: asked once per outcome, not per job."""
-    heard = set()
+    heard: set[Outcome] = set()
     for outcome in set(outcomes):
-        signal = _SIGNALS.get(outcome) if outcome else None
+        if outcome is None:
+            continue
+        signal = _SIGNALS.get(outcome)
         if signal is not None and signal.has_listeners():
             heard.add(outcome)
     return heard
@@ -201,6 +203,13 @@ def _write_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
     return applied
 
 
+def _first_error(failure: Exception) -> Exception:
+    """The error to record for a failed follow-up step: the first function's, or the database's."""
+    if isinstance(failure, _FollowupsFailed):
+        return next(iter(failure.failures.values()))[1]
+    return failure
+
+
 def _rollback_to(savepoint: str, alias: str) -> None:
     """Roll back to ``savepoint`` and clear the mark an inner ``atomic(savepoint=False)``
     (``enqueueing.insert``) leaves after a database error: the transaction is usable again."""
@@ -239,10 +248,9 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
     savepoint = savepoint_create(using=alias)
     try:
         applied = _apply_with_followups([fallback], alias)
-    except (_FollowupsFailed, DatabaseError) as second:
+    except (_FollowupsFailed, DatabaseError) as failure:
         _rollback_to(savepoint, alias)
-        if isinstance(second, _FollowupsFailed):
-            second = next(iter(second.failures.values()))[1]
+        second = _first_error(failure)
         applied = _write([fallback], alias, rows=True)
         for done in applied:
             kept = keep_pending(done.row, followup_context(done), alias, _error_text(second))
@@ -284,7 +292,8 @@ def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult
     """
     if not results:
         return []
-    plain, special = [], []
+    plain: list[AttemptResult] = []
+    special: list[AttemptResult] = []
     for result in results:
         (special if _has_followups(result) else plain).append(result)
     rows = _wants_rows(plain)
@@ -317,12 +326,10 @@ def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
         try:
             applied = _apply_with_followups([result], alias)
             transaction.savepoint_commit(savepoint, using=alias)
-        except (_FollowupsFailed, DatabaseError) as exc:
+        except (_FollowupsFailed, DatabaseError) as failure:
             transaction.savepoint_rollback(handler_savepoint, using=alias)
             transaction.set_rollback(False, using=alias)
-            if isinstance(exc, _FollowupsFailed):
-                exc = next(iter(exc.failures.values()))[1]
-            applied = _fallback(result, exc, alias)
+            applied = _fallback(result, _first_error(failure), alias)
     _apply_early_callbacks(applied, alias)
     _send_signals(applied, alias)
     for done in applied:

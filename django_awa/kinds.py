@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -172,9 +172,10 @@ def worker(
     """Register the one handler for ``args_cls.kind`` and its enqueue defaults."""
     from .conf import MAX_DURATION, QUEUE_NAME_RE, to_seconds
 
-    if not (isinstance(args_cls, type) and issubclass(args_cls, JobArgs)):
+    given = cast(object, args_cls)  # whatever the caller passed, typed or not
+    if not (isinstance(given, type) and issubclass(given, JobArgs)):
         raise ImproperlyConfigured(f"@awa.worker() takes a JobArgs subclass, got {args_cls!r}")
-    if not dataclasses.is_dataclass(args_cls):
+    if not dataclasses.is_dataclass(cast(object, args_cls)):
         raise ImproperlyConfigured(f"{args_cls.__qualname__} must be a @dataclass")
     where = f"@awa.worker({args_cls.__qualname__})"
     if not isinstance(queue, str) or not QUEUE_NAME_RE.match(queue):

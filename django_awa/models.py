@@ -209,9 +209,8 @@ class Job(models.Model):
     @property
     def trigger_id(self) -> int | None:
         trigger = (self.metadata or {}).get("awa_trigger")
-        if isinstance(trigger, dict) and isinstance(trigger.get("job_id"), int):
-            return trigger["job_id"]
-        return None
+        job_id = trigger.get("job_id") if isinstance(trigger, dict) else None
+        return job_id if isinstance(job_id, int) else None
 
     def trigger(self) -> Job | None:
         """The job whose outcome enqueued this one, if it still exists."""
@@ -280,7 +279,9 @@ _JSON_FIELDS = frozenset(i for i, f in enumerate(_JOB_FIELDS) if isinstance(f, m
 
 # json's C scanner, called directly: json.loads wraps it in three Python calls
 # and two whitespace matches, which cost more than the parse of a small object.
-_scan_json = json.scanner.make_scanner(json.JSONDecoder())
+# (typeshed types make_scanner as the class it may fall back to, not as a
+# function of a decoder.)
+_scan_json = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 
 
 def load_json(text: str) -> Any:

@@ -90,7 +90,8 @@ def context_from_json(outcome: Outcome, data: dict[str, Any]) -> OutcomeContext:
 def snapshot(job: Job) -> dict[str, Any]:
     """``job``'s columns as JSON (``{attname: value}``)."""
     data = {f.attname: getattr(job, f.attname) for f in Job._meta.concrete_fields}
-    return json.loads(json.dumps(data, cls=DjangoJSONEncoder))
+    encoded: dict[str, Any] = json.loads(json.dumps(data, cls=DjangoJSONEncoder))
+    return encoded
 
 
 def from_snapshot(data: dict[str, Any], alias: str) -> Job:

@@ -42,9 +42,9 @@ class Periodic:
         """Fire times in (after, until], oldest first, at most MAX_CATCH_UP."""
         tz = zoneinfo.ZoneInfo(self.timezone)
         iterator = croniter(self.cron, after.astimezone(tz), second_at_beginning=True)
-        fires = []
+        fires: list[dt.datetime] = []
         while len(fires) < MAX_CATCH_UP:
-            fire = iterator.get_next(dt.datetime)
+            fire: dt.datetime = iterator.get_next(dt.datetime)
             if fire > until:
                 break
             fires.append(fire.astimezone(dt.UTC))
@@ -53,7 +53,8 @@ class Periodic:
     def next_after(self, moment: dt.datetime) -> dt.datetime:
         tz = zoneinfo.ZoneInfo(self.timezone)
         iterator = croniter(self.cron, moment.astimezone(tz), second_at_beginning=True)
-        return iterator.get_next(dt.datetime).astimezone(dt.UTC)
+        fire: dt.datetime = iterator.get_next(dt.datetime)
+        return fire.astimezone(dt.UTC)
 
 
 schedules: dict[str, Periodic] = {}
