@@ -38,8 +38,15 @@ from .codec import check_json, require_text
 from .conf import awa_settings, callback_timeout
 from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
-from .finalize import dispatch, send_signal
-from .followups import COMPLETED, Exhausted, FollowupError, OutcomeContext, Retried
+from .followups import (
+    COMPLETED,
+    Exhausted,
+    FollowupError,
+    OutcomeContext,
+    Retried,
+    dispatch,
+    send_signal,
+)
 from .models import CallbackReceipt, Job, JobState, jobs_from_rows
 
 logger = logging.getLogger(__name__)

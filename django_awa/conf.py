@@ -291,6 +291,3 @@ def awa_settings() -> AwaSettings:
 def _reset(*, setting: str, **kwargs: Any) -> None:
     if setting in ("AWA", "DATABASES"):
         awa_settings.cache_clear()
-        from . import db
-
-        db.forget_settings()

@@ -14,8 +14,7 @@ from django.utils import timezone
 from . import sql
 from .enqueueing import database_alias
 from .exceptions import JobNotFound, UniqueConflict
-from .finalize import dispatch, send_signal
-from .followups import Cancelled
+from .followups import Cancelled, dispatch, send_signal
 from .models import Job, JobState, Queue, jobs_from_rows
 
 

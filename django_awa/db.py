@@ -67,13 +67,16 @@ from typing import Any
 
 import psycopg
 from django.conf import settings
+from django.core.signals import setting_changed
 from django.db import ProgrammingError, connections
+from django.dispatch import receiver
 from psycopg import abc as pg_abc
 from psycopg.adapt import Transformer
 from psycopg.postgres import types as pg_types
 from psycopg.pq import ConnStatus, DiagnosticField, ExecStatus, Format, TransactionStatus
 
 from . import sql
+from .conf import awa_settings
 from .exceptions import ConfigurationError
 
 # Prepared statements are per connection; a transaction-mode pooler that does
@@ -99,8 +102,6 @@ def database_alias(using: str | None) -> str:
     ``DATABASES`` (``""`` is refused, not taken for the default). Raises
     ``ConfigurationError``.
     """
-    from .conf import awa_settings
-
     alias = awa_settings().database if using is None else using
     if isinstance(alias, str) and alias in checked_aliases:
         return alias
@@ -127,16 +128,17 @@ def postgresql_problem(alias: str) -> str | None:
 
 def use_prepared(alias: str) -> bool:
     if alias not in _prepare:
-        from .conf import awa_settings
-
         _prepare[alias] = awa_settings().prepared_statements
     return _prepare[alias]
 
 
-def forget_settings() -> None:
-    """Drop what was worked out from AWA and DATABASES (they changed)."""
-    _prepare.clear()
-    checked_aliases.clear()
+@receiver(setting_changed)
+def forget_settings(*, setting: str = "", **kwargs: Any) -> None:
+    """Drop what was worked out from AWA and DATABASES when they change (tests'
+    ``override_settings``), or when called with no setting."""
+    if setting in ("", "AWA", "DATABASES"):
+        _prepare.clear()
+        checked_aliases.clear()
 
 
 # Django loads timestamptz through a Python subclass of psycopg's loader that

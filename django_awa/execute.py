@@ -2,7 +2,7 @@
 
 ``run_attempt()`` turns one claimed row into an :class:`AttemptResult`;
 ``finalize.py`` writes it. A handler declared ``atomic=True`` runs inside the
-transaction that finalizes it (``run_atomic_attempt``).
+transaction that finalizes it (``finalize.run_atomic_attempt``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import connections
 
 from . import db, sql
 from .codec import (
@@ -28,7 +28,6 @@ from .codec import (
     escape_json,
     escape_text,
 )
-from .compat import savepoint_create
 from .conf import callback_timeout, to_seconds
 from .exceptions import TerminalError, ValidationError
 from .followups import (
@@ -463,40 +462,3 @@ def run_attempt(
         result = from_value(attempt, value)
     result.progress = attempt.progress
     return result
-
-
-class StaleAttempt(Exception):
-    """The attempt's guarded finalize matched no row: roll its writes back."""
-
-
-def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> AttemptResult | None:
-    """Run an ``atomic=True`` handler inside the transaction that finalizes it.
-
-    The handler's writes, the state change and its follow-ups commit together.
-    If the handler raises (a ``BaseException`` too, see ``handler_raised``),
-    its writes roll back before the retry is recorded.
-    Returns the written result, or ``None`` when the attempt was stale.
-    """
-    from .finalize import finalize_atomic
-
-    alias = attempt.alias
-    try:
-        with transaction.atomic(using=alias):
-            handler_savepoint = savepoint_create(using=alias)
-            context = JobContext(attempt, args, flush_progress=lambda _a: None)
-            try:
-                value = spec.handler(context)
-            except BaseException as exc:  # the handler boundary, as run_attempt's
-                if not handler_raised(exc):
-                    raise  # the transaction rolls back as it leaves atomic()
-                transaction.savepoint_rollback(handler_savepoint, using=alias)
-                transaction.set_rollback(False, using=alias)
-                result = from_exception(attempt.job, exc)
-            else:
-                result = from_value(attempt, value)
-            result.progress = attempt.progress
-            if not finalize_atomic(result, handler_savepoint):
-                raise StaleAttempt
-            return result
-    except StaleAttempt:
-        return None

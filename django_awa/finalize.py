@@ -18,35 +18,38 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Iterable, Sequence
-from functools import partial
 from typing import Any
 
 from django.db import DatabaseError, transaction
 
-from . import db, signals, sql
+from . import db, sql
+from .callbacks import apply_early
 from .compat import savepoint_create
 from .enqueueing import PreparedJob, insert
-from .execute import AttemptResult, errored
+from .execute import (
+    Attempt,
+    AttemptResult,
+    JobContext,
+    errored,
+    from_exception,
+    from_value,
+    handler_raised,
+)
 from .followups import (
+    OUTCOME_SIGNALS,
     FollowupError,
     FollowupSpec,
     Outcome,
     OutcomeContext,
     build,
     followup_registry,
+    send_signal,
 )
-from .models import Job, JobState, jobs_from_rows
+from .kinds import JobArgs, WorkerSpec
+from .models import JobState, jobs_from_rows
 from .pending import keep_pending
 
 logger = logging.getLogger(__name__)
-
-_SIGNALS = {
-    Outcome.COMPLETED: signals.job_completed,
-    Outcome.RETRIED: signals.job_retried,
-    Outcome.EXHAUSTED: signals.job_exhausted,
-    Outcome.CANCELLED: signals.job_cancelled,
-    Outcome.RESCUED: signals.job_rescued,
-}
 
 
 class _FollowupsFailed(Exception):
@@ -65,7 +68,7 @@ def _heard(outcomes: Iterable[Outcome | None]) -> set[Outcome]:
     for outcome in set(outcomes):
         if outcome is None:
             continue
-        signal = _SIGNALS.get(outcome)
+        signal = OUTCOME_SIGNALS.get(outcome)
         if signal is not None and signal.has_listeners():
             heard.add(outcome)
     return heard
@@ -270,8 +273,6 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
 
 
 def _apply_early_callbacks(applied: Sequence[AttemptResult], alias: str) -> None:
-    from .callbacks import apply_early
-
     for result in applied:
         if result.state == JobState.WAITING_EXTERNAL and result.row is not None:
             apply_early(result.row, alias)
@@ -337,34 +338,39 @@ def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
     return bool(applied)
 
 
-def dispatch(row: Job, context: OutcomeContext, alias: str) -> list[int]:
-    """Insert the follow-ups of ``context``'s outcome for ``row`` in the caller's transaction.
+class StaleAttempt(Exception):
+    """The attempt's guarded finalize matched no row: roll its writes back."""
 
-    Raises ``FollowupError`` if a function fails or an insert is refused.
-    Returns the ids of the inserted follow-ups.
+
+def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> AttemptResult | None:
+    """Run an ``atomic=True`` handler inside the transaction that finalizes it.
+
+    The handler's writes, the state change and its follow-ups commit together.
+    If the handler raises (a ``BaseException`` too, see ``handler_raised``),
+    its writes roll back before the retry is recorded.
+    Returns the written result, or ``None`` when the attempt was stale.
     """
-    prepared = [job for _, job in build(row, context)]
-    if not prepared:
-        return []
-    inserted = insert(prepared, alias)
-    if inserted.skipped:
-        raise FollowupError(
-            f"follow-up insert refused: UniqueConflict: a job of kind "
-            f"{prepared[inserted.skipped[0]].kind!r} with the same unique key is already held"
-        )
-    return inserted.ids
-
-
-def send_signal(row: Job, context: OutcomeContext, alias: str) -> None:
-    """Send the signal of ``context``'s outcome after the current transaction commits
-    (if anyone listens), with ``job=row`` and the context's fields."""
-    signal = _SIGNALS.get(context.outcome)
-    if signal is not None and signal.has_listeners():
-        transaction.on_commit(
-            partial(signal.send_robust, sender=Job, job=row, **context.as_dict()),
-            using=alias,
-            robust=True,
-        )
+    alias = attempt.alias
+    try:
+        with transaction.atomic(using=alias):
+            handler_savepoint = savepoint_create(using=alias)
+            context = JobContext(attempt, args, flush_progress=lambda _a: None)
+            try:
+                value = spec.handler(context)
+            except BaseException as exc:  # the handler boundary, as run_attempt's
+                if not handler_raised(exc):
+                    raise  # the transaction rolls back as it leaves atomic()
+                transaction.savepoint_rollback(handler_savepoint, using=alias)
+                transaction.set_rollback(False, using=alias)
+                result = from_exception(attempt.job, exc)
+            else:
+                result = from_value(attempt, value)
+            result.progress = attempt.progress
+            if not finalize_atomic(result, handler_savepoint):
+                raise StaleAttempt
+            return result
+    except StaleAttempt:
+        return None
 
 
 def _log(result: AttemptResult) -> None:

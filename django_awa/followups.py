@@ -21,10 +21,14 @@ import inspect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any, ClassVar, Self
 
+from django.db import transaction
+
+from . import signals
 from .codec import ArgsDecodeError, decode_args
-from .enqueueing import EnqueueRequest, PreparedJob, prepare
+from .enqueueing import EnqueueRequest, PreparedJob, insert, prepare
 from .exceptions import AwaError, ValidationError
 from .kinds import JobArgs
 from .models import Job
@@ -305,3 +309,43 @@ def build(job: Job, context: OutcomeContext) -> list[tuple[FollowupSpec, Prepare
                 f"follow-up {spec.name} failed: {type(exc).__name__}: {exc}", spec=spec
             ) from exc
     return prepared
+
+
+# The Django signal sent after each outcome commits (best effort; SPEC §8).
+OUTCOME_SIGNALS = {
+    Outcome.COMPLETED: signals.job_completed,
+    Outcome.RETRIED: signals.job_retried,
+    Outcome.EXHAUSTED: signals.job_exhausted,
+    Outcome.CANCELLED: signals.job_cancelled,
+    Outcome.RESCUED: signals.job_rescued,
+}
+
+
+def dispatch(row: Job, context: OutcomeContext, alias: str) -> list[int]:
+    """Insert the follow-ups of ``context``'s outcome for ``row`` in the caller's transaction.
+
+    Raises ``FollowupError`` if a function fails or an insert is refused.
+    Returns the ids of the inserted follow-ups.
+    """
+    prepared = [job for _, job in build(row, context)]
+    if not prepared:
+        return []
+    inserted = insert(prepared, alias)
+    if inserted.skipped:
+        raise FollowupError(
+            f"follow-up insert refused: UniqueConflict: a job of kind "
+            f"{prepared[inserted.skipped[0]].kind!r} with the same unique key is already held"
+        )
+    return inserted.ids
+
+
+def send_signal(row: Job, context: OutcomeContext, alias: str) -> None:
+    """Send the signal of ``context``'s outcome after the current transaction commits
+    (if anyone listens), with ``job=row`` and the context's fields."""
+    signal = OUTCOME_SIGNALS.get(context.outcome)
+    if signal is not None and signal.has_listeners():
+        transaction.on_commit(
+            partial(signal.send_robust, sender=Job, job=row, **context.as_dict()),
+            using=alias,
+            robust=True,
+        )

@@ -24,9 +24,9 @@ from .execute import (
     AttemptResult,
     from_exception,
     resolve_handler,
-    run_atomic_attempt,
     run_attempt,
 )
+from .finalize import run_atomic_attempt
 from .kinds import JobArgs, WorkerSpec
 from .models import Job
 from .state import DB_ERRORS, QueueRunner, WorkerState, log_context, reset_connection

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
+from .conf import MAX_DURATION, QUEUE_NAME_RE, to_seconds
 from .exceptions import ValidationError
 
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
@@ -170,8 +171,6 @@ def worker(
     atomic: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the one handler for ``args_cls.kind`` and its enqueue defaults."""
-    from .conf import MAX_DURATION, QUEUE_NAME_RE, to_seconds
-
     given = cast(object, args_cls)  # whatever the caller passed, typed or not
     if not (isinstance(given, type) and issubclass(given, JobArgs)):
         raise ImproperlyConfigured(f"@awa.worker() takes a JobArgs subclass, got {args_cls!r}")

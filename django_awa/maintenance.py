@@ -21,12 +21,21 @@ from django.db import DatabaseError, connections, transaction
 from django.db.models.functions import Now
 
 from . import db, sql
+from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
-from .finalize import dispatch, send_signal
-from .followups import FollowupError, Outcome, Rescued, RescueReason, followup_registry
+from .followups import (
+    FollowupError,
+    Outcome,
+    Rescued,
+    RescueReason,
+    dispatch,
+    followup_registry,
+    send_signal,
+)
 from .models import JobState, PendingFollowup, jobs_from_rows
 from .pending import keep_pending, restore
+from .schedules import fire_due
 from .state import DB_ERRORS, WorkerState, reset_connection
 
 logger = logging.getLogger(__name__)
@@ -395,8 +404,6 @@ class Maintenance:
     def fire_periodic(self, now: datetime | None = None) -> None:
         """Enqueue the periodic jobs due at ``now`` (default: the database clock's;
         see ``schedules.py``)."""
-        from .schedules import fire_due
-
         # One transaction: each schedule fires under its row lock, in a savepoint.
         with self._transaction():
             fire_due(self.alias, self.database_now() if now is None else now)
@@ -420,8 +427,6 @@ class Maintenance:
                 total += deleted
                 if deleted < BATCH:
                     break
-        from .callbacks import prune_receipts
-
         with self._transaction():
             prune_receipts(self.alias)
         if total:

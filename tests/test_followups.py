@@ -433,7 +433,8 @@ def test_rescue_on_the_last_attempt_fails_the_job():
 def test_atomic_handler_commits_its_writes_completion_and_followups_together():
     job = awa.enqueue(Pay(reference="A-1"))
     (claimed,) = claim("default", 1, "default")
-    from django_awa.execute import resolve_handler, run_atomic_attempt
+    from django_awa.execute import resolve_handler
+    from django_awa.finalize import run_atomic_attempt
 
     spec, args = resolve_handler(claimed)
     run_atomic_attempt(Attempt(job=claimed, alias="default"), spec, args)
@@ -445,7 +446,8 @@ def test_atomic_handler_commits_its_writes_completion_and_followups_together():
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("reference,fail", [("B-1", True), ("bad-followup-1", False)])
 def test_atomic_handler_writes_roll_back_when_it_or_its_followup_fails(reference, fail):
-    from django_awa.execute import resolve_handler, run_atomic_attempt
+    from django_awa.execute import resolve_handler
+    from django_awa.finalize import run_atomic_attempt
 
     job = awa.enqueue(Pay(reference=reference, fail=fail))
     (claimed,) = claim("default", 1, "default")
@@ -460,7 +462,8 @@ def test_atomic_handler_writes_roll_back_when_it_or_its_followup_fails(reference
 
 @pytest.mark.django_db(transaction=True)
 def test_atomic_handler_of_a_stale_attempt_rolls_its_writes_back():
-    from django_awa.execute import resolve_handler, run_atomic_attempt
+    from django_awa.execute import resolve_handler
+    from django_awa.finalize import run_atomic_attempt
 
     job = awa.enqueue(Pay(reference="C-1"))
     (claimed,) = claim("default", 1, "default")
