@@ -22,8 +22,8 @@ from .state import DB_ERRORS, Backoff, WorkerState, log_context, reset_connectio
 logger = logging.getLogger(__name__)
 
 # Most results the completer writes in one transaction. With follow-ups each
-# batch pays a BEGIN, a savepoint, a COPY, a NOTIFY and a COMMIT: 1,000
-# drained jobs with follow-ups about 7% faster than 500 here.
+# batch pays a BEGIN, a savepoint, a COPY, a NOTIFY and a COMMIT, so larger
+# batches spread that fixed cost over more jobs (benchmarks/: the follow-up drain).
 FINALIZE_BATCH_SIZE = 1000
 # Seconds before writing again an outcome whose row another session held locked.
 LOCKED_RETRY = 0.5

@@ -23,7 +23,8 @@ connection, in its current transaction, by one of three routes:
   (``Cursor.fetch_direct``): an enqueue that is its own transaction (the
   connection in autocommit, outside ``atomic()``): INSERT_ONE,
   INSERT_ONE_UNIQUE, FIND_UNIQUE_HOLDER. Why: a psycopg cursor's execute
-  spends about 40 µs of Python per statement, an eighth of a one-job enqueue.
+  spends more Python per statement (query conversion, its statement cache,
+  adaptation, its wait loop) than the rest of a one-job enqueue but its commit.
 
 The last two are seen as Django's own statements are. When the connection
 has ``execute_wrappers`` (``connection.execute_wrapper()``: APM agents,
@@ -39,7 +40,7 @@ through them as its statement with ``params=None``: its rows are data, not
 parameters. A wrapper that rewrites the statement (a comment, as
 sqlcommenter adds) gets it run as rewritten, unprepared: a text that changes
 per request would otherwise prepare a new statement each time. With neither
-set, a statement pays one test of the two (about 0.2 µs of a 330 µs enqueue).
+set, a statement pays one test of the two and nothing else.
 
 Outside Django's connections, and so outside its instrumentation: the
 worker's listener (sql.LISTEN_JOBS, sql.LISTEN_CANCELS, sql.LISTENER_PING)
@@ -142,9 +143,9 @@ def forget_settings(*, setting: str = "", **kwargs: Any) -> None:
 
 
 # Django loads timestamptz through a Python subclass of psycopg's loader that
-# re-labels each value with the connection's time zone: about 3 µs a value,
-# five times psycopg's own. With Django's default (USE_TZ, the database in
-# UTC) the label is the one psycopg's loader gives already.
+# re-labels each value with the connection's time zone, several times the
+# cost of psycopg's own. With Django's default (USE_TZ, the database in UTC)
+# the label is the one psycopg's loader gives already.
 _TIMESTAMPTZ_OID = pg_types["timestamptz"].oid
 _PSYCOPG_TIMESTAMPTZ = psycopg.adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT)
 
@@ -272,12 +273,12 @@ class Cursor:
     def fetch_direct(self, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
         """Run a statement that is its own transaction with libpq's ``PQexecPrepared``.
 
-        A psycopg cursor's execute spends about 40 µs of Python per statement
-        (query conversion, its prepared-statement cache, adaptation, its wait
-        loop), an eighth of a one-job enqueue with its commit's disk flush.
-        Here the parameters go as text, each statement is prepared under its
-        own name once per connection (planned afresh, the enqueue INSERT cost
-        100 µs more), and the row is read with this cursor's loaders. The
+        A psycopg cursor's execute spends much of a one-job enqueue's Python
+        time (query conversion, its prepared-statement cache, adaptation, its
+        wait loop). Here the parameters go as text, each statement is prepared
+        under its own name once per connection (planning the INSERT afresh
+        each time costs more than running it), and the row is read with this
+        cursor's loaders. The
         server infers each parameter's type from the statement, so every
         parameter must be cast there or go straight into a column.
 
