@@ -150,6 +150,12 @@ _TIMESTAMPTZ_OID = pg_types["timestamptz"].oid
 _PSYCOPG_TIMESTAMPTZ = psycopg.adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT)
 
 
+def as_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """Rows of parameters (one dict per row, the same keys in each) as one list per
+    key: the arrays a set-based statement unnests."""
+    return {key: [row[key] for row in rows] for key in rows[0]}
+
+
 def int_array(values: Iterable[int]) -> str:
     """A PostgreSQL array literal of ints, for a ``%(name)s::bigint[]`` parameter."""
     return "{" + ",".join(map(str, values)) + "}"

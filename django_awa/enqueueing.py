@@ -507,25 +507,9 @@ def _insert_bulk(prepared: Sequence[PreparedJob], alias: str, number_plain: bool
         inserted = {i for _, i in copied if i is not None}
         rest = [(p, i) for p, i, is_plain in zip(prepared, ids, plain, strict=True) if not is_plain]
         if rest:
-            cursor.execute(
-                sql.INSERT_MANY,
-                {
-                    "id": [i for _, i in rest],
-                    "kind": [p.kind for p, _ in rest],
-                    "queue": [p.queue for p, _ in rest],
-                    "args": [p.args for p, _ in rest],
-                    "priority": [p.priority for p, _ in rest],
-                    "max_attempts": [p.max_attempts for p, _ in rest],
-                    "run_at": [p.run_at for p, _ in rest],
-                    "tags": [_json_list(p.tags) for p, _ in rest],
-                    "metadata": [p.metadata for p, _ in rest],
-                    "unique_key": [p.unique_key for p, _ in rest],
-                    "unique_states": [
-                        None if p.unique_states is None else json.dumps(p.unique_states)
-                        for p, _ in rest
-                    ],
-                },
-            )
+            # Each job's values as INSERT_ONE takes them, one array per column.
+            columns = db.as_columns([p.params() for p, _ in rest])
+            cursor.execute(sql.INSERT_MANY, {"id": [i for _, i in rest], **columns})
             inserted.update(row[0] for row in cursor.fetchall())
         queues = {p.queue for p, _ in copied}
         queues.update(p.queue for p, i in rest if i in inserted)

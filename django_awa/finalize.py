@@ -93,10 +93,7 @@ def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[
         }
     else:
         statement = sql.FINALIZE_RETURNING_ROWS if rows else sql.FINALIZE
-        params = {key: [] for key in results[0].params()}
-        for result in results:
-            for key, value in result.params().items():
-                params[key].append(value)
+        params = db.as_columns([result.params() for result in results])
     with db.cursor(alias) as cursor:
         cursor.execute(statement, params)
         returned = cursor.fetchall()

@@ -6,7 +6,9 @@ import datetime as dt
 import json
 import random
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from django.core import checks
@@ -167,36 +169,36 @@ def test_enqueue_request_overrides_the_followups_options():
     assert (child.queue, child.priority, child.max_attempts) == ("other", 1, 7)
 
 
-@db
-def test_followup_run_at_and_unique_from_an_enqueue_request():
-    later = timezone.now() + dt.timedelta(hours=2)
-
-    @on_completed(Echo)
-    def delayed(args, job):
-        return awa.EnqueueRequest(Echo(n=-job.id), run_at=later, unique=awa.Unique())
-
+def _the_followup_of_one_echo(function: Callable[..., Any]) -> tuple[Job, Job]:
+    """Run one Echo job with ``function`` as its ``on_completed``: the job and its follow-up."""
+    on_completed(Echo)(function)
     try:
         job = awa.enqueue(Echo(n=1))
         run_next("echo")
     finally:
-        _unregister(delayed)
+        _unregister(function)
     (child,) = followups_of(job.id)
+    return job, child
+
+
+@db
+def test_followup_run_at_and_unique_from_an_enqueue_request():
+    later = timezone.now() + dt.timedelta(hours=2)
+
+    def delayed(args, job):
+        return awa.EnqueueRequest(Echo(n=-job.id), run_at=later, unique=awa.Unique())
+
+    _, child = _the_followup_of_one_echo(delayed)
     assert child.state == JobState.SCHEDULED and child.run_at == later
     assert child.unique_key is not None
 
 
 @db
 def test_an_enqueue_request_keeps_its_metadata_beside_the_trigger():
-    @on_completed(Echo)
     def tagged(args, job):
         return awa.EnqueueRequest(Echo(n=-job.id), metadata={"source": "followup"})
 
-    try:
-        job = awa.enqueue(Echo(n=1))
-        run_next("echo")
-    finally:
-        _unregister(tagged)
-    (child,) = followups_of(job.id)
+    job, child = _the_followup_of_one_echo(tagged)
     trigger = {"job_id": job.id, "kind": "echo", "outcome": "completed"}
     assert child.metadata == {"source": "followup", "awa_trigger": trigger}
 
