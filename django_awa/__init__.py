@@ -20,6 +20,8 @@ _EXPORTS = {
     # enqueueing
     "enqueue": "enqueueing",
     "enqueue_many": "enqueueing",
+    "aenqueue": "enqueueing",
+    "aenqueue_many": "enqueueing",
     "EnqueueRequest": "enqueueing",
     # running
     "JobContext": "execute",
@@ -73,6 +75,8 @@ __all__ = [
     "UniqueConflict",
     "ValidationError",
     "WaitForCallback",
+    "aenqueue",
+    "aenqueue_many",
     "cancel",
     "complete_external",
     "enqueue",
@@ -105,7 +109,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .callbacks import complete_external, fail_external, heartbeat_callback, retry_external
     from .control import cancel, pause_queue, queue_stats, resume_queue, retry
-    from .enqueueing import EnqueueRequest, enqueue, enqueue_many
+    from .enqueueing import EnqueueRequest, aenqueue, aenqueue_many, enqueue, enqueue_many
     from .exceptions import (
         AwaError,
         CallbackNotFound,

@@ -1,4 +1,4 @@
-"""Enqueueing: ``enqueue``, ``enqueue_many`` and ``EnqueueRequest``.
+"""Enqueueing: ``enqueue``, ``enqueue_many``, their awaitable forms, and ``EnqueueRequest``.
 
 Everything is validated before the first statement is sent; the INSERT runs
 on the Django connection ``using`` and so joins the caller's open
@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, NamedTuple
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -432,6 +433,47 @@ def enqueue_many(
     if not prepared:
         return []
     return insert(prepared, alias).ids
+
+
+async def aenqueue(
+    args: JobArgs,
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    run_at: dt.datetime | None = None,
+    max_attempts: int | None = None,
+    tags: Sequence[str] | None = None,
+    metadata: dict[str, Any] | None = None,
+    unique: Unique | None = None,
+    using: str | None = None,
+) -> Job:
+    """``enqueue`` for async code (an async view, an async handler): same options, same errors.
+
+    It runs ``enqueue`` through ``sync_to_async(thread_sensitive=True)``, the
+    thread Django's own async ORM methods use, so it is on the same connection
+    as the view's other ORM calls. It joins a transaction open on that
+    connection (an ``atomic()`` block of sync code that called this async code
+    through ``async_to_sync``; in tests, ``TestCase``'s); otherwise the insert
+    commits at once (autocommit), as any ORM write from an async view does.
+    """
+    return await sync_to_async(enqueue, thread_sensitive=True)(
+        args,
+        queue=queue,
+        priority=priority,
+        run_at=run_at,
+        max_attempts=max_attempts,
+        tags=tags,
+        metadata=metadata,
+        unique=unique,
+        using=using,
+    )
+
+
+async def aenqueue_many(
+    items: Iterable[JobArgs | EnqueueRequest], *, using: str | None = None
+) -> list[int]:
+    """``enqueue_many`` for async code, on the connection ``aenqueue`` uses (see there)."""
+    return await sync_to_async(enqueue_many, thread_sensitive=True)(list(items), using=using)
 
 
 # Below this many plain jobs, one INSERT is as quick as a COPY.

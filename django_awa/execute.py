@@ -7,16 +7,20 @@ transaction that finalizes it (``finalize.run_atomic_attempt``).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import datetime as dt
 import json
 import logging
 import threading
+import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from asgiref.sync import ThreadSensitiveContext, async_to_sync, sync_to_async
 from django.db import connections
 
 from . import db, sql
@@ -46,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 # The longest RetryAfter or Snooze delay (SPEC §5).
 MAX_DELAY = 86400.0
+# How often an async handler's supervisor looks at its attempt's cancelled flag.
+CANCEL_POLL = 0.05
 
 
 # -- what a handler may return -------------------------------------------------
@@ -137,6 +143,7 @@ class Attempt:
     progress: dict[str, Any] | None = None
     progress_dirty: bool = False
     callback_id: uuid.UUID | None = None
+    timeout: float | None = None  # the kind's timeout, once its handler is known
 
     @property
     def key(self) -> tuple[int, int]:
@@ -222,6 +229,10 @@ class JobContext:
         self._attempt.callback_id = callback_id
         job.callback_id = callback_id
         return CallbackToken(id=callback_id, timeout_at_seconds=seconds)
+
+    async def aregister_callback(self, timeout: float | dt.timedelta) -> CallbackToken:
+        """``register_callback`` for ``async def`` handlers (it writes to the database)."""
+        return await sync_to_async(self.register_callback)(timeout)
 
 
 def write_progress(attempts: list[Attempt]) -> None:
@@ -316,6 +327,16 @@ def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
         context=Retried(error=error, attempt=job.attempt),
         error=error,
         traceback=escape_text(tb, MAX_TRACEBACK_CHARS),
+    )
+
+
+def timed_out(job: Job, timeout: float, ran: float | None = None) -> AttemptResult:
+    """The attempt ran past its kind's ``timeout``: a failed attempt, retried per the policy."""
+    ran_text = f", ran {ran:.1f}s" if ran is not None else ""
+    return errored(
+        job,
+        f"timed out: the attempt passed its kind's timeout of {timeout:g}s{ran_text}; "
+        f"the handler was given up and its result is ignored",
     )
 
 
@@ -441,24 +462,127 @@ def run_attempt(
     attempt: Attempt,
     flush_progress: Callable[[Attempt], None] | None = None,
     resolved: tuple[WorkerSpec, JobArgs] | AttemptResult | None = None,
+    *,
+    loop: asyncio.AbstractEventLoop | None = None,
+    enforce_timeout: bool = False,
 ) -> AttemptResult:
     """Run the handler of a claimed, non-atomic attempt and interpret its result.
 
     ``resolved`` is ``resolve_handler(attempt.job)`` when the caller has it already.
+    An ``async def`` handler runs on ``loop`` (the worker's event loop thread),
+    or, without one, on a loop of its own in this thread (``call_handler``).
+    With ``enforce_timeout`` the kind's timeout is applied here (``run_jobs``);
+    in a worker the handler pool applies it instead, while the handler runs.
     """
     if resolved is None:
         resolved = resolve_handler(attempt.job)
     if isinstance(resolved, AttemptResult):
         return resolved
     spec, args = resolved
+    attempt.timeout = spec.timeout
     context = JobContext(attempt, args, flush_progress)
+    started = time.monotonic()
+    timeout = spec.timeout if enforce_timeout else None
     try:
-        value = spec.handler(context)
+        value = call_handler(spec, context, loop=loop, timeout=timeout)
+    except HandlerTimedOut:
+        result = timed_out(attempt.job, spec.timeout or 0.0, time.monotonic() - started)
     except BaseException as exc:  # the handler boundary: every error is recorded
         if not handler_raised(exc):
             raise
         result = from_exception(attempt.job, exc)
     else:
-        result = from_value(attempt, value)
+        ran = time.monotonic() - started
+        if timeout is not None and ran > timeout:
+            # A sync handler cannot be stopped: it ran to the end, its result is ignored.
+            result = timed_out(attempt.job, timeout, ran)
+        else:
+            result = from_value(attempt, value)
     result.progress = attempt.progress
     return result
+
+
+# -- async handlers ----------------------------------------------------------------
+
+
+class HandlerTimedOut(Exception):
+    """An async handler ran past its timeout and was cancelled (``supervise``)."""
+
+
+def call_handler(
+    spec: WorkerSpec,
+    context: JobContext,
+    *,
+    loop: asyncio.AbstractEventLoop | None = None,
+    timeout: float | None = None,
+) -> Any:
+    """Call the kind's handler and return what it returned; it raises what the handler raised.
+
+    A sync handler is called in this thread. An ``async def`` one runs under
+    ``supervise``: on ``loop`` when given (the worker's event loop thread; this
+    thread waits for it, so the attempt holds its place on the queue as a sync
+    handler does), else through asgiref's ``async_to_sync``, whose
+    thread-sensitive calls (``sync_to_async``, the ORM's ``a*`` methods) come
+    back to this thread and its connection: inside a test's transaction, that
+    is the test's. ``timeout`` cancels it past that many seconds
+    (``HandlerTimedOut``).
+    """
+    if not spec.is_async:
+        return spec.handler(context)
+    attempt = context._attempt
+    if loop is None:
+        return async_to_sync(supervise)(spec.handler(context), attempt, timeout)
+    future = asyncio.run_coroutine_threadsafe(
+        _own_thread(supervise(spec.handler(context), attempt, timeout)), loop
+    )
+    try:
+        return future.result()
+    except concurrent.futures.CancelledError:
+        # The loop itself cancelled the supervisor (it is stopping).
+        raise asyncio.CancelledError("the worker's event loop stopped") from None
+
+
+async def _own_thread(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` with its thread-sensitive sync calls in one thread of its own.
+
+    On the worker's shared loop they would otherwise all queue for asgiref's
+    one global thread. That thread's database connections are closed before
+    it goes, as Django closes a request's.
+    """
+    async with ThreadSensitiveContext():
+        try:
+            return await coro
+        finally:
+            await sync_to_async(connections.close_all)()
+
+
+async def supervise(coro: Coroutine[Any, Any, Any], attempt: Attempt, timeout: float | None) -> Any:
+    """Await an async handler, cancelling it once its attempt is lost or past ``timeout``.
+
+    The attempt's cancelled flag is set when the job is cancelled, rescued,
+    timed out (by the handler pool) or given back at shutdown. A handler that
+    catches the cancellation and goes on is waited for: like a sync handler
+    that ignores ``is_cancelled()``, it keeps its thread until it returns (the
+    handler pool replaces such threads within a bound); the worker does not
+    wait for it past ``SHUTDOWN_TIMEOUT``.
+    """
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    while True:
+        wait = (
+            CANCEL_POLL if deadline is None else max(0.0, min(CANCEL_POLL, deadline - loop.time()))
+        )
+        done, _ = await asyncio.wait({task}, timeout=wait)
+        if done:
+            return task.result()
+        expired = deadline is not None and loop.time() >= deadline
+        if expired or attempt.cancelled.is_set():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            if expired:
+                raise HandlerTimedOut
+            raise asyncio.CancelledError("the attempt was lost (cancelled, rescued or given back)")

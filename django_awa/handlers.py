@@ -5,12 +5,22 @@ the result on the state's results queue for the completer; an ``atomic=True``
 handler's attempt is finalized in its own transaction here instead. The main
 thread keeps the pool at full strength (``HandlerPool.tend``): a handler still
 running ``stuck_grace`` after its attempt was lost (cancelled, or rescued
-past its deadline) is abandoned and its thread replaced, at most
+past its deadline, or timed out) is abandoned and its thread replaced, at most
 ``concurrency`` abandoned threads per queue.
+
+A kind's ``timeout`` is applied by ``tend`` too, for sync and async handlers
+alike: past it the attempt is recorded as a failed one ("timed out") and
+marked cancelled, so an async handler is cancelled and a sync handler's
+``is_cancelled()`` says so; whatever the handler returns later is stale.
+``async def`` handlers run on one event loop thread per worker process
+(``awa-asyncio``, started when the first one comes); the handler thread that
+took the attempt waits for it, so it holds its place on the queue as a sync
+handler does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue as queue_module
 import threading
@@ -25,6 +35,7 @@ from .execute import (
     from_exception,
     resolve_handler,
     run_attempt,
+    timed_out,
 )
 from .finalize import run_atomic_attempt
 from .kinds import JobArgs, WorkerSpec
@@ -78,6 +89,7 @@ class HandlerThread:
     started: float = 0.0  # time.monotonic() when that handler started
     lost_at: float | None = None  # when the main thread first saw the attempt lost
     overrun_logged: bool = False  # its run past the deadline was logged
+    timed_out: bool = False  # its attempt passed the kind's timeout and was given up
     bound_logged: bool = False  # that it could not be replaced (the bound) was logged
     abandoned: bool = False  # replaced: it exits when its handler returns
 
@@ -103,6 +115,9 @@ class HandlerPool:
         self.abandoned: list[HandlerThread] = []
         self.spawned: dict[str, int] = {}  # handler threads started per queue, for their names
         self.stuck_grace = max(2 * state.conf.heartbeat_interval, STUCK_GRACE_MIN)
+        # The event loop of async handlers, started with the first one (event_loop()).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_lock = threading.Lock()
 
     def start(self) -> None:
         """Start every queue's handler threads, ``concurrency`` of each."""
@@ -164,7 +179,7 @@ class HandlerPool:
                 handler.attempt = attempt
                 handler.started = time.monotonic()
                 handler.lost_at = None
-                handler.overrun_logged = handler.bound_logged = False
+                handler.overrun_logged = handler.bound_logged = handler.timed_out = False
             if attempt.cancelled.is_set():
                 # Cancelled or rescued while it waited: the row is no longer this attempt's.
                 self.forget(attempt.job)
@@ -188,10 +203,12 @@ class HandlerPool:
                 self.results.put(resolved)
                 return
             spec, args = resolved
+            attempt.timeout = spec.timeout  # tend() applies it from now on
             if spec.atomic:
                 self._run_atomic(attempt, spec, args)
                 return
-            self.results.put(run_attempt(attempt, self._mark_progress, resolved))
+            loop = self.event_loop() if spec.is_async else None
+            self.results.put(run_attempt(attempt, self._mark_progress, resolved, loop=loop))
         except BaseException as exc:  # no signal reaches a handler thread
             # Whatever reaches here came from running the job (the handler
             # boundary catches the handler's own errors): record it, so the job
@@ -226,6 +243,21 @@ class HandlerPool:
     def _mark_progress(attempt: Attempt) -> None:
         """Progress is stored by the heartbeat thread, which polls the dirty flag."""
 
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The worker's event loop for async handlers, its thread started on first use."""
+        with self.loop_lock:
+            if self.loop is None:
+                loop = asyncio.new_event_loop()
+                self.state.start(lambda: _run_loop(loop), "awa-asyncio")
+                self.loop = loop
+            return self.loop
+
+    def stop_loop(self) -> None:
+        """Stop the event loop thread (at shutdown); a handler still on it is left there."""
+        with self.loop_lock:
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+
     # -- the main thread's ---------------------------------------------------------
 
     def tend(self) -> None:
@@ -245,6 +277,7 @@ class HandlerPool:
             return
         now = time.monotonic()
         overdue: list[tuple[HandlerThread, Attempt, float]] = []
+        expired: list[tuple[HandlerThread, Attempt, float]] = []
         stuck: list[tuple[HandlerThread, Attempt]] = []
         dead: list[HandlerThread] = []
         with self.running_lock:
@@ -263,6 +296,13 @@ class HandlerPool:
                         handler.lost_at = now
                     elif now - handler.lost_at >= self.stuck_grace:
                         stuck.append((handler, attempt))
+                elif (
+                    attempt.timeout is not None
+                    and not handler.timed_out
+                    and now - handler.started > attempt.timeout
+                ):
+                    handler.timed_out = True
+                    expired.append((handler, attempt, now - handler.started))
                 elif not handler.overrun_logged:
                     deadline = _deadline_seconds(attempt.job)
                     if deadline is not None and now - handler.started > deadline:
@@ -278,11 +318,32 @@ class HandlerPool:
                 job.id, job.kind, job.attempt, now - handler.started, handler.name, deadline,
                 extra=log_context(job, self.state.name),
             )  # fmt: skip
+        for handler, attempt, ran in expired:
+            self.time_out(handler, attempt, ran)
         for handler, attempt in stuck:
             self.abandon(handler, attempt, now)
         for handler in dead:
             logger.error("handler thread %s died; starting another", handler.name)
             self.spawn(handler.runner)
+
+    def time_out(self, handler: HandlerThread, attempt: Attempt, ran: float) -> None:
+        """Give up an attempt past its kind's timeout: record it failed, tell the handler.
+
+        The cancelled flag cancels an async handler and makes a sync one's
+        ``is_cancelled()`` true. The thread keeps its place on the queue until
+        the handler returns, unless it stays stuck past ``stuck_grace``: then
+        the rule for lost attempts replaces it, within its bound.
+        """
+        job = attempt.job
+        timeout = attempt.timeout or 0.0
+        attempt.cancelled.set()
+        self.results.put(timed_out(job, timeout, ran))
+        logger.warning(
+            "job %s kind=%s attempt=%s timed out after %.1fs (its timeout is %gs) in thread "
+            "%s; recorded as a failed attempt, the handler's result will be ignored",
+            job.id, job.kind, job.attempt, ran, timeout, handler.name,
+            extra=log_context(job, self.state.name),
+        )  # fmt: skip
 
     def abandon(self, handler: HandlerThread, attempt: Attempt, now: float) -> None:
         """Give ``handler``'s place on its queue to a new thread, within the bound."""
@@ -324,3 +385,12 @@ class HandlerPool:
             now - handler.started, alive + 1, runner.concurrency, runner.name, replacement.name,
             extra=log_context(job, self.state.name),
         )  # fmt: skip
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The body of the ``awa-asyncio`` thread."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()

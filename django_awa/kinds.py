@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import functools
+import inspect
 import json
 import re
 from collections.abc import Callable
@@ -91,6 +92,10 @@ class WorkerSpec:
     deadline: float | None = None
     unique: Unique | None = None
     atomic: bool = False
+    # Seconds after which the worker gives the attempt up (``timeout=``); None: never.
+    timeout: float | None = None
+    # An ``async def`` handler: the worker runs it on its event loop thread.
+    is_async: bool = False
 
     @property
     def kind(self) -> str:
@@ -169,8 +174,16 @@ def worker(
     deadline: float | dt.timedelta | None = None,
     unique: Unique | None = None,
     atomic: bool = False,
+    timeout: float | dt.timedelta | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register the one handler for ``args_cls.kind`` and its enqueue defaults."""
+    """Register the one handler for ``args_cls.kind`` and its enqueue defaults.
+
+    The handler may be an ``async def`` function (not with ``atomic=True``).
+    ``timeout`` (seconds or a timedelta) is a hard limit on each attempt: past
+    it the attempt is recorded as failed ("timed out") and retried per the
+    retry policy; an async handler is cancelled, a sync handler's result is
+    ignored. It must not exceed the kind's ``deadline`` when both are given.
+    """
     given = cast(object, args_cls)  # whatever the caller passed, typed or not
     if not (isinstance(given, type) and issubclass(given, JobArgs)):
         raise ImproperlyConfigured(f"@awa.worker() takes a JobArgs subclass, got {args_cls!r}")
@@ -183,20 +196,25 @@ def worker(
     check_max_attempts(max_attempts, where)
     if unique is not None and not isinstance(unique, Unique):
         raise ValidationError(f"{where}: unique must be an awa.Unique, got {unique!r}")
-    deadline_s = None
-    if deadline is not None:
-        try:
-            deadline_s = to_seconds(deadline)
-        except (TypeError, ValueError) as exc:
-            raise ValidationError(f"{where}: deadline: {exc}") from exc
-        if not 0 < deadline_s <= MAX_DURATION:
-            raise ValidationError(
-                f"{where}: deadline must be positive and at most {MAX_DURATION / 86400:.0f} "
-                f"days, got {deadline!r}"
-            )
+    deadline_s = _duration(deadline, "deadline", where)
+    timeout_s = _duration(timeout, "timeout", where)
+    if timeout_s is not None and deadline_s is not None and timeout_s > deadline_s:
+        raise ValidationError(
+            f"{where}: timeout ({timeout_s:g}s) is longer than the deadline ({deadline_s:g}s): "
+            f"maintenance would rescue the attempt before it timed out"
+        )
 
     def decorator(handler: Callable[..., Any]) -> Callable[..., Any]:
         kind = args_cls.kind
+        if not callable(handler):
+            raise ImproperlyConfigured(f"{where} decorates a callable, got {handler!r}")
+        is_async = inspect.iscoroutinefunction(handler)
+        if is_async and atomic:
+            raise ImproperlyConfigured(
+                f"{where}: atomic=True needs a sync handler, and {_qualname(handler)} is "
+                f"async def: its ORM calls run in another thread, outside the transaction. "
+                f"Make the database work one sync function called through sync_to_async"
+            )
         previous = registry.workers.get(kind)
         if previous is not None and _qualname(previous.handler) != _qualname(handler):
             raise ImproperlyConfigured(
@@ -213,11 +231,29 @@ def worker(
                 deadline=deadline_s,
                 unique=unique,
                 atomic=atomic,
+                timeout=timeout_s,
+                is_async=is_async,
             )
         )
         return handler
 
     return decorator
+
+
+def _duration(value: float | dt.timedelta | None, name: str, where: str) -> float | None:
+    """``value`` in seconds, positive and at most ``MAX_DURATION``; else ``ValidationError``."""
+    if value is None:
+        return None
+    try:
+        seconds = to_seconds(value)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"{where}: {name}: {exc}") from exc
+    if not 0 < seconds <= MAX_DURATION:
+        raise ValidationError(
+            f"{where}: {name} must be positive and at most {MAX_DURATION / 86400:.0f} days, "
+            f"got {value!r}"
+        )
+    return seconds
 
 
 def _qualname(fn: Callable[..., Any]) -> str:

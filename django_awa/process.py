@@ -182,6 +182,7 @@ class Worker:
             unfinished = [a for a in state.running.values() if a.job.id not in state.waiting]
         self._give_back(unfinished + self._withdraw_waiting(), started=True)
         state.halt.set()
+        self.handlers.stop_loop()
         for runner in state.queues.values():
             for _ in range(runner.concurrency):
                 # Each handler thread closes its connections and exits. There are

@@ -180,16 +180,8 @@ NOTIFY_QUEUES = f"SELECT pg_notify('{NOTIFY_CHANNEL}', q) FROM unnest(%(queues)s
 # run_lease). Index: awa_job_claim_idx (queue, priority, run_at, id) WHERE
 # state = 'available'. A paused queue claims nothing.
 # Deadlines come per kind as a JSON object of seconds, else the default.
-CLAIM = f"""
-WITH picked AS (
-    SELECT id FROM ONLY awa_job
-    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
-      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
-    ORDER BY priority, run_at, id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE ONLY awa_job AS j
+# What a claim does to each row it picked: a new attempt (and run_lease).
+_CLAIM_SET = """
 SET state = 'running',
     attempt = j.attempt + CASE WHEN j.snoozed THEN 0 ELSE 1 END,
     snoozed = false,
@@ -199,10 +191,61 @@ SET state = 'running',
     deadline_at = now() + make_interval(
         secs => coalesce((%(deadlines)s::jsonb ->> j.kind)::float8, %(default_deadline)s::float8)),
     callback_id = NULL,
-    callback_timeout_at = NULL
+    callback_timeout_at = NULL"""
+CLAIM = f"""
+WITH picked AS (
+    SELECT id FROM ONLY awa_job
+    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
+    ORDER BY priority, run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE ONLY awa_job AS j{_CLAIM_SET}
 FROM picked
 WHERE j.id = picked.id
 RETURNING {J_JOB_COLUMNS}
+"""
+
+# -- CLAIM_INLINE, DUE_INLINE --
+# testing.run_jobs: CLAIM across queues (%(queue)s NULL: any) and kinds
+# (%(kinds)s NULL: any), on the caller's connection and inside its transaction.
+# Paused queues claim nothing. DUE_INLINE says whether such a job is due.
+# Every available row is due: a job is inserted available only when it is
+# (else scheduled) and promoted only once due. Unlike CLAIM, run_at is not
+# compared with now(): inside a test's transaction now() stands still at its
+# start, while rows inserted by COPY (follow-ups) take run_at from the column
+# default, statement_timestamp(), a little later.
+# Index: awa_job_claim_idx when a queue is given; a test's few rows otherwise.
+_INLINE_DUE = """
+    SELECT id FROM ONLY awa_job AS c
+    WHERE state = 'available'
+      AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+      AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
+      AND NOT EXISTS (SELECT 1 FROM awa_queue AS q WHERE q.name = c.queue AND q.paused)"""
+CLAIM_INLINE = f"""
+WITH picked AS ({_INLINE_DUE}
+    ORDER BY priority, run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE ONLY awa_job AS j{_CLAIM_SET}
+FROM picked
+WHERE j.id = picked.id
+RETURNING {J_JOB_COLUMNS}
+"""
+DUE_INLINE = f"SELECT EXISTS ({_INLINE_DUE})"
+
+# -- PROMOTE_INLINE --
+# testing.run_jobs: make the scheduled and retryable jobs of a queue and kinds
+# available, as maintenance's PROMOTE_DUE does once they are due; with
+# %(all)s, those due later too (run_at moves to now()).
+PROMOTE_INLINE = f"""
+UPDATE ONLY awa_job SET state = 'available',
+    run_at = CASE WHEN run_at > now() THEN now() ELSE run_at END
+WHERE state IN {_DELAYED} AND (%(all)s OR run_at <= now())
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+  AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
 """
 
 # -- FINALIZE --

@@ -22,6 +22,9 @@ from tests.testapp.followups import CALLS, FAIL
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The fixtures django-awa ships for its users' own pytest-django suites.
+pytest_plugins = ["django_awa.testing.pytest"]
+
 
 class WorkerProcess:
     """``python -m django awa_worker`` on the test database; reaped at teardown."""

@@ -16,7 +16,7 @@ from django_awa.followups import (
     on_waiting_for_callback,
 )
 
-from .jobs import Act, Echo, Parked, Pay, Poison
+from .jobs import Act, Echo, Forever, Parked, Pay, Poison
 
 # Tests flip these to make follow-up functions misbehave.
 FAIL = {"completed": False, "rescued_times": 0, "exhausted": False, "retried": False}
@@ -134,3 +134,8 @@ def poison_completed(args: Poison, job):
 @on_rescued(Poison)
 def poison_rescued(args: Poison, job, reason):
     return Echo(n=job.id, note=f"poison-rescued:{reason.value}")
+
+
+@on_completed(Forever)
+def forever_next(args: Forever, job):
+    return Forever(n=args.n + 1)

@@ -243,3 +243,119 @@ def severed(job: awa.JobContext):
     # Its transaction can then neither be rolled back nor committed.
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+
+# -- async handlers and timeouts ---------------------------------------------------
+
+
+@dataclass
+class AsyncAct(awa.JobArgs):
+    """The async counterpart of ``Act``: each run writes a ``Ledger`` row through the async ORM."""
+
+    action: str = "ok"
+    seconds: float = 0.0
+    n: int = 0
+
+
+async def _aledger(job: awa.JobContext, note: str) -> None:
+    await Ledger.objects.acreate(
+        job_id=job.id or 0, attempt=job.attempt, run_lease=job.row.run_lease, note=note
+    )
+
+
+@awa.worker(AsyncAct, max_attempts=3)
+async def async_act(job: awa.JobContext):
+    args = job.args
+    await _aledger(job, f"async:{args.action}")
+    match args.action:
+        case "ok":
+            return None
+        case "value":
+            await asyncio.sleep(0)
+            return {"doubled": args.n * 2}
+        case "raise":
+            raise ValueError(f"async boom on attempt {job.attempt}")
+        case "terminal":
+            raise TerminalError("async: no point retrying")
+        case "retry_after":
+            return awa.RetryAfter(args.seconds)
+        case "snooze":
+            if job.attempt == 1 and not job.metadata.get("snoozed_once"):
+                from django_awa.models import Job
+
+                await Job.objects.filter(id=job.id).aupdate(metadata={"snoozed_once": True})
+                return awa.Snooze(args.seconds)
+            return None
+        case "cancel":
+            return awa.Cancel("async: not needed")
+        case "callback":
+            token = await job.aregister_callback(timeout=60)
+            return awa.WaitForCallback(token)
+        case "progress":
+            job.set_progress(60, "async halfway")
+            await asyncio.sleep(args.seconds)
+            return None
+        case "enqueue":
+            await awa.aenqueue(Echo(n=args.n, note="from-async-handler"))
+            return None
+        case "sleep":
+            try:
+                await asyncio.sleep(args.seconds)
+            except asyncio.CancelledError:
+                await _aledger(job, "async-cancelled")
+                raise
+            return None
+        case "stubborn":
+            # Catches every cancellation and goes on sleeping, for its whole time.
+            until = time.monotonic() + args.seconds
+            while time.monotonic() < until:
+                try:
+                    await asyncio.sleep(0.05)
+                except asyncio.CancelledError:
+                    continue
+            await _aledger(job, "stubborn-done")
+            return None
+        case _:
+            raise ValueError(f"unknown action {args.action!r}")
+
+
+@dataclass
+class Timed(awa.JobArgs):
+    """Runs ``seconds`` under a 1 s timeout; sync or async by ``asynchronous``."""
+
+    seconds: float = 0.0
+
+
+@dataclass
+class TimedAsync(awa.JobArgs):
+    seconds: float = 0.0
+
+
+@awa.worker(Timed, timeout=1, max_attempts=2)
+def timed(job: awa.JobContext):
+    _ledger(job, "timed:start")
+    time.sleep(job.args.seconds)  # a sync handler cannot be stopped
+    _ledger(job, f"timed:end:cancelled={job.is_cancelled()}")
+
+
+@awa.worker(TimedAsync, timeout=timedelta(seconds=1), max_attempts=2)
+async def timed_async(job: awa.JobContext):
+    await _aledger(job, "timed-async:start")
+    try:
+        await asyncio.sleep(job.args.seconds)
+    except asyncio.CancelledError:
+        await _aledger(job, "timed-async:cancelled")
+        raise
+    await _aledger(job, "timed-async:end")
+
+
+@dataclass
+class Forever(awa.JobArgs):
+    """Its completed follow-up enqueues the next one, for ever (run_jobs' limit)."""
+
+    n: int = 0
+
+
+@awa.worker(Forever, queue="loop")
+def forever(job: awa.JobContext):
+    return None

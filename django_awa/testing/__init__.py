@@ -1,0 +1,418 @@
+"""Helpers for testing your jobs: assert what was enqueued, run jobs inline (SPEC §13).
+
+They work inside ``django.test.TestCase``, where nothing commits: everything
+runs on the caller's connection and inside its transaction, with no worker,
+no other connection and no NOTIFY. ``run_jobs`` goes through the real claim,
+handler, finalize and follow-up code a worker runs, in the calling thread.
+
+    from django_awa.testing import assert_enqueued, run_jobs
+
+    def test_signup_sends_welcome(self):
+        signup("ada@example.com")
+        assert_enqueued(SendWelcome, email="ada@example.com")
+        report = run_jobs()
+        assert report.completed == 1
+
+pytest-django users may add ``pytest_plugins = ["django_awa.testing.pytest"]``
+to their ``conftest.py`` for the ``awa_jobs`` fixture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from django.db import connections
+
+from .. import db, sql
+from ..codec import _encode, decode_args, encode_checked
+from ..conf import awa_settings
+from ..enqueueing import database_alias
+from ..exceptions import ValidationError
+from ..execute import (
+    Attempt,
+    AttemptResult,
+    JobContext,
+    call_handler,
+    resolve_handler,
+    run_attempt,
+)
+from ..finalize import finalize, run_atomic_attempt
+from ..kinds import JobArgs, registry
+from ..models import Job, JobState, jobs_from_rows
+
+__all__ = [
+    "RunLimitReached",
+    "RunReport",
+    "assert_enqueued",
+    "enqueued",
+    "perform_job",
+    "refute_enqueued",
+    "run_jobs",
+]
+
+# The states of a job that is enqueued: waiting for its next (or first) run.
+ENQUEUED_STATES = (JobState.AVAILABLE, JobState.SCHEDULED, JobState.RETRYABLE)
+# Jobs claimed together by one round of run_jobs.
+ROUND_SIZE = 100
+# Jobs listed at most in a failure message.
+LISTED = 20
+
+
+# -- what was enqueued --------------------------------------------------------------
+
+
+def _kind_and_fields(
+    args_or_cls: JobArgs | type[JobArgs] | None, fields: Mapping[str, Any], where: str
+) -> tuple[str | None, dict[str, Any]]:
+    """The kind to match and the args fields (JSON values) its jobs must have."""
+    if args_or_cls is None:
+        if fields:
+            raise TypeError(f"{where}: args fields {sorted(fields)} need a JobArgs class")
+        return None, {}
+    if isinstance(args_or_cls, JobArgs):
+        wanted = encode_checked(args_or_cls)
+        cls: type[JobArgs] = type(args_or_cls)
+    elif isinstance(args_or_cls, type) and issubclass(args_or_cls, JobArgs):
+        wanted = {}
+        cls = args_or_cls
+    else:
+        raise TypeError(f"{where}: expected a JobArgs instance or subclass, got {args_or_cls!r}")
+    names = {f.name for f in dataclasses.fields(cast(Any, cls))}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise TypeError(
+            f"{where}: {cls.__qualname__} has no field(s) {unknown}; its fields are {sorted(names)}"
+        )
+    if fields:
+        # Encoded as the args are stored, so a date or a nested dataclass
+        # compares with what the row holds.
+        wanted.update(_encode_fields(cls, dict(fields), where))
+    return cls.kind, wanted
+
+
+def _encode_fields(cls: type[JobArgs], values: dict[str, Any], where: str) -> dict[str, Any]:
+    try:
+        return {name: _encode(value) for name, value in values.items()}
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"{where}: {cls.__qualname__}: {exc}") from exc
+
+
+def enqueued(
+    args_cls: type[JobArgs] | None = None, *, queue: str | None = None, using: str | None = None
+) -> list[Job]:
+    """The jobs waiting to run (available, scheduled or retryable), oldest first.
+
+    Only those of ``args_cls``'s kind and of ``queue`` when given. Reads on
+    connection ``using`` (default ``AWA["DATABASE"]``): inside a test's
+    transaction, it sees what the test enqueued.
+    """
+    kind, _ = _kind_and_fields(args_cls, {}, "enqueued()")
+    return _waiting(kind, queue, using)
+
+
+def _waiting(kind: str | None, queue: str | None, using: str | None) -> list[Job]:
+    jobs = Job.objects.using(database_alias(using)).filter(state__in=ENQUEUED_STATES)
+    if kind is not None:
+        jobs = jobs.filter(kind=kind)
+    if queue is not None:
+        jobs = jobs.filter(queue=queue)
+    return list(jobs.order_by("id"))
+
+
+def _matching(
+    args_or_cls: JobArgs | type[JobArgs],
+    queue: str | None,
+    fields: Mapping[str, Any],
+    where: str,
+) -> tuple[list[Job], list[Job], str]:
+    """The waiting jobs that match, all waiting jobs, and a description of what was asked."""
+    kind, wanted = _kind_and_fields(args_or_cls, fields, where)
+    everything = _waiting(None, None, None)
+    found = [
+        job
+        for job in everything
+        if job.kind == kind
+        and (queue is None or job.queue == queue)
+        and all(name in job.args and job.args[name] == value for name, value in wanted.items())
+    ]
+    asked = f"kind {kind!r}"
+    if wanted:
+        asked += f" with args {wanted}"
+    if queue is not None:
+        asked += f" on queue {queue!r}"
+    return found, everything, asked
+
+
+def _listing(jobs: list[Job]) -> str:
+    if not jobs:
+        return "no job is enqueued at all"
+    lines = [
+        f"  #{job.id} kind={job.kind!r} queue={job.queue!r} state={job.state} args={job.args}"
+        for job in jobs[:LISTED]
+    ]
+    if len(jobs) > LISTED:
+        lines.append(f"  ... and {len(jobs) - LISTED} more")
+    return "the jobs enqueued are:\n" + "\n".join(lines)
+
+
+def assert_enqueued(
+    args_or_cls: JobArgs | type[JobArgs],
+    *,
+    queue: str | None = None,
+    count: int | None = None,
+    **fields: Any,
+) -> list[Job]:
+    """Assert a job of that kind waits to run; return the matching jobs.
+
+    ``args_or_cls`` is a ``JobArgs`` instance (its args must all match) or
+    class (any args); ``fields`` are args fields that must have these values;
+    ``queue`` the queue it must be on; ``count`` how many must match exactly
+    (default: at least one). "Waiting" means available, scheduled or
+    retryable: a job that ran to completion is no longer enqueued. Raises
+    ``AssertionError`` listing the jobs that are enqueued.
+    """
+    found, everything, asked = _matching(args_or_cls, queue, fields, "assert_enqueued()")
+    if count is None and not found:
+        raise AssertionError(f"expected a job of {asked} to be enqueued, but none is; "
+                             f"{_listing(everything)}")  # fmt: skip
+    if count is not None and len(found) != count:
+        raise AssertionError(
+            f"expected {count} job(s) of {asked} to be enqueued, found {len(found)}; "
+            f"{_listing(everything)}"
+        )
+    return found
+
+
+def refute_enqueued(
+    args_or_cls: JobArgs | type[JobArgs],
+    *,
+    queue: str | None = None,
+    count: int | None = None,
+    **fields: Any,
+) -> None:
+    """Assert no job of that kind (those args, that queue) waits to run.
+
+    With ``count``, assert that the number of matching jobs is anything but
+    ``count``. Raises ``AssertionError`` listing the jobs that match.
+    """
+    found, _, asked = _matching(args_or_cls, queue, fields, "refute_enqueued()")
+    if count is None and found:
+        raise AssertionError(f"expected no job of {asked} to be enqueued, found "
+                             f"{len(found)}: {_listing(found)}")  # fmt: skip
+    if count is not None and len(found) == count:
+        raise AssertionError(
+            f"expected other than {count} job(s) of {asked} to be enqueued; {_listing(found)}"
+        )
+
+
+# -- running jobs inline ---------------------------------------------------------------
+
+
+def _outcome_name(result: AttemptResult) -> str:
+    return "snoozed" if result.snoozed else str(result.state)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunReport:
+    """What ``run_jobs`` did.
+
+    ``counts`` is per outcome of each attempt run: the state it left its job
+    in (``"completed"``, ``"retryable"``, ``"failed"``, ``"cancelled"``,
+    ``"waiting_external"``), or ``"snoozed"``. ``jobs`` are the jobs that
+    ran, in the order they first ran, as their rows stand now (a job run
+    twice, after a snooze say, is listed once). ``ran`` counts attempts.
+    """
+
+    jobs: tuple[Job, ...] = ()
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def ran(self) -> int:
+        """How many attempts ran."""
+        return sum(self.counts.values())
+
+    completed = property(lambda self: self.counts.get("completed", 0))
+    retryable = property(lambda self: self.counts.get("retryable", 0))
+    failed = property(lambda self: self.counts.get("failed", 0))
+    cancelled = property(lambda self: self.counts.get("cancelled", 0))
+    snoozed = property(lambda self: self.counts.get("snoozed", 0))
+    waiting_external = property(lambda self: self.counts.get("waiting_external", 0))
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{n} {name}" for name, n in sorted(self.counts.items()))
+        return f"ran {self.ran} attempt(s): {counts or 'none'}"
+
+
+class RunLimitReached(AssertionError):
+    """``run_jobs`` ran ``limit`` attempts and jobs are still due; ``report`` says what ran."""
+
+    def __init__(self, message: str, report: RunReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def run_jobs(
+    *,
+    queue: str | None = None,
+    kinds: Iterable[str | type[JobArgs]] | None = None,
+    limit: int = 1000,
+    include_scheduled: bool = False,
+    using: str | None = None,
+) -> RunReport:
+    """Run the due jobs in this thread, again and again until none is due.
+
+    Each round promotes the scheduled and retryable jobs that are due, as
+    maintenance would, then claims the due ``available`` jobs (of ``queue``
+    and ``kinds`` when given; paused queues are skipped), runs their handlers
+    (``async def`` ones too) and finalizes each outcome with its follow-ups,
+    through the code a worker runs. So follow-ups, and jobs they enqueue, run
+    too. A kind's ``timeout`` applies: a sync handler runs to its end, then is
+    recorded as timed out; an async one is cancelled.
+
+    Jobs due later are left alone: a retry's backoff, a ``Snooze``, a
+    ``run_at`` in the future. Inside ``TestCase`` the database's clock stands
+    still (``now()`` is when the test's transaction began), so they never
+    become due; ``include_scheduled=True`` runs them anyway, retries included
+    (until they complete or exhaust their attempts).
+
+    ``limit`` bounds the attempts run in all, guarding against follow-ups that
+    enqueue each other for ever: once it is reached while jobs are still due,
+    ``RunLimitReached`` (an ``AssertionError``) is raised, its ``report``
+    saying what ran. Works on connection ``using`` (default
+    ``AWA["DATABASE"]``) and inside its open transaction; in a transactional
+    test (or outside tests) each outcome commits as a worker's does. Call it
+    from sync code (in an async test: ``await sync_to_async(run_jobs)()``).
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValidationError(f"run_jobs(): limit must be a positive integer, got {limit!r}")
+    alias = database_alias(using)
+    kind_names = None if kinds is None else sorted({_kind_name(k) for k in kinds})
+    filters = {"queue": queue, "kinds": kind_names}
+    conf = awa_settings()
+    ran: list[int] = []
+    counts: Counter[str] = Counter()
+    while True:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.PROMOTE_INLINE, {**filters, "all": include_scheduled})
+        room = limit - len(ran)
+        if room <= 0:
+            report = _report(ran, counts, alias)
+            if _still_due(alias, filters):
+                raise RunLimitReached(
+                    f"run_jobs() ran {len(ran)} attempts, its limit, and jobs are still due "
+                    f"(follow-ups enqueuing each other for ever?); {report}; pass a larger "
+                    f"limit= if that many are expected",
+                    report,
+                )
+            return report
+        with db.cursor(alias) as cursor:
+            cursor.execute(
+                sql.CLAIM_INLINE,
+                {
+                    **filters,
+                    "limit": min(room, ROUND_SIZE),
+                    "deadlines": registry.deadlines_json(),
+                    "default_deadline": conf.default_deadline,
+                },
+            )
+            rows = cursor.fetchall()
+        if not rows:
+            return _report(ran, counts, alias)
+        claimed = jobs_from_rows(rows, alias)
+        claimed.sort(key=lambda j: (j.priority, j.run_at, j.id))
+        for job in claimed:
+            result = _run_one(Attempt(job=job, alias=alias))
+            if result is None:
+                continue
+            counts[_outcome_name(result)] += 1
+            ran.append(job.id)
+
+
+def _report(ran: list[int], counts: Counter[str], alias: str) -> RunReport:
+    rows = Job.objects.using(alias).in_bulk(ran)
+    jobs = tuple(rows[i] for i in dict.fromkeys(ran) if i in rows)
+    return RunReport(jobs=jobs, counts=dict(counts))
+
+
+def _still_due(alias: str, filters: dict[str, Any]) -> bool:
+    with db.cursor(alias) as cursor:
+        cursor.execute(sql.DUE_INLINE, filters)
+        row = cursor.fetchone()
+    return bool(row and row[0])
+
+
+def _kind_name(kind: str | type[JobArgs]) -> str:
+    if isinstance(kind, str):
+        return kind
+    if isinstance(kind, type) and issubclass(kind, JobArgs):
+        return kind.kind
+    raise TypeError(f"run_jobs(): kinds holds {kind!r}, not a kind name or JobArgs class")
+
+
+def _run_one(attempt: Attempt) -> AttemptResult | None:
+    """One claimed attempt through the worker's path; the result as written."""
+    resolved = resolve_handler(attempt.job)
+    if not isinstance(resolved, AttemptResult) and resolved[0].atomic:
+        spec, args = resolved
+        return run_atomic_attempt(attempt, spec, args)
+    # Progress is stored with the outcome (no heartbeat thread here).
+    result = run_attempt(attempt, _keep_progress, resolved, enforce_timeout=True)
+    applied = finalize([result], attempt.alias)
+    return applied[0] if applied else None
+
+
+def _keep_progress(attempt: Attempt) -> None:
+    """Progress waits on the attempt and is written with its outcome."""
+
+
+# -- one handler without a row ---------------------------------------------------------
+
+_CONTEXT_FIELDS = {"id", "queue", "attempt", "max_attempts", "metadata", "priority", "tags"}
+
+
+def perform_job(args: JobArgs, **context: Any) -> Any:
+    """Run the handler registered for ``args``'s kind and return what it returned.
+
+    Nothing is read or written: the handler gets a ``JobContext`` on an
+    unsaved ``Job`` (``context`` sets its ``id``, ``queue``, ``attempt``
+    (default 1), ``max_attempts``, ``metadata``, ``priority``, ``tags``).
+    ``args`` go through the same JSON round trip as an enqueued job's. The
+    return value is not interpreted (an ``awa.Snooze`` comes back as it is),
+    and what the handler raises propagates. ``async def`` handlers run to
+    completion. ``set_progress`` is kept on the context's attempt;
+    ``register_callback`` needs a row (use ``run_jobs``).
+    """
+    if not isinstance(args, JobArgs):
+        raise TypeError(f"perform_job() takes a JobArgs instance, got {args!r}")
+    unknown = sorted(set(context) - _CONTEXT_FIELDS)
+    if unknown:
+        raise TypeError(
+            f"perform_job(): unknown context field(s) {unknown}; allowed: {sorted(_CONTEXT_FIELDS)}"
+        )
+    spec = registry.handler_for(args.kind)
+    if spec is None:
+        raise LookupError(f"perform_job(): no handler is registered for kind {args.kind!r}")
+    encoded = encode_checked(args)
+    decoded = decode_args(spec.args_cls, encoded)
+    now = dt.datetime.now(dt.UTC)
+    job = Job(
+        kind=args.kind,
+        queue=context.get("queue", spec.queue),
+        args=encoded,
+        state=JobState.RUNNING,
+        priority=context.get("priority", spec.priority),
+        attempt=context.get("attempt", 1),
+        max_attempts=context.get("max_attempts", spec.max_attempts),
+        metadata=context.get("metadata", {}),
+        tags=list(context.get("tags", [])),
+        run_at=now,
+        attempted_at=now,
+    )
+    job.id = context.get("id", 0)
+    attempt = Attempt(job=job, alias=database_alias(None))
+    return call_handler(spec, JobContext(attempt, decoded, _keep_progress))
