@@ -509,6 +509,14 @@ class HandlerTimedOut(Exception):
     """An async handler ran past its timeout and was cancelled (``supervise``)."""
 
 
+class AttemptLost(Exception):
+    """An async handler was cancelled because its attempt was lost (``supervise``).
+
+    Cancelled, rescued, timed out by the worker or given back at shutdown: the
+    row no longer runs this attempt, so the result made of this is stale.
+    """
+
+
 def call_handler(
     spec: WorkerSpec,
     context: JobContext,
@@ -538,8 +546,8 @@ def call_handler(
     try:
         return future.result()
     except concurrent.futures.CancelledError:
-        # The loop itself cancelled the supervisor (it is stopping).
-        raise asyncio.CancelledError("the worker's event loop stopped") from None
+        # The loop itself cancelled the supervisor: it is stopping, at shutdown.
+        raise AttemptLost("cancelled: the worker's event loop stopped") from None
 
 
 async def _own_thread(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -585,4 +593,4 @@ async def supervise(coro: Coroutine[Any, Any, Any], attempt: Attempt, timeout: f
                 pass
             if expired:
                 raise HandlerTimedOut
-            raise asyncio.CancelledError("the attempt was lost (cancelled, rescued or given back)")
+            raise AttemptLost("cancelled: the attempt was lost while its handler ran")
