@@ -419,6 +419,14 @@ def _composed(cursor: Cursor, statement: str, params: Any) -> str:
         return statement  # as sent: the log must not fail where the statement did not
 
 
+def transaction_failed(alias: str) -> bool:
+    """Whether ``alias``'s open transaction is aborted (a statement in it failed)."""
+    connection = connections[alias].connection
+    return connection is not None and (
+        connection.pgconn.transaction_status == TransactionStatus.INERROR
+    )
+
+
 def fetch_one(alias: str, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
     """Run ``statement`` on ``alias``'s connection, in its transaction; its one row or None.
 

@@ -68,8 +68,9 @@ def test_async_handlers_follow_the_outcome_table(start_worker):
     assert runs == [1, 1]
 
 
-def test_progress_of_an_async_handler_is_visible_while_it_runs(start_worker):
-    job = awa.enqueue(AsyncAct(action="progress", seconds=3))
+def test_an_async_handlers_progress_shows_and_heartbeats_keep_it_alive(start_worker):
+    # 4.5 s: past STALE_AFTER (3 s in tests), so only heartbeats keep it from a rescue.
+    job = awa.enqueue(AsyncAct(action="progress", seconds=4.5))
     start_worker("--queue", "default")
     running = wait_for(
         lambda: Job.objects.filter(
@@ -77,7 +78,8 @@ def test_progress_of_an_async_handler_is_visible_while_it_runs(start_worker):
         ).first()
     )
     assert running.progress["percent"] == 60 and running.progress["message"] == "async halfway"
-    wait_for_state(job.id, JobState.COMPLETED)
+    done = wait_for_state(job.id, JobState.COMPLETED, timeout=20)
+    assert done.attempt == 1 and done.errors == []
 
 
 def test_cancelling_a_running_async_job_cancels_its_coroutine(start_worker):

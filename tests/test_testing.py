@@ -179,6 +179,14 @@ class RunJobsTests(TestCase):
         assert Job.objects.get(id=unknown.id).state == JobState.FAILED
         assert report.failed == 2 and report.cancelled == 1 and report.waiting_external == 1
 
+    def test_a_database_error_in_a_handler_leaves_the_tests_transaction_usable(self):
+        job = awa.enqueue(Act(action="bad_sql", tag="none"))
+        assert run_jobs(kinds=[Act]).retryable == 1
+        row = Job.objects.get(id=job.id)
+        assert "DataError: division by zero" in row.errors[-1]["error"]
+        assert not Ledger.objects.filter(note="bad_sql").exists()  # rolled back with it
+        assert Job.objects.filter(kind="echo", args__note__startswith="retried:1").exists()
+
     def test_atomic_handlers_commit_their_writes_with_the_outcome(self):
         awa.enqueue(Pay(reference="r1"))
         awa.enqueue(Pay(reference="r2", fail=True))
@@ -268,6 +276,10 @@ class TransactionalRunJobsTests(TransactionTestCase):
         finally:
             other.close()
         refute_enqueued(Act)
+        bad = awa.enqueue(Act(action="bad_sql", tag="none"))
+        assert run_jobs(kinds=[Act]).retryable == 1
+        # In autocommit, as in a worker, the handler's writes before the error stay.
+        assert Ledger.objects.filter(job_id=bad.id, note="bad_sql").exists()
 
 
 def test_the_pytest_fixture_gives_the_helpers(awa_jobs):

@@ -26,10 +26,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from django.db import connections
+from django.db import connections, transaction
 
 from .. import db, sql
 from ..codec import _encode, decode_args, encode_checked
+from ..compat import savepoint_create
 from ..conf import awa_settings
 from ..enqueueing import database_alias
 from ..exceptions import ValidationError
@@ -285,7 +286,10 @@ def run_jobs(
     ``RunLimitReached`` (an ``AssertionError``) is raised, its ``report``
     saying what ran. Works on connection ``using`` (default
     ``AWA["DATABASE"]``) and inside its open transaction; in a transactional
-    test (or outside tests) each outcome commits as a worker's does. Call it
+    test (or outside tests) each outcome commits as a worker's does. There a
+    database error inside a non-atomic handler (which a worker would meet in
+    autocommit) rolls back that handler's writes, to a savepoint, and is
+    recorded as its error; the caller's transaction stays usable. Call it
     from sync code (in an async test: ``await sync_to_async(run_jobs)()``).
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -356,13 +360,24 @@ def _kind_name(kind: str | type[JobArgs]) -> str:
 
 def _run_one(attempt: Attempt) -> AttemptResult | None:
     """One claimed attempt through the worker's path; the result as written."""
+    alias = attempt.alias
     resolved = resolve_handler(attempt.job)
     if not isinstance(resolved, AttemptResult) and resolved[0].atomic:
         spec, args = resolved
         return run_atomic_attempt(attempt, spec, args)
+    # A worker runs a non-atomic handler in autocommit, where a failed statement
+    # spoils nothing else. Inside the caller's transaction (TestCase) it would
+    # abort that transaction: the handler runs in a savepoint, rolled back
+    # only then, so its error is recorded and the test's transaction goes on.
+    savepoint = savepoint_create(using=alias) if connections[alias].in_atomic_block else None
     # Progress is stored with the outcome (no heartbeat thread here).
     result = run_attempt(attempt, _keep_progress, resolved, enforce_timeout=True)
-    applied = finalize([result], attempt.alias)
+    if savepoint is not None:
+        if db.transaction_failed(alias):
+            transaction.savepoint_rollback(savepoint, using=alias)
+        else:
+            transaction.savepoint_commit(savepoint, using=alias)
+    applied = finalize([result], alias)
     return applied[0] if applied else None
 
 

@@ -154,6 +154,9 @@ def act(job: awa.JobContext):
             return None
         case "bad_return":
             return "not a result"
+        case "bad_sql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 / 0")
         case "base":
             raise base_exception(args.tag)
         case "stubborn":
