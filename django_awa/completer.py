@@ -29,6 +29,27 @@ FINALIZE_BATCH_SIZE = 1000
 LOCKED_RETRY = 0.5
 
 
+def first_of_each_attempt(batch: list[AttemptResult]) -> list[AttemptResult]:
+    """``batch`` with only the first result of each attempt.
+
+    An attempt has two results when the handler pool recorded it timed out
+    and its handler returned just after: the first written wins, a later one
+    is stale (guarded by run_lease). Two in one statement would each match
+    the row, and which one applied would be left to chance.
+    """
+    keys = {(r.job.id, r.job.run_lease) for r in batch}
+    if len(keys) == len(batch):
+        return batch
+    seen: set[tuple[int, int]] = set()
+    first = []
+    for result in batch:
+        key = (result.job.id, result.job.run_lease)
+        if key not in seen:
+            seen.add(key)
+            first.append(result)
+    return first
+
+
 class Completer:
     """Batched finalize: ``run`` is the thread body, ``run_once`` writes what is queued now."""
 
@@ -82,7 +103,7 @@ class Completer:
 
     def write(self, batch: list[AttemptResult], deferred: list[AttemptResult]) -> None:
         """Write ``batch``, forget its attempts; add those whose row was locked to ``deferred``."""
-        self.write_batch(batch)
+        self.write_batch(first_of_each_attempt(batch))
         forget = self.state.forget
         for result in batch:
             if result.locked:

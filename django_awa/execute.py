@@ -481,10 +481,13 @@ def run_attempt(
     spec, args = resolved
     attempt.timeout = spec.timeout
     context = JobContext(attempt, args, flush_progress)
-    started = time.monotonic()
     timeout = spec.timeout if enforce_timeout else None
+    started = time.monotonic() if timeout is not None else 0.0
     try:
-        value = call_handler(spec, context, loop=loop, timeout=timeout)
+        if spec.is_async:
+            value = call_handler(spec, context, loop=loop, timeout=timeout)
+        else:
+            value = spec.handler(context)
     except HandlerTimedOut:
         result = timed_out(attempt.job, spec.timeout or 0.0, time.monotonic() - started)
     except BaseException as exc:  # the handler boundary: every error is recorded
@@ -492,9 +495,8 @@ def run_attempt(
             raise
         result = from_exception(attempt.job, exc)
     else:
-        ran = time.monotonic() - started
-        if timeout is not None and ran > timeout:
-            # A sync handler cannot be stopped: it ran to the end, its result is ignored.
+        if timeout is not None and (ran := time.monotonic() - started) > timeout:
+            # A sync handler cannot be stopped: it ran to its end, its result is ignored.
             result = timed_out(attempt.job, timeout, ran)
         else:
             result = from_value(attempt, value)

@@ -55,3 +55,21 @@ def test_a_result_whose_row_is_locked_is_returned_still_tracked_and_written_late
     state.results.put(deferred)
     assert completer.run_once() == []
     assert Job.objects.get(id=ids[0]).state == JobState.COMPLETED and not state.running
+
+
+@pytest.mark.django_db
+def test_of_two_results_of_one_attempt_in_a_batch_the_first_is_written():
+    # A timed-out attempt: the handler pool's result first, the handler's own just after.
+    from django_awa.execute import completed, timed_out
+
+    state, [job_id] = _run(1)
+    handlers_own = state.results.get_nowait()
+    state.results.put(timed_out(handlers_own.job, 1.0, 1.2))
+    state.results.put(completed(handlers_own.job))
+    assert Completer(state).run_once() == []
+    row = Job.objects.get(id=job_id)
+    assert row.state == JobState.RETRYABLE and row.errors[-1]["error"].startswith("timed out")
+    # Its follow-ups are the retry's, not the completion's.
+    notes = list(Job.objects.filter(kind="echo").values_list("args__note", flat=True))
+    assert len(notes) == 1 and notes[0].startswith("retried:1:timed out"), notes
+    assert not state.running
