@@ -9,7 +9,7 @@ from django.core import checks
 
 from . import conf, db
 from .followups import CONTEXT_PARAMETERS, followup_registry, signature_fits
-from .kinds import JobArgs
+from .kinds import JobArgs, registry
 
 
 @checks.register()
@@ -67,3 +67,29 @@ def check_followups(app_configs: Any = None, **kwargs: Any) -> list[checks.Check
                 )
             )
     return errors
+
+
+@checks.register()
+def check_timeouts(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """A kind's ``timeout`` longer than ``AWA["DEFAULT_DEADLINE"]``, its deadline."""
+    if conf.problems():
+        return []  # reported by check_settings; the settings cannot be read until fixed
+    default = conf.awa_settings().default_deadline
+    warnings: list[checks.CheckMessage] = []
+    for kind, spec in sorted(registry.workers.items()):
+        if spec.timeout is None or spec.deadline is not None or default is None:
+            continue
+        if spec.timeout > default:
+            where = f"@awa.worker({spec.args_cls.__qualname__})"
+            warnings.append(
+                checks.Warning(
+                    f"{where}: timeout ({spec.timeout:g}s) is longer than "
+                    f"AWA['DEFAULT_DEADLINE'] ({default:g}s), the deadline of kind {kind!r}: "
+                    f"maintenance rescues its attempts before they time out.",
+                    hint="Give the kind a deadline= at least its timeout, or raise "
+                    "AWA['DEFAULT_DEADLINE'].",
+                    obj=where,
+                    id="awa.W203",
+                )
+            )
+    return warnings

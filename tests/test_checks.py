@@ -110,3 +110,14 @@ def test_max_metadata_bytes_is_a_positive_integer(settings):
         assert [k for k, _ in problems()] == ["MAX_METADATA_BYTES"], bad
     settings.AWA = {"MAX_METADATA_BYTES": 1_000_000}
     assert awa_settings().max_metadata_bytes == 1_000_000
+
+
+def test_a_timeout_longer_than_the_default_deadline_is_warned_about(settings):
+    from django_awa.checks import check_timeouts
+
+    assert check_timeouts() == []  # the test kinds' 1 s timeouts fit the default deadline
+    settings.AWA = {**settings.AWA, "DEFAULT_DEADLINE": 0.5}
+    warnings = check_timeouts()
+    assert {w.id for w in warnings} == {"awa.W203"}
+    assert any("@awa.worker(Timed): timeout (1s) is longer than AWA['DEFAULT_DEADLINE']" in
+               w.msg for w in warnings)  # fmt: skip
