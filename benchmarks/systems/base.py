@@ -251,13 +251,17 @@ class System:
     def client_env(self) -> dict[str, str]:
         return self.env()
 
-    def run_client(self, *args: object, timeout: float) -> dict:
+    def orm_env(self) -> dict[str, str]:
+        """The environment of ORM-handler code: Django set up with orm_settings_module."""
+        return self.env(DJANGO_SETTINGS_MODULE=self.orm_settings_module)
+
+    def run_client(self, *args: object, timeout: float, env: dict[str, str] | None = None) -> dict:
         cmd = self.client_command(*args)
         try:
             proc = subprocess.run(
                 cmd,
                 cwd=BENCH_DIR,
-                env=self.client_env(),
+                env=env or self.client_env(),
                 capture_output=True,
                 text=True,
                 timeout=timeout,
@@ -289,7 +293,7 @@ class System:
 
     def prepare_orm(self, accounts: int) -> None:
         """Create and fill the ORM handler's table (djbench.handler_app)."""
-        self.run_client("orm-setup", accounts, timeout=300)
+        self.run_client("orm-setup", accounts, timeout=300, env=self.orm_env())
 
     def enqueue_orm(self, n: int, batch: int, handler: str, accounts: int) -> float:
         """Enqueue n ORM-handler jobs (handler "orm" or "atomic"), untimed by run.py."""
