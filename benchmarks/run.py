@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Benchmark django-awa against pgqueuer, awa-pg, procrastinate and django-tasks-db.
+"""Benchmark django-awa against pgqueuer, awa-pg, procrastinate, django-tasks-db,
+Celery with Redis (prefork and threads pools) and a bare psycopg "ceiling".
 
     python benchmarks/run.py [--quick] [--repeats 3] [--systems a,b] [--workloads w,x] [--jobs N]
+    python benchmarks/run.py --scaling [--scaling-processes 1,2,4] [--scaling-handler orm]
 
 Runs in benchmarks/.venv (made by bootstrap.sh on first use, then re-executed
 into). Each repeat runs every system in turn (the order rotates between
 repeats), each on a fresh database ``awa_bench_<system>`` on 127.0.0.1 that
-is dropped afterwards, through these workloads, all with no-op handlers:
+is dropped afterwards, through these workloads, with no-op handlers but for
+the ORM ones:
 
   bulk     enqueue N jobs with the system's bulk API, batches of --batch
   drain    start the worker on those N jobs; time until the database shows
@@ -14,8 +17,17 @@ is dropped afterwards, through these workloads, all with no-op handlers:
   latency  an idle worker; a producer enqueues one job every 1/--rate s for
            --latency-seconds; each handler records now - enqueue time
   single   enqueue --single jobs, one transaction each, one client
+  orm, orm-best  drain --orm-jobs jobs whose handler reads a row and saves it
+           through Django's ORM, at the library's defaults / the best setting;
+           jobs/s and p99 time from due to finished
+  atomic, atomic-best (django-awa only) the same as an atomic=True worker
   followups (django-awa only) drain N jobs that each have an on_completed
            follow-up
+
+The drain also reports CPU per job of the workers, of the run database's
+PostgreSQL backends and (Celery) of redis-server (systems/cpu.py).
+--scaling instead drains N jobs with 1, 2 and 4 django-awa worker processes
+and prints jobs/s and the CPU split between the workers and PostgreSQL.
 
 It prints a table of medians with min, max and the ratio to django-awa, and
 writes every measurement to benchmarks/results/. No test asserts a speed.
@@ -336,7 +348,7 @@ def wait_done(
         time.sleep(interval)
 
 
-def add_cpu(results: "Results", system, prefix: str, cpu: dict) -> None:
+def add_cpu(results: Results, system, prefix: str, cpu: dict) -> None:
     """Record a drain's CPU per job: worker, PostgreSQL, and a broker when it has one."""
     if not cpu:
         return
@@ -345,7 +357,9 @@ def add_cpu(results: "Results", system, prefix: str, cpu: dict) -> None:
     if system.broker_pids():
         results.add(system.name, f"{prefix}_cpu_broker", cpu["broker_ms"])
     if cpu.get("with_startup"):
-        results.note(system.name, f"{prefix} CPU per job includes the worker's start-up (short drain)")
+        results.note(
+            system.name, f"{prefix} CPU per job includes the worker's start-up (short drain)"
+        )
     if cpu["sessions"] > cpu["jobs"] / 10:
         results.note(
             system.name,
@@ -429,10 +443,8 @@ def run_orm(system, args, progress: Progress, results: Results, workload: str) -
     results.add(system.name, f"{key}_rate", n / seconds)
     results.add(system.name, f"{key}_p99", percentile(finished, 99))
     add_cpu(results, system, key, cpu)
-    results.note(
-        system.name,
-        f"{workload} at {', '.join(f'{k}={v}' for k, v in system.profile_settings(profile).items())}",
-    )
+    setting = ", ".join(f"{k}={v}" for k, v in system.profile_settings(profile).items())
+    results.note(system.name, f"{workload} at {setting}")
 
 
 def run_latency(system, args, progress: Progress, results: Results) -> None:
@@ -631,6 +643,111 @@ def render_footer(results: Results, systems: list, args: argparse.Namespace, loa
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------ scaling
+SCALING_COLUMNS = (
+    ("rate", "jobs/s", ",.0f"),
+    ("steady", "steady jobs/s", ",.0f"),
+    ("worker_ms", "worker ms/job", ".3f"),
+    ("database_ms", "PG ms/job", ".3f"),
+    ("worker_cores", "worker cores", ".2f"),
+    ("database_cores", "PG cores", ".2f"),
+)
+
+
+def run_scaling(systems: list, args: argparse.Namespace, progress: Progress) -> dict:
+    """Drain --jobs jobs with 1, 2, 4… worker processes; CPU split per process count.
+
+    Returns {system: {processes: {column: [values]}}}.
+    """
+    from systems.base import SystemUnavailable
+
+    out: dict = {}
+    handler = args.scaling_handler
+    for rep in range(args.repeats):
+        for system in systems:
+            for processes in args.scaling_processes:
+                label = f"rep {rep + 1}/{args.repeats} {system.name} processes={processes}"
+                progress.step(label)
+                try:
+                    system.setup_db()
+                    if handler == "orm":
+                        system.prepare_orm(args.accounts)
+                        system.enqueue_orm(args.jobs, args.batch, "orm", args.accounts)
+                    else:
+                        system.enqueue_bulk(args.jobs, args.batch)
+                    base = system.count_done()
+                    cpu: dict = {}
+                    saved = system.settings
+                    system.settings = {**saved, "processes": processes}
+                    try:
+                        system.start_worker("orm" if handler == "orm" else "drain")
+                    finally:
+                        system.settings = saved
+                    try:
+                        seconds, _ = wait_done(
+                            system, base + args.jobs, args.timeout, progress, label, cpu=cpu
+                        )
+                    finally:
+                        system.stop_worker()
+                    if not cpu:
+                        raise SystemUnavailable("no CPU sample covered the drain")
+                    row = out.setdefault(system.name, {}).setdefault(processes, {})
+                    values = {
+                        "rate": args.jobs / seconds,
+                        "steady": cpu["jobs"] / cpu["seconds"],
+                        **{k: cpu[k] for k in ("worker_ms", "database_ms")},
+                        **{k: cpu[k] for k in ("worker_cores", "database_cores")},
+                    }
+                    for key, value in values.items():
+                        row.setdefault(key, []).append(value)
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    progress.note(f"SKIP {label}: {exc}")
+                finally:
+                    system.teardown_db()
+                    progress.finish_step()
+    return out
+
+
+def render_scaling(data: dict, args: argparse.Namespace) -> str:
+    handler = "ORM handler" if args.scaling_handler == "orm" else "no-op handler"
+    lines = [
+        f"Scaling: drain {args.jobs:,} queued jobs ({handler}) with 1..N worker processes;"
+        f" medians of {args.repeats} repeat(s)",
+    ]
+    header = ["system", "processes", *(title for _, title, _ in SCALING_COLUMNS)]
+    rows = []
+    for name, by_processes in data.items():
+        for processes in sorted(by_processes):
+            row = by_processes[processes]
+            rows.append(
+                [
+                    name,
+                    str(processes),
+                    *(
+                        format(statistics.median(row[key]), fmt) if row.get(key) else "-"
+                        for key, _, fmt in SCALING_COLUMNS
+                    ),
+                ]
+            )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append(
+            "  ".join(
+                [row[0].ljust(widths[0]), *(c.rjust(widths[i + 1]) for i, c in enumerate(row[1:]))]
+            )
+        )
+    lines += [
+        "jobs/s: from the worker's start to the last job finished (start-up included);",
+        "steady jobs/s and the CPU columns: from the first poll that saw a finished job to the",
+        "last (systems/cpu.py). ms/job: CPU time per finished job of the worker processes",
+        "(children included) and of the run database's PostgreSQL backends. cores: the same CPU",
+        "divided by wall time. When worker + PG cores reach the machine's CPUs, more processes",
+        "cannot help; the PG share of it is what the database costs per job at that rate.",
+        f"Machine: {os.cpu_count()} CPUs, shared with PostgreSQL.",
+    ]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------- main
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from systems import SYSTEMS
@@ -695,6 +812,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="where to write the measurements (default benchmarks/results/bench-<time>.json)",
     )
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="instead of the comparison: drain --jobs jobs with 1, 2 and 4 worker processes "
+        "(--scaling-processes) and print jobs/s and the CPU split between the workers and "
+        "PostgreSQL (--systems defaults to django-awa here; ceiling also takes it)",
+    )
+    parser.add_argument(
+        "--scaling-processes",
+        default="1,2,4",
+        help="worker process counts for --scaling (default 1,2,4)",
+    )
+    parser.add_argument(
+        "--scaling-handler",
+        choices=("noop", "orm"),
+        default="noop",
+        help="--scaling's handler: the no-op (default) or the ORM handler",
+    )
     parser.add_argument("--no-bootstrap", action="store_true", help="never run bootstrap.sh")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -711,6 +846,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "--repeats, --jobs, --single, --batch, --orm-jobs, --accounts and --rate"
             " must be positive"
         )
+    try:
+        args.scaling_processes = [int(p) for p in args.scaling_processes.split(",") if p.strip()]
+    except ValueError:
+        parser.error(f"--scaling-processes: not a list of integers: {args.scaling_processes!r}")
+    if not args.scaling_processes or min(args.scaling_processes) < 1:
+        parser.error("--scaling-processes: give one or more counts of at least 1")
+    if args.scaling and "--systems" not in " ".join(argv):
+        args.systems = "django-awa"
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown or not args.workloads:
@@ -784,9 +927,13 @@ def main(argv: list[str]) -> int:
             f"run.py: PostgreSQL at 127.0.0.1:5432 (user postgres) is not reachable: {exc}"
         ) from exc
 
-    total = sum(
-        (1 + len(workloads_for(s, args.workloads))) * args.repeats for s in systems
-    )
+    if args.scaling:
+        return main_scaling(systems, args, lock)
+
+    if args.scaling:
+        return main_scaling(systems, args, lock)
+
+    total = sum((1 + len(workloads_for(s, args.workloads))) * args.repeats for s in systems)
     progress = Progress(total)
     results = Results()
     load_start = os.getloadavg()
@@ -833,6 +980,46 @@ def main(argv: list[str]) -> int:
     sys.stdout.write(f"Measurements: {out}\n")
     lock.close()
     return 0 if results.values else 1
+
+
+def main_scaling(systems: list, args: argparse.Namespace, lock) -> int:
+    unfit = [s.name for s in systems if "processes" not in s.settings]
+    if unfit:
+        raise SystemExit(f"--scaling: {', '.join(unfit)} has no processes setting")
+    if args.scaling_handler == "orm":
+        unfit = [s.name for s in systems if "orm" not in s.orm_handlers]
+        if unfit:
+            raise SystemExit(f"--scaling-handler orm: {', '.join(unfit)} has no ORM handler")
+    progress = Progress(len(systems) * len(args.scaling_processes) * args.repeats)
+    load_start = os.getloadavg()
+    started = time.strftime("%Y%m%d-%H%M%S")
+    data: dict = {}
+    try:
+        data = run_scaling(systems, args, progress)
+    except KeyboardInterrupt:
+        progress.note("interrupted")
+    finally:
+        progress.close()
+        for system in systems:
+            with contextlib.suppress(Exception):
+                system.teardown_db()
+    load_end = os.getloadavg()
+    sys.stdout.write(render_scaling(data, args) + "\n")
+    for s in systems:
+        sys.stdout.write(f"  {s.name} {s.version()}: {s.describe()} (processes varied)\n")
+    sys.stdout.write(f"Load average {load_start[0]:.1f} at start, {load_end[0]:.1f} at end.\n")
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out = args.json or RESULTS_DIR / f"scaling-{started}.json"
+    payload = {
+        "started": started,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "values": {name: {str(p): v for p, v in rows.items()} for name, rows in data.items()},
+        "load_average": {"start": load_start, "end": load_end},
+    }
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    sys.stdout.write(f"Measurements: {out}\n")
+    lock.close()
+    return 0 if data else 1
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
 # Celery's Django fixup closes every database connection after each task
-# unless CELERY_DB_REUSE_MAX is set (then it closes them every 2 × that many
+# unless CELERY_DB_REUSE_MAX is set (then it closes them every twice that many
 # tasks). 0 here: Celery's default. The celery adapters' db_reuse_max setting.
 if int(os.environ.get("BENCH_CELERY_DB_REUSE_MAX", "0")):
     CELERY_DB_REUSE_MAX = int(os.environ["BENCH_CELERY_DB_REUSE_MAX"])

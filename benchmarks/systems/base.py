@@ -297,7 +297,9 @@ class System:
 
     def enqueue_orm(self, n: int, batch: int, handler: str, accounts: int) -> float:
         """Enqueue n ORM-handler jobs (handler "orm" or "atomic"), untimed by run.py."""
-        result = self.run_client("enqueue-orm", n, batch, handler, accounts, timeout=max(120, n / 20))
+        result = self.run_client(
+            "enqueue-orm", n, batch, handler, accounts, timeout=max(120, n / 20)
+        )
         return float(result["elapsed"])
 
     def pace(self, rate: float, duration: float) -> int:

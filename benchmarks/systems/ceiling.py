@@ -92,7 +92,9 @@ class Ceiling(System):
     name = "ceiling"
     module = "ceiling"
     distribution = "psycopg"
-    count_done_sql = "SELECT count(*) FROM ceiling_job WHERE state = 'completed' AND queue = 'bench'"
+    count_done_sql = (
+        "SELECT count(*) FROM ceiling_job WHERE state = 'completed' AND queue = 'bench'"
+    )
     settings = {"processes": 2, "batch": 100, "idle_sleep": 0.005}
     orm_unavailable = "the reference measures the queue alone"
 
@@ -170,7 +172,9 @@ def cmd_pace(rate: float, duration: float) -> None:
     with _connect() as conn:
         count = 0
         for i in common.paced(rate, duration):
-            conn.execute(INSERT, (common.QUEUE, json.dumps({"n": i, "t": time.time()})), prepare=True)
+            conn.execute(
+                INSERT, (common.QUEUE, json.dumps({"n": i, "t": time.time()})), prepare=True
+            )
             count += 1
         common.emit(count=count)
 

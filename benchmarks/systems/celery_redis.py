@@ -137,7 +137,7 @@ class CeleryPrefork(System):
             try:
                 self.redis().ping()
                 return
-            except Exception as exc:  # noqa: BLE001 - not up yet
+            except Exception as exc:  # not up yet (any error of the client)
                 if self._redis.poll() is not None or time.monotonic() > deadline:
                     raise SystemUnavailable(
                         f"redis-server on :{self.redis_port} did not start: {exc}"
@@ -270,7 +270,9 @@ def cmd_pace(rate: float, duration: float) -> None:
     with app.producer_or_acquire() as producer:
         count = 0
         for i in common.paced(rate, duration):
-            noop.apply_async(kwargs={"n": i, "t": time.time()}, queue=common.QUEUE, producer=producer)
+            noop.apply_async(
+                kwargs={"n": i, "t": time.time()}, queue=common.QUEUE, producer=producer
+            )
             count += 1
         common.emit(count=count)
 

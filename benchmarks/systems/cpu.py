@@ -138,7 +138,11 @@ def per_job(first: Sample, last: Sample) -> dict[str, float] | None:
         return None
     # Connections opened in the window: one per job means backends came and
     # went between samples, and their CPU is mostly not counted.
-    out: dict[str, float] = {"jobs": jobs, "seconds": wall, "sessions": last.sessions - first.sessions}
+    out: dict[str, float] = {
+        "jobs": jobs,
+        "seconds": wall,
+        "sessions": last.sessions - first.sessions,
+    }
     for part in ("worker", "database", "broker"):
         used = getattr(last, part) - getattr(first, part)
         out[f"{part}_ms"] = used * 1000 / jobs

@@ -4,22 +4,25 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='HandlerAccount',
+            name="HandlerAccount",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('balance', models.BigIntegerField(default=0)),
-                ('touched', models.IntegerField(default=0)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("balance", models.BigIntegerField(default=0)),
+                ("touched", models.IntegerField(default=0)),
             ],
             options={
-                'db_table': 'bench_handler_account',
+                "db_table": "bench_handler_account",
             },
         ),
     ]
