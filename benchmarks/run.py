@@ -390,6 +390,7 @@ def run_drain(system, args, progress: Progress, results: Results, mode: str = "d
         )
     finally:
         system.stop_worker()
+    system.check_succeeded()
     if mode == "drain":
         results.add(system.name, "drain", seconds)
         results.add(system.name, "drain_rss", peak / 2**20)
@@ -434,6 +435,7 @@ def run_orm(system, args, progress: Progress, results: Results, workload: str) -
             seconds, _ = wait_done(system, base + n, args.timeout, progress, workload, cpu=cpu)
         finally:
             system.stop_worker()
+        system.check_succeeded()
         finished: list[float] = []
         for path in Path(tmp).glob("finish-*.txt"):
             finished.extend(float(line) - started_wall for line in path.read_text().split())
@@ -689,6 +691,7 @@ def run_scaling(systems: list, args: argparse.Namespace, progress: Progress) -> 
                         )
                     finally:
                         system.stop_worker()
+                    system.check_succeeded()
                     if not cpu:
                         raise SystemUnavailable("no CPU sample covered the drain")
                     row = out.setdefault(system.name, {}).setdefault(processes, {})
@@ -895,8 +898,19 @@ def byte_compile() -> None:
             compileall.compile_dir(tree, quiet=1)
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM ends the run as Ctrl-C does: workers, redis-server and databases go."""
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str]) -> int:
     ensure_venv()
+    _interrupt_on_sigterm()
     sys.path.insert(0, str(BENCH_DIR))
     from systems import REFERENCE, SYSTEMS, load, resolve
     from systems.base import admin_execute

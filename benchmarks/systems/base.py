@@ -236,6 +236,13 @@ class System:
         row = self.connection().execute(self.count_done_sql).fetchone()
         return int(row[0] or 0) if row else 0
 
+    def check_succeeded(self) -> None:
+        """After a drain: raise SystemUnavailable if a job counted as done failed.
+
+        count_done_sql counts successes only; a system whose count cannot tell
+        (Celery's results) checks here, untimed.
+        """
+
     def run_tool(self, argv: list[str], what: str, *, cwd: Path | None = None) -> None:
         """Run one of the system's own commands (a schema install, say); fail naming it."""
         proc = subprocess.run(

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -173,6 +174,21 @@ class CeleryPrefork(System):
 
     def count_done(self) -> int:
         return int(self.redis().dbsize())
+
+    def check_succeeded(self) -> None:
+        """DBSIZE counts failed tasks' results too: read every result, untimed."""
+        client = self.redis()
+        keys = list(client.scan_iter(match="celery-task-meta-*", count=5000))
+        failed: list[str] = []
+        for start in range(0, len(keys), 5000):
+            for raw in client.mget(keys[start : start + 5000]):
+                meta = json.loads(raw) if raw else {}
+                if meta.get("status") != "SUCCESS":
+                    failed.append(f"{meta.get('status')}: {meta.get('result')}")
+        if failed:
+            raise SystemUnavailable(
+                f"{len(failed):,} of {len(keys):,} Celery tasks did not succeed; first: {failed[0]}"
+            )
 
     # --------------------------------------------------------------- worker
     def worker_commands(self, mode: str) -> list[list[str]]:
