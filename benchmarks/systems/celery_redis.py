@@ -46,7 +46,7 @@ class CeleryPrefork(System):
     settings = {
         "pool": "prefork",
         "concurrency": 4,
-        "prefetch_multiplier": 64,
+        "prefetch_multiplier": 4,
         "lean": True,
         "db_reuse_max": 1000,
     }
@@ -222,8 +222,8 @@ class CeleryThreads(CeleryPrefork):
     redis_port = 16380
     settings = {
         "pool": "threads",
-        "concurrency": 8,
-        "prefetch_multiplier": 64,
+        "concurrency": 4,
+        "prefetch_multiplier": 4,
         "lean": True,
         "db_reuse_max": 1000,
     }
