@@ -353,7 +353,9 @@ def add_cpu(results: Results, system, prefix: str, cpu: dict) -> None:
     if not cpu:
         return
     results.add(system.name, f"{prefix}_cpu_worker", cpu["worker_ms"])
-    results.add(system.name, f"{prefix}_cpu_db", cpu["database_ms"])
+    if cpu["database_ms"] or not system.broker_pids():
+        # (Celery's no-op drain never touches PostgreSQL: no row rather than 0.)
+        results.add(system.name, f"{prefix}_cpu_db", cpu["database_ms"])
     if system.broker_pids():
         results.add(system.name, f"{prefix}_cpu_broker", cpu["broker_ms"])
     if cpu.get("with_startup"):
