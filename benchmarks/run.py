@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Benchmark django-awa against pgqueuer, awa-pg, procrastinate and django-tasks-db.
+"""Benchmark django-awa against pgqueuer, awa-pg, procrastinate, django-tasks-db,
+Celery with Redis (prefork and threads pools) and a bare psycopg "ceiling".
 
     python benchmarks/run.py [--quick] [--repeats 3] [--systems a,b] [--workloads w,x] [--jobs N]
+    python benchmarks/run.py --scaling [--scaling-processes 1,2,4] [--scaling-handler orm]
 
 Runs in benchmarks/.venv (made by bootstrap.sh on first use, then re-executed
 into). Each repeat runs every system in turn (the order rotates between
 repeats), each on a fresh database ``awa_bench_<system>`` on 127.0.0.1 that
-is dropped afterwards, through these workloads, all with no-op handlers:
+is dropped afterwards, through these workloads, with no-op handlers but for
+the ORM ones:
 
   bulk     enqueue N jobs with the system's bulk API, batches of --batch
   drain    start the worker on those N jobs; time until the database shows
@@ -14,8 +17,17 @@ is dropped afterwards, through these workloads, all with no-op handlers:
   latency  an idle worker; a producer enqueues one job every 1/--rate s for
            --latency-seconds; each handler records now - enqueue time
   single   enqueue --single jobs, one transaction each, one client
+  orm, orm-best  drain --orm-jobs jobs whose handler reads a row and saves it
+           through Django's ORM, at the library's defaults / the best setting;
+           jobs/s and p99 time from due to finished
+  atomic, atomic-best (django-awa only) the same as an atomic=True worker
   followups (django-awa only) drain N jobs that each have an on_completed
            follow-up
+
+The drain also reports CPU per job of the workers, of the run database's
+PostgreSQL backends and (Celery) of redis-server (systems/cpu.py).
+--scaling instead drains N jobs with 1, 2 and 4 django-awa worker processes
+and prints jobs/s and the CPU split between the workers and PostgreSQL.
 
 It prints a table of medians with min, max and the ratio to django-awa, and
 writes every measurement to benchmarks/results/. No test asserts a speed.
@@ -116,6 +128,22 @@ def metrics(args: argparse.Namespace) -> list[Metric]:
             "drain_rss", "peak RSS of the worker processes during the drain", "MB", False, ",.0f"
         ),
         Metric(
+            "drain_cpu_worker",
+            "worker CPU per job in the drain (worker processes and children)",
+            "ms",
+            False,
+            ".3f",
+        ),
+        Metric(
+            "drain_cpu_db",
+            "PostgreSQL CPU per job in the drain (the run's database backends)",
+            "ms",
+            False,
+            ".3f",
+        ),
+        Metric("drain_cpu_broker", "redis-server CPU per job in the drain", "ms", False, ".3f"),
+        *orm_metrics(args),
+        Metric(
             "drain_followups",
             f"drain {n:,} jobs, each with an on_completed follow-up",
             "s",
@@ -125,6 +153,43 @@ def metrics(args: argparse.Namespace) -> list[Metric]:
             ratio_to="drain",
         ),
     ]
+
+
+def orm_metrics(args: argparse.Namespace) -> list[Metric]:
+    n = args.orm_jobs
+    out: list[Metric] = []
+    for workload in ORM_WORKLOADS:
+        key = workload.replace("-", "_")
+        atomic = workload.startswith("atomic")
+        what = "atomic=True ORM handler" if atomic else "ORM handler (read a row, update it)"
+        where = "best setting" if workload.endswith("-best") else "default settings"
+        ratio = ("orm_best_rate" if workload.endswith("-best") else "orm_rate") if atomic else None
+        out.append(
+            Metric(
+                f"{key}_rate",
+                f"drain {n:,} jobs, {what}, {where}",
+                "jobs/s",
+                True,
+                ",.0f",
+                ratio_to=ratio,
+            )
+        )
+        out.append(
+            Metric(
+                f"{key}_p99",
+                "  same, p99 time from due to finished",
+                "s",
+                False,
+                ".2f",
+                ratio_to=ratio and ratio.replace("_rate", "_p99"),
+            )
+        )
+        if workload == "orm-best":
+            for part, title in (("worker", "worker"), ("db", "PostgreSQL"), ("broker", "redis")):
+                out.append(
+                    Metric(f"{key}_cpu_{part}", f"  same, {title} CPU per job", "ms", False, ".3f")
+                )
+    return out
 
 
 # ----------------------------------------------------------------- progress
@@ -225,21 +290,51 @@ def tree_rss(pids: list[int]) -> int:
 
 
 def wait_done(
-    system, target: int, timeout: float, progress: Progress, label: str, rss: bool = False
+    system,
+    target: int,
+    timeout: float,
+    progress: Progress,
+    label: str,
+    rss: bool = False,
+    cpu: dict | None = None,
 ):
-    """Poll count_done() until it reaches target; returns (seconds since worker start, peak RSS)."""
+    """Poll count_done() until it reaches target; returns (seconds since worker start, peak RSS).
+
+    With ``cpu`` (a dict), CPU is sampled at every poll (systems/cpu.py) and
+    ``cpu`` gets the per-job figures of the window from the first poll that
+    saw a finished job to the one that saw the last: the steady drain, without
+    the worker's start-up. A drain that finishes within one poll falls back to
+    the window from the worker's start.
+    """
     from systems.base import SystemUnavailable
+    from systems.cpu import CpuMeter, per_job
 
     group = system.workers
     peak = 0
     deadline = time.perf_counter() + timeout
     interval = 0.05
+    meter = CpuMeter(system) if cpu is not None else None
+    base = system.count_done()
+    start_sample = meter.sample(base) if meter else None
+    first_sample = None
     while True:
         done = system.count_done()
+        sample = meter.sample(done) if meter else None
         now = time.perf_counter()
+        if sample is not None and first_sample is None and done > base:
+            first_sample = sample
         if rss:
             peak = max(peak, tree_rss(group.pids()))
         if done >= target:
+            if cpu is not None and sample is not None:
+                window = per_job(first_sample, sample) if first_sample is not None else None
+                if window is None or window["jobs"] < (target - base) / 2:
+                    # Most jobs finished before the first poll saw one: too
+                    # few in the window; take it from the worker's start.
+                    window = per_job(start_sample, sample)
+                    if window:
+                        window["with_startup"] = 1
+                cpu.update(window or {})
             return now - group.started_at, peak
         dead = group.dead()
         if dead:
@@ -253,6 +348,28 @@ def wait_done(
         time.sleep(interval)
 
 
+def add_cpu(results: Results, system, prefix: str, cpu: dict) -> None:
+    """Record a drain's CPU per job: worker, PostgreSQL, and a broker when it has one."""
+    if not cpu:
+        return
+    results.add(system.name, f"{prefix}_cpu_worker", cpu["worker_ms"])
+    if cpu["database_ms"] or not system.broker_pids():
+        # (Celery's no-op drain never touches PostgreSQL: no row rather than 0.)
+        results.add(system.name, f"{prefix}_cpu_db", cpu["database_ms"])
+    if system.broker_pids():
+        results.add(system.name, f"{prefix}_cpu_broker", cpu["broker_ms"])
+    if cpu.get("with_startup"):
+        results.note(
+            system.name, f"{prefix} CPU per job includes the worker's start-up (short drain)"
+        )
+    if cpu["sessions"] > cpu["jobs"] / 10:
+        results.note(
+            system.name,
+            f"{prefix}: {cpu['sessions']:,.0f} database connections opened for {cpu['jobs']:,.0f}"
+            " jobs: backends that lived between two CPU samples are not in its PostgreSQL CPU",
+        )
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an ascending list."""
     rank = max(1, math.ceil(q / 100 * len(sorted_values)))
@@ -261,17 +378,77 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 def run_drain(system, args, progress: Progress, results: Results, mode: str = "drain") -> float:
     base = system.count_done()
+    cpu: dict = {}
     system.start_worker(mode)
     try:
         seconds, peak = wait_done(
-            system, base + args.jobs, args.timeout, progress, mode, rss=(mode == "drain")
+            system,
+            base + args.jobs,
+            args.timeout,
+            progress,
+            mode,
+            rss=(mode == "drain"),
+            cpu=cpu if mode == "drain" else None,
         )
     finally:
         system.stop_worker()
+    system.check_succeeded()
     if mode == "drain":
         results.add(system.name, "drain", seconds)
         results.add(system.name, "drain_rss", peak / 2**20)
+        add_cpu(results, system, "drain", cpu)
     return seconds
+
+
+# workload -> (handler, settings profile); the handler's jobs run at the profile
+ORM_WORKLOADS = {
+    "orm": ("orm", "defaults"),
+    "orm-best": ("orm", "best"),
+    "atomic": ("atomic", "defaults"),
+    "atomic-best": ("atomic", "best"),
+}
+
+
+def run_orm(system, args, progress: Progress, results: Results, workload: str) -> None:
+    """Drain --orm-jobs jobs whose handler reads and updates a row through the ORM.
+
+    Jobs/s from the worker's start to the last one finished; the p99 of each
+    job's time from due (the worker's start: every job is queued before it)
+    to its handler's return.
+    """
+    from systems.base import SystemUnavailable
+
+    handler, profile = ORM_WORKLOADS[workload]
+    n = args.orm_jobs
+    if not getattr(system, "_orm_ready", False):
+        progress.live(f"{workload}: filling {args.accounts:,} accounts (not timed)", force=True)
+        system.prepare_orm(args.accounts)
+        system._orm_ready = True
+    progress.live(f"{workload}: enqueueing (not timed)", force=True)
+    system.enqueue_orm(n, args.batch, handler, args.accounts)
+    key = workload.replace("-", "_")
+    with tempfile.TemporaryDirectory(prefix="awa-bench-orm-") as tmp:
+        base = system.count_done()
+        cpu: dict = {}
+        with system.profile(profile):
+            system.start_worker(handler, finish_dir=Path(tmp))
+        started_wall = system.workers.started_wall
+        try:
+            seconds, _ = wait_done(system, base + n, args.timeout, progress, workload, cpu=cpu)
+        finally:
+            system.stop_worker()
+        system.check_succeeded()
+        finished: list[float] = []
+        for path in Path(tmp).glob("finish-*.txt"):
+            finished.extend(float(line) - started_wall for line in path.read_text().split())
+    if len(finished) < n:
+        raise SystemUnavailable(f"{workload}: {len(finished)} handler records for {n} jobs")
+    finished.sort()
+    results.add(system.name, f"{key}_rate", n / seconds)
+    results.add(system.name, f"{key}_p99", percentile(finished, 99))
+    add_cpu(results, system, key, cpu)
+    setting = ", ".join(f"{k}={v}" for k, v in system.profile_settings(profile).items())
+    results.note(system.name, f"{workload} at {setting}")
 
 
 def run_latency(system, args, progress: Progress, results: Results) -> None:
@@ -319,12 +496,14 @@ def run_followups(system, args, progress: Progress, results: Results) -> None:
 
 
 COMMON_WORKLOADS = ("bulk", "drain", "latency", "single")
-WORKLOADS = (*COMMON_WORKLOADS, "followups")  # followups: a system's extra_workloads
+# followups: a system's extra_workloads; the ORM ones: its orm_handlers
+WORKLOADS = (*COMMON_WORKLOADS, *ORM_WORKLOADS, "followups")
 
 
-def workloads_for(extra: tuple[str, ...], chosen: Sequence[str]) -> list[str]:
+def workloads_for(system, chosen: Sequence[str]) -> list[str]:
     """The workloads of ``chosen`` that the system runs, in the order they run."""
-    return [w for w in (*COMMON_WORKLOADS, *extra) if w in chosen]
+    orm = [w for w, (handler, _) in ORM_WORKLOADS.items() if handler in system.orm_handlers]
+    return [w for w in (*COMMON_WORKLOADS, *orm, *system.extra_workloads) if w in chosen]
 
 
 def run_system(system, args, progress: Progress, results: Results, rep: int) -> bool:
@@ -332,7 +511,7 @@ def run_system(system, args, progress: Progress, results: Results, rep: int) -> 
     import psycopg
     from systems.base import SystemUnavailable
 
-    steps = workloads_for(system.extra_workloads, args.workloads)
+    steps = workloads_for(system, args.workloads)
     first_step = progress.done
     label = f"rep {rep + 1}/{args.repeats} {system.name}"
     try:
@@ -359,6 +538,8 @@ def run_system(system, args, progress: Progress, results: Results, rep: int) -> 
                 results.add(system.name, "enqueue_single", args.single / elapsed)
             elif workload == "followups":
                 run_followups(system, args, progress, results)
+            elif workload in ORM_WORKLOADS:
+                run_orm(system, args, progress, results, workload)
             progress.finish_step()
         return True
     except Exception as exc:  # noqa: BLE001 - one system's failure must not end the run
@@ -375,6 +556,7 @@ def run_system(system, args, progress: Progress, results: Results, rep: int) -> 
     finally:
         progress.done = first_step + 1 + len(steps)
         system.teardown_db()
+        system._orm_ready = False
 
 
 # -------------------------------------------------------------------- table
@@ -450,6 +632,10 @@ def render_footer(results: Results, systems: list, args: argparse.Namespace, loa
         f"Machine: {os.cpu_count()} CPUs shared with PostgreSQL; load average "
         f"{load[0][0]:.1f} at start, {load[1][0]:.1f} at end."
     )
+    chosen_orm = [w for w in ORM_WORKLOADS if w in args.workloads]
+    for s in systems:
+        if chosen_orm and not s.orm_handlers:
+            lines.append(f"Note ({s.name}): ORM-handler workloads n/a: {s.orm_unavailable}")
     for name, notes in results.notes.items():
         for note in notes:
             lines.append(f"Note ({name}): {note}")
@@ -458,6 +644,112 @@ def render_footer(results: Results, systems: list, args: argparse.Namespace, loa
         for messages in results.errors.values():
             for message in messages:
                 lines.append("  " + message.replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ scaling
+SCALING_COLUMNS = (
+    ("rate", "jobs/s", ",.0f"),
+    ("steady", "steady jobs/s", ",.0f"),
+    ("worker_ms", "worker ms/job", ".3f"),
+    ("database_ms", "PG ms/job", ".3f"),
+    ("worker_cores", "worker cores", ".2f"),
+    ("database_cores", "PG cores", ".2f"),
+)
+
+
+def run_scaling(systems: list, args: argparse.Namespace, progress: Progress) -> dict:
+    """Drain --jobs jobs with 1, 2, 4… worker processes; CPU split per process count.
+
+    Returns {system: {processes: {column: [values]}}}.
+    """
+    from systems.base import SystemUnavailable
+
+    out: dict = {}
+    handler = args.scaling_handler
+    for rep in range(args.repeats):
+        for system in systems:
+            for processes in args.scaling_processes:
+                label = f"rep {rep + 1}/{args.repeats} {system.name} processes={processes}"
+                progress.step(label)
+                try:
+                    system.setup_db()
+                    if handler == "orm":
+                        system.prepare_orm(args.accounts)
+                        system.enqueue_orm(args.jobs, args.batch, "orm", args.accounts)
+                    else:
+                        system.enqueue_bulk(args.jobs, args.batch)
+                    base = system.count_done()
+                    cpu: dict = {}
+                    saved = system.settings
+                    system.settings = {**saved, "processes": processes}
+                    try:
+                        system.start_worker("orm" if handler == "orm" else "drain")
+                    finally:
+                        system.settings = saved
+                    try:
+                        seconds, _ = wait_done(
+                            system, base + args.jobs, args.timeout, progress, label, cpu=cpu
+                        )
+                    finally:
+                        system.stop_worker()
+                    system.check_succeeded()
+                    if not cpu:
+                        raise SystemUnavailable("no CPU sample covered the drain")
+                    row = out.setdefault(system.name, {}).setdefault(processes, {})
+                    values = {
+                        "rate": args.jobs / seconds,
+                        "steady": cpu["jobs"] / cpu["seconds"],
+                        **{k: cpu[k] for k in ("worker_ms", "database_ms")},
+                        **{k: cpu[k] for k in ("worker_cores", "database_cores")},
+                    }
+                    for key, value in values.items():
+                        row.setdefault(key, []).append(value)
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    progress.note(f"SKIP {label}: {exc}")
+                finally:
+                    system.teardown_db()
+                    progress.finish_step()
+    return out
+
+
+def render_scaling(data: dict, args: argparse.Namespace) -> str:
+    handler = "ORM handler" if args.scaling_handler == "orm" else "no-op handler"
+    lines = [
+        f"Scaling: drain {args.jobs:,} queued jobs ({handler}) with 1..N worker processes;"
+        f" medians of {args.repeats} repeat(s)",
+    ]
+    header = ["system", "processes", *(title for _, title, _ in SCALING_COLUMNS)]
+    rows = []
+    for name, by_processes in data.items():
+        for processes in sorted(by_processes):
+            row = by_processes[processes]
+            rows.append(
+                [
+                    name,
+                    str(processes),
+                    *(
+                        format(statistics.median(row[key]), fmt) if row.get(key) else "-"
+                        for key, _, fmt in SCALING_COLUMNS
+                    ),
+                ]
+            )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append(
+            "  ".join(
+                [row[0].ljust(widths[0]), *(c.rjust(widths[i + 1]) for i, c in enumerate(row[1:]))]
+            )
+        )
+    lines += [
+        "jobs/s: from the worker's start to the last job finished (start-up included);",
+        "steady jobs/s and the CPU columns: from the first poll that saw a finished job to the",
+        "last (systems/cpu.py). ms/job: CPU time per finished job of the worker processes",
+        "(children included) and of the run database's PostgreSQL backends. cores: the same CPU",
+        "divided by wall time. When worker + PG cores reach the machine's CPUs, more processes",
+        "cannot help; the PG share of it is what the database costs per job at that rate.",
+        f"Machine: {os.cpu_count()} CPUs, shared with PostgreSQL.",
+    ]
     return "\n".join(lines)
 
 
@@ -487,6 +779,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--batch", type=int, default=1000, help="bulk batch size (default 1000)")
     parser.add_argument(
+        "--orm-jobs",
+        type=int,
+        default=None,
+        help="jobs in each ORM-handler drain (default 5000; --quick 2000)",
+    )
+    parser.add_argument(
+        "--accounts",
+        type=int,
+        default=10_000,
+        help="rows the ORM handler spreads its updates over (default 10000)",
+    )
+    parser.add_argument(
         "--rate", type=float, default=50.0, help="pickup-latency enqueue rate, jobs/s (default 50)"
     )
     parser.add_argument(
@@ -513,15 +817,48 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="where to write the measurements (default benchmarks/results/bench-<time>.json)",
     )
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="instead of the comparison: drain --jobs jobs with 1, 2 and 4 worker processes "
+        "(--scaling-processes) and print jobs/s and the CPU split between the workers and "
+        "PostgreSQL (--systems defaults to django-awa here; ceiling also takes it)",
+    )
+    parser.add_argument(
+        "--scaling-processes",
+        default="1,2,4",
+        help="worker process counts for --scaling (default 1,2,4)",
+    )
+    parser.add_argument(
+        "--scaling-handler",
+        choices=("noop", "orm"),
+        default="noop",
+        help="--scaling's handler: the no-op (default) or the ORM handler",
+    )
     parser.add_argument("--no-bootstrap", action="store_true", help="never run bootstrap.sh")
     args = parser.parse_args(argv)
     quick = args.quick
     args.jobs = args.jobs or (5_000 if quick else 20_000)
+    args.orm_jobs = args.orm_jobs or (2_000 if quick else 5_000)
     args.single = args.single or (500 if quick else 2_000)
     args.latency_seconds = args.latency_seconds or (5.0 if quick else 10.0)
     args.timeout = args.timeout or (300.0 if quick else 600.0)
-    if args.repeats < 1 or args.jobs < 1 or args.single < 1 or args.batch < 1 or args.rate <= 0:
-        parser.error("--repeats, --jobs, --single, --batch and --rate must be positive")
+    if (
+        min(args.repeats, args.jobs, args.single, args.batch, args.orm_jobs, args.accounts) < 1
+        or args.rate <= 0
+    ):
+        parser.error(
+            "--repeats, --jobs, --single, --batch, --orm-jobs, --accounts and --rate"
+            " must be positive"
+        )
+    try:
+        args.scaling_processes = [int(p) for p in args.scaling_processes.split(",") if p.strip()]
+    except ValueError:
+        parser.error(f"--scaling-processes: not a list of integers: {args.scaling_processes!r}")
+    if not args.scaling_processes or min(args.scaling_processes) < 1:
+        parser.error("--scaling-processes: give one or more counts of at least 1")
+    if args.scaling and "--systems" not in " ".join(argv):
+        args.systems = "django-awa"
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown or not args.workloads:
@@ -563,8 +900,19 @@ def byte_compile() -> None:
             compileall.compile_dir(tree, quiet=1)
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM ends the run as Ctrl-C does: workers, redis-server and databases go."""
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str]) -> int:
     ensure_venv()
+    _interrupt_on_sigterm()
     sys.path.insert(0, str(BENCH_DIR))
     from systems import REFERENCE, SYSTEMS, load, resolve
     from systems.base import admin_execute
@@ -595,9 +943,13 @@ def main(argv: list[str]) -> int:
             f"run.py: PostgreSQL at 127.0.0.1:5432 (user postgres) is not reachable: {exc}"
         ) from exc
 
-    total = sum(
-        (1 + len(workloads_for(s.extra_workloads, args.workloads))) * args.repeats for s in systems
-    )
+    if args.scaling:
+        return main_scaling(systems, args, lock)
+
+    if args.scaling:
+        return main_scaling(systems, args, lock)
+
+    total = sum((1 + len(workloads_for(s, args.workloads))) * args.repeats for s in systems)
     progress = Progress(total)
     results = Results()
     load_start = os.getloadavg()
@@ -608,7 +960,7 @@ def main(argv: list[str]) -> int:
             shift = rep % len(systems)
             for system in systems[shift:] + systems[:shift]:
                 if system.name in failed:
-                    progress.done += 1 + len(workloads_for(system.extra_workloads, args.workloads))
+                    progress.done += 1 + len(workloads_for(system, args.workloads))
                     continue
                 if not run_system(system, args, progress, results, rep):
                     # Skip it in later repeats too: what failed once (a
@@ -644,6 +996,46 @@ def main(argv: list[str]) -> int:
     sys.stdout.write(f"Measurements: {out}\n")
     lock.close()
     return 0 if results.values else 1
+
+
+def main_scaling(systems: list, args: argparse.Namespace, lock) -> int:
+    unfit = [s.name for s in systems if "processes" not in s.settings]
+    if unfit:
+        raise SystemExit(f"--scaling: {', '.join(unfit)} has no processes setting")
+    if args.scaling_handler == "orm":
+        unfit = [s.name for s in systems if "orm" not in s.orm_handlers]
+        if unfit:
+            raise SystemExit(f"--scaling-handler orm: {', '.join(unfit)} has no ORM handler")
+    progress = Progress(len(systems) * len(args.scaling_processes) * args.repeats)
+    load_start = os.getloadavg()
+    started = time.strftime("%Y%m%d-%H%M%S")
+    data: dict = {}
+    try:
+        data = run_scaling(systems, args, progress)
+    except KeyboardInterrupt:
+        progress.note("interrupted")
+    finally:
+        progress.close()
+        for system in systems:
+            with contextlib.suppress(Exception):
+                system.teardown_db()
+    load_end = os.getloadavg()
+    sys.stdout.write(render_scaling(data, args) + "\n")
+    for s in systems:
+        sys.stdout.write(f"  {s.name} {s.version()}: {s.describe()} (processes varied)\n")
+    sys.stdout.write(f"Load average {load_start[0]:.1f} at start, {load_end[0]:.1f} at end.\n")
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out = args.json or RESULTS_DIR / f"scaling-{started}.json"
+    payload = {
+        "started": started,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "values": {name: {str(p): v for p, v in rows.items()} for name, rows in data.items()},
+        "load_average": {"start": load_start, "end": load_end},
+    }
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    sys.stdout.write(f"Measurements: {out}\n")
+    lock.close()
+    return 0 if data else 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ INSTALLED_APPS = [
     "django.contrib.auth",
     "django_awa",
     "djbench.awa_app",
+    "djbench.handler_app",
 ]
 
 # Default settings: the worker is started as `awa_worker --queue bench`.

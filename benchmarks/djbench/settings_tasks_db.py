@@ -6,6 +6,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django_tasks_db",
     "djbench.tasks_app",
+    "djbench.handler_app",
 ]
 
 TASKS = {

@@ -128,3 +128,60 @@ def client_main(commands: dict[str, Callable[..., object]], argv: list[str] | No
             except ValueError:
                 values.append(item)
     commands[name](*values)
+
+
+# ------------------------------------------------------------ ORM workloads
+# The ORM handler: read one row of djbench.handler_app's HandlerAccount and
+# update it, through Django's ORM. Job i touches account i % accounts + 1.
+ORM_ACCOUNTS = 10_000
+
+_finish_fd: int | None = None
+_finish_pid: int | None = None
+
+
+def record_finish() -> None:
+    """Append time.time() to this process's file in BENCH_FINISH_DIR (if set).
+
+    The ORM workloads' handlers call it as they return; run.py takes each
+    value less the worker's start (every job was due by then).
+    """
+    global _finish_fd, _finish_pid
+    directory = os.environ.get("BENCH_FINISH_DIR")
+    if not directory:
+        return
+    now = time.time()
+    pid = os.getpid()
+    if _finish_fd is None or _finish_pid != pid:
+        path = os.path.join(directory, f"finish-{pid}.txt")
+        _finish_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        _finish_pid = pid
+    os.write(_finish_fd, f"{now:.6f}\n".encode())
+
+
+def touch_account(account: int) -> None:
+    """The ORM handler's body: read a row, change it, save it (Django set up)."""
+    from djbench.handler_app.models import HandlerAccount
+
+    row = HandlerAccount.objects.get(pk=account)
+    row.balance += 1
+    row.touched += 1
+    row.save(update_fields=["balance", "touched"])
+    record_finish()
+
+
+def account_for(i: int, accounts: int) -> int:
+    return i % accounts + 1
+
+
+def cmd_orm_setup(accounts: int) -> None:
+    """Migrate (the handler app among the rest) and fill ``accounts`` rows."""
+    django_setup()
+    from django.core.management import call_command
+    from djbench.handler_app.models import HandlerAccount
+
+    call_command("migrate", interactive=False, verbosity=0)
+    HandlerAccount.objects.all().delete()
+    HandlerAccount.objects.bulk_create(
+        HandlerAccount(id=i, balance=0, touched=0) for i in range(1, accounts + 1)
+    )
+    emit(ok=True)

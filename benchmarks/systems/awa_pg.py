@@ -48,10 +48,21 @@ class AwaPg(System):
              FROM awa.done_entries WHERE queue = 'bench' AND state = 'completed')
     """
     settings = {"processes": 1, "concurrency": 200, "max_connections": 20}
+    # start() takes a concurrency per queue (no default); the client's pool is 10
+    defaults = {"processes": 1, "concurrency": 200, "max_connections": 10}
+    orm_best = {"processes": 2, "concurrency": 20, "max_connections": 10}
+    orm_handlers = ("orm",)
+
+    def worker_env(self, mode: str) -> dict[str, str]:
+        return self.orm_env() if mode == "orm" else self.env()
+
+    def enqueue_orm(self, n: int, batch: int, handler: str, accounts: int) -> float:
+        result = self.run_client("enqueue-orm", n, batch, accounts, timeout=max(120, n / 20))
+        return float(result["elapsed"])
 
     def worker_commands(self, mode: str) -> list[list[str]]:
         argv = self.client_command(
-            "worker", self.settings["concurrency"], self.settings["max_connections"]
+            "worker", self.settings["concurrency"], self.settings["max_connections"], mode
         )
         return [argv for _ in range(int(self.settings["processes"]))]
 
@@ -66,6 +77,11 @@ class Noop:
     t: float = 0.0
 
 
+@dataclass
+class Touch:
+    account: int = 1
+
+
 def _client(max_connections: int = 10):
     import awa
 
@@ -73,15 +89,27 @@ def _client(max_connections: int = 10):
 
 
 # --------------------------------------------------------------- worker side
-def cmd_worker(concurrency: int, max_connections: int) -> None:
+def cmd_worker(concurrency: int, max_connections: int, mode: str = "drain") -> None:
     import asyncio
+
+    if mode == "orm":
+        common.django_setup()
 
     async def main() -> None:
         client = _client(max_connections)
 
-        @client.task(Noop, queue=common.QUEUE)
-        async def noop(job) -> None:
-            common.record_latency(job.args.t)
+        if mode == "orm":
+
+            @client.task(Touch, queue=common.QUEUE)
+            async def touch(job) -> None:
+                # Django's ORM is synchronous: run it on the default thread pool.
+                await asyncio.to_thread(common.touch_account, job.args.account)
+
+        else:
+
+            @client.task(Noop, queue=common.QUEUE)
+            async def noop(job) -> None:
+                common.record_latency(job.args.t)
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -138,6 +166,17 @@ def cmd_enqueue_bulk(n: int, batch: int) -> None:
     common.emit(elapsed=_run(body), count=n)
 
 
+def cmd_enqueue_orm(n: int, batch: int, accounts: int) -> None:
+    async def body(client) -> float:
+        start = time.perf_counter()
+        for chunk in common.batches(n, batch):
+            jobs = [Touch(account=common.account_for(i, accounts)) for i in chunk]
+            await client.enqueue_many_copy(jobs, queue=common.QUEUE)
+        return time.perf_counter() - start
+
+    common.emit(elapsed=_run(body), count=n)
+
+
 def cmd_pace(rate: float, duration: float) -> None:
     async def body(client) -> int:
         count = 0
@@ -157,5 +196,7 @@ if __name__ == "__main__":
             "enqueue-bulk": cmd_enqueue_bulk,
             "pace": cmd_pace,
             "worker": cmd_worker,
+            "orm-setup": common.cmd_orm_setup,
+            "enqueue-orm": cmd_enqueue_orm,
         }
     )

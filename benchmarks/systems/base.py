@@ -23,6 +23,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +57,7 @@ class WorkerGroup:
     procs: list[subprocess.Popen] = field(default_factory=list)
     log_path: Path | None = None
     started_at: float = 0.0
+    started_wall: float = 0.0  # time.time() at the start, for handler timestamps
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -109,25 +112,62 @@ class System:
     settings: dict[str, object] = {}
     #: extra workloads this system supports (django-awa: follow-ups)
     extra_workloads: tuple[str, ...] = ()
+    #: the library's own defaults for the keys of ``settings`` (what a user
+    #: gets with no flags): the ORM workloads' "default settings" drain
+    defaults: dict[str, object] = {}
+    #: changes to ``settings`` for the ORM workloads' "best setting" drain
+    orm_best: dict[str, object] = {}
+    #: handler kinds this system runs for the ORM workloads ("orm", "atomic");
+    #: empty when it cannot run them (``orm_unavailable`` says why)
+    orm_handlers: tuple[str, ...] = ()
+    orm_unavailable: str = ""
+    #: Django settings the ORM handler runs under (its app and the run's database)
+    orm_settings_module: str = "djbench.settings_orm"
 
     def __init__(self, overrides: dict[str, str] | None = None) -> None:
         self.settings = dict(type(self).settings)
+        self.overrides: dict[str, object] = {}
         for key, value in (overrides or {}).items():
             if key not in self.settings:
                 raise SystemExit(
                     f"--set {self.name}.{key}: unknown setting (known: {', '.join(self.settings)})"
                 )
             default = self.settings[key]
-            self.settings[key] = (
+            self.overrides[key] = (
                 type(default)(value)
                 if not isinstance(default, bool)
                 else value in ("1", "true", "yes")
             )
+        self.settings.update(self.overrides)
         self.dbname = "awa_bench_" + self.name.replace("-", "_")
         self.dsn = dsn_for(self.dbname)
         self.log_dir: Path = BENCH_DIR / "results" / "logs"
         self._conn: psycopg.Connection | None = None
         self.workers: WorkerGroup | None = None
+
+    def profile_settings(self, profile: str) -> dict[str, object]:
+        """The settings of a named drain: "drain" (``settings``, with --set),
+        "defaults" (the library's defaults; --set does not apply) or "best"
+        (``settings`` changed by ``orm_best``, then --set)."""
+        if profile == "defaults":
+            return {**type(self).settings, **self.defaults}
+        if profile == "best":
+            return {**type(self).settings, **self.orm_best, **self.overrides}
+        return dict(self.settings)
+
+    @contextmanager
+    def profile(self, profile: str) -> Iterator[None]:
+        """Run the body (a worker start) with the settings of ``profile``."""
+        saved = self.settings
+        self.settings = self.profile_settings(profile)
+        try:
+            yield
+        finally:
+            self.settings = saved
+
+    def broker_pids(self) -> list[int]:
+        """Processes besides the workers and PostgreSQL whose CPU a job costs."""
+        return []
 
     # ----------------------------------------------------------- description
     def version(self) -> str:
@@ -196,6 +236,13 @@ class System:
         row = self.connection().execute(self.count_done_sql).fetchone()
         return int(row[0] or 0) if row else 0
 
+    def check_succeeded(self) -> None:
+        """After a drain: raise SystemUnavailable if a job counted as done failed.
+
+        count_done_sql counts successes only; a system whose count cannot tell
+        (Celery's results) checks here, untimed.
+        """
+
     def run_tool(self, argv: list[str], what: str, *, cwd: Path | None = None) -> None:
         """Run one of the system's own commands (a schema install, say); fail naming it."""
         proc = subprocess.run(
@@ -211,13 +258,17 @@ class System:
     def client_env(self) -> dict[str, str]:
         return self.env()
 
-    def run_client(self, *args: object, timeout: float) -> dict:
+    def orm_env(self) -> dict[str, str]:
+        """The environment of ORM-handler code: Django set up with orm_settings_module."""
+        return self.env(DJANGO_SETTINGS_MODULE=self.orm_settings_module)
+
+    def run_client(self, *args: object, timeout: float, env: dict[str, str] | None = None) -> dict:
         cmd = self.client_command(*args)
         try:
             proc = subprocess.run(
                 cmd,
                 cwd=BENCH_DIR,
-                env=self.client_env(),
+                env=env or self.client_env(),
                 capture_output=True,
                 text=True,
                 timeout=timeout,
@@ -247,19 +298,35 @@ class System:
         """Enqueue n jobs with the system's bulk API in batches; seconds taken."""
         return float(self.run_client("enqueue-bulk", n, batch, timeout=max(120, n / 50))["elapsed"])
 
+    def prepare_orm(self, accounts: int) -> None:
+        """Create and fill the ORM handler's table (djbench.handler_app)."""
+        self.run_client("orm-setup", accounts, timeout=300, env=self.orm_env())
+
+    def enqueue_orm(self, n: int, batch: int, handler: str, accounts: int) -> float:
+        """Enqueue n ORM-handler jobs (handler "orm" or "atomic"), untimed by run.py."""
+        result = self.run_client(
+            "enqueue-orm", n, batch, handler, accounts, timeout=max(120, n / 20)
+        )
+        return float(result["elapsed"])
+
     def pace(self, rate: float, duration: float) -> int:
         """Enqueue rate jobs/s for duration seconds, each carrying its enqueue time."""
         return int(self.run_client("pace", rate, duration, timeout=duration + 120)["count"])
 
     # --------------------------------------------------------------- workers
     def worker_commands(self, mode: str) -> list[list[str]]:
-        """One argv per worker process to start. mode: drain, latency or followups."""
+        """One argv per worker process to start. mode: drain, latency, followups, orm or atomic."""
         raise NotImplementedError
 
     def worker_env(self, mode: str) -> dict[str, str]:
         return self.env()
 
-    def start_worker(self, mode: str = "drain", latency_dir: Path | None = None) -> WorkerGroup:
+    def start_worker(
+        self,
+        mode: str = "drain",
+        latency_dir: Path | None = None,
+        finish_dir: Path | None = None,
+    ) -> WorkerGroup:
         self.stop_worker()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{self.dbname}-{mode}.log"
@@ -269,8 +336,11 @@ class System:
         env = self.worker_env(mode)
         if latency_dir is not None:
             env["BENCH_LATENCY_DIR"] = str(latency_dir)
+        if finish_dir is not None:
+            env["BENCH_FINISH_DIR"] = str(finish_dir)
         group = WorkerGroup(log_path=log_path)
         group.started_at = time.perf_counter()
+        group.started_wall = time.time()
         for argv in self.worker_commands(mode):
             group.procs.append(
                 subprocess.Popen(

@@ -8,6 +8,8 @@
   ``--set django-awa.processes=P`` change them (``--processes`` is used only
   when the command offers it; otherwise P separate worker commands run);
 - finished jobs: ``awa_job`` rows of the bench queue in state ``completed``;
+- ORM workloads: ``TouchAccount`` / ``TouchAccountAtomic`` (``atomic=True``)
+  jobs in the bench queue, handlers in ``djbench/awa_app/jobs.py``;
 - extra workloads: a drain whose every job has an ``on_completed`` follow-up
   (settings ``djbench.settings_awa_followups``; the follow-ups go to a queue no
   worker runs, and the run checks that there is one per job).
@@ -40,6 +42,11 @@ class DjangoAwa(System):
     # The defaults a user gets: `awa_worker --queue bench`, one process, the
     # default concurrency (0 here means "not given on the command line").
     settings = {"processes": 1, "concurrency": 0}
+    defaults = {"processes": 1, "concurrency": 0}
+    # The fastest ORM-handler drain found on 2 cores (see README).
+    orm_best = {"processes": 2, "concurrency": 20}
+    orm_handlers = ("orm", "atomic")
+    orm_settings_module = SETTINGS
     extra_workloads = ("followups",)
 
     _has_processes_option: bool | None = None
@@ -129,6 +136,22 @@ def cmd_enqueue_bulk(n: int, batch: int) -> None:
     common.emit(elapsed=time.perf_counter() - start, count=n)
 
 
+def cmd_enqueue_orm(n: int, batch: int, handler: str, accounts: int) -> None:
+    common.django_setup()
+    from django.db import connection, transaction
+    from djbench.awa_app.jobs import TouchAccount, TouchAccountAtomic
+
+    import django_awa as awa
+
+    kind = TouchAccountAtomic if handler == "atomic" else TouchAccount
+    connection.ensure_connection()
+    start = time.perf_counter()
+    for chunk in common.batches(n, batch):
+        with transaction.atomic():
+            awa.enqueue_many([kind(account=common.account_for(i, accounts)) for i in chunk])
+    common.emit(elapsed=time.perf_counter() - start, count=n)
+
+
 def cmd_pace(rate: float, duration: float) -> None:
     common.django_setup()
     from django.db import connection
@@ -152,5 +175,7 @@ if __name__ == "__main__":
             "enqueue-single": cmd_enqueue_single,
             "enqueue-bulk": cmd_enqueue_bulk,
             "pace": cmd_pace,
+            "orm-setup": common.cmd_orm_setup,
+            "enqueue-orm": cmd_enqueue_orm,
         }
     )

@@ -31,6 +31,10 @@ class DjangoTasksDb(System):
         " WHERE status = 'SUCCESSFUL' AND queue_name = 'bench'"
     )
     settings = {"processes": 4, "interval": 0.1}
+    defaults = {"processes": 1, "interval": 1.0}
+    orm_best: dict[str, object] = {}  # the drain setting was the best found for it too
+    orm_handlers = ("orm",)
+    orm_settings_module = SETTINGS
 
     def env(self, **extra: str) -> dict[str, str]:
         return super().env(**{"DJANGO_SETTINGS_MODULE": SETTINGS, **extra})
@@ -90,6 +94,20 @@ def cmd_enqueue_bulk(n: int, batch: int) -> None:
     common.emit(elapsed=time.perf_counter() - start, count=n)
 
 
+def cmd_enqueue_orm(n: int, batch: int, handler: str, accounts: int) -> None:
+    common.django_setup()
+    from django.db import connection, transaction
+    from djbench.tasks_app.tasks import touch_account
+
+    connection.ensure_connection()
+    start = time.perf_counter()
+    for chunk in common.batches(n, batch):
+        with transaction.atomic():
+            for i in chunk:
+                touch_account.enqueue(account=common.account_for(i, accounts))
+    common.emit(elapsed=time.perf_counter() - start, count=n)
+
+
 def cmd_pace(rate: float, duration: float) -> None:
     common.django_setup()
     from django.db import connection
@@ -110,5 +128,7 @@ if __name__ == "__main__":
             "enqueue-single": cmd_enqueue_single,
             "enqueue-bulk": cmd_enqueue_bulk,
             "pace": cmd_pace,
+            "orm-setup": common.cmd_orm_setup,
+            "enqueue-orm": cmd_enqueue_orm,
         }
     )

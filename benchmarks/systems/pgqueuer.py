@@ -34,6 +34,17 @@ class Pgqueuer(System):
         "SELECT count(*) FROM pgqueuer_log WHERE status = 'successful' AND entrypoint = 'bench'"
     )
     settings = {"processes": 1, "concurrency": 200, "batch_size": 100}
+    # pgqueuer.run()'s own: no limit on concurrent tasks (0 here), batches of 10
+    defaults = {"processes": 1, "concurrency": 0, "batch_size": 10}
+    orm_best = {"processes": 2, "concurrency": 20, "batch_size": 10}
+    orm_handlers = ("orm",)
+
+    def worker_env(self, mode: str) -> dict[str, str]:
+        return self.orm_env() if mode == "orm" else self.env()
+
+    def enqueue_orm(self, n: int, batch: int, handler: str, accounts: int) -> float:
+        result = self.run_client("enqueue-orm", n, batch, accounts, timeout=max(120, n / 20))
+        return float(result["elapsed"])
 
     def install_schema(self) -> None:
         self.run_tool([_pgq(), "install"], "pgq install")
@@ -44,8 +55,9 @@ class Pgqueuer(System):
         # calls .name on it), so the worker uses pgqueuer.run(), the
         # documented "as pgq run does, without the CLI" entry, on uvloop as
         # the CLI would.
+        factory = "create_orm_worker" if mode == "orm" else "create_worker"
         argv = self.client_command(
-            "worker", self.settings["concurrency"], self.settings["batch_size"]
+            "worker", self.settings["concurrency"], self.settings["batch_size"], factory
         )
         return [argv for _ in range(int(self.settings["processes"]))]
 
@@ -83,14 +95,38 @@ async def create_worker():
         await connection.close()
 
 
-def cmd_worker(concurrency: int, batch_size: int) -> None:
+@contextlib.asynccontextmanager
+async def create_orm_worker():
+    """The ORM handler: Django set up (djbench.settings_orm), the ORM call in a thread."""
+    import asyncio
+
+    import asyncpg
+    from pgqueuer import PgQueuer
+
+    common.django_setup()
+    connection = await asyncpg.connect(common.dsn())
+    pgq = PgQueuer.from_asyncpg_connection(connection)
+
+    @pgq.entrypoint(common.QUEUE)
+    async def touch(job) -> None:
+        account = json.loads(job.payload)["account"]
+        # Django's ORM is synchronous: run it on the default thread pool.
+        await asyncio.to_thread(common.touch_account, account)
+
+    try:
+        yield pgq
+    finally:
+        await connection.close()
+
+
+def cmd_worker(concurrency: int, batch_size: int, factory: str = "create_worker") -> None:
     import pgqueuer
     import uvloop
 
     uvloop.run(
         pgqueuer.run(
-            "systems.pgqueuer:create_worker",
-            max_concurrent_tasks=concurrency,
+            f"systems.pgqueuer:{factory}",
+            max_concurrent_tasks=concurrency or None,
             batch_size=batch_size,
         )
     )
@@ -141,6 +177,25 @@ def cmd_enqueue_bulk(n: int, batch: int) -> None:
     common.emit(elapsed=asyncio.run(main()), count=n)
 
 
+def cmd_enqueue_orm(n: int, batch: int, accounts: int) -> None:
+    import asyncio
+
+    async def main() -> float:
+        connection, queries = await _queries()
+        start = time.perf_counter()
+        for chunk in common.batches(n, batch):
+            size = len(chunk)
+            payloads = [
+                json.dumps({"account": common.account_for(i, accounts)}).encode() for i in chunk
+            ]
+            await queries.enqueue([common.QUEUE] * size, payloads, [0] * size)
+        elapsed = time.perf_counter() - start
+        await connection.close()
+        return elapsed
+
+    common.emit(elapsed=asyncio.run(main()), count=n)
+
+
 def cmd_pace(rate: float, duration: float) -> None:
     import asyncio
 
@@ -163,5 +218,7 @@ if __name__ == "__main__":
             "enqueue-bulk": cmd_enqueue_bulk,
             "pace": cmd_pace,
             "worker": cmd_worker,
+            "orm-setup": common.cmd_orm_setup,
+            "enqueue-orm": cmd_enqueue_orm,
         }
     )

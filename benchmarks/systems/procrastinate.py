@@ -31,6 +31,17 @@ class Procrastinate(System):
         " WHERE status = 'succeeded' AND queue_name = 'bench'"
     )
     settings = {"processes": 1, "concurrency": 100, "pool_size": 20}
+    # the worker's own concurrency (1) and psycopg_pool's size when not given (4)
+    defaults = {"processes": 1, "concurrency": 1, "pool_size": 4}
+    orm_best: dict[str, object] = {}  # more did not help its no-op drain either
+    orm_handlers = ("orm",)
+
+    def worker_env(self, mode: str) -> dict[str, str]:
+        return self.orm_env() if mode == "orm" else self.env()
+
+    def enqueue_orm(self, n: int, batch: int, handler: str, accounts: int) -> float:
+        result = self.run_client("enqueue-orm", n, batch, accounts, timeout=max(120, n / 20))
+        return float(result["elapsed"])
 
     def env(self, **extra: str) -> dict[str, str]:
         return super().env(**{"BENCH_POOL_SIZE": str(self.settings["pool_size"]), **extra})
@@ -109,6 +120,20 @@ def cmd_enqueue_bulk(n: int, batch: int) -> None:
     common.emit(elapsed=_run(body), count=n)
 
 
+def cmd_enqueue_orm(n: int, batch: int, accounts: int) -> None:
+    from systems.procrastinate_app import touch_account
+
+    async def body() -> float:
+        start = time.perf_counter()
+        for chunk in common.batches(n, batch):
+            await touch_account.batch_defer_async(
+                *({"account": common.account_for(i, accounts)} for i in chunk)
+            )
+        return time.perf_counter() - start
+
+    common.emit(elapsed=_run(body), count=n)
+
+
 def cmd_pace(rate: float, duration: float) -> None:
     from systems.procrastinate_app import noop
 
@@ -128,5 +153,7 @@ if __name__ == "__main__":
             "enqueue-single": cmd_enqueue_single,
             "enqueue-bulk": cmd_enqueue_bulk,
             "pace": cmd_pace,
+            "orm-setup": common.cmd_orm_setup,
+            "enqueue-orm": cmd_enqueue_orm,
         }
     )

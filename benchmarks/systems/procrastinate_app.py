@@ -27,3 +27,16 @@ app = App(
 async def noop(n: int = 0, t: float = 0.0) -> None:
     # async: the worker's --concurrency only applies to async tasks.
     common.record_latency(t)
+
+
+@app.task(name="touch_account", queue=common.QUEUE)
+async def touch_account(account: int = 1) -> None:
+    # Django's ORM is synchronous: run it on the default thread pool. The
+    # ORM workloads' worker runs with DJANGO_SETTINGS_MODULE set (see below).
+    import asyncio
+
+    await asyncio.to_thread(common.touch_account, account)
+
+
+if os.environ.get("DJANGO_SETTINGS_MODULE"):
+    common.django_setup()

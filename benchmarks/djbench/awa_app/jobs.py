@@ -21,6 +21,20 @@ class NoopFollowUp(awa.JobArgs):
     n: int = 0
 
 
+@dataclass
+class TouchAccount(awa.JobArgs):
+    """The ORM-handler workload: read one HandlerAccount row and update it."""
+
+    account: int = 1
+
+
+@dataclass
+class TouchAccountAtomic(awa.JobArgs):
+    """The same handler run with atomic=True (its update commits with the completion)."""
+
+    account: int = 1
+
+
 @awa.worker(Noop, queue=common.QUEUE)
 def noop(job):
     common.record_latency(job.args.t)
@@ -31,3 +45,13 @@ def noop(job):
 @awa.worker(NoopFollowUp, queue="bench_followups")
 def noop_follow_up(job):
     return None
+
+
+@awa.worker(TouchAccount, queue=common.QUEUE)
+def touch_account(job):
+    common.touch_account(job.args.account)
+
+
+@awa.worker(TouchAccountAtomic, queue=common.QUEUE, atomic=True)
+def touch_account_atomic(job):
+    common.touch_account(job.args.account)
