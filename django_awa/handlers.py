@@ -28,6 +28,7 @@ from .execute import (
 )
 from .finalize import run_atomic_attempt
 from .kinds import JobArgs, WorkerSpec
+from .logs import job_logging
 from .models import Job
 from .state import DB_ERRORS, QueueRunner, WorkerState, log_context, reset_connection
 
@@ -181,7 +182,15 @@ class HandlerPool:
                 runner.finished()
 
     def _run(self, attempt: Attempt) -> None:
-        """Run the attempt; whatever happens, its result goes to the completer (or is written)."""
+        """Run the attempt; whatever happens, its result goes to the completer (or is written).
+
+        Records logged meanwhile in this thread are about the attempt's job
+        (``logs.JobContextFilter``).
+        """
+        with job_logging(attempt.job, self.state.name):
+            self._run_logged(attempt)
+
+    def _run_logged(self, attempt: Attempt) -> None:
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):

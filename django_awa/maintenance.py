@@ -33,6 +33,7 @@ from .followups import (
     followup_registry,
     send_signal,
 )
+from .logs import log_context
 from .models import JobState, PendingFollowup, jobs_from_rows
 from .pending import keep_pending, restore
 from .schedules import fire_due
@@ -314,7 +315,7 @@ class Maintenance:
                     job.attempt,
                     reason.value,
                     job.state,
-                    extra={"job_id": job.id, "kind": job.kind, "queue": job.queue},
+                    extra=log_context(job),
                 )
                 context = Rescued(reason=reason)
                 if followup_registry.has(Outcome.RESCUED, job.kind):

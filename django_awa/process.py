@@ -37,6 +37,7 @@ from .finalize import finalize
 from .handlers import HandlerPool
 from .heartbeat import Heartbeat
 from .listener import Listener
+from .logs import set_worker
 from .maintenance import MaintenanceService
 from .models import Job, JobState
 from .producer import Producer
@@ -84,6 +85,7 @@ class Worker:
 
     def run(self) -> None:
         state = self.state
+        set_worker(state.name)
         if self.install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
                 signal.signal(signum, self._on_signal)

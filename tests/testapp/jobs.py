@@ -7,6 +7,7 @@ handler-result table; every run writes a ``Ledger`` row first.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -148,6 +149,9 @@ def act(job: awa.JobContext):
         case "progress":
             job.set_progress(40, "working", step=2)
             time.sleep(args.seconds)
+            return None
+        case "log":
+            logging.getLogger("tests.testapp.jobs").warning("handler says %s", args.tag)
             return None
         case "pid":
             _ledger(job, f"pid:{os.getpid()}")
