@@ -1,4 +1,5 @@
-"""The Django admin (SPEC §8): jobs, queues, periodic schedules and dead letters.
+"""The Django admin (SPEC §8): jobs, queues, periodic schedules and dead letters
+(the live workers: ``fleet_admin.py``).
 
 Job list pages stay cheap on tables of millions of rows: no full count, no
 facet counts, an estimated count for the unfiltered list, no per-row queries,
@@ -47,6 +48,7 @@ from django.utils.translation import ngettext
 from . import control, sql
 from .codec import check_text
 from .conf import awa_settings
+from .fleet_admin import running_worker
 from .kinds import registry
 from .models import Job, JobQuerySet, JobState, PendingFollowup, PeriodicSchedule, Queue
 from .schedules import schedules
@@ -520,6 +522,7 @@ class JobAdmin(AwaModelAdmin[Job]):
     paginator = EstimatedCountPaginator
     unlisted_json = JOB_UNLISTED_JSON
     actions = ("retry_jobs", "cancel_jobs", "discard_jobs")
+    running_worker = running_worker  # the job page's link to its worker (fleet_admin.py)
     readonly_fields = (
         "id",
         "kind",
@@ -534,6 +537,7 @@ class JobAdmin(AwaModelAdmin[Job]):
         "heartbeat_at",
         "deadline_at",
         "finalized_at",
+        "running_worker",
         "args_json",
         "error_list",
         "progress_json",
@@ -556,6 +560,7 @@ class JobAdmin(AwaModelAdmin[Job]):
                 "fields": (
                     ("run_at", "created_at", "attempted_at"),
                     ("heartbeat_at", "deadline_at", "finalized_at"),
+                    ("running_worker",),
                 )
             },
         ),

@@ -3,7 +3,7 @@
 Duties: promote due scheduled and retryable jobs and move finished rows into
 ``awa_job_done`` (every tick), and every ``MAINTENANCE_INTERVAL``: rescue
 stale, overdue and timed-out jobs, insert pending follow-ups, age priorities,
-fire periodic jobs, prune finished rows.
+fire periodic jobs, forget dead workers, prune finished rows.
 Each duty is a method tests can call directly; ``run_once()`` runs them all.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 from django.db import DatabaseError, connections, transaction
 from django.db.models.functions import Now
 
-from . import db, sql
+from . import db, fleet, sql
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
@@ -200,6 +200,7 @@ class Maintenance:
             self._duty("replay_pending", self.replay_pending)
             self._duty("age_priorities", self.age_priorities)
             self._duty("fire_periodic", self.fire_periodic)
+            self._duty("prune_workers", self.prune_workers)
             if now - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = now
                 self._duty("prune", self.prune)
@@ -233,6 +234,7 @@ class Maintenance:
         self.replay_pending(now)
         self.age_priorities()
         self.fire_periodic(now)
+        self.prune_workers()
         self.prune()
 
     # -- duties ------------------------------------------------------------------------
@@ -409,6 +411,14 @@ class Maintenance:
         with self._transaction():
             fire_due(self.alias, self.database_now() if now is None else now)
 
+    def prune_workers(self) -> int:
+        """Delete the registry rows of workers unseen for ``STALE_AFTER``; returns how many."""
+        with self._transaction():
+            pruned = fleet.prune(self.alias, self.conf.stale_after)
+        if pruned:
+            logger.info("forgot %s worker(s) unseen for %.0fs", pruned, self.conf.stale_after)
+        return pruned
+
     def prune(self) -> int:
         """Delete finished rows past retention, in batches; returns how many."""
         total = 0
@@ -474,6 +484,7 @@ class MaintenanceService:
                     maintenance.warn_without_autovacuum()
             if self.is_leader:
                 maintenance.tick(wake=self.wake_queues)
+                fleet.mark_maintained(self.state)
         except LeadershipLost as exc:
             logger.warning("worker %s is no longer the maintenance leader: %s", name, exc)
             self.is_leader = False

@@ -30,6 +30,7 @@ from types import FrameType
 
 from django.db import connections
 
+from . import fleet
 from .completer import Completer
 from .conf import AwaSettings
 from .execute import Attempt, AttemptResult, errored
@@ -99,6 +100,10 @@ class Worker:
             settings_dict.get("PORT") or 5432,
             settings_dict.get("NAME"),
         )
+        try:
+            fleet.beat(state)  # registered before it claims; the heartbeat renews it
+        except DB_ERRORS as exc:
+            logger.warning("could not register worker %s (%s); heartbeats retry", state.name, exc)
         if self.listener is None:
             logger.info(
                 "no direct database connection (AWA['DIRECT_DATABASE'] is None): polling "
@@ -194,6 +199,12 @@ class Worker:
         until = time.monotonic() + 3.0
         for thread in state.threads:
             thread.join(timeout=max(0.0, until - time.monotonic()))
+        try:
+            fleet.deregister(state)
+        except DB_ERRORS as exc:
+            logger.warning("could not deregister worker %s (%s); it ages out", state.name, exc)
+        finally:
+            connections.close_all()
         logger.info("awa worker %s stopped after %s jobs", state.name, state.processed)
 
     def _withdraw_waiting(self) -> list[Attempt]:

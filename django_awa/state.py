@@ -14,8 +14,10 @@ import os
 import queue as queue_module
 import socket
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -100,6 +102,9 @@ class WorkerState:
     conf: AwaSettings
     name: str  # host:pid, for logs and the maintenance lease
     queues: dict[str, QueueRunner]
+    # This process's row in the worker registry (fleet.py), and when it started.
+    id: uuid.UUID = field(default_factory=uuid.uuid4)
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     stopping: threading.Event = field(default_factory=threading.Event)
     halt: threading.Event = field(default_factory=threading.Event)
     results: queue_module.SimpleQueue[AttemptResult | None] = field(
