@@ -41,6 +41,8 @@ DEFAULTS: dict[str, Any] = {
     "COMPLETED_RETENTION": 86400.0,
     "FAILED_RETENTION": 7 * 86400.0,
     "CALLBACK_SECRET": None,
+    # Bearer token that may read <prefix>/metrics besides staff users; None: staff only.
+    "METRICS_TOKEN": None,
     "PRIORITY_AGING_INTERVAL": 60.0,
     # The most one claim statement takes. A claim takes no more than the
     # queue's free places plus its prefetch, so only quick handlers reach it;
@@ -96,6 +98,7 @@ class AwaSettings:
     completed_retention: float | None
     failed_retention: float | None
     callback_secret: str | None
+    metrics_token: str | None
     priority_aging_interval: float | None
     claim_batch_size: int
     prefetch_window: float | None
@@ -196,6 +199,10 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
         secret = raw["CALLBACK_SECRET"]
         if secret is not None and (not isinstance(secret, str) or not secret):
             found.append(("CALLBACK_SECRET", "AWA['CALLBACK_SECRET'] must be a non-empty string"))
+    if "METRICS_TOKEN" in raw:
+        token = raw["METRICS_TOKEN"]
+        if token is not None and (not isinstance(token, str) or not token.strip()):
+            found.append(("METRICS_TOKEN", "AWA['METRICS_TOKEN'] must be a non-empty string"))
     for key in ("CLAIM_BATCH_SIZE", "MAX_ARGS_BYTES", "MAX_METADATA_BYTES"):
         if key in raw:
             value = raw[key]
@@ -275,6 +282,7 @@ def awa_settings() -> AwaSettings:
         completed_retention=duration("COMPLETED_RETENTION"),
         failed_retention=duration("FAILED_RETENTION"),
         callback_secret=merged["CALLBACK_SECRET"],
+        metrics_token=merged["METRICS_TOKEN"],
         priority_aging_interval=duration("PRIORITY_AGING_INTERVAL"),
         claim_batch_size=merged["CLAIM_BATCH_SIZE"],
         prefetch_window=duration("PREFETCH_WINDOW"),

@@ -3,7 +3,8 @@
 Duties: promote due scheduled and retryable jobs and move finished rows into
 ``awa_job_done`` (every tick), and every ``MAINTENANCE_INTERVAL``: rescue
 stale, overdue and timed-out jobs, insert pending follow-ups, age priorities,
-fire periodic jobs, forget dead workers, prune finished rows.
+fire periodic jobs, forget dead workers, count jobs for the metrics, prune
+finished rows.
 Each duty is a method tests can call directly; ``run_once()`` runs them all.
 """
 
@@ -201,6 +202,7 @@ class Maintenance:
             self._duty("age_priorities", self.age_priorities)
             self._duty("fire_periodic", self.fire_periodic)
             self._duty("prune_workers", self.prune_workers)
+            self._duty("count_jobs", self.count_jobs)
             if now - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = now
                 self._duty("prune", self.prune)
@@ -235,6 +237,7 @@ class Maintenance:
         self.age_priorities()
         self.fire_periodic(now)
         self.prune_workers()
+        self.count_jobs()
         self.prune()
 
     # -- duties ------------------------------------------------------------------------
@@ -418,6 +421,18 @@ class Maintenance:
         if pruned:
             logger.info("forgot %s worker(s) unseen for %.0fs", pruned, self.conf.stale_after)
         return pruned
+
+    def count_jobs(self) -> None:
+        """Count the jobs of ``awa_job`` per queue and state into ``awa_job_count``.
+
+        What ``<prefix>/metrics`` reports: one count per maintenance interval by
+        the leader, however many scrapers ask. Finished rows already moved to
+        ``awa_job_done`` are not counted (the metrics estimate them from the
+        catalog).
+        """
+        with self._transaction(), connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.CLEAR_JOB_COUNTS)
+            cursor.execute(sql.COUNT_JOBS)
 
     def prune(self) -> int:
         """Delete finished rows past retention, in batches; returns how many."""
