@@ -41,6 +41,7 @@ from .listener import Listener
 from .logs import set_worker
 from .maintenance import MaintenanceService
 from .models import Job, JobState
+from .otel import instrumentation
 from .producer import Producer
 from .state import DB_ERRORS, WorkerState
 
@@ -100,6 +101,9 @@ class Worker:
             settings_dict.get("PORT") or 5432,
             settings_dict.get("NAME"),
         )
+        tracing = instrumentation()
+        if tracing is not None:
+            tracing.observe_job_counts(state.alias)  # the awa.jobs gauge, with the otel extra
         try:
             fleet.beat(state)  # registered before it claims; the heartbeat renews it
         except DB_ERRORS as exc:

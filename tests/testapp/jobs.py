@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -152,6 +153,11 @@ def act(job: awa.JobContext):
             return None
         case "log":
             logging.getLogger("tests.testapp.jobs").warning("handler says %s", args.tag)
+            return None
+        case "modules":
+            # Whether this process imported OpenTelemetry (tests/test_otel.py).
+            loaded = any(m.split(".")[0] == "opentelemetry" for m in sys.modules)
+            _ledger(job, f"opentelemetry:{loaded}")
             return None
         case "pid":
             _ledger(job, f"pid:{os.getpid()}")
