@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.db.models.base import ModelState
 from django.db.models.fields.json import KT
 from django.db.models.functions import Now
@@ -220,8 +220,18 @@ class Job(models.Model):
         return Job.objects.using(self._state.db).filter(id=trigger_id).first()
 
     def followups(self) -> JobQuerySet:
-        """Jobs enqueued by this job's follow-ups, oldest first."""
-        return Job.objects.using(self._state.db).followups_of(self.id).order_by("id")
+        """Jobs enqueued by this job's follow-ups, oldest first.
+
+        Ordered by ``id + 0``, not ``id``: with ``ORDER BY id LIMIT n`` the
+        planner walks both tables' primary keys, past every finished row, hoping
+        to meet n follow-ups early; by an expression it reads the few rows
+        ``awa_job_trigger_idx`` finds and sorts them.
+        """
+        return (
+            Job.objects.using(self._state.db)
+            .followups_of(self.id)
+            .order_by((F("id") + 0).asc())
+        )
 
 
 class Queue(models.Model):
