@@ -512,6 +512,7 @@ class JobAdmin(AwaModelAdmin[Job]):
         "attempts",
         "run_at_short",
         "finalized_at_short",
+        "last_error",
     )
     list_display_links = ("id", "kind")
     list_filter = ("state", QueueFilter, KindFilter, TriggerFilter)
@@ -585,7 +586,15 @@ class JobAdmin(AwaModelAdmin[Job]):
     # -- list --------------------------------------------------------------
 
     def get_queryset(self, request: HttpRequest) -> JobQuerySet:
-        return _jobs(super().get_queryset(request).using(_alias()))
+        # The last errors entry's text only, read by the database: the list
+        # leaves the errors column (tracebacks and all) unread.
+        jobs = super().get_queryset(request).using(_alias())
+        return _jobs(jobs.annotate(last_error_text=KT("errors__-1__error")))
+
+    @admin.display(description="last error")
+    def last_error(self, obj: Job) -> str:
+        text = getattr(obj, "last_error_text", None)
+        return Truncator(" ".join(str(text).split())).chars(120) if text else ""
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Job) -> SafeString:

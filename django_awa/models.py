@@ -227,11 +227,7 @@ class Job(models.Model):
         to meet n follow-ups early; by an expression it reads the few rows
         ``awa_job_trigger_idx`` finds and sorts them.
         """
-        return (
-            Job.objects.using(self._state.db)
-            .followups_of(self.id)
-            .order_by((F("id") + 0).asc())
-        )
+        return Job.objects.using(self._state.db).followups_of(self.id).order_by((F("id") + 0).asc())
 
 
 class Queue(models.Model):
