@@ -33,8 +33,6 @@ from .models import JobCount, PendingFollowup, Queue
 from .state import DB_ERRORS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# How long a probe's query may take before the database counts as not answering.
-HEALTH_STATEMENT_TIMEOUT_MS = 2000
 # A leader that ran maintenance within this many intervals is healthy (SPEC §15).
 HEALTHY_INTERVALS = 3
 
@@ -179,7 +177,7 @@ def health(alias: str, conf: AwaSettings) -> tuple[bool, dict[str, object]]:
     """Whether the database answers and a leader ran maintenance lately, and why not."""
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-            cursor.execute(f"SET LOCAL statement_timeout = {HEALTH_STATEMENT_TIMEOUT_MS}")
+            cursor.execute(sql.HEALTH_TIMEOUT)
             cursor.execute(sql.LAST_MAINTAINED)
             age, now = cursor.fetchone()
     except DB_ERRORS as exc:

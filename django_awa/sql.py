@@ -750,6 +750,11 @@ PRUNE_WORKERS = """
 DELETE FROM awa_worker WHERE last_seen_at < now() - make_interval(secs => %(stale_after)s)
 """
 
+# -- HEALTH_TIMEOUT --
+# A health probe's statements may take 2 s before the database counts as not
+# answering (SET LOCAL: for the probe's own transaction only).
+HEALTH_TIMEOUT = "SET LOCAL statement_timeout = 2000"
+
 # -- LAST_MAINTAINED --
 # Seconds since a leader last ran a maintenance tick (NULL: none recorded), and
 # the database clock, for <prefix>/health.

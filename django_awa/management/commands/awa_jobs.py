@@ -132,8 +132,9 @@ class Command(OperatorCommand):
         text = table(
             headers,
             [
-                [r["id"], r["kind"], r["queue"], r["state"], f"{r['attempt']}/{r['max_attempts']}",
-                 r["run_at"], r["finalized_at"], r["last_error"]]
+                [str(r["id"]), r["kind"], r["queue"], r["state"],
+                 f"{r['attempt']}/{r['max_attempts']}", r["run_at"], r["finalized_at"],
+                 r["last_error"]]
                 for r in rows
             ],
         )  # fmt: skip
