@@ -45,12 +45,16 @@ _EXPORTS = {
     "pause_queue": "control",
     "resume_queue": "control",
     "queue_stats": "control",
+    "pause_schedule": "schedules",
+    "resume_schedule": "schedules",
+    "trigger_schedule": "schedules",
     # errors
     "AwaError": "exceptions",
     "ValidationError": "exceptions",
     "UniqueConflict": "exceptions",
     "CallbackNotFound": "exceptions",
     "JobNotFound": "exceptions",
+    "ScheduleNotFound": "exceptions",
     "TerminalError": "exceptions",
     "ConfigurationError": "exceptions",
 }
@@ -69,6 +73,7 @@ __all__ = [
     "Outcome",
     "RescueReason",
     "RetryAfter",
+    "ScheduleNotFound",
     "Snooze",
     "TerminalError",
     "Unique",
@@ -84,11 +89,14 @@ __all__ = [
     "fail_external",
     "heartbeat_callback",
     "pause_queue",
+    "pause_schedule",
     "periodic",
     "queue_stats",
     "resume_queue",
+    "resume_schedule",
     "retry",
     "retry_external",
+    "trigger_schedule",
     "worker",
 ]
 
@@ -115,6 +123,7 @@ if TYPE_CHECKING:
         CallbackNotFound,
         ConfigurationError,
         JobNotFound,
+        ScheduleNotFound,
         TerminalError,
         UniqueConflict,
         ValidationError,
@@ -123,4 +132,4 @@ if TYPE_CHECKING:
     from .followups import Outcome, RescueReason
     from .kinds import JobArgs, Unique, worker
     from .models import JobState
-    from .schedules import periodic
+    from .schedules import pause_schedule, periodic, resume_schedule, trigger_schedule

@@ -1,4 +1,5 @@
-"""The Django admin (SPEC §8): jobs, queues, periodic schedules and dead letters.
+"""The Django admin (SPEC §8): jobs, queues, periodic schedules and dead letters
+(the live workers: ``fleet_admin.py``).
 
 Job list pages stay cheap on tables of millions of rows: no full count, no
 facet counts, an estimated count for the unfiltered list, no per-row queries,
@@ -45,8 +46,11 @@ from django.utils.text import Truncator
 from django.utils.translation import ngettext
 
 from . import control, sql
+from . import schedules as schedule_steering
 from .codec import check_text
 from .conf import awa_settings
+from .exceptions import AwaError
+from .fleet_admin import running_worker
 from .kinds import registry
 from .models import Job, JobQuerySet, JobState, PendingFollowup, PeriodicSchedule, Queue
 from .schedules import schedules
@@ -508,6 +512,7 @@ class JobAdmin(AwaModelAdmin[Job]):
         "attempts",
         "run_at_short",
         "finalized_at_short",
+        "last_error",
     )
     list_display_links = ("id", "kind")
     list_filter = ("state", QueueFilter, KindFilter, TriggerFilter)
@@ -520,6 +525,7 @@ class JobAdmin(AwaModelAdmin[Job]):
     paginator = EstimatedCountPaginator
     unlisted_json = JOB_UNLISTED_JSON
     actions = ("retry_jobs", "cancel_jobs", "discard_jobs")
+    running_worker = running_worker  # the job page's link to its worker (fleet_admin.py)
     readonly_fields = (
         "id",
         "kind",
@@ -534,6 +540,7 @@ class JobAdmin(AwaModelAdmin[Job]):
         "heartbeat_at",
         "deadline_at",
         "finalized_at",
+        "running_worker",
         "args_json",
         "error_list",
         "progress_json",
@@ -556,6 +563,7 @@ class JobAdmin(AwaModelAdmin[Job]):
                 "fields": (
                     ("run_at", "created_at", "attempted_at"),
                     ("heartbeat_at", "deadline_at", "finalized_at"),
+                    ("running_worker",),
                 )
             },
         ),
@@ -578,7 +586,15 @@ class JobAdmin(AwaModelAdmin[Job]):
     # -- list --------------------------------------------------------------
 
     def get_queryset(self, request: HttpRequest) -> JobQuerySet:
-        return _jobs(super().get_queryset(request).using(_alias()))
+        # The last errors entry's text only, read by the database: the list
+        # leaves the errors column (tracebacks and all) unread.
+        jobs = super().get_queryset(request).using(_alias())
+        return _jobs(jobs.annotate(last_error_text=KT("errors__-1__error")))
+
+    @admin.display(description="last error")
+    def last_error(self, obj: Job) -> str:
+        text = getattr(obj, "last_error_text", None)
+        return Truncator(" ".join(str(text).split())).chars(120) if text else ""
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Job) -> SafeString:
@@ -1071,10 +1087,56 @@ class ReadOnlyAdmin[M: Model](AwaModelAdmin[M]):
 
 @admin.register(PeriodicSchedule)
 class PeriodicScheduleAdmin(ReadOnlyAdmin[PeriodicSchedule]):
-    list_display = ("name", "cron", "timezone", "kind", "last_fire_at", "next_fire_at", "paused")
+    list_display = (
+        "name", "cron", "timezone", "kind", "last_fire_at", "next_fire_at", "paused", "status",
+    )  # fmt: skip
     list_filter = ("paused",)
     search_fields = ("name", "kind")
-    readonly_fields = ("jobs_link",)
+    readonly_fields = ("jobs_link", "status")
+    actions = ("pause_schedules", "resume_schedules", "trigger_schedules")
+
+    @admin.display(description="status")
+    def status(self, obj: PeriodicSchedule) -> SafeString | str:
+        """A schedule no jobs.py declares any more never fires: said so, in red."""
+        if obj.name not in schedules:
+            return format_html('<span class="awa-removed" style="color: #b91c1c">{}</span>',
+                               "removed from code: not firing")  # fmt: skip
+        return "paused" if obj.paused else "active"
+
+    def has_steer_permission(self, request: HttpRequest) -> bool:
+        opts = self.opts
+        return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+
+    def _steer(self, request: HttpRequest, queryset: QuerySet[PeriodicSchedule], verb: str) -> None:
+        if not self.has_steer_permission(request):
+            raise PermissionDenied
+        steer = {
+            "paused": schedule_steering.pause_schedule,
+            "resumed": schedule_steering.resume_schedule,
+            "triggered": schedule_steering.trigger_schedule,
+        }[verb]
+        done = []
+        for name in queryset.order_by("name").values_list("name", flat=True):
+            try:
+                steer(name, using=_alias())
+            except AwaError as exc:  # removed from code (trigger), a unique key held
+                self.message_user(request, f"{name}: {exc}", messages.ERROR)
+                continue
+            done.append(name)
+        if done:
+            self.message_user(request, f"{verb.capitalize()}: {', '.join(done)}.", messages.SUCCESS)
+
+    @admin.action(description="Pause selected schedules", permissions=["steer"])
+    def pause_schedules(self, request: HttpRequest, queryset: QuerySet[PeriodicSchedule]) -> None:
+        self._steer(request, queryset, "paused")
+
+    @admin.action(description="Resume selected schedules", permissions=["steer"])
+    def resume_schedules(self, request: HttpRequest, queryset: QuerySet[PeriodicSchedule]) -> None:
+        self._steer(request, queryset, "resumed")
+
+    @admin.action(description="Trigger selected schedules now (one fire)", permissions=["steer"])
+    def trigger_schedules(self, request: HttpRequest, queryset: QuerySet[PeriodicSchedule]) -> None:
+        self._steer(request, queryset, "triggered")
 
     @admin.display(description="jobs")
     def jobs_link(self, obj: PeriodicSchedule) -> SafeString:

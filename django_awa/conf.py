@@ -8,6 +8,7 @@ key; the system check reports them and :func:`awa_settings` refuses them.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,6 +42,10 @@ DEFAULTS: dict[str, Any] = {
     "COMPLETED_RETENTION": 86400.0,
     "FAILED_RETENTION": 7 * 86400.0,
     "CALLBACK_SECRET": None,
+    # Bearer token that may read <prefix>/metrics besides staff users; None: staff only.
+    "METRICS_TOKEN": None,
+    # OpenTelemetry (the otel extra): None when installed, False never, True required.
+    "OPENTELEMETRY": None,
     "PRIORITY_AGING_INTERVAL": 60.0,
     # The most one claim statement takes. A claim takes no more than the
     # queue's free places plus its prefetch, so only quick handlers reach it;
@@ -96,6 +101,8 @@ class AwaSettings:
     completed_retention: float | None
     failed_retention: float | None
     callback_secret: str | None
+    metrics_token: str | None
+    opentelemetry: bool | None
     priority_aging_interval: float | None
     claim_batch_size: int
     prefetch_window: float | None
@@ -138,6 +145,14 @@ def callback_timeout(value: Any, what: str) -> float:
             f"{MAX_CALLBACK_TIMEOUT / 86400:.0f} days, got {value!r}"
         )
     return seconds
+
+
+def _importable(name: str) -> bool:
+    """Whether module ``name`` can be imported (found without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def raw_settings() -> dict[str, Any]:
@@ -196,6 +211,22 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
         secret = raw["CALLBACK_SECRET"]
         if secret is not None and (not isinstance(secret, str) or not secret):
             found.append(("CALLBACK_SECRET", "AWA['CALLBACK_SECRET'] must be a non-empty string"))
+    if "METRICS_TOKEN" in raw:
+        token = raw["METRICS_TOKEN"]
+        if token is not None and (not isinstance(token, str) or not token.strip()):
+            found.append(("METRICS_TOKEN", "AWA['METRICS_TOKEN'] must be a non-empty string"))
+    if "OPENTELEMETRY" in raw:
+        otel = raw["OPENTELEMETRY"]
+        if otel not in (None, True, False):
+            found.append(("OPENTELEMETRY", "AWA['OPENTELEMETRY'] must be None, True or False"))
+        elif otel is True and not _importable("opentelemetry.trace"):
+            found.append(
+                (
+                    "OPENTELEMETRY",
+                    "AWA['OPENTELEMETRY'] is True but opentelemetry-api is not installed "
+                    "(pip install 'django-awa[otel]')",
+                )
+            )
     for key in ("CLAIM_BATCH_SIZE", "MAX_ARGS_BYTES", "MAX_METADATA_BYTES"):
         if key in raw:
             value = raw[key]
@@ -275,6 +306,8 @@ def awa_settings() -> AwaSettings:
         completed_retention=duration("COMPLETED_RETENTION"),
         failed_retention=duration("FAILED_RETENTION"),
         callback_secret=merged["CALLBACK_SECRET"],
+        metrics_token=merged["METRICS_TOKEN"],
+        opentelemetry=merged["OPENTELEMETRY"],
         priority_aging_interval=duration("PRIORITY_AGING_INTERVAL"),
         claim_batch_size=merged["CLAIM_BATCH_SIZE"],
         prefetch_window=duration("PREFETCH_WINDOW"),

@@ -30,6 +30,7 @@ from .db import database_alias as database_alias
 from .exceptions import UniqueConflict, ValidationError
 from .kinds import JobArgs, Unique, check_max_attempts, check_priority, registry
 from .models import JOB_ATTNAMES, Job, JobState, jobs_from_rows, load_json
+from .otel import with_trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,7 @@ def prepare(
     tag_list = _check_tags(tags, where)
     meta = _check_metadata(metadata, where)
     _check_size(meta, "metadata", conf.max_metadata_bytes, "MAX_METADATA_BYTES", where)
+    metadata_json = with_trace(metadata_json)  # the enqueuing span, with the otel extra
     if metadata_json is not None:
         meta = _with_engine_metadata(meta, metadata_json)
     unique = defaults.unique if unique is None else unique

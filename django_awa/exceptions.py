@@ -36,6 +36,10 @@ class JobNotFound(AwaError, LookupError):
     """No job has that id."""
 
 
+class ScheduleNotFound(AwaError, LookupError):
+    """No periodic schedule has that name (or it was removed from code, for a trigger)."""
+
+
 class TerminalError(AwaError):
     """Raised by a handler: fail the job now, without further attempts."""
 

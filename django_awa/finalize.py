@@ -46,6 +46,7 @@ from .followups import (
     send_signal,
 )
 from .kinds import JobArgs, WorkerSpec
+from .logs import log_context
 from .models import JobState, jobs_from_rows
 from .pending import keep_pending
 
@@ -241,7 +242,7 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
         result.outcome,
         error,
         fallback.state,
-        extra={"job_id": result.job.id, "kind": result.job.kind},
+        extra=log_context(result.job),
     )
     if not _has_followups(fallback):
         return _write([fallback], alias, rows=True)
@@ -262,7 +263,7 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
                 done.outcome,
                 second,
                 kept.id,
-                extra={"job_id": done.job.id, "kind": done.job.kind},
+                extra=log_context(done.job),
             )
         return applied
     transaction.savepoint_commit(savepoint, using=alias)
@@ -383,17 +384,17 @@ def _log(result: AttemptResult) -> None:
         logger.warning(
             "job %s kind=%s attempt=%s failed, retrying %s: %s",
             job.id, job.kind, job.attempt, when, result.error or "RetryAfter",
-            extra={"job_id": job.id, "kind": job.kind, "queue": job.queue, "attempt": job.attempt},
+            extra=log_context(job),
         )  # fmt: skip
     elif result.outcome is Outcome.EXHAUSTED:
         logger.error(
             "job %s kind=%s attempt=%s failed for good: %s\n%s",
             job.id, job.kind, job.attempt, result.error, result.traceback,
-            extra={"job_id": job.id, "kind": job.kind, "queue": job.queue, "attempt": job.attempt},
+            extra=log_context(job),
         )  # fmt: skip
     elif logger.isEnabledFor(logging.INFO):
         logger.info(
             "job %s kind=%s attempt=%s -> %s",
             job.id, job.kind, job.attempt, result.state,
-            extra={"job_id": job.id, "kind": job.kind, "queue": job.queue, "attempt": job.attempt},
+            extra=log_context(job),
         )  # fmt: skip

@@ -32,6 +32,7 @@ from .enqueueing import EnqueueRequest, PreparedJob, insert, prepare
 from .exceptions import AwaError, ValidationError
 from .kinds import JobArgs
 from .models import Job
+from .otel import followup_trace
 
 
 class Outcome(enum.StrEnum):
@@ -284,6 +285,10 @@ def build(job: Job, context: OutcomeContext) -> list[tuple[FollowupSpec, Prepare
     if not specs:
         return []
     extra = context.values()
+    engine_json = trigger_metadata_json(job, outcome)
+    trace = followup_trace(job)  # with the otel extra: a link to the trigger's attempt span
+    if trace is not None:
+        engine_json = f'{engine_json[:-1]}, "awa_trace": {json.dumps(trace)}}}'
     prepared: list[tuple[FollowupSpec, PreparedJob]] = []
     decoded: dict[type, JobArgs] = {}
     for spec in specs:
@@ -300,7 +305,7 @@ def build(job: Job, context: OutcomeContext) -> list[tuple[FollowupSpec, Prepare
                     f"awa.EnqueueRequest or None"
                 )
             # An EnqueueRequest's own metadata is checked as any user's is.
-            follow_up = prepare(result, metadata_json=trigger_metadata_json(job, outcome))
+            follow_up = prepare(result, metadata_json=engine_json)
             prepared.append((spec, follow_up))
         except ArgsDecodeError as exc:
             raise FollowupError(f"follow-up {spec.name} failed: {exc}", spec=spec) from exc

@@ -39,7 +39,9 @@ from .execute import (
 )
 from .finalize import run_atomic_attempt
 from .kinds import JobArgs, WorkerSpec
+from .logs import job_logging
 from .models import Job
+from .otel import instrumentation
 from .state import DB_ERRORS, QueueRunner, WorkerState, log_context, reset_connection
 
 logger = logging.getLogger(__name__)
@@ -196,19 +198,35 @@ class HandlerPool:
                 runner.finished()
 
     def _run(self, attempt: Attempt) -> None:
-        """Run the attempt; whatever happens, its result goes to the completer (or is written)."""
+        """Run the attempt; whatever happens, its result goes to the completer (or is written).
+
+        Records logged meanwhile in this thread are about the attempt's job
+        (``logs.JobContextFilter``).
+        """
+        tracing = instrumentation()  # None without the otel extra
+        with job_logging(attempt.job, self.state.name):
+            if tracing is None:
+                self._run_logged(attempt)
+                return
+            with tracing.attempt(attempt.job, self.state.name) as record:
+                record(self._run_logged(attempt))
+
+    def _run_logged(self, attempt: Attempt) -> AttemptResult | None:
+        """Run it; the result handed on or written (None: a stale atomic attempt)."""
+        result: AttemptResult | None
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
                 self.results.put(resolved)
-                return
+                return resolved
             spec, args = resolved
             attempt.timeout = spec.timeout  # tend() applies it from now on
             if spec.atomic:
-                self._run_atomic(attempt, spec, args)
-                return
+                return self._run_atomic(attempt, spec, args)
             loop = self.event_loop() if spec.is_async else None
-            self.results.put(run_attempt(attempt, self._mark_progress, resolved, loop=loop))
+            result = run_attempt(attempt, self._mark_progress, resolved, loop=loop)
+            self.results.put(result)
+            return result
         except BaseException as exc:  # no signal reaches a handler thread
             # Whatever reaches here came from running the job (the handler
             # boundary catches the handler's own errors): record it, so the job
@@ -218,13 +236,17 @@ class HandlerPool:
                 attempt.job.id, attempt.job.kind, attempt.job.attempt,
                 extra=log_context(attempt.job, self.state.name),
             )  # fmt: skip
-            self.results.put(from_exception(attempt.job, exc, during="worker error"))
+            result = from_exception(attempt.job, exc, during="worker error")
+            self.results.put(result)
+            return result
         finally:
             close_broken_connections()
 
-    def _run_atomic(self, attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> None:
+    def _run_atomic(
+        self, attempt: Attempt, spec: WorkerSpec, args: JobArgs
+    ) -> AttemptResult | None:
         try:
-            run_atomic_attempt(attempt, spec, args)
+            written = run_atomic_attempt(attempt, spec, args)
         except DB_ERRORS as exc:
             # The transaction rolled back, or its commit's acknowledgement was
             # lost: the completer records the attempt as failed. Its write is
@@ -235,9 +257,11 @@ class HandlerPool:
                 attempt.job.id, attempt.job.kind, extra=log_context(attempt.job, self.state.name),
             )  # fmt: skip
             reset_connection()
-            self.results.put(from_exception(attempt.job, exc, during="could not be finalized"))
-            return
+            result = from_exception(attempt.job, exc, during="could not be finalized")
+            self.results.put(result)
+            return result
         self.forget(attempt.job)
+        return written
 
     @staticmethod
     def _mark_progress(attempt: Attempt) -> None:

@@ -3,9 +3,10 @@
 Four times a second the heartbeat thread stores the progress handlers set
 (``JobContext.set_progress`` only marks it), and every
 ``HEARTBEAT_INTERVAL`` it renews ``heartbeat_at`` of every running attempt,
-guarded by run_lease. An attempt whose row no longer matches (cancelled,
-rescued or finalized meanwhile) gets its cancelled flag set, so its handler
-learns the attempt was lost and the handler pool may replace a stuck thread.
+guarded by run_lease, and the worker's row in the registry (``fleet.py``).
+An attempt whose row no longer matches (cancelled, rescued or finalized
+meanwhile) gets its cancelled flag set, so its handler learns the attempt was
+lost and the handler pool may replace a stuck thread.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import db, sql
+from . import db, fleet, sql
 from .execute import Attempt, write_progress
 from .state import DB_ERRORS, WorkerState, reset_connection
 
@@ -58,6 +59,7 @@ class Heartbeat:
         if not due_only or time.monotonic() - self.last_beat >= state.conf.heartbeat_interval:
             self.last_beat = time.monotonic()
             self.heartbeat(attempts)
+            fleet.beat(state)  # the worker's own row, with the jobs it runs
 
     def heartbeat(self, attempts: list[Attempt]) -> None:
         if not attempts:

@@ -3,7 +3,8 @@
 Duties: promote due scheduled and retryable jobs and move finished rows into
 ``awa_job_done`` (every tick), and every ``MAINTENANCE_INTERVAL``: rescue
 stale, overdue and timed-out jobs, insert pending follow-ups, age priorities,
-fire periodic jobs, prune finished rows.
+fire periodic jobs, forget dead workers, count jobs for the metrics, prune
+finished rows.
 Each duty is a method tests can call directly; ``run_once()`` runs them all.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 from django.db import DatabaseError, connections, transaction
 from django.db.models.functions import Now
 
-from . import db, sql
+from . import db, fleet, sql
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
@@ -33,6 +34,7 @@ from .followups import (
     followup_registry,
     send_signal,
 )
+from .logs import log_context
 from .models import JobState, PendingFollowup, jobs_from_rows
 from .pending import keep_pending, restore
 from .schedules import fire_due
@@ -199,6 +201,8 @@ class Maintenance:
             self._duty("replay_pending", self.replay_pending)
             self._duty("age_priorities", self.age_priorities)
             self._duty("fire_periodic", self.fire_periodic)
+            self._duty("prune_workers", self.prune_workers)
+            self._duty("count_jobs", self.count_jobs)
             if now - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = now
                 self._duty("prune", self.prune)
@@ -232,6 +236,8 @@ class Maintenance:
         self.replay_pending(now)
         self.age_priorities()
         self.fire_periodic(now)
+        self.prune_workers()
+        self.count_jobs()
         self.prune()
 
     # -- duties ------------------------------------------------------------------------
@@ -314,7 +320,7 @@ class Maintenance:
                     job.attempt,
                     reason.value,
                     job.state,
-                    extra={"job_id": job.id, "kind": job.kind, "queue": job.queue},
+                    extra=log_context(job),
                 )
                 context = Rescued(reason=reason)
                 if followup_registry.has(Outcome.RESCUED, job.kind):
@@ -408,6 +414,26 @@ class Maintenance:
         with self._transaction():
             fire_due(self.alias, self.database_now() if now is None else now)
 
+    def prune_workers(self) -> int:
+        """Delete the registry rows of workers unseen for ``STALE_AFTER``; returns how many."""
+        with self._transaction():
+            pruned = fleet.prune(self.alias, self.conf.stale_after)
+        if pruned:
+            logger.info("forgot %s worker(s) unseen for %.0fs", pruned, self.conf.stale_after)
+        return pruned
+
+    def count_jobs(self) -> None:
+        """Count the jobs of ``awa_job`` per queue and state into ``awa_job_count``.
+
+        What ``<prefix>/metrics`` reports: one count per maintenance interval by
+        the leader, however many scrapers ask. Finished rows already moved to
+        ``awa_job_done`` are not counted (the metrics estimate them from the
+        catalog).
+        """
+        with self._transaction(), connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.CLEAR_JOB_COUNTS)
+            cursor.execute(sql.COUNT_JOBS)
+
     def prune(self) -> int:
         """Delete finished rows past retention, in batches; returns how many."""
         total = 0
@@ -473,6 +499,7 @@ class MaintenanceService:
                     maintenance.warn_without_autovacuum()
             if self.is_leader:
                 maintenance.tick(wake=self.wake_queues)
+                fleet.mark_maintained(self.state)
         except LeadershipLost as exc:
             logger.warning("worker %s is no longer the maintenance leader: %s", name, exc)
             self.is_leader = False

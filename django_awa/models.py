@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.db.models.base import ModelState
 from django.db.models.fields.json import KT
 from django.db.models.functions import Now
@@ -220,8 +220,14 @@ class Job(models.Model):
         return Job.objects.using(self._state.db).filter(id=trigger_id).first()
 
     def followups(self) -> JobQuerySet:
-        """Jobs enqueued by this job's follow-ups, oldest first."""
-        return Job.objects.using(self._state.db).followups_of(self.id).order_by("id")
+        """Jobs enqueued by this job's follow-ups, oldest first.
+
+        Ordered by ``id + 0``, not ``id``: with ``ORDER BY id LIMIT n`` the
+        planner walks both tables' primary keys, past every finished row, hoping
+        to meet n follow-ups early; by an expression it reads the few rows
+        ``awa_job_trigger_idx`` finds and sorts them.
+        """
+        return Job.objects.using(self._state.db).followups_of(self.id).order_by((F("id") + 0).asc())
 
 
 class Queue(models.Model):
@@ -409,3 +415,57 @@ class CallbackReceipt(models.Model):
 
     def __str__(self) -> str:
         return self.signature
+
+
+class Worker(models.Model):
+    """A live worker process, as it last said (``fleet.py``): registered at start,
+    renewed with each heartbeat, deleted when it stops.
+
+    A worker that died without stopping (SIGKILL, a lost host) stops renewing
+    its row: it is no longer listed once ``last_seen_at`` is ``STALE_AFTER``
+    old, and the maintenance leader deletes it.
+    """
+
+    id = models.UUIDField(primary_key=True)
+    name = models.CharField(max_length=255)  # host:pid, as in its logs and the lease
+    host = models.CharField(max_length=255)
+    pid = models.IntegerField()
+    queues = models.JSONField(default=dict)  # {name: concurrency}
+    concurrency = models.IntegerField(default=0)
+    version = models.CharField(max_length=64, blank=True, default="")
+    started_at = models.DateTimeField(default=timezone.now, db_default=Now())
+    last_seen_at = models.DateTimeField(default=timezone.now, db_default=Now())
+    # Ids of the jobs whose handlers run there now (as of last_seen_at).
+    running_ids = models.JSONField(default=list, blank=True)
+    running = models.IntegerField(default=0)
+    # When this worker, as the maintenance leader, last ran a maintenance tick.
+    maintained_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "awa_worker"
+        ordering = ("host", "pid")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class JobCount(models.Model):
+    """Jobs per queue and state in ``awa_job`` (live jobs, and finished ones not yet
+    moved to ``awa_job_done``), counted by the maintenance leader; what
+    ``/metrics`` reports without counting per scrape."""
+
+    queue = models.CharField(max_length=128)
+    state = models.CharField(max_length=32)
+    count = models.BigIntegerField()
+    # The oldest run_at of the queue's available jobs (state available only).
+    oldest_run_at = models.DateTimeField(null=True, blank=True)
+    counted_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "awa_job_count"
+        constraints = [
+            models.UniqueConstraint(fields=["queue", "state"], name="awa_job_count_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.queue}/{self.state}: {self.count}"

@@ -30,6 +30,7 @@ from types import FrameType
 
 from django.db import connections
 
+from . import fleet
 from .completer import Completer
 from .conf import AwaSettings
 from .execute import Attempt, AttemptResult, errored
@@ -37,8 +38,10 @@ from .finalize import finalize
 from .handlers import HandlerPool
 from .heartbeat import Heartbeat
 from .listener import Listener
+from .logs import set_worker
 from .maintenance import MaintenanceService
 from .models import Job, JobState
+from .otel import instrumentation
 from .producer import Producer
 from .state import DB_ERRORS, WorkerState
 
@@ -84,6 +87,7 @@ class Worker:
 
     def run(self) -> None:
         state = self.state
+        set_worker(state.name)
         if self.install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
                 signal.signal(signum, self._on_signal)
@@ -97,6 +101,13 @@ class Worker:
             settings_dict.get("PORT") or 5432,
             settings_dict.get("NAME"),
         )
+        tracing = instrumentation()
+        if tracing is not None:
+            tracing.observe_job_counts(state.alias)  # the awa.jobs gauge, with the otel extra
+        try:
+            fleet.beat(state)  # registered before it claims; the heartbeat renews it
+        except DB_ERRORS as exc:
+            logger.warning("could not register worker %s (%s); heartbeats retry", state.name, exc)
         if self.listener is None:
             logger.info(
                 "no direct database connection (AWA['DIRECT_DATABASE'] is None): polling "
@@ -193,6 +204,12 @@ class Worker:
         until = time.monotonic() + 3.0
         for thread in state.threads:
             thread.join(timeout=max(0.0, until - time.monotonic()))
+        try:
+            fleet.deregister(state)
+        except DB_ERRORS as exc:
+            logger.warning("could not deregister worker %s (%s); it ages out", state.name, exc)
+        finally:
+            connections.close_all()
         logger.info("awa worker %s stopped after %s jobs", state.name, state.processed)
 
     def _withdraw_waiting(self) -> list[Attempt]:

@@ -2,7 +2,10 @@
 
 The maintenance leader fires them. Each fire is enqueued in the transaction
 that advances the schedule's row (locked ``FOR UPDATE``), so it is enqueued
-exactly once however many workers run.
+exactly once however many workers run. ``pause_schedule``,
+``resume_schedule`` and ``trigger_schedule`` steer one by name (SPEC §8). A
+schedule whose row remains after its declaration left the code is *removed*:
+it never fires, and is listed as such.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import zoneinfo
 from dataclasses import dataclass
 
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
-from django.db import transaction
+from django.db import connections, transaction
 
+from . import sql
 from .codec import require_text
-from .enqueueing import EnqueueRequest, insert, prepare
-from .exceptions import ValidationError
+from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, insert, prepare
+from .exceptions import ScheduleNotFound, ValidationError
 from .kinds import JobArgs, check_priority
-from .models import PeriodicSchedule
+from .models import Job, PeriodicSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -163,3 +167,104 @@ def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
             row.next_fire_at = schedule.next_after(row.last_fire_at or now)
             row.save(using=alias)
         return len(fires)
+
+
+# -- steering schedules (SPEC §8) ---------------------------------------------
+
+
+def _database_now(alias: str) -> dt.datetime:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.DATABASE_NOW)
+        now: dt.datetime = cursor.fetchone()[0]
+    return now
+
+
+def _row_for_update(name: str, alias: str) -> PeriodicSchedule:
+    """The schedule's row, locked; made from its declaration if it has not fired yet.
+
+    Raises ``ScheduleNotFound`` for a name neither declared nor stored.
+    """
+    row = PeriodicSchedule.objects.using(alias).select_for_update().filter(name=name).first()
+    if row is not None:
+        return row
+    schedule = schedules.get(name)
+    if schedule is None:
+        raise ScheduleNotFound(f"no periodic schedule named {name!r}")
+    now = _database_now(alias)
+    row, _ = (
+        PeriodicSchedule.objects.using(alias)
+        .select_for_update()
+        .get_or_create(
+            name=name,
+            defaults={
+                "cron": schedule.cron,
+                "timezone": schedule.timezone,
+                "kind": schedule.args.kind,
+                "last_fire_at": now,
+                "next_fire_at": schedule.next_after(now),
+            },
+        )
+    )
+    return row
+
+
+def pause_schedule(name: str, *, using: str | None = None) -> PeriodicSchedule:
+    """Stop schedule ``name`` firing until ``resume_schedule``; returns its row.
+
+    Joins the caller's transaction on ``using``. Raises ``ScheduleNotFound``.
+    """
+    alias = database_alias(using)
+    with transaction.atomic(using=alias):
+        row = _row_for_update(name, alias)
+        if not row.paused:
+            row.paused = True
+            row.save(using=alias, update_fields=["paused"])
+    return row
+
+
+def resume_schedule(name: str, *, using: str | None = None) -> PeriodicSchedule:
+    """Let schedule ``name`` fire again, from now on: fires that fell due while it was
+    paused are skipped, not caught up. Returns its row; raises ``ScheduleNotFound``."""
+    alias = database_alias(using)
+    with transaction.atomic(using=alias):
+        row = _row_for_update(name, alias)
+        if row.paused:
+            now = _database_now(alias)
+            row.paused = False
+            row.last_fire_at = now
+            declared = schedules.get(name)
+            row.next_fire_at = declared.next_after(now) if declared else None
+            row.save(using=alias, update_fields=["paused", "last_fire_at", "next_fire_at"])
+    return row
+
+
+def trigger_schedule(name: str, *, using: str | None = None) -> Job:
+    """Enqueue one fire of schedule ``name`` now (paused or not), beside its regular fires.
+
+    The job is the schedule's args, queue and priority, run now, with
+    ``metadata["awa_periodic"] = {"name", "fire_at", "triggered": True}``. Joins
+    the caller's transaction. Raises ``ScheduleNotFound`` for a name not
+    declared in any ``jobs.py`` (a removed schedule has no args to fire), and
+    ``UniqueConflict`` if the args' kind is unique and its key is held.
+    """
+    alias = database_alias(using)
+    schedule = schedules.get(name)
+    if schedule is None:
+        stored = PeriodicSchedule.objects.using(alias).filter(name=name).exists()
+        raise ScheduleNotFound(
+            f"periodic schedule {name!r} was removed from code: it has nothing to fire"
+            if stored
+            else f"no periodic schedule named {name!r}"
+        )
+    with transaction.atomic(using=alias):
+        fire_at = _database_now(alias)
+        periodic = {
+            "awa_periodic": {"name": name, "fire_at": fire_at.isoformat(), "triggered": True}
+        }
+        request = EnqueueRequest(schedule.args, queue=schedule.queue, priority=schedule.priority)
+        return enqueue_prepared(prepare(request, metadata_json=json.dumps(periodic)), alias)
+
+
+def is_declared(name: str) -> bool:
+    """Whether a ``jobs.py`` declares schedule ``name`` (else its row is a removed one)."""
+    return name in schedules

@@ -760,3 +760,68 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 PREPARED = frozenset(
     {INSERT_ONE, INSERT_ONE_UNIQUE, RESERVE_IDS, INSERT_MANY, NOTIFY_QUEUES, CLAIM}
 )
+
+
+# ==== The fleet and its figures (fleet.py, metrics.py) ====
+
+# -- BEAT_WORKER --
+# A worker process says it is alive: registered at start and renewed with each
+# heartbeat (an upsert, so a row the leader pruned while the worker was cut
+# off comes back). Locks its own row of awa_worker only, by primary key.
+BEAT_WORKER = """
+INSERT INTO awa_worker (id, name, host, pid, queues, concurrency, version, started_at,
+                        last_seen_at, running_ids, running)
+VALUES (%(id)s, %(name)s, %(host)s, %(pid)s, %(queues)s::jsonb, %(concurrency)s, %(version)s,
+        %(started_at)s, now(), %(running_ids)s::jsonb, %(running)s)
+ON CONFLICT (id) DO UPDATE
+SET last_seen_at = now(), running_ids = EXCLUDED.running_ids, running = EXCLUDED.running
+"""
+
+# -- DEREGISTER_WORKER --
+# A worker that stopped takes its row away. By primary key.
+DEREGISTER_WORKER = "DELETE FROM awa_worker WHERE id = %(id)s"
+
+# -- MARK_MAINTAINED --
+# The maintenance leader ran a tick: what <prefix>/health judges. By primary key.
+MARK_MAINTAINED = "UPDATE awa_worker SET maintained_at = now() WHERE id = %(id)s"
+
+# -- PRUNE_WORKERS --
+# Delete the rows of workers that stopped renewing them STALE_AFTER ago (killed,
+# or on a host that went away). awa_worker holds one row per live process:
+# a sequential scan.
+PRUNE_WORKERS = """
+DELETE FROM awa_worker WHERE last_seen_at < now() - make_interval(secs => %(stale_after)s)
+"""
+
+# -- HEALTH_TIMEOUT --
+# A health probe's statements may take 2 s before the database counts as not
+# answering (SET LOCAL: for the probe's own transaction only).
+HEALTH_TIMEOUT = "SET LOCAL statement_timeout = 2000"
+
+# -- LAST_MAINTAINED --
+# Seconds since a leader last ran a maintenance tick (NULL: none recorded), and
+# the database clock, for <prefix>/health.
+LAST_MAINTAINED = """
+SELECT extract(epoch FROM now() - max(maintained_at))::float8, now() FROM awa_worker
+"""
+
+# -- COUNT_JOBS --
+# The maintenance leader's count of jobs per queue and state, replacing the
+# rollup that <prefix>/metrics reads (run inside one transaction, so a reader
+# sees the old counts or the new). Reads ONLY awa_job: live jobs, and finished
+# ones not yet moved to awa_job_done (archive() moves them within a tick); the
+# millions of finished rows there are not scanned. A sequential scan of
+# awa_job, no lock beyond the rollup's rows.
+CLEAR_JOB_COUNTS = "DELETE FROM awa_job_count"
+COUNT_JOBS = """
+INSERT INTO awa_job_count (queue, state, count, oldest_run_at, counted_at)
+SELECT queue, state, count(*), min(run_at) FILTER (WHERE state = 'available'), now()
+FROM ONLY awa_job GROUP BY queue, state
+"""
+
+# -- DONE_ROWS_ESTIMATE --
+# The planner's estimate of finished rows in awa_job_done (pg_class.reltuples;
+# -1 before it was first analyzed or vacuumed), for <prefix>/metrics.
+DONE_ROWS_ESTIMATE = """
+SELECT coalesce(max(reltuples), -1)::bigint FROM pg_class WHERE oid = to_regclass('awa_job_done')
+"""

@@ -14,31 +14,25 @@ import os
 import queue as queue_module
 import socket
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import psycopg
 from django.db import DatabaseError, InterfaceError, connections
 
 from .conf import AwaSettings, awa_settings
+from .logs import log_context, set_worker
+
+__all__ = ["DB_ERRORS", "Backoff", "QueueRunner", "WorkerState", "log_context", "reset_connection"]
 
 if TYPE_CHECKING:
     from .execute import Attempt, AttemptResult
     from .models import Job
 
 DB_ERRORS = (DatabaseError, InterfaceError, psycopg.Error)
-
-
-def log_context(job: Job, worker: str = "") -> dict[str, Any]:
-    """The ``extra`` of a job's log records."""
-    return {
-        "job_id": job.id,
-        "kind": job.kind,
-        "queue": job.queue,
-        "attempt": job.attempt,
-        "worker": worker,
-    }
 
 
 def reset_connection() -> None:
@@ -108,6 +102,9 @@ class WorkerState:
     conf: AwaSettings
     name: str  # host:pid, for logs and the maintenance lease
     queues: dict[str, QueueRunner]
+    # This process's row in the worker registry (fleet.py), and when it started.
+    id: uuid.UUID = field(default_factory=uuid.uuid4)
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     stopping: threading.Event = field(default_factory=threading.Event)
     halt: threading.Event = field(default_factory=threading.Event)
     results: queue_module.SimpleQueue[AttemptResult | None] = field(
@@ -158,7 +155,10 @@ class WorkerState:
     def start(self, target: Callable[[], None], name: str) -> threading.Thread:
         """Run ``target`` in a new daemon thread that closes its connections when it ends."""
 
+        worker = self.name
+
         def run() -> None:
+            set_worker(worker)  # this thread's records name its worker
             try:
                 target()
             finally:

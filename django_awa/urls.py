@@ -1,8 +1,9 @@
-"""``path("awa/", include("django_awa.urls"))``: the signed callback receiver."""
+"""``path("awa/", include("django_awa.urls"))``: the signed callback receiver, the
+Prometheus metrics and the health check (SPEC §7, §15)."""
 
 from django.urls import path
 
-from . import callbacks
+from . import callbacks, metrics
 
 app_name = "django_awa"
 
@@ -12,4 +13,6 @@ urlpatterns = [
         callbacks.callback_view,
         name="callback",
     ),
+    path("metrics", metrics.metrics_view, name="metrics"),
+    path("health", metrics.health_view, name="health"),
 ]

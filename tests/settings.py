@@ -100,5 +100,8 @@ for _key in (
     if os.environ.get(f"AWA_TEST_{_key}"):
         AWA[_key] = float(os.environ[f"AWA_TEST_{_key}"])
 
+if os.environ.get("AWA_TEST_OPENTELEMETRY") == "off":
+    AWA["OPENTELEMETRY"] = False
+
 # Django Tasks on awa: django.tasks, or the django-tasks backport on Django 5.2.
 TASKS = {"default": {"BACKEND": "django_awa.backends.AwaTaskBackend"}}

@@ -7,7 +7,9 @@ handler-result table; every run writes a ``Ledger`` row first.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -148,6 +150,14 @@ def act(job: awa.JobContext):
         case "progress":
             job.set_progress(40, "working", step=2)
             time.sleep(args.seconds)
+            return None
+        case "log":
+            logging.getLogger("tests.testapp.jobs").warning("handler says %s", args.tag)
+            return None
+        case "modules":
+            # Whether this process imported OpenTelemetry (tests/test_otel.py).
+            loaded = any(m.split(".")[0] == "opentelemetry" for m in sys.modules)
+            _ledger(job, f"opentelemetry:{loaded}")
             return None
         case "pid":
             _ledger(job, f"pid:{os.getpid()}")

@@ -20,6 +20,7 @@ from django.db import connections
 from django_awa.conf import DEFAULT_CONCURRENCY, QUEUE_NAME_RE, AwaSettings, awa_settings
 from django_awa.db import database_alias
 from django_awa.exceptions import ConfigurationError
+from django_awa.logs import JobContextFilter
 from django_awa.process import Worker
 
 logger = logging.getLogger("django_awa.process")
@@ -182,6 +183,7 @@ def _configure_logging(verbosity: int) -> None:
             root.setLevel(logging.DEBUG if verbosity >= 3 else logging.INFO)
         return
     handler = logging.StreamHandler()
+    handler.addFilter(JobContextFilter())
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s [%(processName)s %(name)s] %(message)s")
     )

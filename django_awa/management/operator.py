@@ -1,0 +1,111 @@
+"""What the operator commands (``awa_jobs``, ``awa_queues``, ``awa_schedules``) share.
+
+Exit codes, the same for every command, for scripts:
+
+- ``0``: done; what was asked for exists.
+- ``1``: nothing matched, a named job or schedule does not exist, or an
+  operation was refused for some of them (the message says which).
+- ``2``: usage error: an unknown subcommand or option, a bad value, or a
+  command that names nothing to act on.
+
+Output is a table for people, or JSON with ``--json`` (one document on stdout).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, NoReturn
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+OK = 0
+NOTHING_MATCHED = 1
+USAGE = 2
+
+# The widest a table cell gets before it is cut with an ellipsis.
+CELL_WIDTH = 60
+
+
+class _OperatorParser(CommandParser):
+    """A parser whose usage errors exit (or raise) with status 2, also under ``call_command``."""
+
+    def error(self, message: str) -> NoReturn:
+        if self.called_from_command_line:
+            super().error(message)  # argparse: usage on stderr, exit 2
+        raise CommandError(f"Error: {message}", returncode=USAGE)
+
+
+class OperatorCommand(BaseCommand):
+    """A command with subcommands, ``--json``, and the exit codes above."""
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        # After add_arguments: the parser's own errors (a missing subcommand) raise too.
+        parser.__class__ = _OperatorParser
+        return parser
+
+    def subcommands(self, parser: CommandParser) -> Any:
+        """The subcommands' action group: each subparser raises usage errors as ours do."""
+        return parser.add_subparsers(
+            dest="action", required=True, metavar="ACTION", parser_class=_OperatorParser
+        )
+
+    def add_json(self, parser: CommandParser) -> None:
+        parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    def emit(self, options: dict[str, Any], document: Any, text: str) -> None:
+        """Write ``document`` as JSON with ``--json``, else ``text``."""
+        if options.get("json"):
+            self.stdout.write(json.dumps(document, default=_json_default, indent=2))
+        elif text:
+            self.stdout.write(text)
+
+
+def usage(message: str) -> CommandError:
+    return CommandError(message, returncode=USAGE)
+
+
+def nothing(message: str) -> CommandError:
+    return CommandError(message, returncode=NOTHING_MATCHED)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def cell(value: Any) -> str:
+    """A value as a table cell: times to the second, long text cut, None as '-'."""
+    if value is None:
+        text = "-"
+    elif isinstance(value, datetime):
+        text = value.strftime("%Y-%m-%d %H:%M:%S")
+    elif isinstance(value, bool):
+        text = "yes" if value else "no"
+    elif isinstance(value, int):
+        text = f"{value:,}"
+    else:
+        text = " ".join(str(value).split())
+    return text if len(text) <= CELL_WIDTH else text[: CELL_WIDTH - 1] + "…"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Rows as aligned columns under their headers (numbers to the right)."""
+    cells = [[cell(v) for v in row] for row in rows]
+    numeric = [
+        bool(rows) and all(isinstance(row[i], int) and not isinstance(row[i], bool) for row in rows)
+        for i in range(len(headers))
+    ]
+    widths = [max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [
+            v.rjust(w) if numeric[i] else v.ljust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])

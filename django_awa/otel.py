@@ -1,0 +1,267 @@
+"""OpenTelemetry, with the ``otel`` extra (``opentelemetry-api``): traces and metrics.
+
+- Enqueue records the current trace context (W3C ``traceparent``/``tracestate``)
+  in ``metadata["awa_trace"]`` when a span is current.
+- Each attempt runs in a span ``awa.job <kind>`` (kind CONSUMER, messaging
+  attributes): a child of the enqueuing span on attempt 1, a new trace linked
+  to it on later attempts. A follow-up's ``awa_trace`` also lists its
+  trigger's attempt span under ``"links"``: its span links to it.
+- Metrics through the metrics API: ``awa.jobs.finished`` (counter, by kind,
+  queue and outcome), ``awa.job.attempt.duration`` and ``awa.job.wait``
+  (histograms, seconds: handler run, and due to start) and, in workers,
+  ``awa.jobs`` (gauge per queue and state, from the maintenance leader's
+  count).
+
+``AWA["OPENTELEMETRY"]``: ``None`` (default) instruments when
+``opentelemetry`` can be imported, ``False`` never (nothing is imported),
+``True`` requires it (a system check error names the key when it is missing).
+Without an SDK configured, the API's calls do nothing. Nothing here imports
+``opentelemetry`` until ``instrumentation()`` is first asked and allowed to.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from .conf import awa_settings
+
+if TYPE_CHECKING:
+    from .execute import AttemptResult
+    from .models import Job
+
+# How many attempts' span contexts are kept for their follow-ups to link to.
+LINKS_KEPT = 10_000
+
+_UNRESOLVED = object()
+_instrumentation: Any = _UNRESOLVED
+_lock = threading.Lock()
+
+
+def importable() -> bool:
+    """Whether the OpenTelemetry API can be imported (without importing it if absent)."""
+    try:
+        return importlib.util.find_spec("opentelemetry.trace") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def instrumentation() -> Instrumentation | None:
+    """The instrumentation, or None when disabled or not installed (decided once)."""
+    global _instrumentation
+    found = _instrumentation
+    if found is _UNRESOLVED:
+        with _lock:
+            if _instrumentation is _UNRESOLVED:
+                _instrumentation = _resolve()
+            found = _instrumentation
+    return found  # type: ignore[no-any-return]
+
+
+def _resolve() -> Instrumentation | None:
+    if awa_settings().opentelemetry is False or not importable():
+        return None
+    try:
+        return Instrumentation()
+    except ImportError:
+        return None
+
+
+@receiver(setting_changed)
+def _reset(*, setting: str, **kwargs: Any) -> None:
+    global _instrumentation
+    if setting == "AWA":
+        _instrumentation = _UNRESOLVED
+
+
+def with_trace(metadata_json: str | None) -> str | None:
+    """Engine metadata text with ``awa_trace`` added from the current span, if any.
+
+    ``None`` in, ``None`` out when there is nothing to add; text that has an
+    ``awa_trace`` already (a follow-up's) is left as it is.
+    """
+    found = instrumentation()
+    if found is None or (metadata_json is not None and '"awa_trace"' in metadata_json):
+        return metadata_json
+    trace = found.current_context()
+    if trace is None:
+        return metadata_json
+    entry = json.dumps({"awa_trace": trace})
+    if metadata_json is None or metadata_json == "{}":
+        return entry
+    return f"{metadata_json[:-1]}, {entry[1:]}"
+
+
+def followup_trace(trigger: Job) -> dict[str, Any] | None:
+    """A follow-up's ``awa_trace``: the current span as parent (if any) and the
+    trigger's attempt span as a link (if it ran here)."""
+    found = instrumentation()
+    if found is None:
+        return None
+    trace = found.current_context() or {}
+    link = found.attempt_link(trigger.id)
+    if link is not None:
+        trace["links"] = [link]
+    return trace or None
+
+
+class Instrumentation:
+    """The tracer, the meter's instruments and the W3C propagator: made once."""
+
+    def __init__(self) -> None:
+        from opentelemetry import metrics, trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        from . import __version__
+
+        self.trace = trace
+        self.propagator = TraceContextTextMapPropagator()
+        self.tracer = trace.get_tracer("django_awa", __version__)
+        meter = metrics.get_meter("django_awa", __version__)
+        self.finished = meter.create_counter(
+            "awa.jobs.finished", unit="{job}", description="Attempts finished, by outcome"
+        )
+        self.duration = meter.create_histogram(
+            "awa.job.attempt.duration", unit="s", description="How long an attempt's handler ran"
+        )
+        self.wait = meter.create_histogram(
+            "awa.job.wait", unit="s", description="From a job's run_at to its attempt's start"
+        )
+        self.meter = meter
+        self._links: OrderedDict[int, dict[str, str]] = OrderedDict()
+        self._links_lock = threading.Lock()
+        self._gauges: set[str] = set()
+
+    # -- context -----------------------------------------------------------------
+
+    def current_context(self) -> dict[str, Any] | None:
+        """The current span's W3C headers, or None without a valid current span."""
+        if not self.trace.get_current_span().get_span_context().is_valid:
+            return None
+        carrier: dict[str, Any] = {}
+        self.propagator.inject(carrier)
+        return carrier or None
+
+    def _span_context(self, headers: Any) -> Any:
+        """The span context W3C headers name, or None."""
+        if not isinstance(headers, dict) or not isinstance(headers.get("traceparent"), str):
+            return None
+        carrier = {k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
+        context = self.propagator.extract(carrier)
+        span_context = self.trace.get_current_span(context).get_span_context()
+        return span_context if span_context.is_valid else None
+
+    def attempt_link(self, job_id: int) -> dict[str, str] | None:
+        with self._links_lock:
+            return self._links.get(job_id)
+
+    def _keep_link(self, job_id: int, span: Any) -> None:
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier, context=self.trace.set_span_in_context(span))
+        with self._links_lock:
+            self._links[job_id] = carrier
+            self._links.move_to_end(job_id)
+            while len(self._links) > LINKS_KEPT:
+                self._links.popitem(last=False)
+
+    # -- attempts ----------------------------------------------------------------
+
+    @contextmanager
+    def attempt(self, job: Job, worker: str) -> Iterator[Callable[[AttemptResult | None], None]]:
+        """Run the block as the attempt's span; call what it yields with the result."""
+        from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+        metadata = job.metadata if isinstance(job.metadata, dict) else {}
+        trace_entry = metadata.get("awa_trace")
+        enqueued = self._span_context(trace_entry)
+        parent = None
+        links = []
+        if enqueued is not None:
+            if job.attempt <= 1:
+                parent = self.trace.set_span_in_context(self.trace.NonRecordingSpan(enqueued))
+            else:
+                links.append(Link(enqueued, {"awa.link": "enqueue"}))
+        if isinstance(trace_entry, dict):
+            for headers in trace_entry.get("links") or ():
+                linked = self._span_context(headers)
+                if linked is not None:
+                    links.append(Link(linked, {"awa.link": "trigger"}))
+        attributes: dict[str, Any] = {
+            "messaging.system": "awa",
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.destination.name": job.queue,
+            "messaging.message.id": str(job.id),
+            "messaging.client.id": worker,
+            "awa.job.kind": job.kind,
+            "awa.job.attempt": job.attempt,
+            "awa.job.max_attempts": job.max_attempts,
+            "awa.job.priority": job.priority,
+        }
+        span = self.tracer.start_span(
+            f"awa.job {job.kind}",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attributes,
+            links=links,
+        )
+        labels = {"awa.job.kind": job.kind, "messaging.destination.name": job.queue}
+        if job.attempted_at is not None and job.run_at is not None:
+            self.wait.record(max(0.0, (job.attempted_at - job.run_at).total_seconds()), labels)
+        outcome = {"state": "error"}
+
+        def record(result: AttemptResult | None) -> None:
+            if result is None:
+                outcome["state"] = "stale"
+                return
+            outcome["state"] = str(result.state)
+            span.set_attribute("awa.job.outcome", outcome["state"])
+            if result.error:
+                span.set_status(Status(StatusCode.ERROR, result.error[:1000]))
+
+        started = time.perf_counter()
+        try:
+            with self.trace.use_span(span, end_on_exit=False, record_exception=True):
+                yield record
+        finally:
+            elapsed = time.perf_counter() - started
+            span.end()
+            self._keep_link(job.id, span)
+            done = {**labels, "awa.job.outcome": outcome["state"]}
+            self.finished.add(1, done)
+            self.duration.record(elapsed, done)
+
+    # -- gauges ------------------------------------------------------------------
+
+    def observe_job_counts(self, alias: str) -> None:
+        """Register the ``awa.jobs`` gauge (once per alias), read from the leader's count."""
+        from opentelemetry.metrics import Observation
+
+        if alias in self._gauges:
+            return
+        self._gauges.add(alias)
+
+        def observe(options: Any) -> Iterable[Observation]:
+            from .models import JobCount
+
+            rows = JobCount.objects.using(alias).values_list("queue", "state", "count")
+            return [
+                Observation(count, {"messaging.destination.name": queue, "awa.job.state": state})
+                for queue, state, count in rows
+            ]
+
+        self.meter.create_observable_gauge(
+            "awa.jobs",
+            callbacks=[observe],
+            unit="{job}",
+            description="Jobs per queue and state, as the maintenance leader last counted",
+        )

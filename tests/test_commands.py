@@ -1,0 +1,258 @@
+"""The operator commands awa_jobs, awa_queues, awa_schedules: output and exit codes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+from django.utils import timezone
+
+import django_awa as awa
+from django_awa.models import Job, JobState, PeriodicSchedule, Queue
+from django_awa.schedules import schedules
+from tests.conftest import ROOT, make_job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@dataclass
+class Tidy(awa.JobArgs):
+    room: str = "hall"
+
+
+def run(*args: str) -> tuple[str, int]:
+    """call_command: (stdout, exit code), as a script would see them."""
+    out = io.StringIO()
+    try:
+        call_command(*args, stdout=out, stderr=io.StringIO())
+    except CommandError as exc:
+        return out.getvalue(), exc.returncode
+    return out.getvalue(), 0
+
+
+def shell(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command as a real process on the test database."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "AWA_TEST_DB_NAME": connection.settings_dict["NAME"],
+        "PYTHONPATH": str(ROOT),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "django", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def failed(**fields: Any) -> Job:
+    now = timezone.now()
+    return make_job(
+        state=JobState.FAILED, attempt=3, max_attempts=3, finalized_at=now, attempted_at=now,
+        errors=[{"attempt": 3, "at": now.isoformat(), "error": "ValueError: card declined",
+                 "traceback": ""}],
+        **fields,
+    )  # fmt: skip
+
+
+# -- awa_jobs ------------------------------------------------------------------------
+
+
+def test_list_filters_and_shows_a_readable_table_or_json():
+    bad = failed(queue="billing", kind="charge")
+    make_job(queue="billing", kind="charge")
+    make_job(queue="email", kind="mail")
+    out, code = run("awa_jobs", "list", "--queue", "billing", "--state", "failed")
+    assert code == 0
+    header, rule, *rows = out.splitlines()
+    assert header.split() == [
+        "id", "kind", "queue", "state", "attempt", "run_at", "finalized_at", "last_error",
+    ]  # fmt: skip
+    assert set(rule) <= {"-", " "}
+    assert len(rows) == 1 and rows[0].split()[:5] == [
+        str(bad.id),
+        "charge",
+        "billing",
+        "failed",
+        "3/3",
+    ]
+    assert rows[0].endswith("ValueError: card declined")
+
+    out, code = run("awa_jobs", "list", "--queue", "billing", "--json")
+    assert code == 0
+    listed = json.loads(out)
+    assert [j["queue"] for j in listed] == ["billing", "billing"]
+    assert listed[1]["last_error"] == "ValueError: card declined"
+
+
+def test_list_marks_a_cut_and_nothing_matched_is_exit_1():
+    for _ in range(3):
+        make_job(kind="mail")
+    out, code = run("awa_jobs", "list", "--kind", "mail", "--limit", "2")
+    assert code == 0 and out.splitlines()[-1] == "(the newest 2; --limit for more)"
+    out, code = run("awa_jobs", "list", "--kind", "nope")
+    assert (out, code) == ("", 1)
+    out, code = run("awa_jobs", "list", "--kind", "nope", "--json")
+    assert (json.loads(out), code) == ([], 1)
+
+
+def test_show_one_job_and_a_missing_one():
+    job = failed(args={"order": 42})
+    out, code = run("awa_jobs", "show", str(job.id), "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert (
+        shown["args"] == {"order": 42}
+        and shown["errors"][0]["error"] == "ValueError: card declined"
+    )
+    out, code = run("awa_jobs", "show", str(job.id))
+    assert code == 0 and "error: attempt 3" in out and "ValueError: card declined" in out
+    assert run("awa_jobs", "show", "999999999")[1] == 1
+
+
+def test_retry_cancel_and_discard_by_id_and_by_filter():
+    one, two = failed(queue="billing"), failed(queue="billing")
+    other = failed(queue="email")
+    running = make_job(queue="billing", state=JobState.AVAILABLE)
+
+    out, code = run("awa_jobs", "retry", "--queue", "billing", "--json")
+    assert code == 0
+    assert json.loads(out) == {
+        "retried": [one.id, two.id],
+        "unchanged": [],
+        "not_found": [],
+        "failed": [],
+    }
+    assert (
+        Job.objects.get(id=one.id).state == "available"
+        and Job.objects.get(id=other.id).state == "failed"
+    )
+
+    out, code = run("awa_jobs", "cancel", str(running.id), "--reason", "no longer needed")
+    assert code == 0 and out.startswith(f"cancelled 1 job(s): {running.id}")
+    cancelled = Job.objects.get(id=running.id)
+    assert cancelled.state == "cancelled" and cancelled.errors[-1]["error"].endswith(
+        "no longer needed"
+    )
+
+    # A job whose state does not allow it, and an id that names none: exit 1.
+    out, code = run("awa_jobs", "retry", str(other.id), str(one.id), "999999999", "--json")
+    assert code == 1
+    assert json.loads(out) == {
+        "retried": [other.id], "unchanged": [one.id], "not_found": [999999999], "failed": [],
+    }  # fmt: skip
+
+    out, code = run("awa_jobs", "discard", "--queue", "email")
+    assert code == 2 and Job.objects.filter(id=other.id).exists()  # needs --yes
+    out, code = run("awa_jobs", "discard", "--queue", "email", "--yes")
+    assert code == 0 and out.startswith("discarded 1 job(s)")
+    assert not Job.objects.filter(id=other.id).exists()
+    assert run("awa_jobs", "retry", "--queue", "email")[1] == 1  # nothing left to match
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("awa_jobs",),
+        ("awa_jobs", "frobnicate"),
+        ("awa_jobs", "retry"),
+        ("awa_jobs", "retry", "12", "--queue", "x"),
+        ("awa_jobs", "list", "--state", "sleeping"),
+        ("awa_jobs", "list", "--limit", "0"),
+        ("awa_jobs", "show", "twelve"),
+        ("awa_queues", "pause", "bad queue name"),
+        ("awa_schedules", "trigger"),
+    ],
+)
+def test_usage_errors_are_exit_2(args: tuple[str, ...]):
+    assert run(*args)[1] == 2
+
+
+def test_real_processes_get_the_same_exit_codes_and_output():
+    job = failed(queue="billing")
+    listed = shell("awa_jobs", "list", "--queue", "billing", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [j["id"] for j in json.loads(listed.stdout)] == [job.id]
+    missing = shell("awa_jobs", "show", "999999999")
+    assert missing.returncode == 1 and "no job with id 999999999" in missing.stderr
+    wrong = shell("awa_jobs", "list", "--state", "sleeping")
+    assert wrong.returncode == 2 and "unknown state 'sleeping'" in wrong.stderr
+    unknown = shell("awa_jobs", "frobnicate")
+    assert unknown.returncode == 2 and "invalid choice" in unknown.stderr
+
+
+# -- awa_queues ----------------------------------------------------------------------
+
+
+def test_queue_stats_pause_and_resume():
+    assert run("awa_queues", "stats")[1] == 1  # no queue known yet
+    make_job(queue="billing")
+    failed(queue="billing")
+    out, code = run("awa_queues", "pause", "billing")
+    assert (out.strip(), code) == ("queue billing paused", 0)
+    assert Queue.objects.get(name="billing").paused
+    out, code = run("awa_queues", "stats")
+    assert code == 0
+    header, _, row = out.splitlines()
+    assert header.split()[:2] == ["queue", "paused"]
+    cells = dict(zip(header.split(), row.split(), strict=True))
+    assert cells == {**cells, "queue": "billing", "paused": "yes", "available": "1", "failed": "1"}
+    stats = json.loads(run("awa_queues", "stats", "--json")[0])
+    assert stats["billing"]["paused"] is True and stats["billing"]["available"] == 1
+    assert json.loads(run("awa_queues", "resume", "billing", "--json")[0]) == {
+        "queue": "billing", "paused": False,
+    }  # fmt: skip
+    assert not Queue.objects.get(name="billing").paused
+
+
+# -- awa_schedules -------------------------------------------------------------------
+
+
+@pytest.fixture
+def tidy_schedule():
+    awa.periodic("tidy-nightly", "0 3 * * *", Tidy(room="attic"), queue="chores")
+    yield
+    schedules.pop("tidy-nightly", None)
+
+
+def test_schedules_list_pause_resume_trigger_and_a_removed_one(tidy_schedule):
+    PeriodicSchedule.objects.create(
+        name="gone", cron="* * * * *", kind="old_kind",
+        last_fire_at=timezone.now() - dt.timedelta(hours=1),
+    )  # fmt: skip
+    out, code = run("awa_schedules", "list", "--json")
+    assert code == 0
+    by_name = {e["name"]: e for e in json.loads(out)}
+    assert by_name["tidy-nightly"]["status"] == "new" and by_name["tidy-nightly"]["kind"] == "tidy"
+    assert by_name["gone"]["status"] == "removed" and by_name["gone"]["next_fire_at"] is None
+
+    assert (
+        run("awa_schedules", "pause", "tidy-nightly")[0].strip() == "schedule tidy-nightly: paused"
+    )
+    assert PeriodicSchedule.objects.get(name="tidy-nightly").paused
+    out, code = run("awa_schedules", "trigger", "tidy-nightly", "--json")
+    assert code == 0
+    job = Job.objects.get(id=json.loads(out)["job_id"])
+    assert (job.kind, job.queue, job.args) == ("tidy", "chores", {"room": "attic"})
+    assert job.metadata["awa_periodic"]["name"] == "tidy-nightly"
+    assert job.metadata["awa_periodic"]["triggered"] is True
+    assert (
+        run("awa_schedules", "resume", "tidy-nightly")[0].strip() == "schedule tidy-nightly: active"
+    )
+
+    out, code = run("awa_schedules", "list")
+    lines = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert lines["gone"][1] == "removed" and lines["tidy-nightly"][1] == "active"
+
+    assert run("awa_schedules", "trigger", "gone")[1] == 1  # removed from code: nothing to fire
+    assert run("awa_schedules", "pause", "nonesuch")[1] == 1
+    assert run("awa_schedules", "pause", "gone")[1] == 0

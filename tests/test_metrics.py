@@ -1,0 +1,166 @@
+"""``<prefix>/metrics`` and ``<prefix>/health`` (SPEC §15), on the real database and workers."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext, override_settings
+
+import django_awa as awa
+from django_awa.maintenance import Maintenance
+from tests.conftest import make_job, wait_for, wait_for_state
+from tests.testapp.jobs import Act, Echo
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+METRICS = "/awa/metrics"
+HEALTH = "/awa/health"
+TOKEN = "scrape-me-0123456789"
+
+
+def _awa(**extra: Any) -> dict[str, Any]:
+    from django.conf import settings
+
+    return {**settings.AWA, **extra}
+
+
+def samples(text: str) -> dict[str, float]:
+    """``{'name{labels}': value}`` of an exposition, checking every family has HELP and TYPE."""
+    found: dict[str, float] = {}
+    typed: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            assert key.split("{")[0] in typed, f"{key} has no TYPE line"
+            found[key] = float(value)
+    return found
+
+
+def staff_client(*, staff: bool = True) -> Client:
+    user = User.objects.create_user(f"u{staff}", is_staff=staff)
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_metrics_need_a_staff_session_or_the_bearer_token():
+    anonymous = Client().get(METRICS)
+    assert anonymous.status_code == 401
+    assert anonymous["WWW-Authenticate"] == 'Bearer realm="awa"'
+    assert staff_client(staff=False).get(METRICS).status_code == 403
+    staff = staff_client().get(METRICS)
+    assert staff.status_code == 200
+    assert staff["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    # No token configured: a bearer header opens nothing.
+    assert Client().get(METRICS, HTTP_AUTHORIZATION=f"Bearer {TOKEN}").status_code == 401
+    with override_settings(AWA=_awa(METRICS_TOKEN=TOKEN)):
+        assert Client().get(METRICS, HTTP_AUTHORIZATION=f"Bearer {TOKEN}").status_code == 200
+        assert Client().get(METRICS, HTTP_AUTHORIZATION=f"bearer {TOKEN}").status_code == 200
+        assert Client().get(METRICS, HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
+        assert Client().get(METRICS, HTTP_AUTHORIZATION=TOKEN).status_code == 401
+    assert Client().post(METRICS, HTTP_AUTHORIZATION=f"Bearer {TOKEN}").status_code in (401, 405)
+
+
+def test_job_counts_come_from_the_leaders_rollup_and_a_scrape_reads_no_job_row():
+    for _ in range(3):
+        awa.enqueue(Echo(n=1))
+    make_job(queue="echo", kind="echo", args={"n": 2}, state="failed")
+    awa.enqueue(Act(), queue="other")
+    Maintenance().count_jobs()
+    awa.enqueue(Echo(n=9))  # after the count: not in it until the next one
+
+    client = staff_client()
+    with CaptureQueriesContext(connection) as queries:
+        text = client.get(METRICS).content.decode()
+    touched = [q["sql"] for q in queries if re.search(r'\bawa_job\b(?!_)|"awa_job"', q["sql"])]
+    assert touched == [], touched
+    found = samples(text)
+    assert found['awa_jobs{queue="echo",state="available"}'] == 3
+    assert found['awa_jobs{queue="echo",state="failed"}'] == 1
+    assert found['awa_jobs{queue="other",state="available"}'] == 1
+    assert 0 <= found["awa_jobs_counted_age_seconds"] < 60
+    assert found['awa_queue_oldest_available_age_seconds{queue="echo"}'] >= 0
+
+    Maintenance().count_jobs()
+    assert samples(client.get(METRICS).content.decode())[
+        'awa_jobs{queue="echo",state="available"}'
+    ] == 4  # fmt: skip
+
+
+def test_label_values_are_escaped():
+    awa.pause_queue('we"ird\\queue')
+    text = staff_client().get(METRICS).content.decode()
+    assert 'awa_queue_paused{queue="we\\"ird\\\\queue"} 1' in text.splitlines()
+
+
+def test_a_real_worker_fleet_in_the_metrics_and_health(start_worker):
+    client = staff_client()
+    before = Client().get(HEALTH)
+    assert before.status_code == 503
+    assert before.json()["status"] == "unavailable" and before.json()["database"] is True
+    assert samples(client.get(METRICS).content.decode())["awa_workers"] == 0
+
+    worker = start_worker("--queue", "default=3")
+    job = awa.enqueue(Act(action="sleep", seconds=30))
+    wait_for_state(job.id, "running")
+
+    def scraped() -> dict[str, float] | None:
+        found = samples(client.get(METRICS).content.decode())
+        running = f'awa_worker_running_jobs{{worker="{_name(worker.pid)}"}}'
+        key = 'awa_jobs{queue="default",state="running"}'
+        return found if found.get(running) == 1 and found.get(key) == 1 else None
+
+    found = wait_for(scraped, message=worker.output)
+    assert found["awa_workers"] == 1
+    assert found[f'awa_worker_concurrency{{worker="{_name(worker.pid)}"}}'] == 3
+    assert found["awa_maintenance_age_seconds"] < 10
+
+    healthy = wait_for(lambda: (r := Client().get(HEALTH)).status_code == 200 and r)
+    assert healthy.json()["status"] == "ok" and healthy.json()["database"] is True
+    assert healthy.json()["maintenance_age_seconds"] <= 1.5  # 3 x MAINTENANCE_INTERVAL
+
+    awa.cancel(job.id)
+    assert worker.stop() == 0
+    # No leader any more: unhealthy once three maintenance intervals passed.
+    wait_for(lambda: Client().get(HEALTH).status_code == 503, timeout=10)
+
+
+def _name(pid: int) -> str:
+    import socket
+
+    return f"{socket.gethostname()}:{pid}"
+
+
+def test_health_is_503_when_the_database_does_not_answer():
+    settings_dict = connection.settings_dict
+    saved = settings_dict["PORT"], settings_dict["HOST"]
+    connection.close()
+    settings_dict["HOST"], settings_dict["PORT"] = "127.0.0.1", "1"  # nothing listens there
+    try:
+        response = Client().get(HEALTH)
+    finally:
+        connection.close()
+        settings_dict["PORT"], settings_dict["HOST"] = saved
+    assert response.status_code == 503
+    assert response.json() == {
+        "status": "unavailable",
+        "database": False,
+        "error": "OperationalError",
+    }
+    assert Client().get(HEALTH).json()["database"] is True
+
+
+@pytest.mark.parametrize("token", ["", "   ", 42])
+def test_a_bad_metrics_token_is_a_check_error_naming_the_key(token: Any):
+    from django_awa.conf import problems
+
+    assert ("METRICS_TOKEN", "AWA['METRICS_TOKEN'] must be a non-empty string") in problems(
+        {"METRICS_TOKEN": token}
+    )

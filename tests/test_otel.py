@@ -1,0 +1,243 @@
+"""OpenTelemetry (the otel extra), with the SDK's in-memory exporters: spans, links, metrics.
+
+And without it: a worker process with OpenTelemetry disabled, or not installed,
+never imports it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
+from opentelemetry.trace import SpanKind, StatusCode
+
+import django_awa as awa
+from django_awa import otel
+from django_awa.completer import Completer
+from django_awa.handlers import HandlerPool
+from django_awa.maintenance import Maintenance
+from django_awa.models import Job
+from django_awa.producer import Producer
+from django_awa.state import WorkerState
+from tests.conftest import ROOT, wait_for_state
+from tests.testapp.jobs import Act, Echo
+from tests.testapp.models import Ledger
+
+pytestmark = pytest.mark.django_db
+
+# The SDK's providers can be set once per process: these, for the whole module.
+SPANS = InMemorySpanExporter()
+READER = InMemoryMetricReader()
+_provider = TracerProvider()
+_provider.add_span_processor(SimpleSpanProcessor(SPANS))
+trace.set_tracer_provider(_provider)
+metrics.set_meter_provider(MeterProvider(metric_readers=[READER]))
+TRACER = trace.get_tracer("tests")
+
+
+@pytest.fixture(autouse=True)
+def _clear_spans() -> None:
+    SPANS.clear()
+
+
+def run_queue(queue: str, n: int = 1) -> WorkerState:
+    """Claim, run and finalize ``n`` attempts of ``queue`` in this thread: the real path."""
+    state = WorkerState.create({queue: n})
+    runner = state.queues[queue]
+    Producer(state, runner).run_once()
+    pool = HandlerPool(state)
+    ran = 0
+    while pool.run_once(runner, timeout=0.5):
+        ran += 1
+    Completer(state).run_once()
+    assert ran == n
+    return state
+
+
+def job_spans(kind: str) -> list[Any]:
+    return [s for s in SPANS.get_finished_spans() if s.name == f"awa.job {kind}"]
+
+
+def test_enqueue_records_the_trace_and_attempt_one_is_a_child_of_the_enqueuing_span():
+    with TRACER.start_as_current_span("POST /orders") as request:
+        job = awa.enqueue(Act(action="ok", tag="none"))
+    stored = Job.objects.get(id=job.id).metadata["awa_trace"]
+    context = request.get_span_context()
+    assert stored["traceparent"].startswith(f"00-{context.trace_id:032x}-{context.span_id:016x}-")
+    assert "awa_trace" not in Job.objects.get(id=awa.enqueue(Act(tag="none")).id).metadata
+
+    run_queue("default", 2)
+    spans = job_spans("act")
+    span = next(s for s in spans if s.attributes["messaging.message.id"] == str(job.id))
+    assert span.kind is SpanKind.CONSUMER
+    assert span.parent is not None and span.parent.span_id == context.span_id
+    assert span.context.trace_id == context.trace_id
+    assert dict(span.attributes) | {"messaging.client.id": "-"} == {
+        "messaging.system": "awa",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": "default",
+        "messaging.message.id": str(job.id),
+        "messaging.client.id": "-",
+        "awa.job.kind": "act",
+        "awa.job.attempt": 1,
+        "awa.job.max_attempts": 3,
+        "awa.job.priority": 2,
+        "awa.job.outcome": "completed",
+    }
+    assert span.status.status_code is StatusCode.UNSET
+    # The job enqueued outside any span runs in a trace of its own.
+    other = next(s for s in spans if s is not span)
+    assert other.parent is None and not other.links
+
+
+def test_a_later_attempt_starts_a_new_trace_linked_to_the_enqueuing_span():
+    with TRACER.start_as_current_span("request") as request:
+        job = awa.enqueue(Act(action="ok", tag="none", fail_until=1))
+    run_queue("default")
+    Job.objects.filter(id=job.id).update(run_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+    Maintenance().promote()
+    run_queue("default")
+    first, second = sorted(job_spans("act"), key=lambda s: s.attributes["awa.job.attempt"])
+    assert first.parent.span_id == request.get_span_context().span_id
+    assert first.status.status_code is StatusCode.ERROR
+    assert "failing attempt 1" in first.status.description
+    assert first.attributes["awa.job.outcome"] == "retryable"
+    assert second.attributes["awa.job.attempt"] == 2 and second.parent is None
+    assert second.context.trace_id != request.get_span_context().trace_id
+    [link] = second.links
+    assert link.context.span_id == request.get_span_context().span_id
+    assert link.attributes["awa.link"] == "enqueue"
+
+
+def test_follow_ups_link_to_their_triggers_attempt_span():
+    with TRACER.start_as_current_span("request"):
+        trigger = awa.enqueue(Act(action="ok"))
+    run_queue("default")
+    [attempt_span] = job_spans("act")
+    followups = list(Job.objects.filter(kind="echo").order_by("id"))
+    assert len(followups) == 2
+    for followup in followups:
+        [link] = followup.metadata["awa_trace"]["links"]
+        assert link["traceparent"].split("-")[2] == f"{attempt_span.context.span_id:016x}"
+        assert followup.metadata["awa_trigger"]["job_id"] == trigger.id
+    # Due by this test transaction's clock (now() is when it began).
+    Job.objects.filter(kind="echo").update(run_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+    run_queue("echo", 2)
+    for span in job_spans("echo"):
+        [link] = span.links
+        assert link.context.span_id == attempt_span.context.span_id
+        assert link.attributes["awa.link"] == "trigger"
+
+
+def _points(name: str) -> list[Any]:
+    data = READER.get_metrics_data()
+    found = []
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == name:
+                    found.extend(metric.data.data_points)
+    return found
+
+
+def _sum(name: str, **attributes: Any) -> float:
+    total = 0.0
+    for point in _points(name):
+        if all(point.attributes.get(k) == v for k, v in attributes.items()):
+            total += getattr(point, "value", None) or getattr(point, "count", 0)
+    return total
+
+
+def test_metrics_count_outcomes_time_attempts_and_waits_and_gauge_jobs_per_state():
+    labels = {"awa.job.kind": "act", "messaging.destination.name": "default"}
+    before_done = _sum("awa.jobs.finished", **labels, **{"awa.job.outcome": "completed"})
+    before_failed = _sum("awa.jobs.finished", **labels, **{"awa.job.outcome": "failed"})
+    before_runs = _sum("awa.job.attempt.duration", **labels)
+    before_waits = _sum("awa.job.wait", **labels)
+    awa.enqueue(Act(action="ok", tag="none"))
+    awa.enqueue(Act(action="terminal"))
+    run_queue("default", 2)
+    assert (
+        _sum("awa.jobs.finished", **labels, **{"awa.job.outcome": "completed"}) == before_done + 1
+    )
+    assert _sum("awa.jobs.finished", **labels, **{"awa.job.outcome": "failed"}) == before_failed + 1
+    assert _sum("awa.job.attempt.duration", **labels) == before_runs + 2
+    assert _sum("awa.job.wait", **labels) == before_waits + 2
+
+    awa.enqueue(Echo(n=1))
+    awa.enqueue(Echo(n=2))
+    Maintenance().count_jobs()
+    otel.instrumentation().observe_job_counts("default")
+    gauge = {
+        (p.attributes["messaging.destination.name"], p.attributes["awa.job.state"]): p.value
+        for p in _points("awa.jobs")
+    }
+    assert (
+        gauge[("echo", "available")] == Job.objects.filter(queue="echo", state="available").count()
+    )
+    assert gauge[("echo", "available")] >= 2
+    assert gauge[("default", "completed")] == 1 and gauge[("default", "failed")] == 1
+
+
+def test_disabled_it_records_nothing():
+    from django.conf import settings
+    from django.test import override_settings
+
+    with override_settings(AWA={**settings.AWA, "OPENTELEMETRY": False}):
+        assert otel.instrumentation() is None
+        with TRACER.start_as_current_span("request"):
+            job = awa.enqueue(Act(action="ok", tag="none"))
+        assert "awa_trace" not in Job.objects.get(id=job.id).metadata
+        run_queue("default")
+        assert job_spans("act") == []
+    assert otel.instrumentation() is not None
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("how", "imported"), [("disabled", False), ("not installed", False), ("installed", True)]
+)
+def test_a_worker_without_opentelemetry_never_imports_it(start_worker, how: str, imported: bool):
+    env = {}
+    if how == "disabled":
+        env = {"AWA_TEST_OPENTELEMETRY": "off"}
+    elif how == "not installed":
+        env = {"PYTHONPATH": f"{ROOT / 'tests' / 'blocked'}:{ROOT}"}
+    job = awa.enqueue(Act(action="modules"))
+    followed = awa.enqueue(Act(action="ok"))  # its follow-ups are built there too
+    start_worker("--queue", "default", "--queue", "echo", env=env)
+    wait_for_state(job.id, "completed")
+    wait_for_state(followed.id, "completed")
+    # "installed" is the control: the probe does see an import.
+    assert Ledger.objects.get(job_id=job.id, note__startswith="opentelemetry:").note == (
+        f"opentelemetry:{imported}"
+    )
+    assert Job.objects.filter(kind="echo").count() == 4  # two follow-ups each
+    if not imported:
+        assert not any("awa_trace" in j.metadata for j in Job.objects.filter(kind="echo"))
+
+
+def test_the_blocker_really_blocks():
+    import subprocess
+    import sys
+
+    env = {"PYTHONPATH": str(Path(ROOT, "tests", "blocked"))}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import opentelemetry.trace"], env=env, capture_output=True,
+        text=True, check=False, timeout=30,
+    )  # fmt: skip
+    assert probe.returncode == 1 and "blocked" in probe.stderr
