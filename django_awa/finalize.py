@@ -90,6 +90,7 @@ def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[
         params: dict[str, Any] = {
             "id": db.int_array(r.job.id for r in results),
             "run_lease": db.int_array(r.job.run_lease for r in results),
+            "started_ago": db.float_array(r.started_ago() for r in results),
         }
     else:
         statement = sql.FINALIZE_RETURNING_ROWS if rows else sql.FINALIZE
@@ -363,6 +364,7 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
             else:
                 result = from_value(attempt, value)
             result.progress = attempt.progress
+            result.started = attempt.started
             if not finalize_atomic(result, handler_savepoint):
                 raise StaleAttempt
             return result

@@ -58,10 +58,14 @@ def close_broken_connections() -> None:
 
 
 def _deadline_seconds(job: Job) -> float | None:
-    """The attempt's deadline as a duration, both ends read on the database clock at claim."""
-    if job.deadline_at is None or job.attempted_at is None:
+    """The attempt's deadline as a duration, both ends read on the database clock at claim.
+
+    The claim sets ``heartbeat_at`` and ``deadline_at`` from the same ``now()``
+    (``attempted_at`` waits for the handler to begin, see MARK_STARTED).
+    """
+    if job.deadline_at is None or job.heartbeat_at is None:
         return None
-    return (job.deadline_at - job.attempted_at).total_seconds()
+    return (job.deadline_at - job.heartbeat_at).total_seconds()
 
 
 @dataclass(slots=True, eq=False)
@@ -162,7 +166,8 @@ class HandlerPool:
                     return  # given back at shutdown before it started
                 self.waiting.discard(attempt.job.id)
                 handler.attempt = attempt
-                handler.started = time.monotonic()
+                # Claimed until now; from here its handler runs (attempted_at).
+                handler.started = attempt.started = time.monotonic()
                 handler.lost_at = None
                 handler.overrun_logged = handler.bound_logged = False
             if attempt.cancelled.is_set():
@@ -185,13 +190,13 @@ class HandlerPool:
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
-                self.results.put(resolved)
+                self._put(attempt, resolved)
                 return
             spec, args = resolved
             if spec.atomic:
                 self._run_atomic(attempt, spec, args)
                 return
-            self.results.put(run_attempt(attempt, self._mark_progress, resolved))
+            self._put(attempt, run_attempt(attempt, self._mark_progress, resolved))
         except BaseException as exc:  # no signal reaches a handler thread
             # Whatever reaches here came from running the job (the handler
             # boundary catches the handler's own errors): record it, so the job
@@ -201,9 +206,14 @@ class HandlerPool:
                 attempt.job.id, attempt.job.kind, attempt.job.attempt,
                 extra=log_context(attempt.job, self.state.name),
             )  # fmt: skip
-            self.results.put(from_exception(attempt.job, exc, during="worker error"))
+            self._put(attempt, from_exception(attempt.job, exc, during="worker error"))
         finally:
             close_broken_connections()
+
+    def _put(self, attempt: Attempt, result: AttemptResult) -> None:
+        """Hand ``result`` to the completer, with when its handler began."""
+        result.started = attempt.started
+        self.results.put(result)
 
     def _run_atomic(self, attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> None:
         try:
@@ -218,7 +228,7 @@ class HandlerPool:
                 attempt.job.id, attempt.job.kind, extra=log_context(attempt.job, self.state.name),
             )  # fmt: skip
             reset_connection()
-            self.results.put(from_exception(attempt.job, exc, during="could not be finalized"))
+            self._put(attempt, from_exception(attempt.job, exc, during="could not be finalized"))
             return
         self.forget(attempt.job)
 
