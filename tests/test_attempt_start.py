@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from django.db import connections, transaction
 
 from django_awa.completer import Completer
 from django_awa.handlers import HandlerPool
@@ -23,6 +24,7 @@ from django_awa.process import Worker
 from django_awa.producer import Producer
 from django_awa.state import WorkerState
 from tests.conftest import due_job
+from tests.testapp.models import Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -120,3 +122,37 @@ def test_a_job_given_back_before_it_started_has_no_start():
     back = Job.objects.get(id=job.id)
     assert back.state == JobState.AVAILABLE and back.attempted_at is None
     assert back.attempt == 1 and back.snoozed  # its next run keeps this attempt's number
+
+
+def test_an_atomic_attempt_whose_row_is_locked_a_moment_is_written_not_dropped():
+    # The heartbeat thread (HEARTBEAT, MARK_STARTED) locks attempts' rows for one
+    # statement; an atomic handler finishing at that moment must still commit,
+    # its writes with its outcome, not be taken for a stale attempt.
+    job = due_job(kind="pay", args={"reference": "locked-a-moment"})
+    state = WorkerState.create({"default": 1})
+    Producer(state, state.queues["default"]).run_once()
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_row() -> None:
+        try:
+            with transaction.atomic():
+                Job.objects.select_for_update().get(id=job.id)
+                locked.set()
+                release.wait(5)
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=hold_the_row)
+    holder.start()
+    assert locked.wait(5)
+    threading.Timer(0.15, release.set).start()
+    try:
+        assert HandlerPool(state).run_once(state.queues["default"], timeout=1)
+    finally:
+        release.set()
+        holder.join(5)
+
+    done = Job.objects.get(id=job.id)
+    assert done.state == JobState.COMPLETED, done.state
+    assert Order.objects.filter(reference="locked-a-moment", paid=True).count() == 1
+    assert done.attempted_at is not None
