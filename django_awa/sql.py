@@ -219,12 +219,13 @@ RETURNING {J_JOB_COLUMNS}
 # registered.
 # When the attempt's handler began, on the database clock: the worker sends how
 # many seconds ago it began by its own monotonic clock (``started_ago``), so the
-# two machines' clocks never meet. Written once per attempt: the row keeps what
+# two machines' clocks never meet. statement_timestamp(), not now(): an atomic
+# attempt's transaction began before its handler did. Written once per attempt: the row keeps what
 # it has when MARK_STARTED stored it already, or when no handler began (NULL
 # since the claim).
 _STARTED_AT = (
     "CASE WHEN {d}.started_ago IS NULL OR j.attempted_at IS NOT NULL THEN j.attempted_at"
-    " ELSE now() - make_interval(secs => {d}.started_ago) END"
+    " ELSE statement_timestamp() - make_interval(secs => {d}.started_ago) END"
 )
 # The attempts given as two arrays whose rows are still running them.
 _RUNNING_ATTEMPTS = """
@@ -243,7 +244,7 @@ SET state = d.state,
                   WHEN d.state = 'retryable'
                       THEN now() + make_interval(secs => {_backoff("j.attempt")})
                   ELSE j.run_at END,
-    finalized_at = CASE WHEN d.state IN {_FINAL} THEN now() END,
+    finalized_at = CASE WHEN d.state IN {_FINAL} THEN statement_timestamp() END,
     errors = {_errors_plus("j.", "d.error", "coalesce(d.traceback, '')")},
     snoozed = d.snoozed,
     attempt = CASE WHEN d.reset_attempts THEN 0 ELSE j.attempt END,
@@ -281,7 +282,7 @@ WITH held AS (
 )
 UPDATE ONLY awa_job AS j
 SET state = 'completed',
-    finalized_at = now(),
+    finalized_at = statement_timestamp(),
     snoozed = false,
     attempted_at = {_STARTED_AT.format(d="held")},
     {_ATTEMPT_CLEARED}
@@ -348,7 +349,7 @@ l AS (
     ORDER BY j.id FOR UPDATE OF j SKIP LOCKED
 )
 UPDATE ONLY awa_job AS j
-SET attempted_at = now() - make_interval(secs => d.started_ago),
+SET attempted_at = statement_timestamp() - make_interval(secs => d.started_ago),
     deadline_at = j.deadline_at + make_interval(secs => d.waited)
 FROM d, l
 WHERE j.id = d.id AND j.id = l.id

@@ -1,11 +1,14 @@
-"""The moving parts of ``manage.py awa_demo``, one process, several threads:
+"""The moving parts of ``manage.py awa_demo``: worker processes, and threads of its own:
 
-* the worker: a django_awa ``Worker`` running the queues (``run()`` in a thread);
-* the producer: creates orders at a steady rate, each ``Order`` row and its
-  ``ChargeCard`` job in one transaction, plus a stream of cheap jobs;
+* the workers: ``manage.py awa_worker`` subprocesses (``WorkerProcesses``);
+* the producers: create orders at a steady rate, each tick's ``Order`` rows and
+  their ``ChargeCard`` jobs in one transaction, plus a stream of cheap jobs, and
+  with ``--preset burst`` a bulk ``enqueue_many`` now and then (``Burst``);
 * the carrier: answers parked ``ShipOrder`` jobs after a short delay, by a
   signed ``POST`` to the callback receiver (``http``) or by calling
   ``awa.complete_external`` (``direct``);
+* the admin server (``CallbackServer``): the project's admin, with a ``demo``
+  superuser (``demo_superuser``), and the callback receiver the carrier posts to;
 * the main thread: one line of statistics a second, then a summary.
 
 Each thread uses its own database connections (Django's are per thread) and

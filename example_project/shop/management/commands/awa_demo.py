@@ -1,6 +1,10 @@
-"""``manage.py awa_demo``: a worker, a stream of orders and a carrier, in one process.
+"""``manage.py awa_demo``: worker processes, a stream of orders, a carrier and the admin.
 
-Prints one line a second: elapsed time, jobs completed per second, jobs per
+The workers are ``manage.py awa_worker`` subprocesses; the producers, the
+carrier and the admin server (with a ``demo`` superuser it prints) are threads
+of this process. ``--preset`` picks a rate and a number of workers.
+
+Prints one line a second: elapsed time, jobs produced and completed per second, jobs per
 state (``awa.queue_stats()`` summed over queues) and how many jobs follow-ups
 enqueued. With ``--duration`` (or at the first Ctrl-C) it stops producing,
 lets the jobs of the run finish (``--drain``), stops the worker gracefully and
