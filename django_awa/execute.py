@@ -140,7 +140,8 @@ class Attempt:
     callback_id: uuid.UUID | None = None
     # time.monotonic() when the claim returned it, and when a handler thread
     # began it (None while it waits in the queue's inbox: claimed, not running
-    # yet). started_written: MARK_STARTED stored attempted_at for it.
+    # yet). started_written: MARK_STARTED stored attempted_at for it, or need
+    # not (its handler returned: the outcome stores it).
     claimed: float = field(default_factory=time.monotonic)
     started: float | None = None
     started_written: bool = False

@@ -179,6 +179,9 @@ class HandlerPool:
             if not handler.abandoned:
                 runner.observe(time.perf_counter() - started)
         finally:
+            # Its handler is done: the outcome carries its start (MARK_STARTED would
+            # only lock the row the completer is about to write).
+            attempt.started_written = True
             with self.running_lock:
                 handler.attempt = None
                 abandoned = handler.abandoned
