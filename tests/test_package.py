@@ -66,3 +66,19 @@ def test_the_version_has_one_source_and_the_changelog_agrees() -> None:
     )
     # A development version is unreleased; a release has its date.
     assert (match[2] == "unreleased") == version.is_devrelease, (heading, str(version))
+
+
+def test_the_classifiers_are_ones_pypi_accepts_and_name_the_supported_versions() -> None:
+    import tomllib
+    from pathlib import Path
+
+    from trove_classifiers import classifiers as known
+
+    root = Path(__file__).resolve().parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    unknown = [c for c in project["classifiers"] if c not in known]
+    assert not unknown, f"PyPI refuses unknown classifiers: {unknown}"
+    assert "Framework :: Django" in project["classifiers"]
+    for python in ("3.12", "3.13"):
+        assert f"Programming Language :: Python :: {python}" in project["classifiers"]
+    assert project["requires-python"] == ">=3.12"
