@@ -70,15 +70,20 @@ class Completer:
                 deferred = []
             if not batch:
                 continue
+            waiting = len(deferred)
             self.write(batch, deferred)
-            if deferred:
-                retry_at = time.monotonic() + LOCKED_RETRY
+            if len(deferred) > waiting:
+                # Only outcomes newly left out set the time: while results keep
+                # coming, pushing it on at every batch would never write again
+                # those already waiting.
+                if not waiting:
+                    retry_at = time.monotonic() + LOCKED_RETRY
                 logger.info(
                     "%s outcome(s) wait for a row lock another session holds (jobs %s); "
                     "writing them again in %.1fs",
-                    len(deferred),
-                    ", ".join(str(r.job.id) for r in deferred[:20]),
-                    LOCKED_RETRY,
+                    len(deferred) - waiting,
+                    ", ".join(str(r.job.id) for r in deferred[waiting : waiting + 20]),
+                    max(0.0, retry_at - time.monotonic()),
                 )
         for result in deferred:
             logger.warning(

@@ -62,13 +62,72 @@ DEFAULTS: dict[str, Any] = {
     "DIRECT_DATABASE": "",
 }
 
+# What each key means: the documentation's settings reference is generated
+# from DEFAULTS, DURATIONS and these (docs/_ext/awa_settings.py), and a test
+# fails when a key of DEFAULTS has no description here. Markdown.
+DESCRIPTIONS: dict[str, str] = {
+    "DATABASE": "The database alias holding the job tables.",
+    "QUEUES": (
+        "The queues a worker runs, and how many jobs at once on each: "
+        '`{"name": {"concurrency": N}}`. `awa_worker --queue name=N` overrides it.'
+    ),
+    "POLL_INTERVAL": "How often an idle queue polls, as a fallback to LISTEN/NOTIFY.",
+    "HEARTBEAT_INTERVAL": "How often a worker heartbeats its running jobs.",
+    "STALE_AFTER": (
+        "A running job whose heartbeat is older than this is rescued. Longer than "
+        "`HEARTBEAT_INTERVAL`."
+    ),
+    "MAINTENANCE_INTERVAL": (
+        "How often the elected worker runs maintenance (rescue, promote, periodic jobs, prune)."
+    ),
+    "DEFAULT_DEADLINE": (
+        "The longest one attempt's handler may run before it is rescued; `None` disables. "
+        "`@awa.worker(deadline=...)` overrides it per kind."
+    ),
+    "SHUTDOWN_TIMEOUT": "On SIGTERM/SIGINT, how long in-flight jobs get to finish.",
+    "COMPLETED_RETENTION": "Completed jobs older than this are pruned; `None` keeps them.",
+    "FAILED_RETENTION": (
+        "Failed and cancelled jobs older than this are pruned; `None` keeps them."
+    ),
+    "CALLBACK_SECRET": (
+        "The HMAC key of the external-callback endpoints; while `None` they answer 403."
+    ),
+    "PRIORITY_AGING_INTERVAL": (
+        "An available job moves up one priority level per interval waited, so floods of "
+        "high-priority jobs cannot starve it; `None` disables."
+    ),
+    "CLAIM_BATCH_SIZE": (
+        "The most jobs one claim statement takes. A claim never takes more than the queue's "
+        "free places plus its prefetch, so only quick handlers reach it."
+    ),
+    "PREFETCH_WINDOW": (
+        "While handlers are quick, claim ahead what they will start within this time (by "
+        "their recent run time), so they never wait for a claim; slow handlers get none; "
+        "`None` turns it off. A prefetched job is `running` with `attempted_at` empty until "
+        "a handler takes it."
+    ),
+    "MAX_ARGS_BYTES": "The largest encoded args accepted at enqueue, in bytes of JSON (UTF-8).",
+    "MAX_METADATA_BYTES": (
+        "The largest encoded `metadata` accepted at enqueue, in bytes of JSON (UTF-8); what "
+        "django-awa adds itself (`awa_trigger`...) is not counted."
+    ),
+    "PREPARED_STATEMENTS": (
+        "The per-job statements run as prepared statements; turn it off behind a pooler that "
+        "cannot keep them (PgBouncer before 1.21 in transaction mode)."
+    ),
+    "DIRECT_DATABASE": (
+        "An alias reaching PostgreSQL directly (not through a transaction-mode pooler), for "
+        'LISTEN. `""` (the default): the `DATABASE` alias. `None`: workers poll.'
+    ),
+}
+
 # The longest value a duration setting takes: past it, timestamps and waits
 # computed from it overflow (a claim's deadline_at beyond year 9999 could not
 # be read back, and would fail every claim of the queue). Retentions may be
 # longer than the rest.
 MAX_DURATION = 365 * 86400.0
 MAX_RETENTION = 100 * 365 * 86400.0
-_DURATIONS = {
+DURATIONS = {
     "POLL_INTERVAL": False,
     "HEARTBEAT_INTERVAL": False,
     "STALE_AFTER": False,
@@ -169,7 +228,7 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
     for key in raw:
         if key not in DEFAULTS:
             found.append((key, f"unknown AWA setting {key!r}"))
-    for key, allow_none in _DURATIONS.items():
+    for key, allow_none in DURATIONS.items():
         if key not in raw:
             continue
         value = raw[key]

@@ -161,6 +161,11 @@ def int_array(values: Iterable[int]) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
+def float_array(values: Iterable[float | None]) -> str:
+    """A PostgreSQL array literal of floats (``None`` as NULL), for ``%(name)s::float8[]``."""
+    return "{" + ",".join("NULL" if v is None else repr(float(v)) for v in values) + "}"
+
+
 @contextmanager
 def cursor(alias: str) -> Iterator[Cursor]:
     """A cursor on ``alias``'s Django connection, in its current transaction.

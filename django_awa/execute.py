@@ -144,6 +144,13 @@ class Attempt:
     progress_dirty: bool = False
     callback_id: uuid.UUID | None = None
     timeout: float | None = None  # the kind's timeout, once its handler is known
+    # time.monotonic() when the claim returned it, and when a handler thread
+    # began it (None while it waits in the queue's inbox: claimed, not running
+    # yet). started_written: MARK_STARTED stored attempted_at for it, or need
+    # not (its handler returned: the outcome stores it).
+    claimed: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    started_written: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -273,6 +280,9 @@ class AttemptResult:
     snoozed: bool = False
     reset_attempts: bool = False
     progress: dict[str, Any] | None = None
+    # time.monotonic() when the attempt's handler began (Attempt.started):
+    # finalize stores it as attempted_at. None: no handler began.
+    started: float | None = None
     # Set by finalize: the row as it stands after the transition, or, when it
     # was not written because another session held the row locked, locked.
     row: Job | None = None
@@ -294,7 +304,12 @@ class AttemptResult:
             "snoozed": self.snoozed,
             "reset_attempts": self.reset_attempts,
             "progress": None if self.progress is None else json.dumps(self.progress),
+            "started_ago": self.started_ago(),
         }
+
+    def started_ago(self) -> float | None:
+        """Seconds since the attempt's handler began, by this process's clock."""
+        return None if self.started is None else max(0.0, time.monotonic() - self.started)
 
 
 def completed(job: Job) -> AttemptResult:

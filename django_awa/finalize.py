@@ -16,6 +16,7 @@ themselves (callback resolution, ``awa.cancel``): it raises to the caller.
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -91,6 +92,7 @@ def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[
         params: dict[str, Any] = {
             "id": db.int_array(r.job.id for r in results),
             "run_lease": db.int_array(r.job.run_lease for r in results),
+            "started_ago": db.float_array(r.started_ago() for r in results),
         }
     else:
         statement = sql.FINALIZE_RETURNING_ROWS if rows else sql.FINALIZE
@@ -364,11 +366,47 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
             else:
                 result = from_value(attempt, value)
             result.progress = attempt.progress
-            if not finalize_atomic(result, handler_savepoint):
+            result.started = attempt.started
+            if not _finalize_atomic_waiting(result, handler_savepoint):
                 raise StaleAttempt
             return result
     except StaleAttempt:
         return None
+
+
+# Waits, in seconds, before writing an atomic attempt's outcome again when its
+# row was locked by another session (the heartbeat thread's HEARTBEAT or
+# MARK_STARTED lock rows for one statement; an operator's SELECT ... FOR UPDATE
+# for longer). About a second in all; the handler's transaction stays open.
+ATOMIC_LOCKED_RETRIES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+def _finalize_atomic_waiting(result: AttemptResult, handler_savepoint: str) -> bool:
+    """``finalize_atomic``, written again while the row is only locked, not stale.
+
+    FINALIZE skips locked rows (so a batch never waits on one): for the one row
+    of an atomic attempt, a skipped row is written again after a short wait,
+    not taken for a stale attempt, which would roll the handler's work back
+    and leave the job running until rescue.
+    """
+    for wait in (*ATOMIC_LOCKED_RETRIES, None):
+        if finalize_atomic(result, handler_savepoint):
+            return True
+        if not result.locked:
+            return False  # stale: rescued, cancelled or claimed again
+        result.locked = False
+        if wait is None:
+            job = result.job
+            logger.warning(
+                "job %s kind=%s attempt=%s: its row stayed locked by another session for "
+                "%.1fs; the atomic attempt is rolled back and the job will be rescued",
+                job.id, job.kind, job.attempt, sum(ATOMIC_LOCKED_RETRIES),
+                extra={"job_id": job.id, "kind": job.kind, "queue": job.queue,
+                       "attempt": job.attempt},
+            )  # fmt: skip
+            return False
+        time.sleep(wait)
+    return False  # pragma: no cover - the loop returns
 
 
 def _log(result: AttemptResult) -> None:

@@ -71,10 +71,14 @@ def close_broken_connections() -> None:
 
 
 def _deadline_seconds(job: Job) -> float | None:
-    """The attempt's deadline as a duration, both ends read on the database clock at claim."""
-    if job.deadline_at is None or job.attempted_at is None:
+    """The attempt's deadline as a duration, both ends read on the database clock at claim.
+
+    The claim sets ``heartbeat_at`` and ``deadline_at`` from the same ``now()``
+    (``attempted_at`` waits for the handler to begin, see MARK_STARTED).
+    """
+    if job.deadline_at is None or job.heartbeat_at is None:
         return None
-    return (job.deadline_at - job.attempted_at).total_seconds()
+    return (job.deadline_at - job.heartbeat_at).total_seconds()
 
 
 @dataclass(slots=True, eq=False)
@@ -179,7 +183,8 @@ class HandlerPool:
                     return  # given back at shutdown before it started
                 self.waiting.discard(attempt.job.id)
                 handler.attempt = attempt
-                handler.started = time.monotonic()
+                # Claimed until now; from here its handler runs (attempted_at).
+                handler.started = attempt.started = time.monotonic()
                 handler.lost_at = None
                 handler.overrun_logged = handler.bound_logged = handler.timed_out = False
             if attempt.cancelled.is_set():
@@ -191,6 +196,9 @@ class HandlerPool:
             if not handler.abandoned:
                 runner.observe(time.perf_counter() - started)
         finally:
+            # Its handler is done: the outcome carries its start (MARK_STARTED would
+            # only lock the row the completer is about to write).
+            attempt.started_written = True
             with self.running_lock:
                 handler.attempt = None
                 abandoned = handler.abandoned
@@ -217,7 +225,7 @@ class HandlerPool:
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
-                self.results.put(resolved)
+                self._put(attempt, resolved)
                 return resolved
             spec, args = resolved
             attempt.timeout = spec.timeout  # tend() applies it from now on
@@ -225,7 +233,7 @@ class HandlerPool:
                 return self._run_atomic(attempt, spec, args)
             loop = self.event_loop() if spec.is_async else None
             result = run_attempt(attempt, self._mark_progress, resolved, loop=loop)
-            self.results.put(result)
+            self._put(attempt, result)
             return result
         except BaseException as exc:  # no signal reaches a handler thread
             # Whatever reaches here came from running the job (the handler
@@ -237,10 +245,15 @@ class HandlerPool:
                 extra=log_context(attempt.job, self.state.name),
             )  # fmt: skip
             result = from_exception(attempt.job, exc, during="worker error")
-            self.results.put(result)
+            self._put(attempt, result)
             return result
         finally:
             close_broken_connections()
+
+    def _put(self, attempt: Attempt, result: AttemptResult) -> None:
+        """Hand ``result`` to the completer, with when its handler began."""
+        result.started = attempt.started
+        self.results.put(result)
 
     def _run_atomic(
         self, attempt: Attempt, spec: WorkerSpec, args: JobArgs
@@ -258,7 +271,7 @@ class HandlerPool:
             )  # fmt: skip
             reset_connection()
             result = from_exception(attempt.job, exc, during="could not be finalized")
-            self.results.put(result)
+            self._put(attempt, result)
             return result
         self.forget(attempt.job)
         return written

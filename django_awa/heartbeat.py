@@ -1,7 +1,10 @@
-"""Heartbeats and progress of the attempts a worker runs.
+"""Heartbeats, start times and progress of the attempts a worker runs.
 
 Four times a second the heartbeat thread stores the progress handlers set
-(``JobContext.set_progress`` only marks it), and every
+(``JobContext.set_progress`` only marks it) and when the handlers that have
+run ``MARK_STARTED_AFTER`` began (``attempted_at``: a claimed job's row keeps
+it NULL until then, so a job prefetched into the worker's inbox does not look
+like one whose handler runs; quicker attempts get theirs from finalize), and every
 ``HEARTBEAT_INTERVAL`` it renews ``heartbeat_at`` of every running attempt,
 guarded by run_lease, and the worker's row in the registry (``fleet.py``).
 An attempt whose row no longer matches (cancelled, rescued or finalized
@@ -22,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 # Seconds between two passes: how long progress may wait to be stored.
 PROGRESS_INTERVAL = 0.25
+# A handler running this long gets its start stored while it runs; one that
+# returns sooner has it stored with its outcome, one write instead of two.
+MARK_STARTED_AFTER = 0.1
 
 
 class Heartbeat:
@@ -56,10 +62,40 @@ class Heartbeat:
         with state.running_lock:
             attempts = list(state.running.values())
         write_progress(attempts)
+        self.mark_started(attempts)
         if not due_only or time.monotonic() - self.last_beat >= state.conf.heartbeat_interval:
             self.last_beat = time.monotonic()
             self.heartbeat(attempts)
             fleet.beat(state)  # the worker's own row, with the jobs it runs
+
+    def mark_started(self, attempts: list[Attempt]) -> None:
+        """Store when the handlers running ``MARK_STARTED_AFTER`` or longer began."""
+        now = time.monotonic()
+        begun = [
+            a
+            for a in attempts
+            if a.started is not None
+            and not a.started_written
+            and now - a.started >= MARK_STARTED_AFTER
+        ]
+        if not begun:
+            return
+        with db.cursor(self.state.alias) as cursor:
+            cursor.execute(
+                sql.MARK_STARTED,
+                {
+                    "id": db.int_array(a.job.id for a in begun),
+                    "run_lease": db.int_array(a.job.run_lease for a in begun),
+                    "started_ago": db.float_array(now - (a.started or now) for a in begun),
+                    "waited": db.float_array((a.started or now) - a.claimed for a in begun),
+                },
+            )
+            written = {row[0] for row in cursor.fetchall()}
+        for attempt in begun:
+            # Written, or no longer this attempt's row (finalized, lost): either
+            # way not asked again. A row locked meanwhile is asked next pass.
+            if attempt.job.id in written or attempt.cancelled.is_set():
+                attempt.started_written = True
 
     def heartbeat(self, attempts: list[Attempt]) -> None:
         if not attempts:

@@ -233,6 +233,8 @@ class Worker:
         for attempt in attempts:
             attempt.cancelled.set()
         results = [self._given_back(a.job, started) for a in attempts]
+        for attempt, result in zip(attempts, results, strict=True):
+            result.started = attempt.started
         try:
             written = finalize(results, self.state.alias)
             logger.warning(

@@ -186,7 +186,7 @@ SET state = 'running',
     attempt = j.attempt + CASE WHEN j.snoozed THEN 0 ELSE 1 END,
     snoozed = false,
     run_lease = j.run_lease + 1,
-    attempted_at = now(),
+    attempted_at = NULL,
     heartbeat_at = now(),
     deadline_at = now() + make_interval(
         secs => coalesce((%(deadlines)s::jsonb ->> j.kind)::float8, %(default_deadline)s::float8)),
@@ -260,6 +260,16 @@ WHERE state IN {_DELAYED} AND (%(all)s OR run_at <= now())
 # (the handler raised) waits the backoff. callback_id is kept only for the
 # waiting_external outcome, whose row must carry the callback id the handler
 # registered.
+# When the attempt's handler began, on the database clock: the worker sends how
+# many seconds ago it began by its own monotonic clock (``started_ago``), so the
+# two machines' clocks never meet. statement_timestamp(), not now(): an atomic
+# attempt's transaction began before its handler did. Written once per attempt: the row keeps what
+# it has when MARK_STARTED stored it already, or when no handler began (NULL
+# since the claim).
+_STARTED_AT = (
+    "CASE WHEN {d}.started_ago IS NULL OR j.attempted_at IS NOT NULL THEN j.attempted_at"
+    " ELSE statement_timestamp() - make_interval(secs => {d}.started_ago) END"
+)
 # The attempts given as two arrays whose rows are still running them.
 _RUNNING_ATTEMPTS = """
     SELECT j.id FROM ONLY awa_job AS j
@@ -277,19 +287,22 @@ SET state = d.state,
                   WHEN d.state = 'retryable'
                       THEN now() + make_interval(secs => {_backoff("j.attempt")})
                   ELSE j.run_at END,
-    finalized_at = CASE WHEN d.state IN {_FINAL} THEN now() END,
+    finalized_at = CASE WHEN d.state IN {_FINAL} THEN statement_timestamp() END,
     errors = {_errors_plus("j.", "d.error", "coalesce(d.traceback, '')")},
     snoozed = d.snoozed,
     attempt = CASE WHEN d.reset_attempts THEN 0 ELSE j.attempt END,
     progress = coalesce(d.progress, j.progress),
+    attempted_at = {_STARTED_AT.format(d="d")},
     heartbeat_at = CASE WHEN d.state = 'running' THEN j.heartbeat_at END,
     deadline_at = NULL,
     callback_id = CASE WHEN d.state = 'waiting_external' THEN j.callback_id END,
     callback_timeout_at = CASE WHEN d.state = 'waiting_external' THEN j.callback_timeout_at END
 FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(state)s::text[],
             %(delay)s::float8[], %(error)s::text[], %(traceback)s::text[],
-            %(snoozed)s::bool[], %(reset_attempts)s::bool[], %(progress)s::jsonb[])
-     AS d(id, run_lease, state, delay, error, traceback, snoozed, reset_attempts, progress)
+            %(snoozed)s::bool[], %(reset_attempts)s::bool[], %(progress)s::jsonb[],
+            %(started_ago)s::float8[])
+     AS d(id, run_lease, state, delay, error, traceback, snoozed, reset_attempts, progress,
+          started_ago)
 WHERE j.id = d.id AND j.id IN (SELECT id FROM held)
   AND j.run_lease = d.run_lease AND j.state = 'running'
 """
@@ -298,14 +311,23 @@ FINALIZE = _FINALIZE + "RETURNING j.id"
 # -- COMPLETE --
 # FINALIZE for the common batch, where every attempt completed and stores no
 # progress: the same guard, the same skipped locks and the same columns
-# written, from two arrays. They come as array literals (text) that the
-# server parses, which costs far less than psycopg dumping a list element by
-# element.
-_COMPLETE = f"""{_HELD_ROWS}
+# written, from three arrays (id, run_lease, started_ago). They come as array
+# literals (text) that the server parses, which costs far less than psycopg
+# dumping a list element by element.
+_COMPLETE = f"""
+WITH held AS (
+    SELECT j.id, d.started_ago FROM ONLY awa_job AS j
+    JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(started_ago)s::float8[])
+         AS d(id, run_lease, started_ago)
+      ON j.id = d.id AND j.run_lease = d.run_lease
+    WHERE j.state = 'running'
+    FOR UPDATE OF j SKIP LOCKED
+)
 UPDATE ONLY awa_job AS j
 SET state = 'completed',
-    finalized_at = now(),
+    finalized_at = statement_timestamp(),
     snoozed = false,
+    attempted_at = {_STARTED_AT.format(d="held")},
     {_ATTEMPT_CLEARED}
 FROM held
 WHERE j.id = held.id AND j.state = 'running'
@@ -348,6 +370,33 @@ UPDATE ONLY awa_job AS j SET progress = d.progress
 FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(progress)s::jsonb[])
      AS d(id, run_lease, progress)
 WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
+"""
+
+# -- MARK_STARTED --
+# Record when the handlers of attempts still running began (attempted_at, NULL
+# from the claim until then), and move each deadline on by how long its job
+# waited in the worker's inbox after the claim: the deadline counts the
+# handler's time. Guarded by (id, run_lease), running, and attempted_at still
+# NULL, so it writes each attempt once. Rows another session holds locked (the
+# completer finalizing them) are skipped, not waited for, as HEARTBEAT does;
+# RETURNING names those written. Primary key lookups.
+MARK_STARTED = """
+WITH d AS (
+    SELECT * FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[],
+                         %(started_ago)s::float8[], %(waited)s::float8[])
+         AS d(id, run_lease, started_ago, waited)
+),
+l AS (
+    SELECT j.id FROM ONLY awa_job AS j JOIN d ON j.id = d.id AND j.run_lease = d.run_lease
+    WHERE j.state = 'running' AND j.attempted_at IS NULL
+    ORDER BY j.id FOR UPDATE OF j SKIP LOCKED
+)
+UPDATE ONLY awa_job AS j
+SET attempted_at = statement_timestamp() - make_interval(secs => d.started_ago),
+    deadline_at = j.deadline_at + make_interval(secs => d.waited)
+FROM d, l
+WHERE j.id = d.id AND j.id = l.id
+RETURNING j.id
 """
 
 # -- REGISTER_CALLBACK --
@@ -753,7 +802,7 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 # parameters (a generic plan); these keep their plan that way: the claim
 # follows awa_job_claim_idx in its ORDER BY, the inserts read no table. Not
 # listed: statements that join awa_job to arrays (FINALIZE, COMPLETE,
-# HEARTBEAT, SET_PROGRESS). Their generic plan does not know the array's length, and
+# HEARTBEAT, SET_PROGRESS, MARK_STARTED). Their generic plan does not know the array's length, and
 # with the statistics of a quiet table it scanned every running row for each
 # batch instead of looking ids up by primary key, so they are planned on each
 # run.

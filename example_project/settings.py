@@ -13,7 +13,10 @@ from django_awa.contrib.embedded_postgres import default_database
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "django-awa-example-insecure-dev-key")
-DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
+# Off unless DJANGO_DEBUG=1: with DEBUG on, Django keeps every query of every
+# connection in memory (connection.queries), which the demo's thousands of
+# statements a second would pay for. The demo serves the admin's static files itself.
+DEBUG = os.environ.get("DJANGO_DEBUG", "0") == "1"
 ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]").split(",")
 
 INSTALLED_APPS = [
@@ -55,7 +58,15 @@ TEMPLATES = [
     },
 ]
 
-DATABASES = {"default": default_database(BASE_DIR / ".awa" / "pgdata-demo")}
+# Threads keep their connection (the demo's producers, carrier and admin server,
+# the worker's services): connecting anew for every request costs more than it.
+DATABASES = {
+    "default": {
+        **default_database(BASE_DIR / ".awa" / "pgdata-demo"),
+        "CONN_MAX_AGE": 60,
+        "CONN_HEALTH_CHECKS": True,
+    }
+}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
@@ -66,7 +77,7 @@ STATIC_URL = "/static/"
 AWA = {
     "QUEUES": {
         "default": {"concurrency": 10},
-        "billing": {"concurrency": 5},
+        "billing": {"concurrency": 10},
         "email": {"concurrency": 5},
     },
     "CALLBACK_SECRET": os.environ.get("AWA_CALLBACK_SECRET", "example-callback-secret"),

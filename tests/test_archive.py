@@ -188,6 +188,8 @@ def test_statements_about_live_jobs_read_awa_job_alone():
         "%(default_deadline)s": "900",
         "%(id)s": "'{1}'",
         "%(run_lease)s": "'{1}'",
+        "%(started_ago)s": "'{0.001}'",
+        "%(waited)s": "'{0.001}'",
     }
 
     def plan(statement: str) -> str:
@@ -197,7 +199,8 @@ def test_statements_about_live_jobs_read_awa_job_alone():
             cursor.execute("EXPLAIN " + statement)
             return "\n".join(row[0] for row in cursor.fetchall())
 
-    for statement in (sql.CLAIM, sql.HEARTBEAT, sql.COMPLETE, sql.RESCUE, sql.PROMOTE_DUE):
+    live = (sql.CLAIM, sql.HEARTBEAT, sql.MARK_STARTED, sql.COMPLETE, sql.RESCUE, sql.PROMOTE_DUE)
+    for statement in live:
         if "%(stale_after)s" in statement:
             statement = statement.replace("%(stale_after)s", "30")
         assert "awa_job_done" not in plan(statement), statement

@@ -73,3 +73,44 @@ def test_of_two_results_of_one_attempt_in_a_batch_the_first_is_written():
     notes = list(Job.objects.filter(kind="echo").values_list("args__note", flat=True))
     assert len(notes) == 1 and notes[0].startswith("retried:1:timed out"), notes
     assert not state.running
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_left_out_for_a_lock_is_written_again_while_results_keep_coming():
+    # A steady stream of other results must not postpone, batch after batch, the
+    # outcome that waits for a row lock: it is written LOCKED_RETRY after the lock
+    # made it wait, once the lock is gone.
+    import threading
+    import time
+
+    from django_awa.completer import LOCKED_RETRY
+
+    state, [locked_id, *others] = _run(40, args={"action": "ok", "tag": "none"})
+    results = []
+    while not state.results.empty():
+        results.append(state.results.get_nowait())
+    first = next(r for r in results if r.job.id == locked_id)
+    stream = [r for r in results if r.job.id != locked_id]
+    completer = threading.Thread(target=Completer(state).run)
+    with psycopg.connect(**listen_params("default")) as other:
+        other.execute("SELECT id FROM awa_job WHERE id = %s FOR UPDATE", [locked_id])
+        state.results.put(first)
+        completer.start()
+        time.sleep(0.1)  # written once, left out for the lock
+        other.rollback()
+    released = time.monotonic()
+    try:
+        written_at = None
+        for result in stream:  # one result every 50 ms, for about two seconds
+            state.results.put(result)
+            time.sleep(0.05)
+            if written_at is None and Job.objects.get(id=locked_id).state == JobState.COMPLETED:
+                written_at = time.monotonic()
+    finally:
+        state.results.put(None)
+        completer.join(10)
+    assert written_at is not None, "the locked outcome waited for the stream to stop"
+    assert written_at - released < LOCKED_RETRY + 1.0, written_at - released
+    assert set(Job.objects.filter(id__in=others).values_list("state", flat=True)) == {
+        JobState.COMPLETED
+    }

@@ -10,6 +10,7 @@ test_enqueue's), and the demo's worker, producers and carrier all commit.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -90,8 +91,9 @@ def test_demo_runs_orders_through_every_follow_up(example_database: str) -> None
     manage(url, "migrate", "--noinput", timeout=120)
     # Exits non-zero if one of its own SQL consistency checks fails.
     output = manage(
-        url, "awa_demo", "--duration", "8", "--rate", "100", "--drain", "60", timeout=180
-    )
+        url, "awa_demo", "--duration", "8", "--rate", "100", "--drain", "60", "--port", "0",
+        timeout=180,
+    )  # fmt: skip
     assert "summary after" in output, output
     assert "FAILED" not in output and "not yet" not in output, output
 
@@ -156,3 +158,52 @@ def test_demo_runs_orders_through_every_follow_up(example_database: str) -> None
         "SELECT count(*) FROM awa_job WHERE kind = 'refund_order' AND queue = 'billing'"
         " AND priority = 1 AND metadata->'awa_trigger'->>'outcome' = 'exhausted'",
     ) == len(exhausted)
+
+
+def test_demo_at_a_high_rate_settles_with_its_checks_and_prints_a_working_admin_login(
+    example_database: str,
+) -> None:
+    from django.contrib.auth.hashers import PBKDF2PasswordHasher
+
+    url = example_database
+    manage(url, "migrate", "--noinput", timeout=120)
+    # The busy preset: 2,000 jobs/s asked (a shared machine produces what it can),
+    # orders placed in batches, two awa_worker processes, the direct carrier.
+    output = manage(
+        url, "awa_demo", "--preset", "busy", "--duration", "6", "--drain", "120", "--port", "0",
+        timeout=300,
+    )  # fmt: skip
+    assert "2 worker processes (awa_worker)" in output, output
+    assert "summary after" in output, output
+    assert "FAILED" not in output and "not yet" not in output, output
+    assert output.count("check: ") == 5 and output.count(": ok") >= 5, output
+
+    # Everything settled: no job left behind by either worker process.
+    states = dict(rows(url, "SELECT state, count(*) FROM awa_job GROUP BY state"))
+    assert set(states) <= {"completed", "failed", "cancelled"}, (states, output)
+    produced = scalar(url, "SELECT count(*) FROM shop_order")
+    assert produced > 100, output  # batches of orders, each with its charge
+    assert scalar(url, "SELECT count(*) FROM awa_job WHERE kind = 'charge_card'") == produced
+    # Every job that ran says when its handler began, after its claim and before its outcome.
+    assert (
+        scalar(
+            url,
+            "SELECT count(*) FROM awa_job WHERE state = 'completed'"
+            " AND (attempted_at IS NULL OR attempted_at > finalized_at)",
+        )
+        == 0
+    )
+
+    # The printed login works: a superuser whose password is the one printed.
+    line = next(line for line in output.splitlines() if line.startswith("admin: "))
+    match = re.fullmatch(
+        r"admin: http://127\.0\.0\.1:\d+/admin/ \(user '(\w+)', password '([^']+)'\)", line
+    )
+    assert match, line
+    user, password = match.groups()
+    with psycopg.connect(url) as conn:
+        [(is_superuser, is_staff, encoded)] = conn.execute(
+            "SELECT is_superuser, is_staff, password FROM auth_user WHERE username = %s", [user]
+        ).fetchall()
+    # The example project's hasher (Django's default), whatever the test settings use.
+    assert is_superuser and is_staff and PBKDF2PasswordHasher().verify(password, encoded), line

@@ -1,11 +1,14 @@
-"""The moving parts of ``manage.py awa_demo``, one process, several threads:
+"""The moving parts of ``manage.py awa_demo``: worker processes, and threads of its own:
 
-* the worker: a django_awa ``Worker`` running the queues (``run()`` in a thread);
-* the producer: creates orders at a steady rate, each ``Order`` row and its
-  ``ChargeCard`` job in one transaction, plus a stream of cheap jobs;
+* the workers: ``manage.py awa_worker`` subprocesses (``WorkerProcesses``);
+* the producers: create orders at a steady rate, each tick's ``Order`` rows and
+  their ``ChargeCard`` jobs in one transaction, plus a stream of cheap jobs, and
+  with ``--preset burst`` a bulk ``enqueue_many`` now and then (``Burst``);
 * the carrier: answers parked ``ShipOrder`` jobs after a short delay, by a
   signed ``POST`` to the callback receiver (``http``) or by calling
   ``awa.complete_external`` (``direct``);
+* the admin server (``CallbackServer``): the project's admin, with a ``demo``
+  superuser (``demo_superuser``), and the callback receiver the carrier posts to;
 * the main thread: one line of statistics a second, then a summary.
 
 Each thread uses its own database connections (Django's are per thread) and
@@ -14,10 +17,16 @@ closes them when it ends.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
+import os
 import queue
 import random
+import secrets
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -27,8 +36,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TextIO
 
+from django.apps import apps
 from django.conf import settings
 from django.db import DatabaseError, connections, transaction
 from django.db.models.functions import Now
@@ -126,8 +137,10 @@ class Service(threading.Thread):
 class Producer(Service):
     """Enqueues ``rate`` jobs a second: orders and cheap kinds, half and half.
 
-    The demo runs several, like concurrent web requests: one order per
-    transaction costs a commit each, more than one thread sustains at 100/s.
+    The demo runs several, like concurrent web requests. Each tick's orders are
+    placed in one transaction, every ``Order`` row with its ``ChargeCard`` job
+    (both commit or neither exists): at the default rate that is one or two
+    orders a transaction, at thousands a second a batch, as an import would.
     """
 
     def __init__(self, rate: float, alias: str, err: TextIO, name: str = "demo-producer") -> None:
@@ -148,8 +161,8 @@ class Producer(Service):
         count = int(self.carry)
         self.carry -= count
         orders = sum(self.rng.random() < ORDER_SHARE for _ in range(count))
-        for _ in range(orders):
-            self.place_order()
+        if orders:
+            self.place_orders(orders)
         others = [self.cheap_job() for _ in range(count - orders)]
         if others:
             awa.enqueue_many(others, using=self.alias)
@@ -160,20 +173,55 @@ class Producer(Service):
             self.next_at = time.monotonic()
         self.stopping.wait(max(0.0, -behind))
 
-    def place_order(self) -> None:
-        amount = self.showcase.pop(0) if self.showcase else pick_amount(self.rng)
-        # The order and its charge commit together, or neither exists.
+    def place_orders(self, count: int) -> None:
+        amounts = [
+            self.showcase.pop(0) if self.showcase else pick_amount(self.rng) for _ in range(count)
+        ]
+        # The orders and their charges commit together, or none exists.
         with transaction.atomic(using=self.alias):
-            order = Order.objects.using(self.alias).create(
-                reference=f"ORD-{uuid.uuid4().hex[:10].upper()}", amount_cents=amount
+            placed = Order.objects.using(self.alias).bulk_create(
+                Order(reference=f"ORD-{uuid.uuid4().hex[:10].upper()}", amount_cents=amount)
+                for amount in amounts
             )
-            awa.enqueue(ChargeCard(order_id=order.id, amount_cents=amount), using=self.alias)
-        self.orders += 1
+            awa.enqueue_many(
+                [ChargeCard(order_id=o.id, amount_cents=o.amount_cents) for o in placed],
+                using=self.alias,
+            )
+        self.orders += count
 
     def cheap_job(self) -> awa.JobArgs:
         if self.rng.random() < 0.5:
             return ResizeImage(image=f"img/{self.rng.randrange(10_000)}.jpg", width=400)
         return SyncInventory(sku=f"SKU-{self.rng.randrange(1_000):04d}")
+
+
+class Burst(Service):
+    """Every ``every`` seconds, ``size`` cheap jobs in one ``enqueue_many`` (a bulk import)."""
+
+    CHUNK = 5_000
+
+    def __init__(self, size: int, every: float, alias: str, err: TextIO) -> None:
+        super().__init__("demo-burst", err)
+        self.size = size
+        self.every = every
+        self.alias = alias
+        self.rng = random.Random()  # noqa: S311 - a simulation, not crypto
+        self.enqueued = 0
+        self.bursts = 0
+
+    def step(self) -> None:
+        if self.stopping.wait(self.every if self.bursts else 2.0):
+            return
+        for start in range(0, self.size, self.CHUNK):
+            chunk = [
+                SyncInventory(sku=f"SKU-{self.rng.randrange(1_000):04d}")
+                if self.rng.random() < 0.5
+                else ResizeImage(image=f"img/{self.rng.randrange(10_000)}.jpg", width=400)
+                for _ in range(min(self.CHUNK, self.size - start))
+            ]
+            awa.enqueue_many(chunk, using=self.alias)
+            self.enqueued += len(chunk)
+        self.bursts += 1
 
 
 class Carrier(Service):
@@ -331,9 +379,11 @@ def http_carrier_problem() -> str | None:
 
 
 class CallbackServer:
-    """This project's WSGI application on an ephemeral 127.0.0.1 port, in a thread."""
+    """This project's WSGI application on 127.0.0.1, in a thread: the admin and the
+    callback receiver. On ``port``, or an ephemeral one if that is taken (or 0)."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
+        from django.contrib.staticfiles.handlers import StaticFilesHandler
         from django.core.handlers.wsgi import WSGIHandler
         from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler
 
@@ -341,10 +391,34 @@ class CallbackServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.httpd = ThreadedWSGIServer(("127.0.0.1", 0), QuietHandler)
+        class PooledWSGIServer(ThreadedWSGIServer):
+            """Requests served by a pool of threads that keep their database
+            connection (CONN_MAX_AGE), not a new thread and connection each:
+            at a hundred callbacks a second, connecting cost more than the rest."""
+
+            pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="demo-http")
+
+            def process_request(self, request: Any, client_address: Any) -> None:
+                self.pool.submit(self.process_request_thread, request, client_address)
+
+            def _close_connections(self) -> None:
+                pass  # kept for the thread's next request; the process's end closes them
+
+            def server_close(self) -> None:
+                super().server_close()
+                self.pool.shutdown(wait=False, cancel_futures=True)
+
+        try:
+            self.httpd = PooledWSGIServer(("127.0.0.1", port), QuietHandler)
+        except OSError:  # taken: any free port will do
+            self.httpd = PooledWSGIServer(("127.0.0.1", 0), QuietHandler)
         # Not get_wsgi_application(): it runs django.setup() again, whose logging
-        # configuration would undo quiet_logging().
-        self.httpd.set_app(WSGIHandler())
+        # configuration would undo quiet_logging(). The admin's CSS and scripts
+        # are served too, as runserver would, with DEBUG off.
+        app = WSGIHandler()
+        if apps.is_installed("django.contrib.staticfiles"):
+            app = StaticFilesHandler(app)
+        self.httpd.set_app(app)
         self.thread = threading.Thread(
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True
         )
@@ -381,15 +455,27 @@ class Marks:
 
 
 class Producers:
-    """``count`` producers sharing ``rate``."""
+    """``count`` producers sharing ``rate``, and the burst thread if one is asked for."""
 
-    def __init__(self, rate: float, alias: str, err: TextIO, count: int = 4) -> None:
-        self.members = [
+    def __init__(
+        self,
+        rate: float,
+        alias: str,
+        err: TextIO,
+        count: int = 4,
+        burst: tuple[int, float] | None = None,
+    ) -> None:
+        self.members: list[Service] = []
+        self.producers = [
             Producer(rate / count, alias, err, name=f"demo-producer-{i}") for i in range(count)
         ]
         # Every run shows each path early, however short: a declined card
         # (exhausted, then refunded) and a customer who cancels.
-        self.members[0].showcase = [4213, 2507]
+        self.producers[0].showcase = [4213, 2507]
+        self.members.extend(self.producers)
+        self.burst = Burst(burst[0], burst[1], alias, err) if burst else None
+        if self.burst is not None:
+            self.members.append(self.burst)
 
     def start(self) -> None:
         for producer in self.members:
@@ -405,11 +491,109 @@ class Producers:
 
     @property
     def orders(self) -> int:
-        return sum(p.orders for p in self.members)
+        return sum(p.orders for p in self.producers)
 
     @property
     def others(self) -> int:
-        return sum(p.others for p in self.members)
+        bursts = self.burst.enqueued if self.burst is not None else 0
+        return sum(p.others for p in self.producers) + bursts
+
+    @property
+    def produced(self) -> int:
+        return self.orders + self.others
+
+
+class WorkerProcesses:
+    """``manage.py awa_worker`` in a subprocess, as a deployment runs it.
+
+    Not a thread of the demo's process: the producers, the carrier and the
+    admin server would share one interpreter lock with the worker's threads,
+    and the worker would keep up with the demo's Python rather than with the
+    database. Its own session, so a Ctrl-C in the terminal reaches only the
+    demo, which then stops the worker when the run's jobs are done. Its log
+    (retries, rescues, shutdown) goes to ``log``.
+    """
+
+    def __init__(self, queues: dict[str, int], processes: int, log: Path) -> None:
+        self.command = [sys.executable, "-m", "django", "awa_worker", "--processes", str(processes)]
+        for name, concurrency in queues.items():
+            self.command += ["--queue", f"{name}={concurrency}"]
+        self.log = log
+        self.processes = processes
+        self.process: subprocess.Popen[bytes] | None = None
+        self.signals = 0
+        self.log_start = 0
+
+    def start(self) -> None:
+        base = Path(settings.BASE_DIR) if hasattr(settings, "BASE_DIR") else Path.cwd()
+        env = dict(os.environ)
+        env["DJANGO_SETTINGS_MODULE"] = settings.SETTINGS_MODULE
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(base), env.get("PYTHONPATH")]))
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.log_start = out.tell()
+            self.process = subprocess.Popen(
+                self.command,
+                cwd=base,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    READY = b"listening for new jobs"
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until every worker process listens for jobs (its log says so)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.exit_code() is None:
+            with self.log.open("rb") as log:
+                log.seek(self.log_start)
+                if log.read().count(self.READY) >= self.processes:
+                    return True
+            time.sleep(0.1)
+        return False
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self) -> None:
+        """SIGTERM: stop claiming and drain; a second one gives back what runs, now."""
+        if self.process is not None and self.process.poll() is None:
+            self.signals += 1
+            self.process.send_signal(signal.SIGTERM)
+
+    def join(self, timeout: float) -> int | None:
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+DEMO_USER = "demo"
+
+
+def demo_superuser(alias: str) -> tuple[str, str] | None:
+    """A superuser to watch the run in the admin, with a fresh password each run.
+
+    ``None`` when the project has no admin or no auth app.
+    """
+    if not (apps.is_installed("django.contrib.admin") and apps.is_installed("django.contrib.auth")):
+        return None
+    from django.contrib.auth import get_user_model
+
+    password = secrets.token_urlsafe(9)
+    model = get_user_model()
+    user = model._default_manager.db_manager(alias).filter(username=DEMO_USER).first()
+    if user is None:
+        user = model(username=DEMO_USER)
+    user.is_staff = user.is_superuser = user.is_active = True
+    user.set_password(password)
+    user.save(using=alias)
+    return DEMO_USER, password
 
 
 @dataclass(slots=True)
@@ -417,13 +601,16 @@ class Ticker:
     """The once-a-second line: throughput, counts per state, follow-ups."""
 
     alias: str
+    produced: Callable[[], int] = lambda: 0  # jobs the producers enqueued so far
     started: float = field(default_factory=time.monotonic)
     last_completed: int | None = None
+    last_produced: int = 0
     last_at: float = 0.0
 
     def prime(self) -> None:
         """Take the first sample, so that the first line has a rate."""
         self.last_completed, self.last_at = self.totals()[JobState.COMPLETED], time.monotonic()
+        self.last_produced = self.produced()
 
     def totals(self) -> dict[str, int]:
         totals = dict.fromkeys(STATES, 0)
@@ -438,13 +625,17 @@ class Ticker:
             cursor.execute("SELECT count(*) FROM awa_job WHERE metadata ? 'awa_trigger'")
             (followups,) = cursor.fetchone()
         now = time.monotonic()
-        completed = totals[JobState.COMPLETED]
-        rate = 0.0
+        completed, produced = totals[JobState.COMPLETED], self.produced()
+        rate = enqueued = 0.0
         if self.last_completed is not None and now > self.last_at:
             rate = max(0, completed - self.last_completed) / (now - self.last_at)
-        self.last_completed, self.last_at = completed, now
+            enqueued = max(0, produced - self.last_produced) / (now - self.last_at)
+        self.last_completed, self.last_produced, self.last_at = completed, produced, now
         states = " ".join(f"{state}={totals[state]}" for state in STATES)
-        text = f"{now - self.started:6.1f}s {rate:6.0f} completed/s | {states}"
+        text = (
+            f"{now - self.started:6.1f}s {enqueued:6.0f} produced/s {rate:6.0f} completed/s"
+            f" | {states}"
+        )
         text += f" | follow-ups={followups}"
         return f"{text}  {note}" if note else text
 
@@ -467,6 +658,18 @@ SELECT
     (SELECT count(*) FROM shop_refund f WHERE f.order_id > %(order)s),
     (SELECT count(*) FROM shop_notice n WHERE n.order_id > %(order)s),
     (SELECT count(*) FROM awa_job j WHERE j.id > %(job)s AND j.metadata ? 'awa_trigger')
+"""
+
+# From when a handler began to when its outcome was written, per kind: the
+# handler's own time plus the completer's batching. ShipOrder waits for its
+# callback, so its rows measure the carrier instead.
+LATENCY = """
+SELECT kind, count(*),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finalized_at - attempted_at)),
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM finalized_at - attempted_at))
+FROM awa_job
+WHERE id > %(job)s AND state = 'completed' AND attempted_at IS NOT NULL AND kind <> 'ship_order'
+GROUP BY kind ORDER BY kind
 """
 
 ORDER_STATUSES = """
@@ -543,6 +746,7 @@ class Summary:
     followups: int
     unfinished: int
     checks: list[tuple[str, bool, int]]  # (description, settled, violations)
+    latency: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # count, p50, p99
 
     @property
     def failed_checks(self) -> list[str]:
@@ -575,6 +779,8 @@ class Summary:
             for name, settled, query in CHECKS:
                 cursor.execute(query, params)
                 checks.append((name, settled, cursor.fetchone()[0]))
+            cursor.execute(LATENCY, params)
+            latency = {kind: (n, p50, p99) for kind, n, p50, p99 in cursor.fetchall()}
         return cls(
             kinds=kinds,
             orders=orders,
@@ -584,6 +790,7 @@ class Summary:
             followups=followups,
             unfinished=unfinished(alias, marks),
             checks=checks,
+            latency=latency,
         )
 
     def render(self, write: Callable[[str], None]) -> None:
@@ -599,6 +806,10 @@ class Summary:
             f"receipts={self.receipts} refunds={self.refunds} notices={self.notices} "
             f"follow-up jobs={self.followups}"
         )
+        if self.latency:
+            write("handler began -> outcome written (attempted_at to finalized_at), p50 / p99:")
+            for kind, (n, p50, p99) in self.latency.items():
+                write(f"  {kind:<{width}}  {p50 * 1000:6.1f} / {p99 * 1000:6.1f} ms  ({n} jobs)")
         for name, settled, bad in self.checks:
             if self.skipped(settled) and bad:
                 verdict = f"not yet ({bad}; {self.unfinished} jobs unfinished)"

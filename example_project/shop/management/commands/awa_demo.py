@@ -1,6 +1,10 @@
-"""``manage.py awa_demo``: a worker, a stream of orders and a carrier, in one process.
+"""``manage.py awa_demo``: worker processes, a stream of orders, a carrier and the admin.
 
-Prints one line a second: elapsed time, jobs completed per second, jobs per
+The workers are ``manage.py awa_worker`` subprocesses; the producers, the
+carrier and the admin server (with a ``demo`` superuser it prints) are threads
+of this process. ``--preset`` picks a rate and a number of workers.
+
+Prints one line a second: elapsed time, jobs produced and completed per second, jobs per
 state (``awa.queue_stats()`` summed over queues) and how many jobs follow-ups
 enqueued. With ``--duration`` (or at the first Ctrl-C) it stops producing,
 lets the jobs of the run finish (``--drain``), stops the worker gracefully and
@@ -10,18 +14,20 @@ skips the wait.
 
 from __future__ import annotations
 
-import gc
 import signal
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
+from django.urls import NoReverseMatch, reverse
 
 from django_awa.conf import DEFAULT_CONCURRENCY, AwaSettings, awa_settings
 from django_awa.exceptions import ConfigurationError
-from django_awa.process import Worker
 from example_project.shop.demo import (
     CallbackServer,
     Carrier,
@@ -30,6 +36,8 @@ from example_project.shop.demo import (
     Producers,
     Summary,
     Ticker,
+    WorkerProcesses,
+    demo_superuser,
     http_carrier_problem,
     quiet_logging,
     unfinished,
@@ -40,19 +48,26 @@ from example_project.shop.demo import (
 SHOP_QUEUES = ("default", "billing", "email")
 
 
-def release_worker_connections(timeout: float = 5.0) -> None:
-    """Close the database sessions the stopped worker's handler threads opened.
+@dataclass(frozen=True, slots=True)
+class Preset:
+    rate: float  # jobs a second the producers enqueue, half of them orders
+    workers: int  # awa_worker processes
+    carrier: str  # auto | http | direct
+    burst: tuple[int, float] | None = None  # (jobs, every seconds) enqueued in bulk
+    about: str = ""
 
-    ``Worker.run()`` returns while its handler pools wind down, and a handler
-    thread's connection is not closed when the thread ends: it stays open until
-    its ``DatabaseWrapper`` is garbage collected (reference cycles). Whoever
-    runs this in-process (a test that then drops its database) needs it gone.
-    """
-    deadline = time.monotonic() + timeout
-    for thread in threading.enumerate():
-        if thread.name.startswith("awa-") and thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
-    gc.collect()
+
+PRESETS = {
+    "steady": Preset(200, 1, "auto", about="200 jobs/s, one worker process"),
+    "busy": Preset(2000, 2, "direct", about="2,000 jobs/s (1,000 orders/s), two worker processes"),
+    "burst": Preset(
+        200,
+        2,
+        "auto",
+        burst=(20_000, 10.0),
+        about="200 jobs/s plus 20,000 jobs in one enqueue_many every 10 s, two worker processes",
+    ),
+}
 
 
 class Command(BaseCommand):
@@ -67,20 +82,49 @@ class Command(BaseCommand):
             help="Produce for this long, then drain and print a summary. Default: until Ctrl-C.",
         )
         parser.add_argument(
+            "--preset",
+            choices=sorted(PRESETS),
+            default="steady",
+            help="What to show: "
+            + "; ".join(f"{name}: {preset.about}" for name, preset in PRESETS.items())
+            + ". --rate, --workers and --carrier override its values. Default steady.",
+        )
+        parser.add_argument(
             "--rate",
             type=float,
-            default=200.0,
+            default=None,
             metavar="JOBS_PER_SECOND",
             help="Jobs the producer enqueues per second, half of them orders (a ChargeCard "
-            "each); follow-ups come on top. Default 200.",
+            "each); follow-ups come on top. Default: the preset's (steady: 200).",
+        )
+        parser.add_argument(
+            "--workers",
+            type=int,
+            default=None,
+            metavar="N",
+            help="awa_worker processes to run. Default: the preset's (steady: 1).",
         )
         parser.add_argument(
             "--carrier",
             choices=("auto", "http", "direct"),
-            default="auto",
+            default=None,
             help="How the carrier answers parked ShipOrder jobs: signed POSTs to the callback "
             "receiver (http), awa.complete_external() (direct), or http when the project "
-            "allows it (auto, the default).",
+            "allows it (auto). Default: the preset's (steady: auto).",
+        )
+        parser.add_argument(
+            "--port",
+            type=int,
+            default=8000,
+            help="127.0.0.1 port of the admin (and the callback receiver); 0, or a port "
+            "taken, picks a free one. Default 8000.",
+        )
+        parser.add_argument(
+            "--worker-log",
+            type=Path,
+            default=None,
+            metavar="PATH",
+            help="Where the worker processes log. Default .awa/demo-worker.log.",
         )
         parser.add_argument(
             "--carrier-delay",
@@ -98,11 +142,18 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        duration, rate = options["duration"], options["rate"]
+        preset = PRESETS[options["preset"]]
+        duration = options["duration"]
+        rate = options["rate"] if options["rate"] is not None else preset.rate
+        workers = options["workers"] if options["workers"] is not None else preset.workers
         if duration is not None and duration <= 0:
             raise CommandError("--duration must be positive")
         if rate <= 0:
             raise CommandError("--rate must be positive")
+        if workers < 1:
+            raise CommandError("--workers must be at least 1")
+        if not 0 <= options["port"] <= 65535:
+            raise CommandError("--port must be between 0 and 65535")
         if options["carrier_delay"] < 0 or options["drain"] < 0:
             raise CommandError("--carrier-delay and --drain cannot be negative")
         try:
@@ -116,7 +167,7 @@ class Command(BaseCommand):
         for name in SHOP_QUEUES:
             queues.setdefault(name, DEFAULT_CONCURRENCY)
 
-        carrier_mode = options["carrier"]
+        carrier_mode = options["carrier"] or preset.carrier
         problem = http_carrier_problem() if carrier_mode != "direct" else None
         if carrier_mode == "http" and problem:
             raise CommandError(f"--carrier http: {problem}")
@@ -129,6 +180,11 @@ class Command(BaseCommand):
                 queues=queues,
                 duration=duration,
                 rate=rate,
+                workers=workers,
+                burst=preset.burst,
+                port=options["port"],
+                worker_log=options["worker_log"]
+                or Path(settings.BASE_DIR) / ".awa" / "demo-worker.log",
                 use_http=use_http,
                 http_problem=problem if carrier_mode == "auto" else None,
                 carrier_delay=options["carrier_delay"],
@@ -143,6 +199,10 @@ class Command(BaseCommand):
         queues: dict[str, int],
         duration: float | None,
         rate: float,
+        workers: int,
+        burst: tuple[int, float] | None,
+        port: int,
+        worker_log: Path,
         use_http: bool,
         http_problem: str | None,
         carrier_delay: float,
@@ -150,13 +210,11 @@ class Command(BaseCommand):
     ) -> None:
         write = write_line(self.stdout)
         marks = Marks.now(alias)
-        worker = Worker(queues, alias=alias, conf=conf, install_signal_handlers=False)
-        worker_thread = threading.Thread(target=worker.run, name="demo-worker", daemon=True)
-        producer = Producers(rate, alias, self.stderr)
-        server: CallbackServer | None = None
+        worker = WorkerProcesses(queues, workers, worker_log)
+        producer = Producers(rate, alias, self.stderr, burst=burst)
+        server = CallbackServer(port)
         carrier: Carrier
         if use_http:
-            server = CallbackServer()
             carrier = HttpCarrier(
                 carrier_delay, alias, self.stderr, server.url, conf.callback_secret or ""
             )
@@ -164,16 +222,24 @@ class Command(BaseCommand):
             carrier = Carrier(carrier_delay, alias, self.stderr)
 
         write(
-            "awa demo: worker on "
+            f"awa demo: {workers} worker process{'es' if workers > 1 else ''} (awa_worker) on "
             + ", ".join(f"{name}={n}" for name, n in queues.items())
             + f"; producing {rate:g} jobs/s (half of them orders)"
+            + (f" and {burst[0]:,} jobs every {burst[1]:g}s" if burst else "")
             + (f" for {duration:g}s" if duration else ", Ctrl-C to stop")
         )
         write(
             f"carrier: {carrier.describe()}"
             + (f" (not over HTTP: {http_problem})" if http_problem else "")
         )
-
+        login = demo_superuser(alias)
+        try:
+            admin_url = server.url + reverse("admin:index")
+        except NoReverseMatch:
+            admin_url = None
+        if admin_url and login:
+            write(f"admin: {admin_url} (user {login[0]!r}, password {login[1]!r})")
+        write(f"worker log: {worker_log}")
         presses = 0
         wake = threading.Event()
 
@@ -184,6 +250,7 @@ class Command(BaseCommand):
             presses += 1
             if presses >= 2:
                 worker.stop()
+                worker.stop()  # the second SIGTERM: give back what runs, now
             wake.set()
 
         # Only the main thread may install signal handlers (call_command elsewhere may not).
@@ -195,12 +262,19 @@ class Command(BaseCommand):
         drain_until = 0.0
         stopped_early = False
         produced_for = 0.0
-        ticker = Ticker(alias)
+        ticker = Ticker(alias, produced=lambda: producer.produced)
         ticker.prime()
         try:
-            worker_thread.start()
-            if server is not None:
-                server.start()
+            worker.start()
+            server.start()
+            # Produce once the workers listen: their start (Django, connections)
+            # would otherwise show as a backlog the first seconds.
+            if not worker.wait_ready(30.0):
+                if (code := worker.exit_code()) is not None:
+                    raise CommandError(f"the worker exited at start ({code}); see {worker_log}")
+                write("the workers are slow to start; producing anyway")
+            ticker.started = time.monotonic()
+            ticker.prime()
             carrier.start()
             producer.start()
             next_tick = ticker.started
@@ -213,8 +287,8 @@ class Command(BaseCommand):
                     produced_for = produced_for or time.monotonic() - ticker.started
                     write("second Ctrl-C: stopping now")
                     break
-                if not worker_thread.is_alive():
-                    raise CommandError("the worker thread stopped unexpectedly")
+                if (code := worker.exit_code()) is not None:
+                    raise CommandError(f"the worker exited unexpectedly ({code}); see {worker_log}")
                 elapsed = time.monotonic() - ticker.started
                 if not draining and (presses or (duration and elapsed >= duration)):
                     producer.stop()
@@ -237,10 +311,8 @@ class Command(BaseCommand):
                 worker.stop()  # a second stop() skips the in-flight wait
             producer.join(10)
             carrier.join(10)
-            worker_thread.join(conf.shutdown_timeout + 10)
-            release_worker_connections()
-            if server is not None:
-                server.stop()
+            code = worker.join(conf.shutdown_timeout + 10)
+            server.stop()
             if handle_sigint:
                 signal.signal(signal.SIGINT, previous_handler or signal.default_int_handler)
 
@@ -258,5 +330,7 @@ class Command(BaseCommand):
             + (f", {carrier.errors} errors" if carrier.errors else "")
         )
         summary.render(write)
+        if code:
+            write(f"the worker exited {code}; see {worker_log}")
         if summary.failed_checks:
             raise CommandError("consistency check failed: " + "; ".join(summary.failed_checks))
