@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from django.core.signals import setting_changed
@@ -215,8 +216,11 @@ class Instrumentation:
             links=links,
         )
         labels = {"awa.job.kind": job.kind, "messaging.destination.name": job.queue}
-        if job.attempted_at is not None and job.run_at is not None:
-            self.wait.record(max(0.0, (job.attempted_at - job.run_at).total_seconds()), labels)
+        if job.run_at is not None:
+            # The handler begins now (attempted_at is written later, with the
+            # outcome); the worker's clock against the database's run_at.
+            waited = (datetime.now(UTC) - job.run_at).total_seconds()
+            self.wait.record(max(0.0, waited), labels)
         outcome = {"state": "error"}
 
         def record(result: AttemptResult | None) -> None:
