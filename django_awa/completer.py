@@ -50,6 +50,7 @@ class Completer:
             if not batch:
                 continue
             self.write(batch, deferred)
+            db.release(self.state.alias)  # pooled: held only while it writes
             if deferred:
                 retry_at = time.monotonic() + LOCKED_RETRY
                 logger.info(

@@ -345,13 +345,21 @@ def describe(exc: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
-def from_exception(job: Job, exc: BaseException, *, during: str = "") -> AttemptResult:
+def from_exception(
+    job: Job, exc: BaseException, *, during: str = "", need: db.ConnectionNeed | None = None
+) -> AttemptResult:
     """The attempt failed with ``exc``: ``TerminalError`` fails it now, anything else retries.
 
-    ``during`` names what failed, when it was not the handler itself.
+    ``during`` names what failed, when it was not the handler itself. When
+    ``exc`` is the server refusing a new connection (or Django's pool having
+    none free), the error says so first and names the fix, with the worker's
+    connections (``need``).
     """
     tb = "".join(traceback.format_exception(exc))
     error = f"{during}: {describe(exc)}" if during else describe(exc)
+    refusal = db.connection_refusal(exc, need)
+    if refusal is not None:
+        error = f"{refusal}. {error}"
     if isinstance(exc, TerminalError):
         return failed_terminally(job, error, tb)
     return errored(job, error, tb)
@@ -441,10 +449,13 @@ def run_attempt(
     attempt: Attempt,
     flush_progress: Callable[[Attempt], None] | None = None,
     resolved: tuple[WorkerSpec, JobArgs] | AttemptResult | None = None,
+    need: db.ConnectionNeed | None = None,
 ) -> AttemptResult:
     """Run the handler of a claimed, non-atomic attempt and interpret its result.
 
-    ``resolved`` is ``resolve_handler(attempt.job)`` when the caller has it already.
+    ``resolved`` is ``resolve_handler(attempt.job)`` when the caller has it
+    already; ``need``, the worker's connections, for an error that is the
+    server refusing one.
     """
     if resolved is None:
         resolved = resolve_handler(attempt.job)
@@ -457,7 +468,7 @@ def run_attempt(
     except BaseException as exc:  # the handler boundary: every error is recorded
         if not handler_raised(exc):
             raise
-        result = from_exception(attempt.job, exc)
+        result = from_exception(attempt.job, exc, need=need)
     else:
         result = from_value(attempt, value)
     result.progress = attempt.progress

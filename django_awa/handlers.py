@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from django.db import connections
 
+from . import db
 from .execute import (
     Attempt,
     AttemptResult,
@@ -40,9 +41,13 @@ STUCK_GRACE_MIN = 5.0
 _thread = threading.local()
 
 
-def close_broken_connections() -> None:
-    """Close this thread's connections that a handler left unusable.
+def release_connections() -> None:
+    """After a job: put back this thread's pooled connections, close those a handler broke.
 
+    A connection of an alias with Django's pool (``OPTIONS["pool"]``) goes
+    back to the pool, so a handler thread holds one only while its handler
+    runs: many handler threads share a few connections. Any other stays
+    open for the thread's next job, unless the handler left it unusable.
     Not ``close_old_connections()``: with the default CONN_MAX_AGE of 0 it
     would reconnect after every job. It runs after every job, so it keeps the
     thread's connection objects at hand: ``connections.all()`` goes through
@@ -51,9 +56,15 @@ def close_broken_connections() -> None:
     """
     wrappers = getattr(_thread, "connections", None)
     if wrappers is None:
-        wrappers = _thread.connections = [connections[alias] for alias in connections]
-    for conn in wrappers:
-        if conn.errors_occurred and conn.connection is not None and not conn.is_usable():
+        wrappers = _thread.connections = [
+            (connections[alias], db.is_pooled(connections[alias])) for alias in connections
+        ]
+    for conn, pooled in wrappers:
+        if conn.connection is None:
+            continue
+        if pooled and not conn.in_atomic_block:
+            conn.close()
+        elif conn.errors_occurred and not conn.is_usable():
             conn.close()
 
 
@@ -191,7 +202,7 @@ class HandlerPool:
             if spec.atomic:
                 self._run_atomic(attempt, spec, args)
                 return
-            self.results.put(run_attempt(attempt, self._mark_progress, resolved))
+            self.results.put(run_attempt(attempt, self._mark_progress, resolved, self.state.need))
         except BaseException as exc:  # no signal reaches a handler thread
             # Whatever reaches here came from running the job (the handler
             # boundary catches the handler's own errors): record it, so the job
@@ -201,9 +212,11 @@ class HandlerPool:
                 attempt.job.id, attempt.job.kind, attempt.job.attempt,
                 extra=log_context(attempt.job, self.state.name),
             )  # fmt: skip
-            self.results.put(from_exception(attempt.job, exc, during="worker error"))
+            self.results.put(
+                from_exception(attempt.job, exc, during="worker error", need=self.state.need)
+            )
         finally:
-            close_broken_connections()
+            release_connections()
 
     def _run_atomic(self, attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> None:
         try:
@@ -218,7 +231,11 @@ class HandlerPool:
                 attempt.job.id, attempt.job.kind, extra=log_context(attempt.job, self.state.name),
             )  # fmt: skip
             reset_connection()
-            self.results.put(from_exception(attempt.job, exc, during="could not be finalized"))
+            self.results.put(
+                from_exception(
+                    attempt.job, exc, during="could not be finalized", need=self.state.need
+                )
+            )
             return
         self.forget(attempt.job)
 

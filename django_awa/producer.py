@@ -66,6 +66,7 @@ class Producer:
                 continue
             try:
                 jobs = self.run_once()
+                db.release(state.alias)  # pooled: held only for the claim
             except DB_ERRORS as exc:
                 logger.warning("claim on queue %s failed (%s); reconnecting", runner.name, exc)
                 reset_connection()

@@ -22,6 +22,7 @@ import psycopg
 from django.db import DatabaseError, InterfaceError, connections
 
 from .conf import AwaSettings, awa_settings
+from .db import ConnectionNeed, connection_need
 
 if TYPE_CHECKING:
     from .execute import Attempt, AttemptResult
@@ -108,6 +109,9 @@ class WorkerState:
     conf: AwaSettings
     name: str  # host:pid, for logs and the maintenance lease
     queues: dict[str, QueueRunner]
+    # The most connections this worker holds: told at start-up, and in the
+    # error of an attempt whose handler the server refused a connection.
+    need: ConnectionNeed
     stopping: threading.Event = field(default_factory=threading.Event)
     halt: threading.Event = field(default_factory=threading.Event)
     results: queue_module.SimpleQueue[AttemptResult | None] = field(
@@ -128,11 +132,13 @@ class WorkerState:
     ) -> WorkerState:
         """The state of a worker running ``queues`` (name: concurrency) on ``alias``."""
         conf = conf or awa_settings()
+        alias = alias or conf.database
         return cls(
-            alias=alias or conf.database,
+            alias=alias,
             conf=conf,
             name=f"{socket.gethostname()}:{os.getpid()}",
             queues={name: QueueRunner(name=name, concurrency=n) for name, n in queues.items()},
+            need=connection_need(queues, alias, listener=conf.direct_database is not None),
             backlog_limit=max(1000, 2 * sum(queues.values())),
         )
 
