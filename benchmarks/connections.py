@@ -47,6 +47,18 @@ from growth import (
 DBNAME = "awa_conn_run"
 SETTINGS = "djbench.settings_connections"
 REFUSED = "PostgreSQL refused a new connection"
+# The client backends on the run's database but the sampler's own, and the jobs finished.
+SAMPLE = """
+SELECT (SELECT count(*) FROM pg_stat_activity
+        WHERE datname = current_database() AND backend_type = 'client backend'
+          AND pid <> pg_backend_pid()),
+       (SELECT count(*) FROM awa_job WHERE state IN ('completed', 'failed', 'cancelled'))
+"""
+RETRIES = """
+SELECT count(*) FILTER (WHERE attempt > 1 OR errors <> '[]'::jsonb),
+       count(*) FILTER (WHERE state = 'failed')
+FROM awa_job
+"""
 POOL_TIMEOUT = "no connection came free in Django's pool"
 
 
@@ -127,7 +139,9 @@ def measure(mode: str, concurrency: int, args, progress: Progress) -> dict[str, 
     log_path = LOG_DIR / f"connections-{mode}-{concurrency}.log"
     most = 0
     with (
-        psycopg.connect(dsn("postgres"), autocommit=True) as watch,
+        # Opened before the worker starts, so a server out of connections
+        # cannot refuse it; it does not count itself.
+        psycopg.connect(dsn(DBNAME), autocommit=True) as watch,
         open(log_path, "wb") as log,
     ):
         started = time.perf_counter()
@@ -145,23 +159,19 @@ def measure(mode: str, concurrency: int, args, progress: Progress) -> dict[str, 
         try:
             deadline = started + args.timeout
             while True:
-                (backends,) = watch.execute(
-                    "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE datname = %s AND backend_type = 'client backend'",
-                    [DBNAME],
-                ).fetchone()
+                backends, finished = watch.execute(SAMPLE).fetchone()
                 most = max(most, backends)
                 if time.perf_counter() >= deadline:
                     timed_out = True
                     break
                 if worker.poll() is not None:
                     raise RuntimeError(f"the worker exited with code {worker.returncode}")
-                finished = _finished()
                 progress.live(f"{finished:,}/{args.jobs:,} finished, {most} backends at most")
                 if finished >= args.jobs:
                     break
                 time.sleep(0.05)
             elapsed = time.perf_counter() - started
+            retried, failed = watch.execute(RETRIES).fetchone()
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.pid, 15)
@@ -169,42 +179,22 @@ def measure(mode: str, concurrency: int, args, progress: Progress) -> dict[str, 
                 worker.wait(40)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.pid, 9)
-    retried, failed = _retries()
     text = log_path.read_text(errors="replace")
     return {
         "mode": mode,
         "pool": pool,
         "concurrency": concurrency,
         "jobs": args.jobs,
-        "finished": _finished(),
+        "finished": finished,
         "timed_out": timed_out,
         "seconds": round(elapsed, 2),
-        "jobs_per_s": round(_finished() / elapsed, 1),
+        "jobs_per_s": round(finished / elapsed, 1),
         "most_backends": most,
         "retried": retried,
         "failed": failed,
         "refused_logged": text.count(REFUSED) + text.count(POOL_TIMEOUT),
         "warned": "(awa.W101)" in text,
     }
-
-
-def _finished() -> int:
-    import psycopg
-
-    with psycopg.connect(dsn(DBNAME), autocommit=True) as conn:
-        return conn.execute(
-            "SELECT count(*) FROM awa_job WHERE state IN ('completed', 'failed', 'cancelled')"
-        ).fetchone()[0]
-
-
-def _retries() -> tuple[int, int]:
-    import psycopg
-
-    with psycopg.connect(dsn(DBNAME), autocommit=True) as conn:
-        return conn.execute(
-            "SELECT count(*) FILTER (WHERE attempt > 1 OR errors <> '[]'::jsonb),"
-            "       count(*) FILTER (WHERE state = 'failed') FROM awa_job"
-        ).fetchone()
 
 
 # --------------------------------------------------------------------- main

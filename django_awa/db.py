@@ -572,21 +572,37 @@ class ConnectionNeed:
 
     alias: str
     handlers: int  # handler threads: the queues' concurrency
-    engine: int  # a producer per queue, the completer, the heartbeat, maintenance
+    queues: int  # a producer thread each
     listener: int  # 1: the LISTEN connection, psycopg's own, outside any pool
     pool_max: int | None  # Django's pool of the alias: it bounds the threads' connections
 
     @property
+    def engine_threads(self) -> int:
+        """A producer per queue, the completer, the heartbeat, maintenance."""
+        return self.queues + 3
+
+    @property
+    def shared_by_producers(self) -> bool:
+        """Whether the producers take turns on one connection: several, and no pool."""
+        return self.queues > 1 and self.pool_max is None
+
+    @property
     def most(self) -> int:
-        threads = self.handlers + self.engine
-        django = threads if self.pool_max is None else min(self.pool_max, threads)
-        return django + self.listener
+        if self.pool_max is not None:
+            return min(self.pool_max, self.handlers + self.engine_threads) + self.listener
+        return self.handlers + min(self.queues, 1) + 3 + self.listener
 
     def parts(self) -> str:
-        """What ``most`` is made of, e.g. ``100 handler threads + 4 engine threads + 1 LISTEN``."""
-        threads = f"{self.handlers} handler threads + {self.engine} engine threads"
+        """What ``most`` is made of, e.g. ``100 handler threads + 4 for the engine + 1 LISTEN``."""
         if self.pool_max is not None:
-            threads = f"Django's pool of at most {self.pool_max}, shared by {threads}"
+            threads = (
+                f"Django's pool of at most {self.pool_max}, shared by {self.handlers} handler "
+                f"threads and {self.engine_threads} engine threads"
+            )
+        else:
+            shared = f" ({self.queues} producers share one)" if self.shared_by_producers else ""
+            threads = f"{self.handlers} handler threads + {min(self.queues, 1) + 3} for the engine"
+            threads += shared
         return threads + (" + 1 LISTEN" if self.listener else "")
 
 
@@ -594,13 +610,14 @@ def connection_need(queues: Mapping[str, int], alias: str, listener: bool) -> Co
     """The connections a worker running ``queues`` (name: concurrency) on ``alias`` holds at most.
 
     Each thread has its own Django connection (handler threads from their
-    first query on). A handler thread abandoned in a stuck handler keeps its
+    first query on), but the producers of several queues share one when
+    there is no pool. A handler thread abandoned in a stuck handler keeps its
     connection while its replacement opens another; not counted here.
     """
     return ConnectionNeed(
         alias=alias,
         handlers=sum(queues.values()),
-        engine=len(queues) + 3,
+        queues=len(queues),
         listener=1 if listener else 0,
         pool_max=pool_max_size(alias),
     )
@@ -736,7 +753,11 @@ def connection_refusal(exc: BaseException, need: ConnectionNeed | None = None) -
         if cause is None:
             return None
         if _is_pool_timeout(cause):
-            held = f"this worker's {need.handlers + need.engine} threads" if need else "threads"
+            held = (
+                f"this worker's {need.handlers + need.engine_threads} threads"
+                if need
+                else "threads"
+            )
             size = f" of at most {need.pool_max}" if need and need.pool_max else ""
             return (
                 f"no connection came free in Django's pool{size} in time ({cause}): it is "

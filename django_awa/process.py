@@ -40,7 +40,7 @@ from .heartbeat import Heartbeat
 from .listener import Listener
 from .maintenance import MaintenanceService
 from .models import Job, JobState
-from .producer import Producer
+from .producer import Producer, SharedConnection
 from .state import DB_ERRORS, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class Worker:
         self.processes = processes
         # Signals received, for the main thread to act on (see _on_signal).
         self.signals: queue_module.SimpleQueue[int] = queue_module.SimpleQueue()
-        self.producers = [Producer(state, runner) for runner in state.queues.values()]
+        shared = SharedConnection(state.alias) if state.need.shared_by_producers else None
+        self.producers = [Producer(state, runner, shared) for runner in state.queues.values()]
         self.handlers = HandlerPool(state)
         self.completer = Completer(state)
         self.listener = Listener(state) if state.conf.direct_database is not None else None

@@ -23,8 +23,8 @@ from django_awa.checks import check_connections
 from django_awa.db import connection_need
 from django_awa.execute import from_exception
 from django_awa.models import Job, JobState
-from tests.conftest import ROOT, wait_for
-from tests.testapp.jobs import Touch
+from tests.conftest import ROOT, wait_for, wait_for_state
+from tests.testapp.jobs import Act, Echo, Noop, Touch
 from tests.testapp.models import Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -108,7 +108,7 @@ def test_pooled_handlers_outnumber_the_connections_the_role_may_open(limited_rol
     assert Order.objects.filter(paid=True).count() == 150
     assert most <= 11, most  # the pool's 10 and the LISTEN connection
     assert (
-        "up to 11 connections (Django's pool of at most 10, shared by 30 handler threads + "
+        "up to 11 connections (Django's pool of at most 10, shared by 30 handler threads and "
         "4 engine threads + 1 LISTEN)" in worker.output()
     )
 
@@ -144,7 +144,7 @@ def test_a_refused_connection_is_named_in_the_jobs_error_and_the_log(limited_rol
     error = job.errors[0]["error"]
     expected = (
         f'PostgreSQL refused a new connection (too many connections for role "{role}"): this '
-        "worker holds up to 8 connections (3 handler threads + 4 engine threads + 1 LISTEN); "
+        "worker holds up to 8 connections (3 handler threads + 4 for the engine + 1 LISTEN); "
         "use DATABASES['default']['OPTIONS']['pool'] or PgBouncer, or lower concurrency. "
         "OperationalError: "
     )
@@ -153,7 +153,7 @@ def test_a_refused_connection_is_named_in_the_jobs_error_and_the_log(limited_rol
     assert Job.objects.get(id=job.id).state != JobState.FAILED
     wait_for(lambda: "failed, retrying" in worker.output() and expected in worker.output())
     assert re.search(
-        r"up to 8 connections \(3 handler threads \+ 4 engine threads \+ 1 LISTEN\); the server "
+        r"up to 8 connections \(3 handler threads \+ 4 for the engine \+ 1 LISTEN\); the server "
         r"allows max_connections \d+ less \d+ reserved: \d+, \d+ in use now",
         worker.output(),
     ), worker.output()
@@ -165,7 +165,7 @@ def test_a_worker_near_the_limit_warns_at_start_up(limited_role, start_worker):
     text = wait_for(lambda: "(awa.W101)" in worker.output() and worker.output(), timeout=20)
     assert re.search(
         r"WARNING .*a worker on database 'default' holds up to 9 connections \(4 handler threads "
-        rf"\+ 4 engine threads \+ 1 LISTEN\): with the \d+ connections in use now that is \d+ of "
+        rf"\+ 4 for the engine \+ 1 LISTEN\): with the \d+ connections in use now that is \d+ of "
         rf"the 10 the server allows \(role '{role}' CONNECTION LIMIT\), past 85%",
         text,
     ), text
@@ -188,8 +188,8 @@ def test_the_check_warns_when_a_worker_would_take_the_server_near_its_limit():
         assert check_connections(databases=None) == []  # only under check --database
     assert warning.id == "awa.W101"
     assert re.search(
-        rf"holds up to {concurrency + 5} connections \({concurrency} handler threads \+ 4 engine "
-        rf"threads \+ 1 LISTEN\): with the \d+ connections in use now that is \d+ of the "
+        rf"holds up to {concurrency + 5} connections \({concurrency} handler threads \+ 4 for "
+        rf"the engine \+ 1 LISTEN\): with the \d+ connections in use now that is \d+ of the "
         rf"{max_connections - reserved} the server allows \(max_connections {max_connections} "
         rf"less {reserved} reserved\), past 85%.*lower concurrency\) \(queues big={concurrency}\)",
         warning.msg,
@@ -241,3 +241,34 @@ def test_a_pool_with_no_free_connection_is_named_in_the_error():
         "it is shared by this worker's 34 threads and handlers hold one while they run; "
         "raise the pool's max_size (or its timeout), or lower concurrency. PoolTimeout: "
     ) in result.error
+
+
+def test_the_producers_of_several_queues_share_one_connection(limited_role, start_worker):
+    # Three queues, no pool: their producers take turns on one connection.
+    role = limited_role(20)
+    worker = start_worker(
+        "--queue", "default=1", "--queue", "echo=1", "--queue", "bulk=1",
+        env={**SETTINGS, "AWA_TEST_DB_USER": role},
+    )  # fmt: skip
+    wait_for(
+        lambda: (
+            "listening for new jobs" in worker.output()
+            and "is now the maintenance leader" in worker.output()
+        ),
+        timeout=20,
+    )
+    # Idle: the producers (polling every 0.2 s), maintenance and the listener;
+    # the completer and the heartbeat connect once there is work.
+    most = 0
+    until = time.monotonic() + 1.5
+    while time.monotonic() < until:
+        most = max(most, _backends(role))
+        time.sleep(0.02)
+    assert most == 3, most
+    assert (
+        "up to 8 connections (3 handler threads + 4 for the engine (3 producers share one) "
+        "+ 1 LISTEN)" in worker.output()
+    )
+    jobs = [awa.enqueue(Act(action="ok")), awa.enqueue(Echo(n=1)), awa.enqueue(Noop(n=1))]
+    for job in jobs:
+        wait_for_state(job.id, JobState.COMPLETED)

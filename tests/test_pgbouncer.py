@@ -46,8 +46,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def pooled_url(transactional_db) -> Iterator[str]:
-    """A PgBouncer in transaction mode in front of the test database's server."""
+def pooled_url(request, transactional_db) -> Iterator[str]:
+    """A PgBouncer in transaction mode in front of the test database's server.
+
+    ``@pytest.mark.pool_size(N)``: its server connections per database (40 unless told).
+    """
+    marker = request.node.get_closest_marker("pool_size")
+    pool_size = marker.args[0] if marker else 40
     params = connection.settings_dict
     host = params["HOST"] or "/var/run/postgresql"
     port = params["PORT"] or 5432
@@ -67,7 +72,7 @@ unix_socket_dir =
 auth_type = any
 pool_mode = transaction
 max_client_conn = 500
-default_pool_size = 10
+default_pool_size = {pool_size}
 ignore_startup_parameters = extra_float_digits,options
 logfile = {workdir}/pgbouncer.log
 pidfile = {workdir}/pgbouncer.pid
@@ -175,6 +180,7 @@ def test_without_a_direct_connection_the_worker_polls_and_still_maintains(pooled
     wait_for_state(later.id, JobState.COMPLETED, timeout=15)
 
 
+@pytest.mark.pool_size(10)
 def test_orm_handlers_share_the_poolers_server_connections(pooled_url, start_worker):
     # 30 handler threads and 4 engine threads reading and updating rows
     # through the pooler, whose 10 server connections they share.
@@ -203,6 +209,6 @@ def test_orm_handlers_share_the_poolers_server_connections(pooled_url, start_wor
     assert most <= 12, most
     port = pooled_url.rsplit(":", 1)[1].split("/")[0]
     assert (
-        "up to 35 connections (30 handler threads + 4 engine threads + 1 LISTEN), to a "
+        "up to 35 connections (30 handler threads + 4 for the engine + 1 LISTEN), to a "
         f"pooler in front of the server (port {port}; the server's is " in worker.output()
     )
