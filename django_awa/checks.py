@@ -1,4 +1,4 @@
-"""System checks: awa.E0xx settings, awa.E1xx database, awa.E2xx declarations."""
+"""System checks: awa.E0xx settings, awa.E1xx and awa.W1xx database, awa.E2xx declarations."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ from typing import Any
 
 from django.conf import settings
 from django.core import checks
+from django.db import DatabaseError, connections
 
 from . import conf, db
+from .conf import awa_settings
+from .exceptions import ConfigurationError
 from .followups import CONTEXT_PARAMETERS, followup_registry, signature_fits
 from .kinds import JobArgs, registry
 
@@ -37,6 +40,45 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
             )
         ]
     return []
+
+
+@checks.register(checks.Tags.database)
+def check_connections(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """awa.W101: a worker running ``AWA["QUEUES"]`` would take the server near its limit.
+
+    Connects, so it is a ``database`` check as Django's own are: it runs under
+    ``manage.py check --database ALIAS`` and ``migrate``, for ``AWA["DATABASE"]``
+    only, and says nothing when the database cannot be reached (``awa_worker``
+    reports the same at start-up, for the queues it runs).
+    """
+    try:
+        conf = awa_settings()
+    except ConfigurationError:
+        return []  # reported by check_settings
+    alias = conf.database
+    if not databases or alias not in databases or db.postgresql_problem(alias) is not None:
+        return []
+    queues = {name: queue.concurrency for name, queue in conf.queues.items()}
+    need = db.connection_need(queues, alias, listener=conf.direct_database is not None)
+    try:
+        room = db.server_room(alias)
+    except (DatabaseError, ConfigurationError):
+        return []  # unreachable: not this check's to report
+    finally:
+        connections[alias].close()
+    _, warning = db.connections_report(need, room)
+    if warning is None:
+        return []
+    return [
+        checks.Warning(
+            f"{warning} (queues {', '.join(f'{n}={c}' for n, c in queues.items())}).",
+            hint="See the README, 'Connections: Django's pool or PgBouncer'.",
+            obj=alias,
+            id="awa.W101",
+        )
+    ]
 
 
 @checks.register()

@@ -72,6 +72,7 @@ class Completer:
                 continue
             waiting = len(deferred)
             self.write(batch, deferred)
+            db.release(self.state.alias)  # pooled: held only while it writes
             if len(deferred) > waiting:
                 # Only outcomes newly left out set the time: while results keep
                 # coming, pushing it on at every batch would never write again

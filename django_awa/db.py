@@ -64,12 +64,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from django.conf import settings
 from django.core.signals import setting_changed
-from django.db import ProgrammingError, connections
+from django.db import DatabaseError, ProgrammingError, connections
 from django.dispatch import receiver
 from psycopg import abc as pg_abc
 from psycopg.adapt import Transformer
@@ -536,3 +537,268 @@ def is_transient(exc: BaseException) -> bool:
     if state is None:  # no server answer: the connection itself failed
         return isinstance(cause, psycopg.OperationalError | psycopg.InterfaceError)
     return state.startswith(_TRANSIENT_CLASSES) or state in _TRANSIENT_CODES
+
+
+# -- connections: a pool's, a worker's need, the server's room, a refusal -------
+
+# Django's pool (DATABASES[alias]["OPTIONS"]["pool"]) is psycopg_pool's
+# ConnectionPool, whose max_size defaults to its min_size, 4.
+_POOL_MIN_SIZE = 4
+
+
+def pool_max_size(alias: str) -> int | None:
+    """The most connections Django's pool of ``alias`` opens; None when it has no pool."""
+    options = connections[alias].settings_dict.get("OPTIONS", {}).get("pool")
+    if not options:
+        return None
+    if not isinstance(options, Mapping):
+        return _POOL_MIN_SIZE
+    max_size = options.get("max_size")
+    return int(max_size or options.get("min_size", _POOL_MIN_SIZE))
+
+
+def is_pooled(wrapper: Any) -> bool:
+    """Whether a Django connection's alias takes its connections from Django's pool."""
+    return bool(wrapper.settings_dict.get("OPTIONS", {}).get("pool"))
+
+
+def release(alias: str) -> None:
+    """Give this thread's connection of ``alias`` back to its pool, outside a transaction.
+
+    A no-op without a pool: there closing would mean connecting again for the
+    next statement. With one, the connection goes back to the pool (Django's
+    ``close()`` puts it back) and the next use takes one again, so a thread
+    holds a pooled connection only while it works. Engine threads call it
+    after each pass, handler threads after each job.
+    """
+    wrapper = connections[alias]
+    if wrapper.connection is not None and not wrapper.in_atomic_block and is_pooled(wrapper):
+        try:
+            wrapper.close()
+        except (DatabaseError, psycopg.Error):
+            pass  # the pool discards a connection it cannot take back; close() forgot it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectionNeed:
+    """The most connections one worker process holds at once, and of what."""
+
+    alias: str
+    handlers: int  # handler threads: the queues' concurrency
+    queues: int  # a producer thread each
+    listener: int  # 1: the LISTEN connection, psycopg's own, outside any pool
+    pool_max: int | None  # Django's pool of the alias: it bounds the threads' connections
+
+    @property
+    def engine_threads(self) -> int:
+        """A producer per queue, the completer, the heartbeat, maintenance."""
+        return self.queues + 3
+
+    @property
+    def shared_by_producers(self) -> bool:
+        """Whether the producers take turns on one connection: several, and no pool."""
+        return self.queues > 1 and self.pool_max is None
+
+    @property
+    def most(self) -> int:
+        if self.pool_max is not None:
+            return min(self.pool_max, self.handlers + self.engine_threads) + self.listener
+        return self.handlers + min(self.queues, 1) + 3 + self.listener
+
+    def parts(self) -> str:
+        """What ``most`` is made of, e.g. ``100 handler threads + 4 for the engine + 1 LISTEN``."""
+        if self.pool_max is not None:
+            threads = (
+                f"Django's pool of at most {self.pool_max}, shared by {self.handlers} handler "
+                f"threads and {self.engine_threads} engine threads"
+            )
+        else:
+            shared = f" ({self.queues} producers share one)" if self.shared_by_producers else ""
+            threads = f"{self.handlers} handler threads + {min(self.queues, 1) + 3} for the engine"
+            threads += shared
+        return threads + (" + 1 LISTEN" if self.listener else "")
+
+
+def connection_need(queues: Mapping[str, int], alias: str, listener: bool) -> ConnectionNeed:
+    """The connections a worker running ``queues`` (name: concurrency) on ``alias`` holds at most.
+
+    Each thread has its own Django connection (handler threads from their
+    first query on), but the producers of several queues share one when
+    there is no pool. A handler thread abandoned in a stuck handler keeps its
+    connection while its replacement opens another; not counted here.
+    """
+    return ConnectionNeed(
+        alias=alias,
+        handlers=sum(queues.values()),
+        queues=len(queues),
+        listener=1 if listener else 0,
+        pool_max=pool_max_size(alias),
+    )
+
+
+# Past this share of what the server allows, a worker about to start is warned.
+CONNECTIONS_WARN_SHARE = 0.85
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerRoom:
+    """What the server allows this login, and what is in use now (``SERVER_CONNECTIONS``)."""
+
+    max_connections: int
+    reserved: int
+    in_use: int
+    role: str
+    superuser: bool
+    role_limit: int
+    role_in_use: int
+    database: str
+    database_limit: int
+    database_in_use: int
+    server_port: int | None
+
+    def limits(self) -> list[tuple[str, int, int]]:
+        """Each limit that applies: (what it is, how many it allows, how many are in use)."""
+        found = [
+            (
+                f"max_connections {self.max_connections} less {self.reserved} reserved",
+                self.max_connections - self.reserved,
+                self.in_use,
+            )
+        ]
+        if self.role_limit >= 0 and not self.superuser:  # superusers are not held to it
+            found.append(
+                (f"role {self.role!r} CONNECTION LIMIT", self.role_limit, self.role_in_use)
+            )
+        if self.database_limit >= 0:
+            found.append(
+                (
+                    f"database {self.database!r} CONNECTION LIMIT",
+                    self.database_limit,
+                    self.database_in_use,
+                )
+            )
+        return found
+
+
+def server_room(alias: str) -> ServerRoom:
+    """``SERVER_CONNECTIONS`` read on this thread's connection of ``alias``; errors raise."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.SERVER_CONNECTIONS)
+        row = cursor.fetchone()
+    if row is None:  # no pg_roles row for session_user: not a login this check can judge
+        raise ProgrammingError("django-awa: the server did not describe this login's limits")
+    return ServerRoom(
+        max_connections=row[0],
+        reserved=row[1],
+        in_use=row[2],
+        role=row[3],
+        superuser=row[4],
+        role_limit=row[5],
+        role_in_use=row[6],
+        database=row[7],
+        database_limit=row[8],
+        database_in_use=row[9],
+        server_port=row[10],
+    )
+
+
+def behind_pooler(alias: str, room: ServerRoom) -> bool:
+    """Whether ``alias`` reaches the server through a pooler: the server was reached on
+    another TCP port than the one ``alias`` connects to (PgBouncer's 6432, say)."""
+    port = connections[alias].settings_dict.get("PORT")
+    if not port or room.server_port is None:
+        return False
+    return int(port) != room.server_port
+
+
+def connections_report(
+    need: ConnectionNeed, room: ServerRoom, processes: int = 1
+) -> tuple[str, str | None]:
+    """A sentence on ``need`` against ``room``, and a warning when the worker would take
+    the server past ``CONNECTIONS_WARN_SHARE`` of a limit (None when it would not)."""
+    alias = need.alias
+    per = f" each, {processes * need.most} in all" if processes > 1 else ""
+    held = f"up to {need.most} connections ({need.parts()}){per}"
+    if behind_pooler(alias, room):
+        return (
+            f"{held}, to a pooler in front of the server (port "
+            f"{connections[alias].settings_dict.get('PORT')}; the server's is {room.server_port}): "
+            "the pooler's pool size bounds the server connections",
+            None,
+        )
+    limits = room.limits()
+    summary = "; ".join(f"{what}: {allowed}, {used} in use now" for what, allowed, used in limits)
+    report = f"{held}; the server allows {summary}"
+    total = processes * need.most
+    for what, allowed, used in limits:
+        if used + total > CONNECTIONS_WARN_SHARE * allowed:
+            warning = (
+                f"a worker on database {alias!r} holds {held}: with the {used} connections in "
+                f"use now that is {used + total} of the {allowed} the server allows ({what}), "
+                f"past {CONNECTIONS_WARN_SHARE:.0%}; handlers will meet 'too many clients' "
+                f"errors. Share connections: DATABASES[{alias!r}]['OPTIONS']['pool'] = "
+                "{'max_size': ...} (Django's pool, psycopg[pool]) or PgBouncer; or run fewer "
+                "handler threads (lower concurrency)"
+            )
+            return report, warning
+    return report, None
+
+
+# SQLSTATE too_many_connections: max_connections, a role's or a database's
+# CONNECTION LIMIT, or the slots reserved for superusers, reached.
+_TOO_MANY_CONNECTIONS = "53300"
+_REFUSALS = (
+    "too many clients already",
+    "remaining connection slots are reserved",
+    "too many connections for role",
+    "too many connections for database",
+)
+
+
+def connection_refusal(exc: BaseException, need: ConnectionNeed | None = None) -> str | None:
+    """What to tell of ``exc`` when it is PostgreSQL refusing a new connection, or Django's
+    pool finding none free in time; None for any other error.
+
+    Names the fix, and with ``need`` how many connections the worker holds.
+    """
+    cause: BaseException | None = exc
+    for _ in range(16):  # a chain of causes may, in principle, loop
+        if cause is None:
+            return None
+        if _is_pool_timeout(cause):
+            held = (
+                f"this worker's {need.handlers + need.engine_threads} threads"
+                if need
+                else "threads"
+            )
+            size = f" of at most {need.pool_max}" if need and need.pool_max else ""
+            return (
+                f"no connection came free in Django's pool{size} in time ({cause}): it is "
+                f"shared by {held} and handlers hold one while they run; raise the pool's "
+                "max_size (or its timeout), or lower concurrency"
+            )
+        if isinstance(cause, psycopg.Error):
+            text = str(cause)
+            if cause.sqlstate == _TOO_MANY_CONNECTIONS or any(r in text for r in _REFUSALS):
+                # The server's own words: 'too many connections for role "app"'.
+                reason = text.rsplit("FATAL:", 1)[-1].strip()
+                held = (
+                    f"this worker holds up to {need.most} connections ({need.parts()})"
+                    if need
+                    else "each thread of a worker holds a connection"
+                )
+                alias = need.alias if need else "..."
+                return (
+                    f"PostgreSQL refused a new connection ({reason}): {held}; use "
+                    f"DATABASES[{alias!r}]['OPTIONS']['pool'] or PgBouncer, or lower concurrency"
+                )
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _is_pool_timeout(exc: BaseException) -> bool:
+    # psycopg_pool is optional (psycopg[pool], for Django's pool): known by its class.
+    return any(
+        c.__name__ == "PoolTimeout" and c.__module__.startswith("psycopg_pool")
+        for c in type(exc).__mro__
+    )

@@ -381,13 +381,21 @@ def describe(exc: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
-def from_exception(job: Job, exc: BaseException, *, during: str = "") -> AttemptResult:
+def from_exception(
+    job: Job, exc: BaseException, *, during: str = "", need: db.ConnectionNeed | None = None
+) -> AttemptResult:
     """The attempt failed with ``exc``: ``TerminalError`` fails it now, anything else retries.
 
-    ``during`` names what failed, when it was not the handler itself.
+    ``during`` names what failed, when it was not the handler itself. When
+    ``exc`` is the server refusing a new connection (or Django's pool having
+    none free), the error says so first and names the fix, with the worker's
+    connections (``need``).
     """
     tb = "".join(traceback.format_exception(exc))
     error = f"{during}: {describe(exc)}" if during else describe(exc)
+    refusal = db.connection_refusal(exc, need)
+    if refusal is not None:
+        error = f"{refusal}. {error}"
     if isinstance(exc, TerminalError):
         return failed_terminally(job, error, tb)
     return errored(job, error, tb)
@@ -477,6 +485,7 @@ def run_attempt(
     attempt: Attempt,
     flush_progress: Callable[[Attempt], None] | None = None,
     resolved: tuple[WorkerSpec, JobArgs] | AttemptResult | None = None,
+    need: db.ConnectionNeed | None = None,
     *,
     loop: asyncio.AbstractEventLoop | None = None,
     enforce_timeout: bool = False,
@@ -486,7 +495,8 @@ def run_attempt(
     ``resolved`` is ``resolve_handler(attempt.job)`` when the caller has it already.
     An ``async def`` handler runs on ``loop`` (the worker's event loop thread),
     or, without one, on a loop of its own in this thread (``call_handler``).
-    With ``enforce_timeout`` the kind's timeout is applied here (``run_jobs``);
+    ``need``, the worker's connections, for an error that is the server refusing
+    one. With ``enforce_timeout`` the kind's timeout is applied here (``run_jobs``);
     in a worker the handler pool applies it instead, while the handler runs.
     """
     if resolved is None:
@@ -508,7 +518,7 @@ def run_attempt(
     except BaseException as exc:  # the handler boundary: every error is recorded
         if not handler_raised(exc):
             raise
-        result = from_exception(attempt.job, exc)
+        result = from_exception(attempt.job, exc, need=need)
     else:
         if timeout is not None and (ran := time.monotonic() - started) > timeout:
             # A sync handler cannot be stopped: it ran to its end, its result is ignored.

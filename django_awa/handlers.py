@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from django.db import connections
 
+from . import db
 from .execute import (
     Attempt,
     AttemptResult,
@@ -53,9 +54,13 @@ STUCK_GRACE_MIN = 5.0
 _thread = threading.local()
 
 
-def close_broken_connections() -> None:
-    """Close this thread's connections that a handler left unusable.
+def release_connections() -> None:
+    """After a job: put back this thread's pooled connections, close those a handler broke.
 
+    A connection of an alias with Django's pool (``OPTIONS["pool"]``) goes
+    back to the pool, so a handler thread holds one only while its handler
+    runs: many handler threads share a few connections. Any other stays
+    open for the thread's next job, unless the handler left it unusable.
     Not ``close_old_connections()``: with the default CONN_MAX_AGE of 0 it
     would reconnect after every job. It runs after every job, so it keeps the
     thread's connection objects at hand: ``connections.all()`` goes through
@@ -64,9 +69,15 @@ def close_broken_connections() -> None:
     """
     wrappers = getattr(_thread, "connections", None)
     if wrappers is None:
-        wrappers = _thread.connections = [connections[alias] for alias in connections]
-    for conn in wrappers:
-        if conn.errors_occurred and conn.connection is not None and not conn.is_usable():
+        wrappers = _thread.connections = [
+            (connections[alias], db.is_pooled(connections[alias])) for alias in connections
+        ]
+    for conn, pooled in wrappers:
+        if conn.connection is None:
+            continue
+        if pooled and not conn.in_atomic_block:
+            conn.close()
+        elif conn.errors_occurred and not conn.is_usable():
             conn.close()
 
 
@@ -232,7 +243,7 @@ class HandlerPool:
             if spec.atomic:
                 return self._run_atomic(attempt, spec, args)
             loop = self.event_loop() if spec.is_async else None
-            result = run_attempt(attempt, self._mark_progress, resolved, loop=loop)
+            result = run_attempt(attempt, self._mark_progress, resolved, self.state.need, loop=loop)
             self._put(attempt, result)
             return result
         except BaseException as exc:  # no signal reaches a handler thread
@@ -244,11 +255,11 @@ class HandlerPool:
                 attempt.job.id, attempt.job.kind, attempt.job.attempt,
                 extra=log_context(attempt.job, self.state.name),
             )  # fmt: skip
-            result = from_exception(attempt.job, exc, during="worker error")
+            result = from_exception(attempt.job, exc, during="worker error", need=self.state.need)
             self._put(attempt, result)
             return result
         finally:
-            close_broken_connections()
+            release_connections()
 
     def _put(self, attempt: Attempt, result: AttemptResult) -> None:
         """Hand ``result`` to the completer, with when its handler began."""
@@ -270,7 +281,9 @@ class HandlerPool:
                 attempt.job.id, attempt.job.kind, extra=log_context(attempt.job, self.state.name),
             )  # fmt: skip
             reset_connection()
-            result = from_exception(attempt.job, exc, during="could not be finalized")
+            result = from_exception(
+                attempt.job, exc, during="could not be finalized", need=self.state.need
+            )
             self._put(attempt, result)
             return result
         self.forget(attempt.job)

@@ -43,6 +43,7 @@ class Heartbeat:
         while not state.halt.wait(PROGRESS_INTERVAL):
             try:
                 self.run_once(due_only=True)
+                db.release(state.alias)  # pooled: held only during a pass
             except DB_ERRORS as exc:
                 logger.warning("heartbeat failed (%s); reconnecting", exc)
                 reset_connection()

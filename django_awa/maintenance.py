@@ -477,6 +477,7 @@ class MaintenanceService:
         halt = self.state.halt
         while not halt.is_set():
             self.run_once()
+            db.release(self.state.alias)  # pooled: held only during a pass
             halt.wait(min(1.0, self.state.conf.maintenance_interval))
         if self.is_leader:
             try:

@@ -30,7 +30,7 @@ from types import FrameType
 
 from django.db import connections
 
-from . import fleet
+from . import db, fleet
 from .completer import Completer
 from .conf import AwaSettings
 from .execute import Attempt, AttemptResult, errored
@@ -42,7 +42,7 @@ from .logs import set_worker
 from .maintenance import MaintenanceService
 from .models import Job, JobState
 from .otel import instrumentation
-from .producer import Producer
+from .producer import Producer, SharedConnection
 from .state import DB_ERRORS, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class Worker:
         conf: AwaSettings | None = None,
         install_signal_handlers: bool = True,
         repeat_halts: bool = True,
+        processes: int = 1,
     ) -> None:
         self.state = state = WorkerState.create(queues, alias=alias, conf=conf)
         self.install_signal_handlers = install_signal_handlers
@@ -69,9 +70,13 @@ class Worker:
         # children: they get each signal twice (from the terminal or service
         # manager, and from their supervisor), which sends SIGQUIT for "now".
         self.repeat_halts = repeat_halts
+        # How many worker processes like this one run side by side (--processes):
+        # together they hold that many times this one's connections.
+        self.processes = processes
         # Signals received, for the main thread to act on (see _on_signal).
         self.signals: queue_module.SimpleQueue[int] = queue_module.SimpleQueue()
-        self.producers = [Producer(state, runner) for runner in state.queues.values()]
+        shared = SharedConnection(state.alias) if state.need.shared_by_producers else None
+        self.producers = [Producer(state, runner, shared) for runner in state.queues.values()]
         self.handlers = HandlerPool(state)
         self.completer = Completer(state)
         self.listener = Listener(state) if state.conf.direct_database is not None else None
@@ -92,15 +97,19 @@ class Worker:
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
                 signal.signal(signum, self._on_signal)
         settings_dict = connections[state.alias].settings_dict
+        connections_told, warning = self._connections_report()
         logger.info(
-            "awa worker %s starting: queues %s; database %r (%s:%s/%s)",
+            "awa worker %s starting: queues %s; database %r (%s:%s/%s); %s",
             state.name,
             ", ".join(f"{q.name}={q.concurrency}" for q in state.queues.values()),
             state.alias,
             settings_dict.get("HOST") or "local socket",
             settings_dict.get("PORT") or 5432,
             settings_dict.get("NAME"),
+            connections_told,
         )
+        if warning is not None:
+            logger.warning("%s (awa.W101)", warning)
         tracing = instrumentation()
         if tracing is not None:
             tracing.observe_job_counts(state.alias)  # the awa.jobs gauge, with the otel extra
@@ -130,6 +139,20 @@ class Worker:
                 self.handlers.tend()
         finally:
             self._drain(producers, completer)
+
+    def _connections_report(self) -> tuple[str, str | None]:
+        """The start-up log's words on connections (see ``db.connections_report``), and
+        a warning when the worker would take the server near its limit."""
+        state = self.state
+        need = state.need
+        try:
+            room = db.server_room(state.alias)
+        except DB_ERRORS as exc:
+            told = f"up to {need.most} connections ({need.parts()})"
+            return f"{told}; the server's limits could not be read ({exc})", None
+        finally:
+            connections[state.alias].close()  # the main thread holds none while it runs
+        return db.connections_report(need, room, self.processes)
 
     def stop(self, *, now: bool = False) -> None:
         """Stop claiming; in-flight attempts may finish within SHUTDOWN_TIMEOUT.

@@ -10,7 +10,12 @@ handler threads (``handlers.py``) take them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from typing import Any
+
+from django.db import connections
 
 from . import db, sql
 from .conf import awa_settings
@@ -49,15 +54,72 @@ def claim(queue: str, limit: int, alias: str) -> list[Job]:
     return jobs
 
 
-class Producer:
-    """The claim loop of one queue (``run``, a thread body); ``run_once`` claims one batch."""
+class SharedConnection:
+    """One Django connection that the producers of a worker's queues take turns on.
 
-    def __init__(self, state: WorkerState, runner: QueueRunner) -> None:
+    Without a pool, each producer would keep a connection of its own for one
+    statement now and then. A claim is one short autocommit statement, so
+    they share one: each claim, and each reconnect after an error, holds
+    ``lock``. Not for the other threads: the heartbeat must not wait behind
+    anything (a late heartbeat gets attempts rescued), nor the completer.
+    """
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self.lock = threading.Lock()
+        self.wrapper: Any = None  # the shared DatabaseWrapper, made by the first producer
+        self.users = 0
+
+    def enter(self) -> None:
+        """Make the shared connection this thread's connection of the alias."""
+        with self.lock:
+            if self.wrapper is None:
+                self.wrapper = connections.create_connection(self.alias)
+            self.wrapper.inc_thread_sharing()
+            self.users += 1
+        connections[self.alias] = self.wrapper
+
+    def leave(self) -> None:
+        """Give this thread a connection of its own again (unopened); the last one out
+        closes the shared one."""
+        connections[self.alias] = connections.create_connection(self.alias)
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                with contextlib.suppress(Exception):
+                    self.wrapper.close()
+            self.wrapper.dec_thread_sharing()
+
+
+class Producer:
+    """The claim loop of one queue (``run``, a thread body); ``run_once`` claims one batch.
+
+    With ``shared``, it claims on the connection the worker's producers share.
+    """
+
+    def __init__(
+        self, state: WorkerState, runner: QueueRunner, shared: SharedConnection | None = None
+    ) -> None:
         self.state = state
         self.runner = runner
+        self.shared = shared
         self.busy = False  # the last claim took all it asked for: more jobs are waiting
 
+    def _turn(self) -> contextlib.AbstractContextManager[Any]:
+        """Hold the shared connection (a no-op without one)."""
+        return self.shared.lock if self.shared is not None else contextlib.nullcontext()
+
     def run(self) -> None:
+        if self.shared is None:
+            self._run()
+            return
+        self.shared.enter()
+        try:
+            self._run()
+        finally:
+            self.shared.leave()
+
+    def _run(self) -> None:
         state, runner = self.state, self.runner
         backoff = Backoff()
         while not state.stopping.is_set():
@@ -66,9 +128,11 @@ class Producer:
                 continue
             try:
                 jobs = self.run_once()
+                db.release(state.alias)  # pooled: held only for the claim
             except DB_ERRORS as exc:
                 logger.warning("claim on queue %s failed (%s); reconnecting", runner.name, exc)
-                reset_connection()
+                with self._turn():
+                    reset_connection()
                 backoff.wait(state.stopping)
                 continue
             if jobs is None:
@@ -89,7 +153,8 @@ class Producer:
             return None
         runner.wake.clear()
         try:
-            jobs = claim(runner.name, want, state.alias)
+            with self._turn():
+                jobs = claim(runner.name, want, state.alias)
         except BaseException:
             self.unreserve(want)
             raise

@@ -578,6 +578,30 @@ SELECT current_setting('autovacuum')::boolean,
 FROM pg_class AS c WHERE c.oid = 'awa_job'::regclass
 """
 
+# -- SERVER_CONNECTIONS --
+# What the server lets this login open, read by the worker at start-up and by
+# the system check awa.W101: max_connections and the slots it keeps back
+# (superuser_reserved_connections, and reserved_connections from PostgreSQL
+# 16), the client backends open now, and the login role's and the database's
+# CONNECTION LIMIT (-1: none) with the backends each has open. inet_server_port()
+# is the port the server was reached on: another than the one connected to
+# means a pooler (PgBouncer) in between. Catalog reads, no lock.
+SERVER_CONNECTIONS = """
+SELECT current_setting('max_connections')::int,
+       current_setting('superuser_reserved_connections')::int
+           + coalesce(current_setting('reserved_connections', true)::int, 0),
+       (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'),
+       r.rolname, r.rolsuper, r.rolconnlimit,
+       (SELECT count(*) FROM pg_stat_activity
+        WHERE backend_type = 'client backend' AND usesysid = r.oid),
+       d.datname, d.datconnlimit,
+       (SELECT count(*) FROM pg_stat_activity
+        WHERE backend_type = 'client backend' AND datid = d.oid),
+       inet_server_port()
+FROM pg_roles AS r, pg_database AS d
+WHERE r.rolname = session_user AND d.datname = current_database()
+"""
+
 # -- TAKE_LEASE --
 # Become the maintenance leader if the lease has run out (or was never
 # taken), bumping its term. The row is skipped, not waited for, while a

@@ -24,6 +24,7 @@ import psycopg
 from django.db import DatabaseError, InterfaceError, connections
 
 from .conf import AwaSettings, awa_settings
+from .db import ConnectionNeed, connection_need
 from .logs import log_context, set_worker
 
 __all__ = ["DB_ERRORS", "Backoff", "QueueRunner", "WorkerState", "log_context", "reset_connection"]
@@ -102,6 +103,9 @@ class WorkerState:
     conf: AwaSettings
     name: str  # host:pid, for logs and the maintenance lease
     queues: dict[str, QueueRunner]
+    # The most connections this worker holds: told at start-up, and in the
+    # error of an attempt whose handler the server refused a connection.
+    need: ConnectionNeed
     # This process's row in the worker registry (fleet.py), and when it started.
     id: uuid.UUID = field(default_factory=uuid.uuid4)
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
@@ -125,11 +129,13 @@ class WorkerState:
     ) -> WorkerState:
         """The state of a worker running ``queues`` (name: concurrency) on ``alias``."""
         conf = conf or awa_settings()
+        alias = alias or conf.database
         return cls(
-            alias=alias or conf.database,
+            alias=alias,
             conf=conf,
             name=f"{socket.gethostname()}:{os.getpid()}",
             queues={name: QueueRunner(name=name, concurrency=n) for name, n in queues.items()},
+            need=connection_need(queues, alias, listener=conf.direct_database is not None),
             backlog_limit=max(1000, 2 * sum(queues.values())),
         )
 

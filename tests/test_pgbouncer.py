@@ -26,6 +26,7 @@ from django.utils import timezone
 
 from django_awa.models import Job, JobState
 from tests.conftest import ROOT, wait_for, wait_for_state
+from tests.testapp.models import Order
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
@@ -45,8 +46,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def pooled_url(transactional_db) -> Iterator[str]:
-    """A PgBouncer in transaction mode in front of the test database's server."""
+def pooled_url(request, transactional_db) -> Iterator[str]:
+    """A PgBouncer in transaction mode in front of the test database's server.
+
+    ``@pytest.mark.pool_size(N)``: its server connections per database (40 unless told).
+    """
+    marker = request.node.get_closest_marker("pool_size")
+    pool_size = marker.args[0] if marker else 40
     params = connection.settings_dict
     host = params["HOST"] or "/var/run/postgresql"
     port = params["PORT"] or 5432
@@ -66,7 +72,7 @@ unix_socket_dir =
 auth_type = any
 pool_mode = transaction
 max_client_conn = 500
-default_pool_size = 40
+default_pool_size = {pool_size}
 ignore_startup_parameters = extra_float_digits,options
 logfile = {workdir}/pgbouncer.log
 pidfile = {workdir}/pgbouncer.pid
@@ -172,3 +178,37 @@ def test_without_a_direct_connection_the_worker_polls_and_still_maintains(pooled
     later = Job.objects.get(args__tag="later")
     assert later.state == JobState.SCHEDULED and later.run_at > timezone.now() - dt.timedelta(1)
     wait_for_state(later.id, JobState.COMPLETED, timeout=15)
+
+
+@pytest.mark.pool_size(10)
+def test_orm_handlers_share_the_poolers_server_connections(pooled_url, start_worker):
+    # 30 handler threads and 4 engine threads reading and updating rows
+    # through the pooler, whose 10 server connections they share.
+    Order.objects.bulk_create([Order(reference=f"o{i}") for i in range(120)])
+    code = (
+        "import django_awa as awa\n"
+        "from tests.testapp.jobs import Touch\n"
+        "awa.enqueue_many([Touch(reference=f'o{i}', hold=0.05) for i in range(120)])"
+    )
+    _enqueue_through(pooled_url, code)
+    worker = start_worker("--queue", "orm=30", env=_pooled_env(pooled_url))
+    name = connection.settings_dict["NAME"]
+    most = 0
+
+    def finished() -> bool:
+        nonlocal most
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", [name])
+            most = max(most, cursor.fetchone()[0])
+        return Job.objects.filter(kind="touch", state=JobState.COMPLETED).count() == 120
+
+    wait_for(finished, timeout=60)
+    assert set(Job.objects.filter(kind="touch").values_list("attempt", flat=True)) == {1}
+    assert Order.objects.filter(paid=True).count() == 120
+    # The pooler's 10, the worker's LISTEN connection and this test's own.
+    assert most <= 12, most
+    port = pooled_url.rsplit(":", 1)[1].split("/")[0]
+    assert (
+        "up to 35 connections (30 handler threads + 4 for the engine + 1 LISTEN), to a "
+        f"pooler in front of the server (port {port}; the server's is " in worker.output()
+    )

@@ -372,3 +372,27 @@ class Forever(awa.JobArgs):
 @awa.worker(Forever, queue="loop")
 def forever(job: awa.JobContext):
     return None
+
+
+@dataclass
+class Touch(awa.JobArgs):
+    """Read an ``Order`` through the ORM, keep the connection ``hold`` seconds, update it.
+
+    On database alias ``using`` (tests/test_connections.py gives handlers an
+    alias of their own); each run writes a ``Ledger`` row there too.
+    """
+
+    reference: str
+    hold: float = 0.0
+    using: str = "default"
+
+
+@awa.worker(Touch, queue="orm", max_attempts=5)
+def touch(job):
+    using = job.args.using
+    order = Order.objects.using(using).get(reference=job.args.reference)
+    time.sleep(job.args.hold)
+    Order.objects.using(using).filter(pk=order.pk).update(paid=True)
+    Ledger.objects.using(using).create(
+        job_id=job.id, attempt=job.attempt, run_lease=job.row.run_lease, note="touch"
+    )

@@ -106,7 +106,9 @@ class Command(BaseCommand):
         connections.close_all()
         context = multiprocessing.get_context("fork")
         children = [
-            context.Process(target=_child, args=(queues, alias, conf), name=f"awa-worker-{i}")
+            context.Process(
+                target=_child, args=(queues, alias, conf, processes), name=f"awa-worker-{i}"
+            )
             for i in range(processes)
         ]
         for child in children:
@@ -159,8 +161,8 @@ def _forward(
                 os.kill(child.pid, signal.SIGQUIT if now else signal.SIGTERM)
 
 
-def _child(queues: dict[str, int], alias: str, conf: AwaSettings) -> None:
-    worker = Worker(queues, alias=alias, conf=conf, repeat_halts=False)
+def _child(queues: dict[str, int], alias: str, conf: AwaSettings, processes: int) -> None:
+    worker = Worker(queues, alias=alias, conf=conf, repeat_halts=False, processes=processes)
     parent = os.getppid()
 
     def orphan_watch() -> None:

@@ -1,0 +1,274 @@
+"""Connections: handlers' ORM use through Django's pool, what a worker holds, a refusal.
+
+Real worker processes log in as a role with a CONNECTION LIMIT (created and
+dropped here, named after the test database so parallel runs do not meet),
+settings from ``tests/conn_settings.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+
+import django_awa as awa
+from django_awa.checks import check_connections
+from django_awa.db import connection_need
+from django_awa.execute import from_exception
+from django_awa.models import Job, JobState
+from tests.conftest import ROOT, wait_for, wait_for_state
+from tests.testapp.jobs import Act, Echo, Noop, Touch
+from tests.testapp.models import Order
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SETTINGS = {"DJANGO_SETTINGS_MODULE": "tests.conn_settings"}
+
+
+def _sql(statement: str, params: list | None = None) -> list[tuple]:
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+@pytest.fixture
+def limited_role(transactional_db) -> Iterator[Callable[[int], str]]:
+    """``make(limit)``: a login role allowed ``limit`` connections, with rights on every table."""
+    made: list[str] = []
+
+    def make(limit: int) -> str:
+        name = f"awa_limited_{len(made)}_{connection.settings_dict['NAME']}"[:63]
+        _drop(name)
+        _sql(f'CREATE ROLE "{name}" LOGIN CONNECTION LIMIT {int(limit)}')
+        _sql(f'GRANT USAGE ON SCHEMA public TO "{name}"')
+        _sql(f'GRANT ALL ON ALL TABLES IN SCHEMA public TO "{name}"')
+        _sql(f'GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO "{name}"')
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        _drop(name)
+
+
+def _drop(name: str) -> None:
+    if not _sql("SELECT 1 FROM pg_roles WHERE rolname = %s", [name]):
+        return
+    _sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [name])
+    wait_for(lambda: not _sql("SELECT 1 FROM pg_stat_activity WHERE usename = %s", [name]))
+    _sql(f'DROP OWNED BY "{name}"')
+    _sql(f'DROP ROLE "{name}"')
+
+
+def _backends(role: str) -> int:
+    return _sql("SELECT count(*) FROM pg_stat_activity WHERE usename = %s", [role])[0][0]
+
+
+def _touch_jobs(n: int, hold: float, using: str = "default") -> list[int]:
+    Order.objects.bulk_create([Order(reference=f"o{i}") for i in range(n)])
+    return awa.enqueue_many([Touch(reference=f"o{i}", hold=hold, using=using) for i in range(n)])
+
+
+def _drain_watching(ids: list[int], role: str, timeout: float) -> int:
+    """Wait for every job of ``ids`` to finish; the most backends ``role`` had meanwhile."""
+    most = 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        most = max(most, _backends(role))
+        if not Job.objects.filter(id__in=ids).exclude(state__in=JobState.FINAL).exists():
+            return most
+        time.sleep(0.02)
+    states = list(Job.objects.filter(id__in=ids).values_list("state", "attempt", "errors")[:5])
+    raise AssertionError(f"jobs did not finish in {timeout}s: {states}")
+
+
+def test_pooled_handlers_outnumber_the_connections_the_role_may_open(limited_role, start_worker):
+    # 30 handler threads and 4 engine threads, but the role may open 15
+    # connections: they share Django's pool of 10 (and the LISTEN connection).
+    role = limited_role(15)
+    ids = _touch_jobs(150, hold=0.05)
+    worker = start_worker(
+        "--queue",
+        "orm=30",
+        env={**SETTINGS, "AWA_TEST_DB_USER": role, "AWA_TEST_POOL": "default:10"},
+    )
+    most = _drain_watching(ids, role, timeout=90)
+    jobs = list(Job.objects.filter(id__in=ids).values_list("state", "attempt", "errors"))
+    assert {(state, attempt) for state, attempt, _ in jobs} == {(JobState.COMPLETED, 1)}, [
+        j for j in jobs if j[0] != JobState.COMPLETED or j[1] != 1
+    ][:3]
+    assert all(errors == [] for *_, errors in jobs)
+    assert Order.objects.filter(paid=True).count() == 150
+    assert most <= 11, most  # the pool's 10 and the LISTEN connection
+    assert (
+        "up to 11 connections (Django's pool of at most 10, shared by 30 handler threads and "
+        "4 engine threads + 1 LISTEN)" in worker.output()
+    )
+
+
+def test_the_engine_threads_give_their_pooled_connections_back(limited_role, start_worker):
+    # A pool of 2 for 4 engine threads and 4 handler threads: it serves them
+    # only if every thread gives its connection back after each pass.
+    role = limited_role(3)
+    ids = _touch_jobs(40, hold=0.02)
+    start_worker(
+        "--queue", "orm=4", env={**SETTINGS, "AWA_TEST_DB_USER": role, "AWA_TEST_POOL": "default:2"}
+    )
+    most = _drain_watching(ids, role, timeout=90)
+    jobs = list(Job.objects.filter(id__in=ids).values_list("state", "attempt"))
+    assert set(jobs) == {(JobState.COMPLETED, 1)}
+    assert most <= 3, most
+
+
+def test_a_refused_connection_is_named_in_the_jobs_error_and_the_log(limited_role, start_worker):
+    # Handlers use an alias of their own, as a role that may open one
+    # connection: the first handler thread to connect keeps it (no pool), the
+    # others are refused by the server.
+    role = limited_role(1)
+    ids = _touch_jobs(3, hold=1.0, using="handlers")
+    worker = start_worker("--queue", "orm=3", env={**SETTINGS, "AWA_TEST_HANDLER_USER": role})
+
+    def refused() -> Job | None:
+        return next(
+            (j for j in Job.objects.filter(id__in=ids) if j.errors and j.attempt == 1), None
+        )
+
+    job = wait_for(refused, timeout=30)
+    error = job.errors[0]["error"]
+    expected = (
+        f'PostgreSQL refused a new connection (too many connections for role "{role}"): this '
+        "worker holds up to 8 connections (3 handler threads + 4 for the engine + 1 LISTEN); "
+        "use DATABASES['default']['OPTIONS']['pool'] or PgBouncer, or lower concurrency. "
+        "OperationalError: "
+    )
+    assert error.startswith(expected), error
+    # Retried as any error is.
+    assert Job.objects.get(id=job.id).state != JobState.FAILED
+    wait_for(lambda: "failed, retrying" in worker.output() and expected in worker.output())
+    assert re.search(
+        r"up to 8 connections \(3 handler threads \+ 4 for the engine \+ 1 LISTEN\); the server "
+        r"allows max_connections \d+ less \d+ reserved: \d+, \d+ in use now",
+        worker.output(),
+    ), worker.output()
+
+
+def test_a_worker_near_the_limit_warns_at_start_up(limited_role, start_worker):
+    role = limited_role(10)
+    worker = start_worker("--queue", "orm=4", env={**SETTINGS, "AWA_TEST_DB_USER": role})
+    text = wait_for(lambda: "(awa.W101)" in worker.output() and worker.output(), timeout=20)
+    assert re.search(
+        r"WARNING .*a worker on database 'default' holds up to 9 connections \(4 handler threads "
+        rf"\+ 4 for the engine \+ 1 LISTEN\): with the \d+ connections in use now that is \d+ of "
+        rf"the 10 the server allows \(role '{role}' CONNECTION LIMIT\), past 85%",
+        text,
+    ), text
+    assert "['OPTIONS']['pool']" in text and "PgBouncer" in text
+
+
+def _server_allows() -> tuple[int, int]:
+    (row,) = _sql(
+        "SELECT current_setting('max_connections')::int, "
+        "current_setting('superuser_reserved_connections')::int"
+    )
+    return row
+
+
+def test_the_check_warns_when_a_worker_would_take_the_server_near_its_limit():
+    max_connections, reserved = _server_allows()
+    concurrency = max_connections  # a worker alone past the limit, whatever else runs
+    with override_settings(AWA={"QUEUES": {"big": {"concurrency": concurrency}}}):
+        (warning,) = check_connections(databases=["default"])
+        assert check_connections(databases=None) == []  # only under check --database
+    assert warning.id == "awa.W101"
+    assert re.search(
+        rf"holds up to {concurrency + 5} connections \({concurrency} handler threads \+ 4 for "
+        rf"the engine \+ 1 LISTEN\): with the \d+ connections in use now that is \d+ of the "
+        rf"{max_connections - reserved} the server allows \(max_connections {max_connections} "
+        rf"less {reserved} reserved\), past 85%.*lower concurrency\) \(queues big={concurrency}\)",
+        warning.msg,
+    ), warning.msg
+    with override_settings(AWA={"QUEUES": {"small": {"concurrency": 2}}}):
+        assert check_connections(databases=["default"]) == []
+
+
+def test_the_check_says_nothing_when_the_database_cannot_be_reached():
+    env = {
+        **SETTINGS,
+        "AWA_TEST_DB_NAME": connection.settings_dict["NAME"],
+        "AWA_TEST_DB_PORT": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "django", "check", "--database", "default"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "System check identified no issues" in done.stdout
+
+
+def test_a_pool_with_no_free_connection_is_named_in_the_error():
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    settings_dict = connection.settings_dict
+    conninfo = (
+        f"host={settings_dict['HOST'] or 'localhost'} port={settings_dict['PORT'] or 5432} "
+        f"user={settings_dict['USER'] or 'postgres'} dbname={settings_dict['NAME']}"
+    )
+    with (
+        psycopg_pool.ConnectionPool(conninfo, min_size=1, max_size=1, timeout=0.2) as pool,
+        pool.connection(),
+        pytest.raises(psycopg_pool.PoolTimeout) as raised,
+    ):
+        pool.getconn()
+    job = Job.objects.create(kind="touch", queue="orm", args={"reference": "x"})
+    need = connection_need({"orm": 30}, "default", listener=True)
+    result = from_exception(job, raised.value, need=need)
+    assert result.state == JobState.RETRYABLE
+    assert result.error.startswith(
+        "no connection came free in Django's pool in time (couldn't get a connection after "
+    ), result.error
+    assert (
+        "it is shared by this worker's 34 threads and handlers hold one while they run; "
+        "raise the pool's max_size (or its timeout), or lower concurrency. PoolTimeout: "
+    ) in result.error
+
+
+def test_the_producers_of_several_queues_share_one_connection(limited_role, start_worker):
+    # Three queues, no pool: their producers take turns on one connection.
+    role = limited_role(20)
+    worker = start_worker(
+        "--queue", "default=1", "--queue", "echo=1", "--queue", "bulk=1",
+        env={**SETTINGS, "AWA_TEST_DB_USER": role},
+    )  # fmt: skip
+    wait_for(
+        lambda: (
+            "listening for new jobs" in worker.output()
+            and "is now the maintenance leader" in worker.output()
+        ),
+        timeout=20,
+    )
+    # Idle: the producers (polling every 0.2 s), maintenance and the listener;
+    # the completer and the heartbeat connect once there is work.
+    most = 0
+    until = time.monotonic() + 1.5
+    while time.monotonic() < until:
+        most = max(most, _backends(role))
+        time.sleep(0.02)
+    assert most == 3, most
+    assert (
+        "up to 8 connections (3 handler threads + 4 for the engine (3 producers share one) "
+        "+ 1 LISTEN)" in worker.output()
+    )
+    jobs = [awa.enqueue(Act(action="ok")), awa.enqueue(Echo(n=1)), awa.enqueue(Noop(n=1))]
+    for job in jobs:
+        wait_for_state(job.id, JobState.COMPLETED)
