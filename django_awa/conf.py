@@ -119,6 +119,15 @@ DESCRIPTIONS: dict[str, str] = {
         "An alias reaching PostgreSQL directly (not through a transaction-mode pooler), for "
         'LISTEN. `""` (the default): the `DATABASE` alias. `None`: workers poll.'
     ),
+    "METRICS_TOKEN": (
+        "A bearer token that lets a scraper read `<prefix>/metrics` without a staff login; "
+        "`None`: staff users only."
+    ),
+    "OPENTELEMETRY": (
+        "Traces and metrics through the OpenTelemetry API (the `otel` extra): `None` uses "
+        "it when installed, `False` never, `True` requires it (a system-check error "
+        "without it)."
+    ),
 }
 
 # The longest value a duration setting takes: past it, timestamps and waits

@@ -117,6 +117,8 @@ class Worker:
             fleet.beat(state)  # registered before it claims; the heartbeat renews it
         except DB_ERRORS as exc:
             logger.warning("could not register worker %s (%s); heartbeats retry", state.name, exc)
+        finally:
+            connections[state.alias].close()  # the main thread holds none while it runs
         if self.listener is None:
             logger.info(
                 "no direct database connection (AWA['DIRECT_DATABASE'] is None): polling "
