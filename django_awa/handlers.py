@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from django.db import connections
 
+from . import db
 from .execute import (
     Attempt,
     AttemptResult,
@@ -53,8 +54,15 @@ def close_broken_connections() -> None:
     if wrappers is None:
         wrappers = _thread.connections = [connections[alias] for alias in connections]
     for conn in wrappers:
-        if conn.errors_occurred and conn.connection is not None and not conn.is_usable():
-            conn.close()
+        if conn.errors_occurred and conn.connection is not None:
+            # Also a connection that went read-only: after a failover it may
+            # be on a standby, where every later job's writes would fail.
+            if conn.vendor == "postgresql" and not db.is_writable(conn):
+                conn.close()
+            elif conn.vendor != "postgresql" and not conn.is_usable():
+                conn.close()
+            else:
+                conn.errors_occurred = False
 
 
 def _deadline_seconds(job: Job) -> float | None:

@@ -33,12 +33,13 @@ class Heartbeat:
     def run(self) -> None:
         state = self.state
         self.last_beat = time.monotonic()
+        reconnect = db.Reconnect("heartbeat", state.alias, state.halt)
         while not state.halt.wait(PROGRESS_INTERVAL):
             try:
                 self.run_once(due_only=True)
+                reconnect.succeeded()
             except DB_ERRORS as exc:
-                logger.warning("heartbeat failed (%s); reconnecting", exc)
-                reset_connection()
+                reconnect.failed(exc)
             except Exception:
                 # Never let this thread die: without heartbeats every running
                 # job of this worker would be rescued and run again.

@@ -17,7 +17,7 @@ from .conf import awa_settings
 from .execute import Attempt
 from .kinds import registry
 from .models import Job, jobs_from_rows
-from .state import DB_ERRORS, Backoff, QueueRunner, WorkerState, log_context, reset_connection
+from .state import DB_ERRORS, QueueRunner, WorkerState, log_context
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Producer:
 
     def run(self) -> None:
         state, runner = self.state, self.runner
-        backoff = Backoff()
+        reconnect = db.Reconnect(f"producer of queue {runner.name}", state.alias, state.stopping)
         while not state.stopping.is_set():
             if state.results.qsize() > state.backlog_limit:
                 state.stopping.wait(0.01)
@@ -67,13 +67,11 @@ class Producer:
             try:
                 jobs = self.run_once()
             except DB_ERRORS as exc:
-                logger.warning("claim on queue %s failed (%s); reconnecting", runner.name, exc)
-                reset_connection()
-                backoff.wait(state.stopping)
+                reconnect.failed(exc)
                 continue
             if jobs is None:
                 continue  # no room yet
-            backoff.reset()
+            reconnect.succeeded()
             if not self.busy:
                 runner.wake.wait(state.conf.poll_interval)
 

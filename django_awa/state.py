@@ -47,20 +47,6 @@ def reset_connection() -> None:
         connections.close_all()
 
 
-class Backoff:
-    """Exponential backoff for reconnecting: 0.1 s doubling to 5 s."""
-
-    def __init__(self) -> None:
-        self.delay = 0.1
-
-    def reset(self) -> None:
-        self.delay = 0.1
-
-    def wait(self, stop: threading.Event) -> None:
-        stop.wait(self.delay)
-        self.delay = min(self.delay * 2, 5.0)
-
-
 @dataclass(slots=True)
 class QueueRunner:
     """One queue of the worker: the producer fills ``inbox``, its handler threads empty it."""
