@@ -34,6 +34,7 @@ PATRONICTL = Path("/usr/bin/patronictl")
 ETCD = Path("/usr/bin/etcd")
 HAPROXY = Path("/usr/sbin/haproxy")
 SYSTEM_PYTHON = Path("/usr/bin/python3")
+SETPRIV = "/usr/bin/setpriv"
 
 # Ports clear of the machine's services (5432, 6379, 5672, 1883, 4222, 3306).
 HAPROXY_PORT = 15432
@@ -192,7 +193,7 @@ class Cluster:
         env = {"PATH": "/usr/bin:/bin", "HOME": str(node.dir), "LANG": "C.UTF-8"}
         node.proc = subprocess.Popen(  # noqa: S603 - fixed binaries and arguments
             [
-                "setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups",
+                SETPRIV, "--reuid=postgres", "--regid=postgres", "--init-groups",
                 str(SYSTEM_PYTHON), str(PATRONI), str(node.config),
             ],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -356,7 +357,7 @@ listen primary
             raise RuntimeError("no leader to switch over from")
         subprocess.run(  # noqa: S603 - fixed binaries and arguments
             [
-                "setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups",
+                SETPRIV, "--reuid=postgres", "--regid=postgres", "--init-groups",
                 str(SYSTEM_PYTHON), str(PATRONICTL), "-c", str(self.ctl_config),
                 "switchover", "--force", "--leader", old, "awa",
             ],
