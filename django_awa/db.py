@@ -545,6 +545,11 @@ class _Outage:
 
 _outages: dict[str, _Outage] = {}
 _outages_lock = threading.Lock()
+# Counts the outages this process has seen begin. A thread that does not
+# reconnect through Reconnect (a handler thread) compares it before its next
+# use, and closes connections opened before the outage: they are most likely
+# dead, and finding out by running a job would cost that job an attempt.
+outage_count = 0
 
 # Reconnect delays: from the first, doubling up to the most, each drawn from
 # its upper half so that a fleet of workers does not reconnect in step.
@@ -586,6 +591,7 @@ class Reconnect:
 
     def failed(self, exc: BaseException) -> None:
         """Close this thread's connections, note the outage, wait the backoff."""
+        global outage_count  # one per process, changed under _outages_lock
         close_thread_connections()
         self.retries += 1
         with _outages_lock:
@@ -593,6 +599,7 @@ class Reconnect:
             first = outage is None
             if outage is None:
                 outage = _outages[self.alias] = _Outage()
+                outage_count += 1
             outage.failing.add(self.service)
             outage.recovered_at = None
         if first:

@@ -11,11 +11,13 @@ past its deadline) is abandoned and its thread replaced, at most
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue as queue_module
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import connections
 
@@ -41,6 +43,29 @@ STUCK_GRACE_MIN = 5.0
 _thread = threading.local()
 
 
+def _thread_connections() -> list[Any]:
+    wrappers: list[Any] | None = getattr(_thread, "connections", None)
+    if wrappers is None:
+        wrappers = _thread.connections = [connections[alias] for alias in connections]
+        _thread.outages = db.outage_count
+    return wrappers
+
+
+def close_connections_after_outage() -> None:
+    """Before a job: close this thread's connections if the worker saw an outage since.
+
+    Its other threads found the database gone meanwhile, so these
+    connections are most likely dead; finding out by running the job would
+    cost the job an attempt. One comparison of two ints otherwise.
+    """
+    wrappers = _thread_connections()
+    if _thread.outages != db.outage_count:
+        _thread.outages = db.outage_count
+        for conn in wrappers:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
 def close_broken_connections() -> None:
     """Close this thread's connections that a handler left unusable.
 
@@ -50,10 +75,7 @@ def close_broken_connections() -> None:
     asgiref's ``Local`` for each alias, which costs more than the rest of a
     quick job's bookkeeping.
     """
-    wrappers = getattr(_thread, "connections", None)
-    if wrappers is None:
-        wrappers = _thread.connections = [connections[alias] for alias in connections]
-    for conn in wrappers:
+    for conn in _thread_connections():
         if conn.errors_occurred and conn.connection is not None:
             # Also a connection that went read-only: after a failover it may
             # be on a standby, where every later job's writes would fail.
@@ -190,6 +212,7 @@ class HandlerPool:
 
     def _run(self, attempt: Attempt) -> None:
         """Run the attempt; whatever happens, its result goes to the completer (or is written)."""
+        close_connections_after_outage()
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
