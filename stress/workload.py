@@ -14,6 +14,8 @@ set up on the job database (``DATABASE_URL``). Three threads:
   after an error says the first try committed;
 * the watcher notes the jobs it sees ``completed``.
 
+Each job carries a unique ``tag``: the ledger and the check name jobs by it.
+
 Each success is a line of the ledger file (JSON), written and flushed
 after the client got its answer. ``check(cursor)`` then compares the ledger
 with what the (new) primary holds: an enqueue, a callback or a completion
@@ -80,6 +82,7 @@ class Workload:
         self.outages: list[tuple[float, float]] = []
         self._ids: list[int] = []
         self._completed: set[int] = set()
+        self._seen: set[int] = set()
         self._lock = threading.Lock()
 
     @property
@@ -158,7 +161,9 @@ class Workload:
         self.ledger.record("enqueued", id=job_id, tag=tag, kind=kind, ambiguous=ambiguous)
         self.counts["enqueued"] += 1
         with self._lock:
-            self._ids.append(job_id)
+            if job_id not in self._seen:  # a lost job's id, handed out again
+                self._seen.add(job_id)
+                self._ids.append(job_id)
         if failed_at is not None:
             self.outages.append((failed_at, time.time()))
 
@@ -173,17 +178,17 @@ class Workload:
             try:
                 with connection.cursor() as cursor:
                     cursor.execute(
-                        "SELECT id, callback_id FROM awa_job WHERE kind = 'parked' "
-                        "AND state = 'waiting_external' LIMIT 50"
+                        "SELECT id, callback_id, args ->> 'tag' FROM awa_job "
+                        "WHERE kind = 'parked' AND state = 'waiting_external' LIMIT 50"
                     )
                     waiting = cursor.fetchall()
             except Exception:  # noqa: BLE001 - the database is away: look again later
                 db.close_thread_connections()
                 continue
-            for job_id, callback_id in waiting:
-                self._answer(job_id, callback_id)
+            for job_id, callback_id, tag in waiting:
+                self._answer(job_id, callback_id, tag)
 
-    def _answer(self, job_id: int, callback_id: Any) -> None:
+    def _answer(self, job_id: int, callback_id: Any, tag: str) -> None:
         import django_awa as awa
         from django_awa import db
 
@@ -192,13 +197,13 @@ class Workload:
         while time.monotonic() < deadline:
             try:
                 awa.complete_external(callback_id, {"ok": True})
-                self.ledger.record("callback", id=job_id, ambiguous=False)
+                self.ledger.record("callback", id=job_id, tag=tag, ambiguous=False)
                 self.counts["callbacks"] += 1
                 return
             except awa.CallbackNotFound:
                 if errored:  # the try that raised had committed
                     self.counts["ambiguous_callbacks"] += 1
-                    self.ledger.record("callback", id=job_id, ambiguous=True)
+                    self.ledger.record("callback", id=job_id, tag=tag, ambiguous=True)
                 return  # else: rescued or timed out meanwhile; nothing acknowledged
             except Exception:  # noqa: BLE001 - a database error: the same callback again
                 errored = True
@@ -221,27 +226,35 @@ class Workload:
             try:
                 with connection.cursor() as cursor:
                     cursor.execute(
-                        "SELECT id FROM awa_job WHERE id = ANY(%s) AND state = 'completed'",
+                        "SELECT id, args ->> 'tag' FROM awa_job "
+                        "WHERE id = ANY(%s) AND state = 'completed'",
                         [pending],
                     )
-                    done = [row[0] for row in cursor.fetchall()]
+                    done = cursor.fetchall()
             except Exception:  # noqa: BLE001 - the database is away: look again later
                 db.close_thread_connections()
                 continue
-            for job_id in done:
-                self.ledger.record("completed", id=job_id)
+            for job_id, tag in done:
+                self.ledger.record("completed", id=job_id, tag=tag)
             with self._lock:
-                self._completed.update(done)
+                self._completed.update(job_id for job_id, _ in done)
 
     # -- the check -----------------------------------------------------------------------
 
     def check(self, cursor: Any) -> dict[str, list[Any]]:
-        """Acknowledged writes the database does not hold, by kind (empty lists: none lost)."""
+        """Acknowledged writes the database does not hold, by kind (empty lists: none lost).
+
+        Jobs are told apart by their unique tag, not their id: a new primary
+        that lost writes hands out their ids again (a sequence is logged
+        ahead in steps), to other jobs.
+        """
         entries = self.ledger.entries()
-        enqueued = sorted({e["id"] for e in entries if e["event"] == "enqueued"})
-        completed = sorted({e["id"] for e in entries if e["event"] == "completed"})
-        answered = sorted({e["id"] for e in entries if e["event"] == "callback"})
-        cursor.execute("SELECT id, state FROM awa_job WHERE id = ANY(%s)", [enqueued])
+        enqueued = sorted({e["tag"] for e in entries if e["event"] == "enqueued"})
+        completed = sorted({e["tag"] for e in entries if e["event"] == "completed"})
+        answered = sorted({e["tag"] for e in entries if e["event"] == "callback"})
+        cursor.execute(
+            "SELECT args ->> 'tag', state FROM awa_job WHERE args ->> 'tag' = ANY(%s)", [enqueued]
+        )
         states = dict(cursor.fetchall())
         cursor.execute(
             "SELECT args ->> 'tag' FROM awa_job WHERE kind IN ('act', 'parked') "
@@ -258,7 +271,7 @@ class Workload:
     def ledger_counts(self) -> dict[str, int]:
         entries = self.ledger.entries()
         return {
-            event: len({e["id"] for e in entries if e["event"] == event})
+            event: len({e["tag"] for e in entries if e["event"] == event})
             for event in ("enqueued", "completed", "callback")
         }
 
