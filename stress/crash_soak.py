@@ -27,7 +27,7 @@ namespaces of ``stress/hosts.py``, each reaching a private PostgreSQL over
 its own veth link. Besides the SIGKILLs, every ``--cut-every`` seconds a
 host's link is taken down (``ip link set down``) for ``--cut-for`` seconds
 and restored, and the workers of the second and third hosts run with their
-wall clocks ``--skew`` seconds behind and ahead (libfaketime): leases and
+wall clocks ``--skew`` seconds behind and ahead (an injected offset): leases and
 heartbeats are judged on the database clock only, so the skew must change
 nothing.
 
@@ -150,8 +150,14 @@ class Workers:
                 proc.wait(10)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C: every ``finally`` stops what this script started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main() -> int:
     opts = parse_args()
+    _exit_on_sigterm()
     sys.path.insert(0, str(ROOT))
     seed = opts.seed if opts.seed is not None else random.randrange(2**32)  # noqa: S311
     rng = random.Random(seed)  # noqa: S311 - reproducible, not secret
@@ -261,7 +267,8 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
         def placement(slot: int) -> tuple[list[str], dict[str, str]]:
             i = slot % opts.hosts
             skew = skews[i % len(skews)]
-            return hosts.prefix(i), {"DATABASE_URL": opts.host_urls[i], **skew_env(skew)}
+            extra = {"DATABASE_URL": opts.host_urls[i], **skew_env(skew, env["PYTHONPATH"])}
+            return hosts.prefix(i), extra
 
         log(f"{opts.hosts} hosts; worker clocks skewed by {skews[: opts.hosts]}s")
     workers = Workers(opts.workers, env, logdir, placement)

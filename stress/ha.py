@@ -315,8 +315,14 @@ def report(results: dict[str, Any]) -> bool:
     return broken
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C: every ``finally`` stops what this script started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    _exit_on_sigterm()
     if os.geteuid() != 0:
         print("stress/ha.py runs as root (Patroni runs as postgres)", file=sys.stderr)  # noqa: T201
         return 2

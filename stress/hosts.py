@@ -5,14 +5,15 @@ to this machine by a veth pair: 10.213.I.1 on the machine's side, 10.213.I.2
 inside. A process run through ``prefix(i)`` (``ip netns exec``) sees only its
 loopback and its link, so it reaches PostgreSQL at ``gateway(i)`` over that
 link; ``cut(i)`` (``ip link set DEV down``) isolates the host and
-``restore(i)`` brings it back. ``skew_env(seconds)`` gives a process a clock
-off by that much (Debian's libfaketime; the monotonic clock is left alone).
+``restore(i)`` brings it back. ``skew_env(seconds)`` gives a Python process a
+wall clock off by that much (an injected offset; the monotonic clock is left
+alone).
 Everything is removed by ``close()``, also after a failure; the addresses
 exist only inside what is made here.
 
 ``Server`` is a private PostgreSQL 15 (initdb under a temp dir, run as the
 ``postgres`` user) listening on 127.0.0.1 and on the hosts' gateways.
-Needs root and ``iproute2``; the skew needs ``libfaketime``.
+Needs root and ``iproute2``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 from stress.cluster import PG_BIN, SETPRIV, port_free
 
 IP = "/usr/sbin/ip" if Path("/usr/sbin/ip").exists() else "/sbin/ip"
-FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+SKEW_DIR = Path(__file__).resolve().parent / "skew"
 SERVER_PORT = 15436
 SUBNET = "10.213.0.0/16"
 
@@ -99,18 +100,13 @@ class Hosts:
         self.close()
 
 
-def skew_env(seconds: float) -> dict[str, str]:
-    """Environment giving a process a wall clock ``seconds`` off (libfaketime)."""
+def skew_env(seconds: float, pythonpath: str = "") -> dict[str, str]:
+    """Environment giving a Python process a wall clock ``seconds`` off: an injected
+    offset (``stress/skew/sitecustomize.py``), the monotonic clock left alone."""
     if not seconds:
         return {}
-    if not FAKETIME.exists():
-        raise RuntimeError("missing Debian package: libfaketime")
-    return {
-        "LD_PRELOAD": str(FAKETIME),
-        "FAKETIME": f"{seconds:+.0f}s",
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-        "FAKETIME_NO_CACHE": "1",
-    }
+    path = os.pathsep.join(filter(None, [str(SKEW_DIR), pythonpath]))
+    return {"AWA_CLOCK_SKEW": f"{seconds:+.0f}", "PYTHONPATH": path}
 
 
 class Server:

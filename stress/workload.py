@@ -186,7 +186,7 @@ class Workload:
                 db.close_thread_connections()
                 continue
             for job_id, callback_id, tag in waiting:
-                self._answer(job_id, callback_id, tag)
+                self._answer(job_id, callback_id, tag or "")
 
     def _answer(self, job_id: int, callback_id: Any, tag: str) -> None:
         import django_awa as awa
@@ -235,7 +235,8 @@ class Workload:
                 db.close_thread_connections()
                 continue
             for job_id, tag in done:
-                self.ledger.record("completed", id=job_id, tag=tag)
+                if tag:  # else the id of a lost job, handed out again to a follow-up
+                    self.ledger.record("completed", id=job_id, tag=tag)
             with self._lock:
                 self._completed.update(job_id for job_id, _ in done)
 
