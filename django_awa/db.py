@@ -663,17 +663,14 @@ class ServerNotWritable(OperationalError):
 
 
 def is_writable(wrapper: Any) -> bool:
-    """Whether Django connection ``wrapper`` is open on a server that takes writes.
+    """Whether Django connection ``wrapper``'s server takes writes; database errors raise.
 
-    False when the connection is broken, and when its server is a hot
-    standby (in recovery) or refuses writes (``default_transaction_read_only``,
-    as a demoted or not yet promoted node does): after a failover a
-    connection can land there, and every write on it fails with SQLSTATE 25006.
+    False when its server is a hot standby (in recovery) or refuses writes
+    (``default_transaction_read_only``, as a demoted or not yet promoted node
+    does): after a failover a connection can land there, and every write on
+    it fails with SQLSTATE 25006.
     """
-    try:
-        with wrapper.cursor() as cursor:
-            cursor.execute(sql.WRITABLE_SERVER)
-            row = cursor.fetchone()
-    except Exception:  # noqa: BLE001 - any failure means: not usable for writes
-        return False
+    with wrapper.cursor() as cursor:
+        cursor.execute(sql.WRITABLE_SERVER)
+        row = cursor.fetchone()
     return bool(row and row[0])

@@ -66,6 +66,14 @@ def close_connections_after_outage() -> None:
                 conn.close()
 
 
+def _writable(conn: Any) -> bool:
+    """Whether ``conn`` still reaches a server that takes writes (False when broken)."""
+    try:
+        return db.is_writable(conn)
+    except Exception:  # noqa: BLE001 - a broken connection: close it
+        return False
+
+
 def close_broken_connections() -> None:
     """Close this thread's connections that a handler left unusable.
 
@@ -79,7 +87,7 @@ def close_broken_connections() -> None:
         if conn.errors_occurred and conn.connection is not None:
             # Also a connection that went read-only: after a failover it may
             # be on a standby, where every later job's writes would fail.
-            if conn.vendor == "postgresql" and not db.is_writable(conn):
+            if conn.vendor == "postgresql" and not _writable(conn):
                 conn.close()
             elif conn.vendor != "postgresql" and not conn.is_usable():
                 conn.close()
