@@ -9,12 +9,18 @@ every worker session terminated so that they reconnect into it.
 
 from __future__ import annotations
 
+import logging
+import socket
+import threading
 import time
 
+import psycopg
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection
+from django.db import OperationalError as DjangoOperationalError
 
 import django_awa as awa
+from django_awa import db
 from django_awa.models import Job
 from tests.conftest import wait_for
 from tests.testapp.jobs import Act
@@ -117,3 +123,107 @@ def test_prepared_statements_are_prepared_again_on_a_new_session(start_worker):
     log = worker.output()
     assert "prepared statement" not in log, log
     assert worker.stop() == 0
+
+
+# -- which errors are an outage ---------------------------------------------------------
+
+
+def _psycopg_connection() -> psycopg.Connection:
+    params = connection.get_connection_params()
+    for key in ("cursor_factory", "context", "prepare_threshold", "pool"):
+        params.pop(key, None)
+    return psycopg.connect(**params, autocommit=True)
+
+
+def test_a_read_only_server_an_admin_shutdown_and_a_connect_timeout_are_transient():
+    with _psycopg_connection() as conn:
+        conn.execute("SET default_transaction_read_only = on")
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction) as read_only:
+            conn.execute("CREATE TABLE outage_probe (x int)")
+    assert db.is_transient(read_only.value)
+
+    with _psycopg_connection() as conn:
+        pid = conn.info.backend_pid
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+        with pytest.raises(psycopg.OperationalError) as shutdown:
+            conn.execute("SELECT 1")
+    assert db.is_transient(shutdown.value)
+
+    # A server that accepts the TCP connection and never answers.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        port = silent.getsockname()[1]
+        with pytest.raises(psycopg.OperationalError) as timeout:
+            psycopg.connect(host="127.0.0.1", port=port, connect_timeout=1, user="x", dbname="x")
+    assert db.is_transient(timeout.value)
+
+    # Wrapped by Django, as the ORM raises them (25006 as an InternalError).
+    with pytest.raises(DatabaseError) as wrapped, connection.wrap_database_errors:
+        raise read_only.value
+    assert db.is_transient(wrapped.value)
+
+
+def test_errors_about_what_was_sent_are_not_transient():
+    with _psycopg_connection() as conn:
+        conn.execute("CREATE TEMP TABLE t (x int PRIMARY KEY)")
+        conn.execute("INSERT INTO t VALUES (1)")
+        with pytest.raises(psycopg.errors.UniqueViolation) as duplicate:
+            conn.execute("INSERT INTO t VALUES (1)")
+        with pytest.raises(psycopg.errors.SyntaxError) as syntax:
+            conn.execute("SELEC 1")
+    assert not db.is_transient(duplicate.value)
+    assert not db.is_transient(syntax.value)
+
+
+# -- one line per outage, one per recovery --------------------------------------------
+
+
+def test_one_warning_per_outage_and_one_info_line_once_every_thread_is_back(caplog, monkeypatch):
+    monkeypatch.setattr(db, "OUTAGE_SETTLES", 0.2)
+    monkeypatch.setattr(db, "RECONNECT_FIRST", 0.001)
+    error = DjangoOperationalError("server closed the connection unexpectedly")
+    producer = db.Reconnect("producer", "outage-test")
+    completer = db.Reconnect("completer", "outage-test")
+    before = db.outage_count
+    with caplog.at_level(logging.DEBUG, logger="django_awa.outage"):
+        for _ in range(3):
+            producer.failed(error)
+        completer.failed(error)
+        producer.succeeded()  # the completer still fails: not over
+        completer.failed(error)
+        completer.succeeded()  # every thread is back, not yet for OUTAGE_SETTLES
+        assert not [r for r in caplog.records if r.levelno == logging.INFO]
+        time.sleep(0.25)
+        producer.succeeded()  # settled: the recovery line
+        producer.succeeded()  # no outage: nothing
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(warnings) == 1 and "unavailable (producer" in warnings[0].getMessage()
+    assert len(infos) == 1 and "available again after" in infos[0].getMessage()
+    assert db.outage_count == before + 1
+
+    # A new failure after the recovery is a new outage.
+    with caplog.at_level(logging.DEBUG, logger="django_awa.outage"):
+        completer.failed(error)
+    assert db.outage_count == before + 2
+    completer.succeeded()
+    time.sleep(0.25)
+    completer.succeeded()
+    assert "outage-test" not in db._outages
+
+
+def test_the_backoff_doubles_to_its_bound():
+    stop = threading.Event()
+    stop.set()  # waits return at once
+    reconnect = db.Reconnect("test", "backoff-test", stop)
+    delays = []
+    for _ in range(10):
+        delays.append(reconnect.delay)
+        reconnect.failed(DjangoOperationalError("gone"))
+    assert delays[:3] == [db.RECONNECT_FIRST, db.RECONNECT_FIRST * 2, db.RECONNECT_FIRST * 4]
+    assert max(delays) == db.RECONNECT_MOST
+    reconnect.succeeded()
+    assert reconnect.delay == db.RECONNECT_FIRST
+    reconnect.stop = threading.Event()
