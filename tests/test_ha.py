@@ -93,8 +93,8 @@ def test_crash_soak_across_namespace_hosts_with_cut_links_and_skewed_clocks():
     _require_setup()
     proc = _run(
         [
-            "stress/crash_soak.py", "--hosts", "3", "--workers", "6", "--jobs", "400",
-            "--kill-every", "3", "--cut-every", "8", "--cut-for", "5", "--skew", "40",
+            "stress/crash_soak.py", "--hosts", "3", "--workers", "6", "--jobs", "1000",
+            "--kill-every", "3", "--cut-every", "6", "--cut-for", "5", "--skew", "40",
             "--timeout", "300",
         ],
         timeout=420,

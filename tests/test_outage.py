@@ -227,3 +227,41 @@ def test_the_backoff_doubles_to_its_bound():
     reconnect.succeeded()
     assert reconnect.delay == db.RECONNECT_FIRST
     reconnect.stop = threading.Event()
+
+
+# -- an ambiguous commit ----------------------------------------------------------------
+
+
+def test_an_ambiguous_commit_retried_with_its_unique_key_is_neither_lost_nor_doubled():
+    """The enqueue commits, then the connection dies before the answer arrives; the caller
+    cannot tell, so it enqueues again with the same ``awa.Unique`` key (README: *Highly
+    available PostgreSQL*)."""
+    lost_answers = []
+
+    def answer_lost(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if "INSERT INTO awa_job" in sql and not lost_answers:
+            lost_answers.append(sql)
+            context["connection"].connection.close()  # committed; the answer never comes
+            raise DjangoOperationalError("server closed the connection unexpectedly")
+        return result
+
+    args = Act(action="ok", tag="order-1234")
+    tries = []
+    with connection.execute_wrapper(answer_lost):
+        for _ in range(5):
+            try:
+                job = awa.enqueue(args, unique=awa.Unique())
+            except awa.UniqueConflict as exc:
+                tries.append(("conflict", exc.conflicting_id))
+                break
+            except DjangoOperationalError as exc:
+                assert db.is_transient(exc)
+                tries.append(("error", None))
+                connection.close()  # reconnect, and try again
+            else:
+                tries.append(("enqueued", job.id))
+                break
+    rows = list(Job.objects.filter(kind="act", args__tag="order-1234").values_list("id", flat=True))
+    assert len(rows) == 1  # the first try committed; the retry added nothing
+    assert tries == [("error", None), ("conflict", rows[0])]
