@@ -332,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     for synchronous in modes:
         if not synchronous and all_results:
             # Django is set up on the first mode's database: a new process for the next.
-            code = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--sync", "off"])  # noqa: S603
+            again = [*sys.argv[1:], "--sync", "off"]
+            if opts.json:
+                again += ["--json", str(opts.json.with_suffix(".async.json"))]
+            code = subprocess.call([sys.executable, __file__, *again])  # noqa: S603
             broken |= code == 1
             continue
         results = run_mode(opts, synchronous)
