@@ -305,6 +305,7 @@ def report(results: dict[str, Any]) -> bool:
         print(f"{key}: {len(values)} {values[:10]}")  # noqa: T201
     for key in ("handler_runs_duplicated", "outcome_mismatches", "not_final"):
         print(f"{key}: {len(results[key])} {results[key][:10]}")  # noqa: T201
+    print(f"ledger (outside the cluster) and worker logs: {results['ledger']}")  # noqa: T201
     print("worker outage log lines:")  # noqa: T201
     for line in results["logs"][:40]:
         print("  " + line)  # noqa: T201
