@@ -14,7 +14,8 @@ set up on the job database (``DATABASE_URL``). Three threads:
   after an error says the first try committed;
 * the watcher notes the jobs it sees ``completed``.
 
-Each job carries a unique ``tag``: the ledger and the check name jobs by it.
+Each job carries a unique tag (``Act.tag``; for ``Parked``, its callback
+timeout): the ledger and the check name jobs by it.
 
 Each success is a line of the ledger file (JSON), written and flushed
 after the client got its answer. ``check(cursor)`` then compares the ledger
@@ -33,6 +34,28 @@ from pathlib import Path
 from typing import Any
 
 RETRY_FOR = 120.0  # seconds an enqueue or callback is retried before giving up
+PARKED_TIMEOUT = 3600  # seconds; plus the job's number, unique
+
+# A job's tag in SQL: Act's ``tag``, or for Parked its unique timeout.
+WAITING = """
+SELECT id, callback_id, coalesce(args ->> 'tag', 'timeout:' || (args ->> 'timeout'))
+FROM awa_job WHERE kind = 'parked' AND state = 'waiting_external' LIMIT 50
+"""
+COMPLETED = """
+SELECT id, coalesce(args ->> 'tag', 'timeout:' || (args ->> 'timeout'))
+FROM awa_job WHERE id = ANY(%s) AND state = 'completed'
+"""
+STATES_BY_TAG = """
+SELECT t.tag, j.state FROM awa_job AS j,
+     LATERAL (SELECT coalesce(j.args ->> 'tag', 'timeout:' || (j.args ->> 'timeout')) AS tag) t
+WHERE j.kind IN ('act', 'parked') AND t.tag = ANY(%s)
+"""
+DUPLICATED_TAGS = """
+SELECT t.tag FROM awa_job AS j,
+     LATERAL (SELECT coalesce(j.args ->> 'tag', 'timeout:' || (j.args ->> 'timeout')) AS tag) t
+WHERE j.kind IN ('act', 'parked') AND t.tag <> ''
+GROUP BY 1 HAVING count(*) > 1
+"""
 
 
 class Ledger:
@@ -122,8 +145,14 @@ class Workload:
         n = 0
         while not (self.stop_event.is_set() or self.stop_enqueuing.is_set()):
             n += 1
-            tag = f"{time.time_ns()}-{n}"
-            args = Parked(timeout=300, tag=tag) if n % 10 == 0 else Act("sleep", self.seconds, tag)
+            if n % 10 == 0:
+                # Parked has no tag field: its callback timeout (never reached) is the key.
+                timeout = float(PARKED_TIMEOUT + n)
+                args: Any = Parked(timeout=timeout)
+                tag = f"timeout:{timeout!r}"
+            else:
+                tag = f"{time.time_ns()}-{n}"
+                args = Act("sleep", self.seconds, tag)
             self._enqueue(awa, args, tag)
             self.stop_event.wait(1.0 / self.rate)
 
@@ -177,10 +206,7 @@ class Workload:
         while not self.stop_event.wait(0.2):
             try:
                 with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT id, callback_id, args ->> 'tag' FROM awa_job "
-                        "WHERE kind = 'parked' AND state = 'waiting_external' LIMIT 50"
-                    )
+                    cursor.execute(WAITING)
                     waiting = cursor.fetchall()
             except Exception:  # noqa: BLE001 - the database is away: look again later
                 db.close_thread_connections()
@@ -225,11 +251,7 @@ class Workload:
                 continue
             try:
                 with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT id, args ->> 'tag' FROM awa_job "
-                        "WHERE id = ANY(%s) AND state = 'completed'",
-                        [pending],
-                    )
+                    cursor.execute(COMPLETED, [pending])
                     done = cursor.fetchall()
             except Exception:  # noqa: BLE001 - the database is away: look again later
                 db.close_thread_connections()
@@ -253,14 +275,9 @@ class Workload:
         enqueued = sorted({e["tag"] for e in entries if e["event"] == "enqueued"})
         completed = sorted({e["tag"] for e in entries if e["event"] == "completed"})
         answered = sorted({e["tag"] for e in entries if e["event"] == "callback"})
-        cursor.execute(
-            "SELECT args ->> 'tag', state FROM awa_job WHERE args ->> 'tag' = ANY(%s)", [enqueued]
-        )
+        cursor.execute(STATES_BY_TAG, [enqueued])
         states = dict(cursor.fetchall())
-        cursor.execute(
-            "SELECT args ->> 'tag' FROM awa_job WHERE kind IN ('act', 'parked') "
-            "AND args ->> 'tag' <> '' GROUP BY 1 HAVING count(*) > 1"
-        )
+        cursor.execute(DUPLICATED_TAGS)
         duplicated = [row[0] for row in cursor.fetchall()]
         return {
             "enqueues_lost": [i for i in enqueued if i not in states],

@@ -45,7 +45,6 @@ class Pay(awa.JobArgs):
 class Parked(awa.JobArgs):
     timeout: float = 60.0
     hold: float = 0.0  # seconds to keep running after registering
-    tag: str = ""  # makes a unique key (stress/workload.py)
 
 
 @dataclass
