@@ -17,7 +17,7 @@ import traceback
 from . import db
 from .execute import AttemptResult, errored
 from .finalize import finalize
-from .state import DB_ERRORS, Backoff, WorkerState, log_context, reset_connection
+from .state import DB_ERRORS, WorkerState, log_context, reset_connection
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class Completer:
     def __init__(self, state: WorkerState) -> None:
         self.state = state
         self.results = state.results
+        self.reconnect = db.Reconnect("completer", state.alias, state.halt)
 
     def run(self) -> None:
         """Write results in batches until told to stop (``None`` on the results queue)."""
@@ -149,18 +150,16 @@ class Completer:
         is split in halves until the member that fails is alone, and the
         others commit.
         """
-        backoff = Backoff()
         while True:
             try:
                 finalize(batch, self.state.alias)
+                self.reconnect.succeeded()
                 return
             except Exception as exc:  # noqa: BLE001 - one bad outcome must not stop the completer
                 if isinstance(exc, DB_ERRORS) and db.is_transient(exc):
-                    logger.warning("finalize failed (%s); retrying after reconnect", exc)
-                    reset_connection()
                     if self.state.halt.is_set():
                         return
-                    backoff.wait(self.state.halt)
+                    self.reconnect.failed(exc)
                     continue
                 reset_connection()
                 error = exc

@@ -55,12 +55,15 @@ Errors are wrapped into Django's database exceptions, as the ORM's are.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import hashlib
 import logging
+import random
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -70,7 +73,13 @@ from typing import Any
 import psycopg
 from django.conf import settings
 from django.core.signals import setting_changed
-from django.db import DatabaseError, ProgrammingError, connections
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+    connections,
+)
 from django.dispatch import receiver
 from psycopg import abc as pg_abc
 from psycopg.adapt import Transformer
@@ -530,8 +539,6 @@ def is_transient(exc: BaseException) -> bool:
     while cause is not None and not isinstance(cause, psycopg.Error):
         cause = cause.__cause__
     if cause is None:
-        from django.db import InterfaceError, OperationalError
-
         return isinstance(exc, OperationalError | InterfaceError)
     state = cause.sqlstate
     if state is None:  # no server answer: the connection itself failed
@@ -802,3 +809,160 @@ def _is_pool_timeout(exc: BaseException) -> bool:
         c.__name__ == "PoolTimeout" and c.__module__.startswith("psycopg_pool")
         for c in type(exc).__mro__
     )
+
+
+# -- riding through outages ---------------------------------------------------------
+
+_outage_logger = logging.getLogger("django_awa.outage")
+
+
+class _Outage:
+    """One outage of a database, as this process sees it: since when, who is still failing,
+    and since when no one is."""
+
+    __slots__ = ("failing", "recovered_at", "since")
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+        self.failing: set[str] = set()
+        self.recovered_at: float | None = None
+
+
+_outages: dict[str, _Outage] = {}
+_outages_lock = threading.Lock()
+# Counts the outages this process has seen begin. A thread that does not
+# reconnect through Reconnect (a handler thread) compares it before its next
+# use, and closes connections opened before the outage: they are most likely
+# dead, and finding out by running a job would cost that job an attempt.
+outage_count = 0
+
+# Reconnect delays: from the first, doubling up to the most, each drawn from
+# its upper half so that a fleet of workers does not reconnect in step.
+RECONNECT_FIRST = 0.1
+RECONNECT_MOST = 5.0
+# An outage is over once no thread has failed for this long. Threads find
+# their connection dead only when they next use it (an idle completer may not
+# for seconds), and each such find would otherwise be an outage of its own.
+OUTAGE_SETTLES = 5.0
+
+
+class Reconnect:
+    """How a worker thread rides through a database outage: close, wait, try again.
+
+    A service's loop calls ``failed(exc)`` when its database work raised a
+    database error and ``succeeded()`` when a pass went through. ``failed``
+    closes the thread's connections (the next use opens a new one, on
+    whatever server is the primary by then: a connection to a server that
+    went read-only, SQLSTATE 25006, is closed like a dropped one) and waits a
+    backoff that doubles from ``RECONNECT_FIRST`` to ``RECONNECT_MOST``
+    seconds, or until ``stop`` is set.
+
+    The process logs one WARNING when the first of its threads finds
+    ``alias`` unavailable, and one INFO line once every thread that failed
+    got through again and none failed for ``OUTAGE_SETTLES`` seconds, with
+    how long the database was unavailable; each thread's retries are DEBUG.
+    """
+
+    def __init__(self, service: str, alias: str, stop: threading.Event | None = None) -> None:
+        self.service = service
+        self.alias = alias
+        self.stop = stop or threading.Event()
+        self.delay = RECONNECT_FIRST
+        self.retries = 0  # failures since the last success
+
+    @property
+    def failing(self) -> bool:
+        return self.retries > 0
+
+    def failed(
+        self, exc: BaseException, *, closing: contextlib.AbstractContextManager[Any] | None = None
+    ) -> None:
+        """Close this thread's connections, note the outage, wait the backoff.
+
+        ``closing``: held while the connections close (the producers' shared
+        connection's lock), not while the backoff waits.
+        """
+        global outage_count  # one per process, changed under _outages_lock
+        with closing if closing is not None else contextlib.nullcontext():
+            close_thread_connections()
+        self.retries += 1
+        with _outages_lock:
+            outage = _outages.get(self.alias)
+            first = outage is None
+            if outage is None:
+                outage = _outages[self.alias] = _Outage()
+                outage_count += 1
+            outage.failing.add(self.service)
+            outage.recovered_at = None
+        if first:
+            _outage_logger.warning(
+                "django-awa: database %r unavailable (%s: %s); every worker thread "
+                "reconnects by itself, backing off up to %.0fs",
+                self.alias, self.service, _one_line(exc), RECONNECT_MOST,
+            )  # fmt: skip
+        else:
+            _outage_logger.debug(
+                "%s: database %r still unavailable (try %s): %s",
+                self.service, self.alias, self.retries, _one_line(exc),
+            )  # fmt: skip
+        delay = self.delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not a secret
+        self.delay = min(self.delay * 2, RECONNECT_MOST)
+        self.stop.wait(delay)
+
+    def succeeded(self) -> None:
+        """This thread's database work went through: end its part of the outage.
+
+        Costs a dict lookup while there is no outage: services call it after
+        every pass.
+        """
+        if not self.retries and self.alias not in _outages:
+            return
+        self.retries = 0
+        self.delay = RECONNECT_FIRST
+        now = time.monotonic()
+        with _outages_lock:
+            outage = _outages.get(self.alias)
+            if outage is None:
+                return
+            outage.failing.discard(self.service)
+            if outage.failing:
+                return
+            if outage.recovered_at is None:
+                outage.recovered_at = now
+            if now - outage.recovered_at < OUTAGE_SETTLES:
+                return
+            del _outages[self.alias]
+        _outage_logger.info(
+            "django-awa: database %r available again after %.1fs; worker threads reconnected",
+            self.alias,
+            outage.recovered_at - outage.since,
+        )
+
+
+def close_thread_connections() -> None:
+    """Close this thread's Django connections after a database error; the next use reconnects."""
+    with contextlib.suppress(Exception):
+        connections.close_all()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class ServerNotWritable(OperationalError):
+    """The server a connection reached takes no writes (a standby, or read-only)."""
+
+
+def is_writable(wrapper: Any) -> bool:
+    """Whether Django connection ``wrapper``'s server takes writes; database errors raise.
+
+    False when its server is a hot standby (in recovery) or refuses writes
+    (``default_transaction_read_only``, as a demoted or not yet promoted node
+    does): after a failover a connection can land there, and every write on
+    it fails with SQLSTATE 25006.
+    """
+    with wrapper.cursor() as cursor:
+        cursor.execute(sql.WRITABLE_SERVER)
+        row = cursor.fetchone()
+    return bool(row and row[0])

@@ -21,11 +21,13 @@ handler does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue as queue_module
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import connections
 
@@ -54,6 +56,40 @@ STUCK_GRACE_MIN = 5.0
 _thread = threading.local()
 
 
+def _thread_connections() -> list[tuple[Any, bool]]:
+    """This thread's Django connections, each with whether its alias has Django's pool."""
+    wrappers: list[tuple[Any, bool]] | None = getattr(_thread, "connections", None)
+    if wrappers is None:
+        wrappers = _thread.connections = [
+            (connections[alias], db.is_pooled(connections[alias])) for alias in connections
+        ]
+        _thread.outages = db.outage_count
+    return wrappers
+
+
+def close_connections_after_outage() -> None:
+    """Before a job: close this thread's connections if the worker saw an outage since.
+
+    Its other threads found the database gone meanwhile, so these
+    connections are most likely dead; finding out by running the job would
+    cost the job an attempt. One comparison of two ints otherwise.
+    """
+    wrappers = _thread_connections()
+    if _thread.outages != db.outage_count:
+        _thread.outages = db.outage_count
+        for conn, _pooled in wrappers:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+def _writable(conn: Any) -> bool:
+    """Whether ``conn`` still reaches a server that takes writes (False when broken)."""
+    try:
+        return db.is_writable(conn)
+    except Exception:  # noqa: BLE001 - a broken connection: close it
+        return False
+
+
 def release_connections() -> None:
     """After a job: put back this thread's pooled connections, close those a handler broke.
 
@@ -67,17 +103,18 @@ def release_connections() -> None:
     asgiref's ``Local`` for each alias, which costs more than the rest of a
     quick job's bookkeeping.
     """
-    wrappers = getattr(_thread, "connections", None)
-    if wrappers is None:
-        wrappers = _thread.connections = [
-            (connections[alias], db.is_pooled(connections[alias])) for alias in connections
-        ]
-    for conn, pooled in wrappers:
+    for conn, pooled in _thread_connections():
         if conn.connection is None:
             continue
+        if conn.errors_occurred:
+            # Also a connection that went read-only: after a failover it may
+            # be on a standby, where every later job's writes would fail.
+            usable = _writable(conn) if conn.vendor == "postgresql" else conn.is_usable()
+            if not usable:
+                conn.close()
+                continue
+            conn.errors_occurred = False
         if pooled and not conn.in_atomic_block:
-            conn.close()
-        elif conn.errors_occurred and not conn.is_usable():
             conn.close()
 
 
@@ -222,6 +259,7 @@ class HandlerPool:
         Records logged meanwhile in this thread are about the attempt's job
         (``logs.JobContextFilter``).
         """
+        close_connections_after_outage()
         tracing = instrumentation()  # None without the otel extra
         with job_logging(attempt.job, self.state.name):
             if tracing is None:

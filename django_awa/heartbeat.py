@@ -40,13 +40,14 @@ class Heartbeat:
     def run(self) -> None:
         state = self.state
         self.last_beat = time.monotonic()
+        reconnect = db.Reconnect("heartbeat", state.alias, state.halt)
         while not state.halt.wait(PROGRESS_INTERVAL):
             try:
                 self.run_once(due_only=True)
                 db.release(state.alias)  # pooled: held only during a pass
+                reconnect.succeeded()
             except DB_ERRORS as exc:
-                logger.warning("heartbeat failed (%s); reconnecting", exc)
-                reset_connection()
+                reconnect.failed(exc)
             except Exception:
                 # Never let this thread die: without heartbeats every running
                 # job of this worker would be rescued and run again.

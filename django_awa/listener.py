@@ -18,8 +18,8 @@ from typing import Any
 import psycopg
 from django.db import connections
 
-from . import sql
-from .state import Backoff, WorkerState
+from . import db, sql
+from .state import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -39,22 +39,24 @@ class Listener:
         self.state = state
         self.conn: psycopg.Connection[Any] | None = None
         self._selector: selectors.BaseSelector | None = None
+        self._listened = False  # once: a reconnect is said by the outage's lines
 
     def run(self) -> None:
         """Listen until halted, reconnecting with a backoff when the connection is lost."""
         halt = self.state.halt
-        backoff = Backoff()
+        direct = self.state.conf.direct_database or self.state.alias
+        reconnect = db.Reconnect("listener", direct, halt)
         while not halt.is_set():
             try:
                 self.connect()
-                backoff.reset()
+                reconnect.succeeded()
                 while not halt.is_set():
                     self.run_once(1.0)
             except psycopg.Error as exc:
                 if halt.is_set():
                     return
-                logger.warning("LISTEN connection lost (%s); reconnecting", exc)
-                backoff.wait(halt)
+                self.close()
+                reconnect.failed(exc)
             finally:
                 self.close()
 
@@ -74,11 +76,13 @@ class Listener:
         self.conn, self._selector = conn, selector
         # Anything enqueued while we were not listening: look now.
         self.state.wake()
-        logger.info(
+        logger.log(
+            logging.DEBUG if self._listened else logging.INFO,
             "awa worker %s listening for new jobs and cancels (database %r)",
             self.state.name,
             direct,
         )
+        self._listened = True
         return conn, selector
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ from .logs import log_context
 from .models import JobState, PendingFollowup, jobs_from_rows
 from .pending import keep_pending, restore
 from .schedules import fire_due
-from .state import DB_ERRORS, WorkerState, reset_connection
+from .state import DB_ERRORS, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,13 @@ class Maintenance:
         """
         if self.holder is None:
             raise RuntimeError("Maintenance(holder=...) is needed to compete for leadership")
+        if self.term is None and not db.is_writable(connections[self.alias]):
+            # Only a primary may lead: after a failover a connection can land
+            # on a standby or a demoted node.
+            raise db.ServerNotWritable(
+                f"database {self.alias!r}: the server reached takes no writes (a standby?); "
+                "not competing for the maintenance lease"
+            )
         with connections[self.alias].cursor() as cursor:
             if not self._seeded:
                 cursor.execute(sql.SEED_LEASE, {"name": sql.LEASE_NAME})
@@ -472,6 +479,7 @@ class MaintenanceService:
         self.maintenance = Maintenance(state.alias, state.conf, holder=state.name)
         self.is_leader = False
         self._warned = False
+        self.reconnect = db.Reconnect("maintenance", state.alias, state.halt)
 
     def run(self) -> None:
         halt = self.state.halt
@@ -501,14 +509,17 @@ class MaintenanceService:
             if self.is_leader:
                 maintenance.tick(wake=self.wake_queues)
                 fleet.mark_maintained(self.state)
+            self.reconnect.succeeded()
         except LeadershipLost as exc:
             logger.warning("worker %s is no longer the maintenance leader: %s", name, exc)
             self.is_leader = False
         except DB_ERRORS as exc:
             if self.is_leader:
-                logger.warning("maintenance leader lost its connection (%s)", exc)
+                logger.warning("worker %s stops leading maintenance until it reconnects", name)
+            # Its term is kept: a leader whose lease no one took meanwhile
+            # renews it on reconnecting (try_lead).
             self.is_leader = False
-            reset_connection()
+            self.reconnect.failed(exc)
         except Exception:
             logger.exception("maintenance failed")
 

@@ -22,7 +22,7 @@ from .conf import awa_settings
 from .execute import Attempt
 from .kinds import registry
 from .models import Job, jobs_from_rows
-from .state import DB_ERRORS, Backoff, QueueRunner, WorkerState, log_context, reset_connection
+from .state import DB_ERRORS, QueueRunner, WorkerState, log_context
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Producer:
 
     def _run(self) -> None:
         state, runner = self.state, self.runner
-        backoff = Backoff()
+        reconnect = db.Reconnect(f"producer of queue {runner.name}", state.alias, state.stopping)
         while not state.stopping.is_set():
             if state.results.qsize() > state.backlog_limit:
                 state.stopping.wait(0.01)
@@ -130,14 +130,11 @@ class Producer:
                 jobs = self.run_once()
                 db.release(state.alias)  # pooled: held only for the claim
             except DB_ERRORS as exc:
-                logger.warning("claim on queue %s failed (%s); reconnecting", runner.name, exc)
-                with self._turn():
-                    reset_connection()
-                backoff.wait(state.stopping)
+                reconnect.failed(exc, closing=self._turn())
                 continue
             if jobs is None:
                 continue  # no room yet
-            backoff.reset()
+            reconnect.succeeded()
             if not self.busy:
                 runner.wake.wait(state.conf.poll_interval)
 

@@ -602,6 +602,15 @@ FROM pg_roles AS r, pg_database AS d
 WHERE r.rolname = session_user AND d.datname = current_database()
 """
 
+# -- WRITABLE_SERVER --
+# Whether this session's server takes writes: not a hot standby (in
+# recovery) and not read-only. Checked before competing for the maintenance
+# lease, and after a handler's database error: after a failover a new
+# connection can land on a node that is not (or no longer) the primary.
+WRITABLE_SERVER = """
+SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'
+"""
+
 # -- TAKE_LEASE --
 # Become the maintenance leader if the lease has run out (or was never
 # taken), bumping its term. The row is skipped, not waited for, while a

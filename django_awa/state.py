@@ -27,7 +27,7 @@ from .conf import AwaSettings, awa_settings
 from .db import ConnectionNeed, connection_need
 from .logs import log_context, set_worker
 
-__all__ = ["DB_ERRORS", "Backoff", "QueueRunner", "WorkerState", "log_context", "reset_connection"]
+__all__ = ["DB_ERRORS", "QueueRunner", "WorkerState", "log_context", "reset_connection"]
 
 if TYPE_CHECKING:
     from .execute import Attempt, AttemptResult
@@ -40,20 +40,6 @@ def reset_connection() -> None:
     """Close this thread's connections after a database error; the next use reconnects."""
     with contextlib.suppress(Exception):
         connections.close_all()
-
-
-class Backoff:
-    """Exponential backoff for reconnecting: 0.1 s doubling to 5 s."""
-
-    def __init__(self) -> None:
-        self.delay = 0.1
-
-    def reset(self) -> None:
-        self.delay = 0.1
-
-    def wait(self, stop: threading.Event) -> None:
-        stop.wait(self.delay)
-        self.delay = min(self.delay * 2, 5.0)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,15 @@ written. The poison jobs must end ``failed``, ``cancelled``, ``completed`` or
 waiting out their capped delay, with what they raised kept readable, and
 they must hold back no other job.
 
+With ``--hosts N`` (as root) the workers run on N "hosts": network
+namespaces of ``stress/hosts.py``, each reaching a private PostgreSQL over
+its own veth link. Besides the SIGKILLs, every ``--cut-every`` seconds a
+host's link is taken down (``ip link set down``) for ``--cut-for`` seconds
+and restored, and the workers of the second and third hosts run with their
+wall clocks ``--skew`` seconds behind and ahead (an injected offset): leases and
+heartbeats are judged on the database clock only, so the skew must change
+nothing.
+
 At the end it prints, counted in SQL: jobs by final state, workers killed,
 handler runs duplicated within one (job, attempt) (must be 0), triggers whose
 follow-ups differ from their committed outcomes (must be 0), and jobs not
@@ -32,6 +41,7 @@ drops its database unless ``--keep``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -40,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -63,6 +74,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--poison", type=float, default=0.0, help="share of poison jobs, e.g. 0.02 (default 0)"
     )
+    parser.add_argument("--hosts", type=int, default=0, help="network-namespace hosts (root)")
+    parser.add_argument("--cut-every", type=float, default=15.0, help="seconds between link cuts")
+    parser.add_argument("--cut-for", type=float, default=6.0, help="seconds a link stays down")
+    parser.add_argument("--skew", type=float, default=40.0, help="clock skew of hosts 2 and 3")
     return parser.parse_args()
 
 
@@ -76,24 +91,36 @@ def log(message: str) -> None:
 
 
 class Workers:
-    """``--workers`` awa_worker processes; ``kill_one`` SIGKILLs one and starts it again."""
+    """``--workers`` awa_worker processes; ``kill_one`` SIGKILLs one and starts it again.
 
-    def __init__(self, n: int, env: dict[str, str], logdir: Path) -> None:
+    ``placement(i)`` gives worker slot ``i`` a command prefix and extra
+    environment (its host's namespace, its database URL, its clock skew).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        env: dict[str, str],
+        logdir: Path,
+        placement: Callable[[int], tuple[list[str], dict[str, str]]] | None = None,
+    ) -> None:
         self.env = env
         self.logdir = logdir
+        self.placement = placement or (lambda i: ([], {}))
         self.procs: list[subprocess.Popen[bytes]] = []
         self.started = 0
         self.killed = 0
-        for _ in range(n):
-            self.procs.append(self._spawn())
+        for i in range(n):
+            self.procs.append(self._spawn(i))
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self, slot: int) -> subprocess.Popen[bytes]:
         self.started += 1
+        prefix, extra = self.placement(slot)
         out = (self.logdir / f"worker{self.started}.log").open("wb")
         return subprocess.Popen(  # noqa: S603 - our own interpreter and arguments
-            [sys.executable, "-m", "django", "awa_worker", *WORKER_QUEUES],
+            [*prefix, sys.executable, "-m", "django", "awa_worker", *WORKER_QUEUES],
             cwd=ROOT,
-            env=self.env,
+            env={**self.env, **extra},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -106,7 +133,7 @@ class Workers:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
             self.killed += 1
-        self.procs[i] = self._spawn()
+        self.procs[i] = self._spawn(i)
 
     def dead(self) -> list[int]:
         return [p.pid for p in self.procs if p.poll() is not None]
@@ -123,11 +150,33 @@ class Workers:
                 proc.wait(10)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C: every ``finally`` stops what this script started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main() -> int:
     opts = parse_args()
+    _exit_on_sigterm()
+    sys.path.insert(0, str(ROOT))
     seed = opts.seed if opts.seed is not None else random.randrange(2**32)  # noqa: S311
     rng = random.Random(seed)  # noqa: S311 - reproducible, not secret
     name = f"awa_soak_{os.getpid()}"
+    with contextlib.ExitStack() as stack:
+        if opts.hosts:
+            from stress.hosts import Hosts, Server
+
+            hosts = stack.enter_context(Hosts(opts.hosts))
+            server = Server([hosts.gateway(i) for i in range(opts.hosts)])
+            stack.callback(server.close)
+            server.start()
+            opts.database_url = server.url("postgres")
+            opts.host_urls = [server.url(name, hosts.gateway(i)) for i in range(opts.hosts)]
+            opts.hosts_made = hosts
+        return run(opts, seed, rng, name)
+
+
+def run(opts: argparse.Namespace, seed: int, rng: random.Random, name: str) -> int:
     url = with_db(opts.database_url, name)
     import psycopg
 
@@ -208,7 +257,22 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
 
     # -- run ------------------------------------------------------------------------------
     logdir = Path(tempfile.mkdtemp(prefix="awa-soak-"))
-    workers = Workers(opts.workers, env, logdir)
+    hosts = getattr(opts, "hosts_made", None)
+    placement = None
+    if hosts is not None:
+        from stress.hosts import skew_env
+
+        skews = [0.0, -opts.skew, opts.skew]
+
+        def placement(slot: int) -> tuple[list[str], dict[str, str]]:
+            i = slot % opts.hosts
+            skew = skews[i % len(skews)]
+            extra = {"DATABASE_URL": opts.host_urls[i], **skew_env(skew, env["PYTHONPATH"])}
+            return hosts.prefix(i), extra
+
+        log(f"{opts.hosts} hosts; worker clocks skewed by {skews[: opts.hosts]}s")
+    workers = Workers(opts.workers, env, logdir, placement)
+    cuts = 0
     stop = threading.Event()
     answered = {"complete": 0, "fail": 0, "gone": 0}
     sender_rng = random.Random(rng.random())  # noqa: S311 - one Random per thread
@@ -240,7 +304,20 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
         connections.close_all()
 
     def controller() -> None:
+        nonlocal cuts
+        next_cut = time.monotonic() + opts.cut_every
         while not stop.wait(opts.kill_every * rng.uniform(0.5, 1.5)):
+            if hosts is not None and time.monotonic() >= next_cut:
+                i = rng.randrange(opts.hosts)
+                log(f"cutting host {i + 1}'s link for {opts.cut_for:.0f}s")
+                hosts.cut(i)
+                try:
+                    stop.wait(opts.cut_for)
+                finally:
+                    hosts.restore(i)
+                cuts += 1
+                next_cut = time.monotonic() + opts.cut_every
+                continue
             workers.kill_one(rng)
 
     threads = [threading.Thread(target=sender), threading.Thread(target=controller)]
@@ -252,22 +329,27 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
     last_report = 0.0
     try:
         while True:
-            with connection.cursor() as cursor:
-                everything = ids + audit.followup_ids(cursor, ids)
-                left = audit.not_final(cursor, everything)
-            if not left:
-                break
-            if time.monotonic() - last_report > 10:
-                last_report = time.monotonic()
-                with connection.cursor() as cursor:
-                    states = audit.by_state(cursor, everything)
-                log(
-                    f"{len(left)} of {len(everything)} not final; {states}; killed {workers.killed}"
-                )
             if time.monotonic() > deadline:
                 timed_out = True
                 break
             time.sleep(1.0)
+            try:
+                with connection.cursor() as cursor:
+                    everything = ids + audit.followup_ids(cursor, ids)
+                    left = audit.not_final(cursor, everything)
+                if not left:
+                    break
+                if time.monotonic() - last_report > 10:
+                    last_report = time.monotonic()
+                    with connection.cursor() as cursor:
+                        states = audit.by_state(cursor, everything)
+                    log(
+                        f"{len(left)} of {len(everything)} not final; {states}; "
+                        f"killed {workers.killed}; links cut {cuts}"
+                    )
+            except Exception as exc:  # noqa: BLE001 - the status loop rides out outages
+                log(f"status: {type(exc).__name__}: {exc}")
+                connections.close_all()
     finally:
         stop.set()
         for thread in threads:
@@ -303,6 +385,8 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
     print(f"final states of the jobs: {states}")  # noqa: T201
     print(f"follow-ups: {len(followups)}, states {followup_states}")  # noqa: T201
     print(f"workers killed (SIGKILL): {workers.killed}; started: {workers.started}")  # noqa: T201
+    if hosts is not None:
+        print(f"hosts: {opts.hosts}; links cut: {cuts}; clock skew ±{opts.skew:.0f}s")  # noqa: T201
     print(f"jobs rescued after a stale heartbeat: {rescued}")  # noqa: T201
     print(f"callbacks answered: {answered}")  # noqa: T201
     print(f"ledger duplicates per (job, attempt): {len(dups)} {dups[:10]}")  # noqa: T201
