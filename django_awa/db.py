@@ -711,10 +711,16 @@ def server_room(alias: str) -> ServerRoom:
 
 def behind_pooler(alias: str, room: ServerRoom) -> bool:
     """Whether ``alias`` reaches the server through a pooler: the server was reached on
-    another TCP port than the one ``alias`` connects to (PgBouncer's 6432, say)."""
-    port = connections[alias].settings_dict.get("PORT")
-    if not port or room.server_port is None:
+    another TCP port than the one ``alias`` connects to (PgBouncer's 6432, say), or
+    through a Unix socket while ``alias`` connects over TCP (a pooler beside the server
+    forwarding to its socket)."""
+    settings_dict = connections[alias].settings_dict
+    port = settings_dict.get("PORT")
+    if not port:
         return False
+    if room.server_port is None:
+        host = str(settings_dict.get("HOST") or "")
+        return bool(host) and not host.startswith("/")
     return int(port) != room.server_port
 
 
