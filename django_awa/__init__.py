@@ -21,6 +21,10 @@ _EXPORTS = {
     "enqueue": "enqueueing",
     "enqueue_many": "enqueueing",
     "EnqueueRequest": "enqueueing",
+    # workflows
+    "Workflow": "workflows",
+    "WorkflowStatus": "workflows",
+    "workflow_status": "workflows",
     # running
     "JobContext": "execute",
     "RetryAfter": "execute",
@@ -73,6 +77,8 @@ __all__ = [
     "UniqueConflict",
     "ValidationError",
     "WaitForCallback",
+    "Workflow",
+    "WorkflowStatus",
     "cancel",
     "complete_external",
     "enqueue",
@@ -86,6 +92,7 @@ __all__ = [
     "retry",
     "retry_external",
     "worker",
+    "workflow_status",
 ]
 
 
@@ -120,3 +127,4 @@ if TYPE_CHECKING:
     from .kinds import JobArgs, Unique, worker
     from .models import JobState
     from .schedules import periodic
+    from .workflows import Workflow, WorkflowStatus, workflow_status

@@ -24,6 +24,7 @@ from . import db, sql
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
+from .dependencies import after_outcomes
 from .followups import (
     FollowupError,
     Outcome,
@@ -320,6 +321,9 @@ class Maintenance:
                 if followup_registry.has(Outcome.RESCUED, job.kind):
                     pending_ids.append(keep_pending(job, context, self.alias).id)
                 send_signal(job, context, self.alias)
+            # A job failed for good by the rescue settles its dependents in
+            # the rescue's transaction; one made retryable is no outcome yet.
+            after_outcomes(jobs, self.alias)
         if rescued:
             reasons = Counter(row[0] for row in rescued)
             logger.warning(

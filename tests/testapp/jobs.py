@@ -153,7 +153,9 @@ def act(job: awa.JobContext):
             _ledger(job, f"pid:{os.getpid()}")
             return None
         case "bad_return":
-            return "not a result"
+            return {"a set": {1, 2}}
+        case "result":
+            return {"order": args.tag or "ok", "total": 1999, "text": "nul \x00 kept"}
         case "base":
             raise base_exception(args.tag)
         case "stubborn":
@@ -243,3 +245,49 @@ def severed(job: awa.JobContext):
     # Its transaction can then neither be rolled back nor committed.
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+
+@dataclass
+class Node(awa.JobArgs):
+    """A step of a test workflow: records its run and returns its name and its
+    dependencies' results."""
+
+    name: str
+    action: str = "ok"
+    seconds: float = 0.0
+    fail_until: int = 0
+
+
+@awa.worker(Node, queue="flow", max_attempts=3)
+def node(job: awa.JobContext):
+    args = job.args
+    _ledger(job, f"node:{args.name}")
+    if args.fail_until and job.attempt <= args.fail_until:
+        raise RuntimeError(f"{args.name} failing attempt {job.attempt}")
+    match args.action:
+        case "raise":
+            raise RuntimeError(f"{args.name} failed")
+        case "terminal":
+            raise TerminalError(f"{args.name} failed for good")
+        case "cancel":
+            return awa.Cancel(f"{args.name} cancelled itself")
+        case "sleep":
+            time.sleep(args.seconds)
+        case "park":
+            token = job.register_callback(timeout=timedelta(seconds=600))
+            return awa.WaitForCallback(token)
+    return {"name": args.name, "after": [dep.result for dep in job.dependencies()]}
+
+
+@dataclass
+class AtomicNode(awa.JobArgs):
+    name: str
+    fail: bool = False
+
+
+@awa.worker(AtomicNode, queue="flow", atomic=True, max_attempts=1)
+def atomic_node(job: awa.JobContext):
+    _ledger(job, f"atomic:{job.args.name}")
+    if job.args.fail:
+        raise TerminalError("atomic node failed")
+    return {"atomic": job.args.name}
