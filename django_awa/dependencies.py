@@ -169,10 +169,10 @@ def _settle(alias: str, *, finished: list[int] | None, candidates: list[int] | N
             if candidates is None:
                 if not finished:
                     return
-                cursor.execute(sql.LOCK_DEPENDENTS, {"ids": finished})
+                locked = _lock_to_judge(cursor, finished, alias)
             else:
                 cursor.execute(sql.LOCK_BLOCKED, {"ids": candidates})
-            locked = [row[0] for row in cursor.fetchall()]
+                locked = [row[0] for row in cursor.fetchall()]
             if not locked:
                 return
             # A later statement than the lock: its snapshot sees every outcome
@@ -199,6 +199,76 @@ def _settle(alias: str, *, finished: list[int] | None, candidates: list[int] | N
             finished = [job.id for job in cancelled_rows if job.has_dependents]
             candidates = None
         raise RuntimeError(f"dependency cascade deeper than {MAX_ROUNDS} levels")
+
+
+# Rounds of sorting dependents into shared and exclusive locks before all are
+# taken exclusively (always correct, only less concurrent).
+SHARE_ROUNDS = 3
+
+
+def _lock_to_judge(cursor: db.Cursor, finished: list[int], alias: str) -> list[int]:
+    """Lock the blocked dependents of ``finished``; return those to judge now.
+
+    A dependent with a dependency that is neither finished nor being finished
+    (``sql.PENDING_OF``) is left to that dependency's outcome: it gets a KEY
+    SHARE lock, which the many members of a fan-in finishing at once share.
+    The others get FOR UPDATE and are judged here: the transaction that
+    writes the last outcome waits only for the KEY SHARE holders still
+    committing, and then sees every outcome. Locks are taken in id order,
+    whatever their mode, so two transactions never wait on each other. A
+    dependent found shared whose pending dependency finished meanwhile is
+    judged after all: the round's locks are released (savepoint) and taken
+    again.
+    """
+    cursor.execute(sql.DEPENDENTS_OF, {"ids": finished})
+    dependents = [row[0] for row in cursor.fetchall()]
+    if not dependents:
+        return []
+    cursor.execute(sql.DOOMED_BY, {"ids": dependents, "finished": finished})
+    judged = {row[0] for row in cursor.fetchall()}
+    for _ in range(SHARE_ROUNDS):
+        shared = set(_pending(cursor, [d for d in dependents if d not in judged], finished, alias))
+        judged.update(d for d in dependents if d not in shared)
+        savepoint = savepoint_create(using=alias)
+        locked = _lock_in_order(cursor, dependents, shared)
+        # Under the locks: a pending dependency may have finished meanwhile.
+        lost = shared - set(_pending(cursor, sorted(shared), finished, alias))
+        if not lost:
+            transaction.savepoint_commit(savepoint, using=alias)
+            return [d for d in locked if d in judged]
+        transaction.savepoint_rollback(savepoint, using=alias)
+        judged.update(lost)
+    cursor.execute(sql.LOCK_BLOCKED, {"ids": dependents})
+    return [row[0] for row in cursor.fetchall()]
+
+
+def _pending(cursor: db.Cursor, ids: list[int], finished: list[int], alias: str) -> list[int]:
+    """``sql.PENDING_OF`` in a savepoint rolled back at once (its locks are not kept)."""
+    if not ids:
+        return []
+    savepoint = savepoint_create(using=alias)
+    cursor.execute(sql.PENDING_OF, {"ids": ids, "mine": finished})
+    pending = [row[0] for row in cursor.fetchall()]
+    transaction.savepoint_rollback(savepoint, using=alias)
+    return pending
+
+
+def _lock_in_order(cursor: db.Cursor, ids: list[int], shared: set[int]) -> list[int]:
+    """Lock ``ids`` in id order, KEY SHARE for those in ``shared``, FOR UPDATE the
+    others: one statement per run of one mode. Returns those still blocked."""
+    locked: list[int] = []
+    run: list[int] = []
+    mode = None
+    for job_id in [*sorted(ids), None]:
+        this = None if job_id is None else job_id in shared
+        if run and (job_id is None or this != mode):
+            cursor.execute(sql.SHARE_BLOCKED if mode else sql.LOCK_BLOCKED, {"ids": run})
+            locked.extend(row[0] for row in cursor.fetchall())
+            run = []
+        if job_id is not None:
+            run.append(job_id)
+            mode = this
+    return locked
 
 
 def _cancelled(job: Job, reason: str, alias: str) -> None:

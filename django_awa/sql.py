@@ -898,3 +898,60 @@ FROM awa_job_dependency AS e
 WHERE e.job_id IN (SELECT id FROM awa_job WHERE workflow_id = %(workflow_id)s)
 ORDER BY e.job_id, e.position
 """
+
+# -- DEPENDENTS_OF --
+# The blocked jobs depending on any of these jobs, no lock taken (the locks
+# follow, in id order, in the mode each needs). Index:
+# awa_dependency_dependents_idx, then primary key lookups.
+DEPENDENTS_OF = """
+SELECT j.id FROM ONLY awa_job AS j
+WHERE j.id IN (SELECT e.job_id FROM awa_job_dependency AS e
+               WHERE e.depends_on_id = ANY(%(ids)s::bigint[]))
+  AND j.state = 'blocked'
+ORDER BY j.id
+"""
+
+# -- DOOMED_BY --
+# Of these blocked jobs, those a requires='completed' dependency among
+# %(finished)s (this transaction's outcomes) cancels. Index: the primary key
+# of awa_job_dependency.
+DOOMED_BY = """
+SELECT DISTINCT e.job_id FROM awa_job_dependency AS e
+JOIN awa_job AS d ON d.id = e.depends_on_id
+WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.depends_on_id = ANY(%(finished)s::bigint[])
+  AND e.requires = 'completed' AND d.state IN ('failed', 'cancelled')
+"""
+
+# -- PENDING_OF --
+# Of these blocked jobs, those with a dependency that is unfinished and not
+# being finished right now: not among %(mine)s, and not row-locked by another
+# transaction (an outcome being written holds its row FOR UPDATE: SKIP LOCKED
+# passes it by). Such a dependency's own outcome comes later and settles the
+# job then, so this transaction needs only a KEY SHARE lock on it, which
+# other such transactions share (no convoy). Run in a savepoint rolled back
+# at once: the KEY SHARE locks it takes on dependencies are not kept. The
+# newest dependencies first (ORDER BY ... DESC): in a fan-in they are the
+# ones still running, so the scan stops at once. Index: the primary key of
+# awa_job_dependency, backwards.
+PENDING_OF = f"""
+SELECT c.id FROM unnest(%(ids)s::bigint[]) AS c(id)
+WHERE EXISTS (
+    SELECT 1 FROM awa_job_dependency AS e
+    JOIN awa_job AS d ON d.id = e.depends_on_id
+    WHERE e.job_id = c.id AND d.state NOT IN {_FINAL}
+      AND d.id <> ALL(%(mine)s::bigint[])
+    ORDER BY e.depends_on_id DESC
+    LIMIT 1
+    FOR KEY SHARE OF d SKIP LOCKED
+)
+"""
+
+# -- SHARE_BLOCKED --
+# A KEY SHARE lock on blocked jobs that another outcome will settle: shared
+# with other such transactions, and waited for by the one that judges the job
+# (LOCK_BLOCKED's FOR UPDATE), so that one sees this transaction's outcome.
+SHARE_BLOCKED = """
+SELECT id FROM ONLY awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = 'blocked'
+ORDER BY id
+FOR KEY SHARE
+"""

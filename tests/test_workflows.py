@@ -76,7 +76,7 @@ def test_a_return_value_is_stored_as_the_result_with_text_postgres_cannot_hold_e
     spec = FollowupSpec(outcome=Outcome.COMPLETED, trigger=Act, function=capture)
     followup_registry.add(spec)
     try:
-        (done,) = run_next("default")
+        run_next("default")
     finally:
         followup_registry._remove(spec)
     row = Job.objects.get(id=job.id)

@@ -273,6 +273,8 @@ def node(job: awa.JobContext):
             return awa.Cancel(f"{args.name} cancelled itself")
         case "sleep":
             time.sleep(args.seconds)
+        case "sleep_first" if job.attempt == 1:
+            time.sleep(args.seconds)
         case "park":
             token = job.register_callback(timeout=timedelta(seconds=600))
             return awa.WaitForCallback(token)
