@@ -667,7 +667,7 @@ class JobAdmin(AwaModelAdmin[Job]):
         ("Progress", {"fields": ("progress_json",)}),
         ("Result", {"fields": ("result_json",)}),
         ("Follow-up chain", {"fields": ("trigger_link", "followup_links")}),
-        ("Workflow", {"fields": ("workflow_link", ("dependency_links", "dependent_links"))}),
+        ("Workflow", {"fields": ("workflow_link", "dependency_links", "dependent_links")}),
         (
             "Metadata",
             {

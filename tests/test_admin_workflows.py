@@ -34,7 +34,7 @@ def _states(jobs: list[Job]) -> list[str]:
 
 
 def test_the_graph_links_each_node_to_its_job_and_back(login: Any, superuser: Any) -> None:
-    flow, jobs = _workflow()
+    _flow, jobs = _workflow()
     page = login(superuser)
     page.goto(change_url(jobs[2]))
     link = page.locator(".field-workflow_link a")

@@ -156,3 +156,21 @@ def test_demo_runs_orders_through_every_follow_up(example_database: str) -> None
         "SELECT count(*) FROM awa_job WHERE kind = 'refund_order' AND queue = 'billing'"
         " AND priority = 1 AND metadata->'awa_trigger'->>'outcome' = 'exhausted'",
     ) == len(exhausted)
+
+    # Orders placed as workflows: each ended with its report, which ran after
+    # shipping finished; a shipped one had its charge, packing and invoice
+    # completed first (the demo's own checks say so too).
+    workflows = scalar(url, "SELECT count(DISTINCT workflow_id) FROM awa_job")
+    assert workflows > 0, output
+    assert (
+        scalar(
+            url, "SELECT count(*) FROM awa_job WHERE kind = 'order_report' AND state = 'completed'"
+        )  # fmt: skip
+        == workflows
+    )
+    for check in (
+        "started after its dependencies completed: ok",
+        "no workflow step ran twice: ok",
+        "every order workflow ended, its report run once after shipping finished: ok",
+    ):
+        assert check in output, output
