@@ -162,12 +162,8 @@ def test_demo_runs_orders_through_every_follow_up(example_database: str) -> None
     # completed first (the demo's own checks say so too).
     workflows = scalar(url, "SELECT count(DISTINCT workflow_id) FROM awa_job")
     assert workflows > 0, output
-    assert (
-        scalar(
-            url, "SELECT count(*) FROM awa_job WHERE kind = 'order_report' AND state = 'completed'"
-        )  # fmt: skip
-        == workflows
-    )
+    reports = "SELECT count(*) FROM awa_job WHERE kind = 'order_report' AND state = 'completed'"
+    assert scalar(url, reports) == workflows
     for check in (
         "started after its dependencies completed: ok",
         "no workflow step ran twice: ok",
