@@ -138,13 +138,15 @@ def _flag_existing(cursor: db.Cursor, ids: list[int]) -> dict[int, uuid.UUID | N
     return found
 
 
-def after_outcomes(jobs: Iterable[Job | int], alias: str) -> None:
+def after_outcomes(jobs: Iterable[Job | int], alias: str, *, worker: bool = False) -> None:
     """Promote or cancel the dependents of jobs whose outcome this transaction wrote.
 
     Call it in the transaction that writes the outcomes, after writing them,
     with the jobs that reached a final state (completed, failed, cancelled);
     jobs without ``has_dependents`` may be left out (``Job`` rows are
-    filtered on it).
+    filtered on it). ``worker``: the outcomes are of attempts that were
+    running (finalize), which lets dependents that another dependency's
+    outcome will settle be locked shared (see ``_lock_to_judge``).
     """
     finished = []
     for job in jobs:
@@ -154,22 +156,24 @@ def after_outcomes(jobs: Iterable[Job | int], alias: str) -> None:
         else:
             finished.append(job)
     if finished:
-        _settle(alias, finished=finished, candidates=None)
+        _settle(alias, finished=finished, candidates=None, shared=worker)
 
 
 def settle(job_ids: Sequence[int], alias: str) -> None:
     """Judge blocked jobs now (new, or retried ones): promote, cancel, or leave them blocked."""
     if job_ids:
-        _settle(alias, finished=None, candidates=list(job_ids))
+        _settle(alias, finished=None, candidates=list(job_ids), shared=False)
 
 
-def _settle(alias: str, *, finished: list[int] | None, candidates: list[int] | None) -> None:
+def _settle(
+    alias: str, *, finished: list[int] | None, candidates: list[int] | None, shared: bool
+) -> None:
     with transaction.atomic(using=alias), db.cursor(alias) as cursor:
         for _ in range(MAX_ROUNDS):
             if candidates is None:
                 if not finished:
                     return
-                locked = _lock_to_judge(cursor, finished, alias)
+                locked = _lock_to_judge(cursor, finished, alias, shared=shared)
             else:
                 cursor.execute(sql.LOCK_BLOCKED, {"ids": candidates})
                 locked = [row[0] for row in cursor.fetchall()]
@@ -198,6 +202,7 @@ def _settle(alias: str, *, finished: list[int] | None, candidates: list[int] | N
                 _cancelled(job, reason, alias)
             finished = [job.id for job in cancelled_rows if job.has_dependents]
             candidates = None
+            shared = False  # cancelled here: they were blocked, not running
         raise RuntimeError(f"dependency cascade deeper than {MAX_ROUNDS} levels")
 
 
@@ -206,12 +211,15 @@ def _settle(alias: str, *, finished: list[int] | None, candidates: list[int] | N
 SHARE_ROUNDS = 3
 
 
-def _lock_to_judge(cursor: db.Cursor, finished: list[int], alias: str) -> list[int]:
+def _lock_to_judge(
+    cursor: db.Cursor, finished: list[int], alias: str, *, shared: bool
+) -> list[int]:
     """Lock the blocked dependents of ``finished``; return those to judge now.
 
-    A dependent with a dependency that is neither finished nor being finished
-    (``sql.PENDING_OF``) is left to that dependency's outcome: it gets a KEY
-    SHARE lock, which the many members of a fan-in finishing at once share.
+    With ``shared`` (worker outcomes), a dependent with a dependency that is
+    neither finished nor running (``sql.PENDING_OF``) is left to that
+    dependency's outcome: it gets a KEY SHARE lock, which the many members of
+    a fan-in finishing at once share.
     The others get FOR UPDATE and are judged here: the transaction that
     writes the last outcome waits only for the KEY SHARE holders still
     committing, and then sees every outcome. Locks are taken in id order,
@@ -224,15 +232,18 @@ def _lock_to_judge(cursor: db.Cursor, finished: list[int], alias: str) -> list[i
     dependents = [row[0] for row in cursor.fetchall()]
     if not dependents:
         return []
+    if not shared:
+        cursor.execute(sql.LOCK_BLOCKED, {"ids": dependents})
+        return [row[0] for row in cursor.fetchall()]
     cursor.execute(sql.DOOMED_BY, {"ids": dependents, "finished": finished})
     judged = {row[0] for row in cursor.fetchall()}
     for _ in range(SHARE_ROUNDS):
-        shared = set(_pending(cursor, [d for d in dependents if d not in judged], finished, alias))
-        judged.update(d for d in dependents if d not in shared)
+        sharing = set(_pending(cursor, [d for d in dependents if d not in judged], finished, alias))
+        judged.update(d for d in dependents if d not in sharing)
         savepoint = savepoint_create(using=alias)
-        locked = _lock_in_order(cursor, dependents, shared)
+        locked = _lock_in_order(cursor, dependents, sharing)
         # Under the locks: a pending dependency may have finished meanwhile.
-        lost = shared - set(_pending(cursor, sorted(shared), finished, alias))
+        lost = sharing - set(_pending(cursor, sorted(sharing), finished, alias))
         if not lost:
             transaction.savepoint_commit(savepoint, using=alias)
             return [d for d in locked if d in judged]
@@ -243,14 +254,11 @@ def _lock_to_judge(cursor: db.Cursor, finished: list[int], alias: str) -> list[i
 
 
 def _pending(cursor: db.Cursor, ids: list[int], finished: list[int], alias: str) -> list[int]:
-    """``sql.PENDING_OF`` in a savepoint rolled back at once (its locks are not kept)."""
+    """``sql.PENDING_OF``: those of ``ids`` another dependency's outcome will settle."""
     if not ids:
         return []
-    savepoint = savepoint_create(using=alias)
     cursor.execute(sql.PENDING_OF, {"ids": ids, "mine": finished})
-    pending = [row[0] for row in cursor.fetchall()]
-    transaction.savepoint_rollback(savepoint, using=alias)
-    return pending
+    return [row[0] for row in cursor.fetchall()]
 
 
 def _lock_in_order(cursor: db.Cursor, ids: list[int], shared: set[int]) -> list[int]:

@@ -117,7 +117,7 @@ def _write(
         cursor.execute(statement, params)
         returned = cursor.fetchall()
         if len(returned) < len(results):
-            _mark_locked(cursor, results, {row[0] for row in returned})
+            _mark_locked(cursor, results, {row[0] for row in returned}, standalone=standalone)
     applied = [by_id[row[0]] for row in returned]
     if rows:
         for result, job in zip(applied, jobs_from_rows(returned, alias), strict=True):
@@ -129,7 +129,9 @@ def _write(
     return applied
 
 
-def _mark_locked(cursor: db.Cursor, results: Sequence[AttemptResult], written: set[int]) -> None:
+def _mark_locked(
+    cursor: db.Cursor, results: Sequence[AttemptResult], written: set[int], *, standalone: bool
+) -> None:
     """Flag the results left out only because another session held their row locked,
     or (a standalone statement) because the job has dependents.
 
@@ -147,8 +149,12 @@ def _mark_locked(cursor: db.Cursor, results: Sequence[AttemptResult], written: s
     )
     held = dict(cursor.fetchall())
     for result in missing:
-        result.has_dependents = bool(held.get(result.job.id))
-        result.locked = result.job.id in held and not result.has_dependents
+        if standalone and held.get(result.job.id):
+            # Left out for its dependents, not for a lock: written again at once.
+            result.has_dependents = True
+            result.locked = False
+        else:
+            result.locked = result.job.id in held
 
 
 def _settle_dependents(applied: Sequence[AttemptResult], alias: str) -> None:
@@ -156,7 +162,7 @@ def _settle_dependents(applied: Sequence[AttemptResult], alias: str) -> None:
     (inside the transaction that wrote them)."""
     finished = [r.job.id for r in applied if r.has_dependents and r.state in JobState.FINAL]
     if finished:
-        after_outcomes(finished, alias)
+        after_outcomes(finished, alias, worker=True)
 
 
 def followup_context(result: AttemptResult) -> OutcomeContext:
@@ -343,7 +349,9 @@ def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult
         # a transaction that settles their dependents too.
         applied = _write(plain, alias, rows=False, standalone=True)
         written = {r.job.id for r in applied}
-        flagged = [r for r in plain if r.has_dependents and r.job.id not in written]
+        flagged = [
+            r for r in plain if r.has_dependents and not r.locked and r.job.id not in written
+        ]
         if flagged:
             with transaction.atomic(using=alias):
                 again = _write(flagged, alias, rows=False)

@@ -923,26 +923,27 @@ WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.depends_on_id = ANY(%(finished)s::
 """
 
 # -- PENDING_OF --
-# Of these blocked jobs, those with a dependency that is unfinished and not
-# being finished right now: not among %(mine)s, and not row-locked by another
-# transaction (an outcome being written holds its row FOR UPDATE: SKIP LOCKED
-# passes it by). Such a dependency's own outcome comes later and settles the
-# job then, so this transaction needs only a KEY SHARE lock on it, which
-# other such transactions share (no convoy). Run in a savepoint rolled back
-# at once: the KEY SHARE locks it takes on dependencies are not kept. The
-# newest dependencies first (ORDER BY ... DESC): in a fan-in they are the
-# ones still running, so the scan stops at once. Index: the primary key of
-# awa_job_dependency, backwards.
+# Of these blocked jobs, those with a dependency that is not finished and not
+# running: not among %(mine)s (this transaction's outcomes), neither
+# finished nor 'running' in this statement's snapshot. Such a dependency's
+# outcome comes later, from a worker that runs it first, and settles the job
+# then; this transaction needs only a KEY SHARE lock on the job, which other
+# such transactions share (no convoy). A dependency whose outcome another
+# transaction is writing right now was 'running' in every snapshot, so it
+# never counts here: of two outcomes written at once, neither takes the other
+# for pending (only worker outcomes use this; other paths lock FOR UPDATE).
+# No lock taken. The newest dependencies first (ORDER BY ... DESC): in a
+# fan-in they are the ones not yet claimed, so the scan stops at once. Index:
+# the primary key of awa_job_dependency, backwards.
 PENDING_OF = f"""
 SELECT c.id FROM unnest(%(ids)s::bigint[]) AS c(id)
 WHERE EXISTS (
     SELECT 1 FROM awa_job_dependency AS e
     JOIN awa_job AS d ON d.id = e.depends_on_id
-    WHERE e.job_id = c.id AND d.state NOT IN {_FINAL}
+    WHERE e.job_id = c.id AND d.state NOT IN {_FINAL} AND d.state <> 'running'
       AND d.id <> ALL(%(mine)s::bigint[])
     ORDER BY e.depends_on_id DESC
     LIMIT 1
-    FOR KEY SHARE OF d SKIP LOCKED
 )
 """
 
