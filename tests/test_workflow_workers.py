@@ -3,6 +3,8 @@ workers, and a dependency whose worker is SIGKILLed."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from django.db import connection
 
@@ -76,3 +78,18 @@ def test_a_dependency_rescued_after_its_worker_was_killed_releases_its_dependent
     assert "rescued: stale heartbeat" in dep_row.errors[0]["error"]
     assert done.attempted_at >= dep_row.finalized_at
     assert Ledger.objects.filter(job_id=after.id).count() == 1
+
+
+def test_a_short_crash_soak_of_random_dags_passes_its_sql_audit(tmp_path):
+    """stress/workflow_soak.py, short: 15 random DAGs, workers SIGKILLed every 2 s."""
+    from stress import workflow_soak
+
+    os.environ["AWA_SOAK_LOGDIR"] = str(tmp_path)
+    try:
+        code = workflow_soak.main(
+            ["--dags", "15", "--kill-every", "2", "--timeout", "180", "--seed", "19",
+             "--database-url", os.environ["DATABASE_URL"]]
+        )  # fmt: skip
+    finally:
+        os.environ.pop("AWA_SOAK_LOGDIR", None)
+    assert code == 0
