@@ -228,18 +228,29 @@ def _lock_to_judge(
     judged after all: the round's locks are released (savepoint) and taken
     again.
     """
-    cursor.execute(sql.DEPENDENTS_OF, {"ids": finished})
-    dependents = [row[0] for row in cursor.fetchall()]
-    if not dependents:
-        return []
     if not shared:
+        cursor.execute(sql.DEPENDENTS_OF, {"ids": finished})
+        dependents = [row[0] for row in cursor.fetchall()]
+        if not dependents:
+            return []
         cursor.execute(sql.LOCK_BLOCKED, {"ids": dependents})
         return [row[0] for row in cursor.fetchall()]
-    cursor.execute(sql.DOOMED_BY, {"ids": dependents, "finished": finished})
-    judged = {row[0] for row in cursor.fetchall()}
+    cursor.execute(sql.DEPENDENTS_TO_JUDGE, {"ids": finished})
+    rows = cursor.fetchall()
+    if not rows:
+        return []
+    dependents = [row[0] for row in rows]
+    judged = {row[0] for row in rows if row[1] or not row[2]}
+    first = True
     for _ in range(SHARE_ROUNDS):
-        sharing = set(_pending(cursor, [d for d in dependents if d not in judged], finished, alias))
-        judged.update(d for d in dependents if d not in sharing)
+        if first:
+            first = False
+        else:
+            pending = _pending(cursor, [d for d in dependents if d not in judged], finished, alias)
+            judged.update(d for d in dependents if d not in pending)
+        sharing = {d for d in dependents if d not in judged}
+        if not sharing:
+            break
         savepoint = savepoint_create(using=alias)
         locked = _lock_in_order(cursor, dependents, sharing)
         # Under the locks: a pending dependency may have finished meanwhile.

@@ -335,7 +335,9 @@ def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult
     for result in results:
         (special if _has_followups(result) else plain).append(result)
     rows = _wants_rows(plain)
-    if special or rows:
+    # A job whose row said it has dependents when it was claimed goes straight
+    # to the transaction that settles them.
+    if special or rows or any(r.job.has_dependents for r in plain):
         with transaction.atomic(using=alias):
             applied = _write(plain, alias, rows=rows)
             applied.extend(_write_with_followups(special, alias))

@@ -956,3 +956,24 @@ SELECT id FROM ONLY awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = 'block
 ORDER BY id
 FOR KEY SHARE
 """
+
+# -- DEPENDENTS_TO_JUDGE --
+# DEPENDENTS_OF, with for each dependent whether DOOMED_BY and PENDING_OF
+# hold for it: the first round of finalize's locking in one statement. Same
+# indexes.
+DEPENDENTS_TO_JUDGE = f"""
+SELECT j.id,
+       EXISTS (SELECT 1 FROM awa_job_dependency AS e JOIN awa_job AS d ON d.id = e.depends_on_id
+               WHERE e.job_id = j.id AND e.depends_on_id = ANY(%(ids)s::bigint[])
+                 AND e.requires = 'completed' AND d.state IN ('failed', 'cancelled')),
+       EXISTS (SELECT 1 FROM awa_job_dependency AS e JOIN awa_job AS d ON d.id = e.depends_on_id
+               WHERE e.job_id = j.id AND d.state NOT IN {_FINAL} AND d.state <> 'running'
+                 AND d.id <> ALL(%(ids)s::bigint[])
+               ORDER BY e.depends_on_id DESC
+               LIMIT 1)
+FROM ONLY awa_job AS j
+WHERE j.id IN (SELECT e.job_id FROM awa_job_dependency AS e
+               WHERE e.depends_on_id = ANY(%(ids)s::bigint[]))
+  AND j.state = 'blocked'
+ORDER BY j.id
+"""

@@ -65,6 +65,9 @@ def test_cancel_and_retry_the_whole_workflow(login: Any, superuser: Any) -> None
     run_all()  # charge fails for good: ship is cancelled, report runs
     assert _states(jobs) == ["failed", "completed", "cancelled", "completed", "completed"]
     page = login(superuser)
+    # A completed step's page shows its result.
+    page.goto(change_url(jobs[1]))
+    assert '"name": "pack"' in page.locator(".field-result_json").inner_text()
     page.goto(reverse("admin:django_awa_job_workflow", args=[flow.id]))
     assert page.locator(".awa-workflow-state").inner_text() == "failed"
     # The charge now succeeds: retrying the workflow retries it and reopens ship.

@@ -448,3 +448,25 @@ def test_workflow_status_counts_and_a_bad_id():
     assert awa.workflow_status(uuid.uuid4()).jobs == []
     with pytest.raises(awa.ValidationError, match="not a workflow id"):
         awa.workflow_status("nope")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_aenqueue_joins_the_transaction_of_its_caller():
+    from asgiref.sync import async_to_sync
+
+    class Boom(Exception):
+        pass
+
+    flow = awa.Workflow("async")
+    a = flow.add(Node(name="a"))
+    flow.add(Node(name="b"), after=[a])
+    with pytest.raises(Boom), transaction.atomic():
+        jobs = async_to_sync(flow.aenqueue)()
+        assert [j.state for j in jobs] == ["available", "blocked"]
+        raise Boom
+    assert _counts() == (0, 0)
+    kept = awa.Workflow("async kept")
+    kept.add(Node(name="a"))
+    with transaction.atomic():
+        async_to_sync(kept.aenqueue)()
+    assert len(awa.workflow_status(kept.id).jobs) == 1
