@@ -185,7 +185,7 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str], url:
         f"rng = random.Random({rng.randrange(2**32)});"
         f"[random_dag(rng, awa, Node, i).enqueue() for i in range({opts.dags})]"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)  # noqa: S603
     with psycopg.connect(url, autocommit=True) as conn:
         ids = [row[0] for row in conn.execute("SELECT id FROM awa_job WHERE kind = 'node'")]
     log(f"enqueued {len(ids)} steps")
