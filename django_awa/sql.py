@@ -739,6 +739,13 @@ PREPARED = frozenset(
 # at once, the second to lock the dependent sees the first's committed outcome
 # and promotes it; the first saw the other still running and left it. Only the
 # tail of each transaction (judge and commit) waits on the dependent's lock.
+# Worker outcomes go further (dependencies._lock_to_judge): while a dependent
+# has a dependency that is neither finished nor running (PENDING_OF), its
+# outcome will come later and settle the dependent, so this transaction only
+# takes a KEY SHARE lock (SHARE_BLOCKED), shared by all such transactions and
+# waited for by the FOR UPDATE of the one that judges. A dependency whose
+# outcome is being written was 'running' in everyone's snapshot, so two
+# outcomes written at once never leave the dependent to each other.
 
 # -- FLAG_DEPENDENCIES --
 # At enqueue of jobs with `after`: mark the named existing jobs as having

@@ -470,3 +470,52 @@ def test_aenqueue_joins_the_transaction_of_its_caller():
     with transaction.atomic():
         async_to_sync(kept.aenqueue)()
     assert len(awa.workflow_status(kept.id).jobs) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_last_two_members_finishing_at_once_promote_their_callback_exactly_once():
+    """Two threads (two connections, two transactions under READ COMMITTED) write
+    the outcomes of a fan-in's last two members at the same instant, 40 times."""
+    import threading
+
+    from django.db import connections
+
+    from django_awa.execute import completed
+
+    callbacks = []
+    pairs = []
+    for i in range(40):
+        flow = awa.Workflow(f"pair{i}")
+        a, b = flow.add(Node(name="a")), flow.add(Node(name="b"))
+        flow.add(Node(name="callback"), after=[a, b])
+        jobs = flow.enqueue()
+        callbacks.append(jobs[2].id)
+    claimed = {job.id: job for job in claim("flow", 80, "default")}
+    for i in range(40):
+        members = sorted(
+            j.id
+            for j in claimed.values()
+            if j.workflow_id == Job.objects.get(id=callbacks[i]).workflow_id
+        )
+        pairs.append([claimed[m] for m in members])
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def finish(side: int) -> None:
+        try:
+            for pair in pairs:
+                barrier.wait(timeout=10)
+                finalize([completed(pair[side])], "default")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=finish, args=(side,)) for side in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    states = list(Job.objects.filter(id__in=callbacks).values_list("state", flat=True))
+    assert states == ["available"] * 40
