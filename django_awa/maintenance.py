@@ -427,7 +427,7 @@ class Maintenance:
                         sql.PRUNE_FINISHED,
                         {"states": states, "retention": retention, "limit": BATCH},
                     )
-                    deleted = cursor.rowcount
+                    deleted = cursor.fetchone()[0]
                 total += deleted
                 if deleted < BATCH:
                     break

@@ -448,14 +448,25 @@ WHERE id IN (
 # -- PRUNE_FINISHED --
 # Delete finished rows past retention, one batch per call.
 # Index: awa_job_finalized_idx (state, finalized_at).
+# The pruned jobs' own dependency edges go with them (primary key of
+# awa_job_dependency); edges naming them as a dependency stay until their
+# dependent is pruned (a dependency that no longer exists counts as met).
+# Returns how many jobs it deleted.
 PRUNE_FINISHED = """
-DELETE FROM awa_job WHERE id IN (
-    SELECT id FROM awa_job
-    WHERE state = ANY(%(states)s::text[])
-      AND finalized_at < now() - make_interval(secs => %(retention)s)
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+WITH gone AS (
+    DELETE FROM awa_job WHERE id IN (
+        SELECT id FROM awa_job
+        WHERE state = ANY(%(states)s::text[])
+          AND finalized_at < now() - make_interval(secs => %(retention)s)
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id
+),
+edges AS (
+    DELETE FROM awa_job_dependency WHERE job_id IN (SELECT id FROM gone)
 )
+SELECT count(*) FROM gone
 """
 
 # -- ARCHIVE_FINISHED --

@@ -519,3 +519,15 @@ def test_the_last_two_members_finishing_at_once_promote_their_callback_exactly_o
     assert errors == []
     states = list(Job.objects.filter(id__in=callbacks).values_list("state", flat=True))
     assert states == ["available"] * 40
+
+
+@db
+def test_pruning_a_finished_job_removes_its_own_dependency_edges():
+    first = awa.enqueue(Node(name="first"))
+    second = awa.enqueue(Node(name="second"), after=[first])
+    run_all()
+    assert Dependency.objects.filter(job_id=second.id).count() == 1
+    long_ago = timezone.now() - dt.timedelta(days=3650)
+    Job.objects.filter(id__in=[first.id, second.id]).update(finalized_at=long_ago)
+    assert Maintenance("default").prune() == 2
+    assert Dependency.objects.count() == 0
