@@ -23,6 +23,10 @@ _EXPORTS = {
     "aenqueue": "enqueueing",
     "aenqueue_many": "enqueueing",
     "EnqueueRequest": "enqueueing",
+    # workflows
+    "Workflow": "workflows",
+    "WorkflowStatus": "workflows",
+    "workflow_status": "workflows",
     # running
     "JobContext": "execute",
     "RetryAfter": "execute",
@@ -80,6 +84,8 @@ __all__ = [
     "UniqueConflict",
     "ValidationError",
     "WaitForCallback",
+    "Workflow",
+    "WorkflowStatus",
     "aenqueue",
     "aenqueue_many",
     "cancel",
@@ -98,6 +104,7 @@ __all__ = [
     "retry_external",
     "trigger_schedule",
     "worker",
+    "workflow_status",
 ]
 
 
@@ -133,3 +140,4 @@ if TYPE_CHECKING:
     from .kinds import JobArgs, Unique, worker
     from .models import JobState
     from .schedules import pause_schedule, periodic, resume_schedule, trigger_schedule
+    from .workflows import Workflow, WorkflowStatus, workflow_status

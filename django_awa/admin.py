@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
@@ -30,6 +31,7 @@ from django.db.models import JSONField, Model, Q, QuerySet, TextField
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 from django.http import (
+    Http404,
     HttpRequest,
     HttpResponse,
     HttpResponseBadRequest,
@@ -54,6 +56,7 @@ from .fleet_admin import running_worker
 from .kinds import registry
 from .models import Job, JobQuerySet, JobState, PendingFollowup, PeriodicSchedule, Queue
 from .schedules import schedules
+from .workflows import workflow_status
 
 if TYPE_CHECKING:
     from django.contrib.admin import ModelAdmin as _ModelAdmin
@@ -290,6 +293,102 @@ def _state_badge(state: str) -> SafeString:
     except ValueError:
         label = state
     return format_html('<span class="awa-state awa-state-{}">{}</span>', state, label)
+
+
+def _job_list(jobs: Iterable[Job], empty: str) -> SafeString | str:
+    items = [(_job_link(job.id, f"{job.kind} #{job.id}"), _state_badge(job.state)) for job in jobs]
+    if not items:
+        return empty
+    return format_html(
+        '<ul class="awa-dependencies">{}</ul>', format_html_join("", "<li>{} {}</li>", items)
+    )
+
+
+# The most nodes a workflow's graph draws (the rest are counted, not drawn).
+GRAPH_NODES_SHOWN = 300
+_NODE_W, _NODE_H, _GAP_X, _GAP_Y = 150, 34, 60, 16
+
+
+def workflow_svg(jobs: list[Job], alias: str) -> SafeString:
+    """The graph of a workflow's jobs as inline SVG: one column per depth (the
+    longest chain of dependencies before it), nodes coloured by state and each a
+    link to its job; dashed edges are ``requires="finished"``."""
+    shown = jobs[:GRAPH_NODES_SHOWN]
+    ids = {job.id for job in shown}
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.WORKFLOW_EDGES, {"workflow_id": jobs[0].workflow_id})
+        edges = [(a, b, r) for a, b, r, _ in cursor.fetchall() if a in ids and b in ids]
+    deps: dict[int, list[int]] = {}
+    for job_id, dep, _ in edges:
+        deps.setdefault(job_id, []).append(dep)
+    depth: dict[int, int] = {}
+    for job in sorted(shown, key=lambda j: j.id):  # dependencies have smaller ids
+        depth[job.id] = 1 + max((depth.get(d, 0) for d in deps.get(job.id, ())), default=-1)
+    columns: dict[int, list[Job]] = {}
+    for job in shown:
+        columns.setdefault(depth[job.id], []).append(job)
+    where: dict[int, tuple[int, int]] = {}
+    for column, members in columns.items():
+        for row, job in enumerate(members):
+            where[job.id] = (
+                10 + column * (_NODE_W + _GAP_X),
+                10 + row * (_NODE_H + _GAP_Y),
+            )
+    width = 20 + (max(columns, default=0) + 1) * (_NODE_W + _GAP_X)
+    height = 20 + max((len(m) for m in columns.values()), default=1) * (_NODE_H + _GAP_Y)
+    lines = format_html_join(
+        "",
+        '<line x1="{}" y1="{}" x2="{}" y2="{}" class="{}" marker-end="url(#awa-arrow)"/>',
+        (
+            (
+                where[dep][0] + _NODE_W,
+                where[dep][1] + _NODE_H // 2,
+                where[job_id][0],
+                where[job_id][1] + _NODE_H // 2,
+                "awa-edge-finished" if requires == "finished" else "awa-edge",
+            )
+            for job_id, dep, requires in edges
+        ),
+    )
+    nodes = format_html_join(
+        "",
+        '<a href="{}" class="awa-node" data-job="{}" data-state="{}"><title>{}</title>'
+        '<rect x="{}" y="{}" width="{}" height="{}" class="awa-node-{}"/>'
+        '<text x="{}" y="{}">{}</text></a>',
+        (
+            (
+                reverse("admin:django_awa_job_change", args=[job.id]),
+                job.id,
+                job.state,
+                f"{job.kind} #{job.id}: {job.state}",
+                where[job.id][0],
+                where[job.id][1],
+                _NODE_W,
+                _NODE_H,
+                job.state,
+                where[job.id][0] + 8,
+                where[job.id][1] + 21,
+                Truncator(f"#{job.id} {_step_label(job)}").chars(22),
+            )
+            for job in shown
+        ),
+    )
+    return format_html(
+        '<svg xmlns="http://www.w3.org/2000/svg" class="awa-graph" width="{}" height="{}" '
+        'role="img" aria-label="workflow graph"><defs><marker id="awa-arrow" markerWidth="8" '
+        'markerHeight="8" refX="8" refY="4" orient="auto"><path d="M0,0 L8,4 L0,8 z" '
+        'fill="#6b7280"/></marker></defs>{}{}</svg>',
+        width,
+        height,
+        lines,
+        nodes,
+    )
+
+
+def _step_label(job: Job) -> str:
+    entry = job.metadata.get("awa_workflow") if isinstance(job.metadata, dict) else None
+    step = entry.get("step") if isinstance(entry, dict) else None
+    return step if isinstance(step, str) else job.kind
 
 
 def _overdue_note(job: Job) -> SafeString | str:
@@ -546,6 +645,10 @@ class JobAdmin(AwaModelAdmin[Job]):
         "progress_json",
         "trigger_link",
         "followup_links",
+        "result_json",
+        "workflow_link",
+        "dependency_links",
+        "dependent_links",
         "metadata_json",
         "callback_id",
         "callback_timeout_at",
@@ -570,7 +673,9 @@ class JobAdmin(AwaModelAdmin[Job]):
         ("Arguments", {"fields": ("args_json",)}),
         ("Errors, oldest first", {"fields": ("error_list",)}),
         ("Progress", {"fields": ("progress_json",)}),
+        ("Result", {"fields": ("result_json",)}),
         ("Follow-up chain", {"fields": ("trigger_link", "followup_links")}),
+        ("Workflow", {"fields": ("workflow_link", "dependency_links", "dependent_links")}),
         (
             "Metadata",
             {
@@ -715,6 +820,27 @@ class JobAdmin(AwaModelAdmin[Job]):
     def metadata_json(self, obj: Job) -> SafeString:
         return _pretty_json(obj.metadata)
 
+    @admin.display(description="result")
+    def result_json(self, obj: Job) -> SafeString:
+        return _pretty_json(obj.result)
+
+    @admin.display(description="workflow")
+    def workflow_link(self, obj: Job) -> SafeString | str:
+        if obj.workflow_id is None:
+            return "(not part of a workflow)"
+        entry = (obj.metadata or {}).get("awa_workflow") if isinstance(obj.metadata, dict) else None
+        name = entry.get("name") if isinstance(entry, dict) else None
+        url = reverse("admin:django_awa_job_workflow", args=[obj.workflow_id])
+        return format_html('<a href="{}">{}</a>', url, short_text(name or str(obj.workflow_id)))
+
+    @admin.display(description="waits for")
+    def dependency_links(self, obj: Job) -> SafeString | str:
+        return _job_list(obj.dependencies(), "(no dependencies)")
+
+    @admin.display(description="needed by")
+    def dependent_links(self, obj: Job) -> SafeString | str:
+        return _job_list(obj.dependents()[: FOLLOWUPS_SHOWN + 1], "(no dependents)")
+
     @admin.display(description="errors")
     def error_list(self, obj: Job) -> SafeString:
         if not isinstance(obj.errors, list):
@@ -814,8 +940,19 @@ class JobAdmin(AwaModelAdmin[Job]):
         return super().change_view(request, object_id, form_url, extra_context=context)
 
     def get_urls(self) -> list[URLPattern]:
-        # Before the defaults: their "<path:object_id>/" catch-all would win.
+        # Before the defaults: their "<path:object_id>/" catch-all would win;
+        # the workflow pages before retry/cancel, whose object_id would take them.
         return [
+            path(
+                "workflow/<uuid:workflow_id>/",
+                self.admin_site.admin_view(self.workflow_view),
+                name="django_awa_job_workflow",
+            ),
+            path(
+                "workflow/<uuid:workflow_id>/<str:operation>/",
+                self.admin_site.admin_view(self.workflow_operation_view),
+                name="django_awa_job_workflow_operation",
+            ),
             path(
                 "<path:object_id>/retry/",
                 self.admin_site.admin_view(self.retry_view),
@@ -873,6 +1010,45 @@ class JobAdmin(AwaModelAdmin[Job]):
             "action_name": "discard_jobs",
         }
         return TemplateResponse(request, "admin/django_awa/job/discard_confirmation.html", context)
+
+    def workflow_view(self, request: HttpRequest, workflow_id: uuid.UUID) -> HttpResponse:
+        """A workflow's graph (server-rendered SVG, each node a link to its job) and counts."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        status = workflow_status(workflow_id, using=_alias())
+        if not status.jobs:
+            raise Http404(f"no workflow {workflow_id}")
+        can_change = self.has_change_permission(request)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Workflow {status.name or workflow_id}",
+            "opts": self.opts,
+            "status": status,
+            "counts": [(state, n) for state, n in status.counts.items() if n],
+            "graph": workflow_svg(status.jobs, _alias()),
+            "shown": min(len(status.jobs), GRAPH_NODES_SHOWN),
+            "awa_can_cancel": can_change and any(j.state in JobState.LIVE for j in status.jobs),
+            "awa_can_retry": can_change and any(j.state in JobState.RETRIABLE for j in status.jobs),
+        }
+        return TemplateResponse(request, "admin/django_awa/job/workflow.html", context)
+
+    def workflow_operation_view(
+        self, request: HttpRequest, workflow_id: uuid.UUID, operation: str
+    ) -> HttpResponse:
+        """Cancel every live job of a workflow, or retry every failed or cancelled one
+        (those a cascade cancelled are reopened by the retry of their dependency)."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        if operation not in ("cancel", "retry"):
+            raise Http404(f"no workflow operation {operation!r}")
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        jobs = self.get_queryset(request).filter(workflow_id=workflow_id)
+        if operation == "retry":
+            # The cascade's victims come back with their dependency's retry.
+            jobs = jobs.exclude(metadata__has_key="awa_cancelled_by")
+        self._operate(request, jobs, operation)
+        return HttpResponseRedirect(reverse("admin:django_awa_job_workflow", args=[workflow_id]))
 
     def retry_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         return self._object_operation(request, object_id, "retry")

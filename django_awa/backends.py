@@ -58,6 +58,7 @@ STATUS = {
     JobState.SCHEDULED: TaskResultStatus.READY,
     JobState.AVAILABLE: TaskResultStatus.READY,
     JobState.RETRYABLE: TaskResultStatus.READY,
+    JobState.BLOCKED: TaskResultStatus.READY,
     JobState.RUNNING: TaskResultStatus.RUNNING,
     JobState.WAITING_EXTERNAL: TaskResultStatus.RUNNING,
     JobState.COMPLETED: TaskResultStatus.SUCCESSFUL,
@@ -145,7 +146,7 @@ def _resolve(kind: str) -> WorkerSpec | None:
 registry.resolvers[KIND_PREFIX] = _resolve
 
 
-def _run_task(job: JobContext) -> None:
+def _run_task(job: JobContext) -> Any:
     task = _task_for(job.kind.partition(":")[2])
     if task is None:  # pragma: no cover - resolved just before
         raise RuntimeError(f"task {job.kind} vanished")
@@ -167,7 +168,7 @@ def _run_task(job: JobContext) -> None:
             value = task.call(TaskContext(task_result=result), *call.args, **call.kwargs)
         else:
             value = task.call(*call.args, **call.kwargs)
-        encoded = json.dumps({RETURN_KEY: value})
+        json.dumps(value)  # what Job.result cannot hold is the task's error
     except Exception as exc:
         error = {
             "exception_class_path": f"{type(exc).__module__}.{type(exc).__qualname__}",
@@ -179,11 +180,8 @@ def _run_task(job: JobContext) -> None:
                 {"error": json.dumps([error]), "id": job.id, "run_lease": job.row.run_lease},
             )
         raise
-    with connections[alias].cursor() as cursor:
-        cursor.execute(
-            sql.STORE_TASK_RETURN, {"patch": encoded, "id": job.id, "run_lease": job.row.run_lease}
-        )
-    return None
+    # Stored as Job.result by the completing transaction (SPEC §9, §11).
+    return value
 
 
 class AwaTaskBackend(BaseTaskBackend):
@@ -254,6 +252,8 @@ class AwaTaskBackend(BaseTaskBackend):
         }
         names = {f.name for f in dataclasses.fields(TaskResult) if f.init}
         result: TaskResult[P, R] = TaskResult(**{k: v for k, v in values.items() if k in names})
-        if RETURN_KEY in metadata:
+        if RETURN_KEY in metadata:  # written by 0.1.0
             object.__setattr__(result, "_return_value", metadata[RETURN_KEY])
+        elif job.state == JobState.COMPLETED:
+            object.__setattr__(result, "_return_value", job.result)
         return result

@@ -36,6 +36,7 @@ from django.views.decorators.csrf import csrf_exempt
 from . import sql
 from .codec import check_json, require_text
 from .conf import awa_settings, callback_timeout
+from .dependencies import after_outcomes
 from .enqueueing import database_alias
 from .exceptions import CallbackNotFound, ValidationError
 from .followups import (
@@ -148,6 +149,7 @@ def _resolve(
     context = context.after(row)
     dispatch(row, context, alias)
     send_signal(row, context, alias)
+    after_outcomes([row], alias)
     logger.info(
         "job %s kind=%s attempt=%s -> %s by callback %s (%s)",
         row.id, row.kind, job.attempt, row.state, job.callback_id, action,

@@ -12,6 +12,7 @@ from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
 from . import sql
+from .dependencies import after_outcomes, reopen
 from .enqueueing import database_alias
 from .exceptions import JobNotFound, UniqueConflict
 from .followups import Cancelled, dispatch, send_signal
@@ -28,6 +29,8 @@ def _get(job_id: int, alias: str) -> Job:
 def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     """Cancel a job that has not finished; return its row.
 
+    Jobs that depend on it with ``requires="completed"`` are cancelled in the
+    same transaction (the cascade); those with ``requires="finished"`` may run.
     A running job is cancelled at once; its handler sees ``is_cancelled()``
     within a second and whatever it returns is discarded. ``on_cancelled``
     follow-ups are inserted in the same transaction (a failing one raises and
@@ -50,12 +53,16 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
                 cursor.execute(sql.NOTIFY_CANCEL, {"job_id": str(job_id)})
         dispatch(job, context, alias)
         send_signal(job, context, alias)
+        after_outcomes([job], alias)
     return job
 
 
 def retry(job_id: int, *, using: str | None = None) -> Job:
     """Make a failed, cancelled or retryable job available now, its attempts reset.
 
+    A job with dependencies waits for them again (``blocked``, settled at
+    once). Its dependents that its failure or cancellation cancelled are
+    reopened, ``blocked`` again until it completes.
     Any other state is returned unchanged. Raises ``JobNotFound``, or
     ``UniqueConflict`` if another job now holds its unique key.
     """
@@ -77,6 +84,11 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
                     return _get(job_id, alias)
             (job,) = jobs_from_rows([row], alias)
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [job.queue]})
+            # Its dependents that its failure cancelled wait for it again, and
+            # it waits for its own dependencies again (SPEC §11).
+            reopen(job, alias)
+            if job.state == JobState.AVAILABLE:
+                job.refresh_from_db(using=alias, fields=["state"])
     except IntegrityError as exc:
         raise UniqueConflict(
             f"job {job_id} cannot be retried: another job holds its unique key"

@@ -12,8 +12,9 @@ import hashlib
 import json
 import math
 import operator
+import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple
 
 from asgiref.sync import sync_to_async
@@ -46,6 +47,14 @@ class EnqueueRequest:
     tags: Sequence[str] | None = None
     metadata: dict[str, Any] | None = None
     unique: Unique | None = None
+    # Jobs (rows or ids) this one waits for, and what they must reach (SPEC §11).
+    after: Sequence[Any] = ()
+    requires: str = "completed"
+
+
+# What a dependency must reach (models.Requires, kept here as text: the
+# models' choices are read when validating).
+REQUIRES = ("completed", "finished")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -62,6 +71,15 @@ class PreparedJob:
     metadata: str  # JSON text
     unique_key: str | None
     unique_states: list[str] | None
+    # Dependencies (dependencies.py): ids of the jobs this one waits for, in
+    # `after` order, and what they must reach; the workflow it belongs to;
+    # its id when drawn beforehand (a Workflow's steps); whether another new
+    # job depends on it.
+    after: list[int] = field(default_factory=list)
+    requires: str = "completed"
+    workflow_id: uuid.UUID | None = None
+    id: int | None = None
+    has_dependents: bool = False
 
     def params(self) -> dict[str, Any]:
         return {
@@ -100,6 +118,8 @@ def prepare(
     metadata: dict[str, Any] | None = None,
     unique: Unique | None = None,
     metadata_json: str | None = None,
+    after: Sequence[Any] = (),
+    requires: str = "completed",
 ) -> PreparedJob:
     """Validate one job and resolve its kind's defaults. Raises ``ValidationError``.
 
@@ -118,6 +138,8 @@ def prepare(
         tags = item.tags if item.tags is not None else tags
         metadata = item.metadata if item.metadata is not None else metadata
         unique = item.unique if item.unique is not None else unique
+        after = item.after or after
+        requires = item.requires if item.after else requires
     else:
         args = item
     if not isinstance(args, JobArgs):
@@ -165,7 +187,60 @@ def prepare(
         metadata=meta,
         unique_key=unique_key,
         unique_states=unique_states,
+        after=dependency_ids(after, where),
+        requires=check_requires(requires, where),
     )
+
+
+def check_requires(requires: Any, where: str) -> str:
+    """``requires`` if it is one of ``REQUIRES``; else ``ValidationError`` naming it."""
+    if not isinstance(requires, str) or requires not in REQUIRES:
+        raise ValidationError(
+            f"{where}: requires must be one of {', '.join(map(repr, REQUIRES))}, got {requires!r}"
+        )
+    return requires
+
+
+def dependency_ids(after: Any, where: str, *, alias: str | None = None) -> list[int]:
+    """The ids of the jobs named in ``after`` (``Job`` rows or ids), in order, each once.
+
+    ``alias``: a ``Job`` read from another database is refused. Rows are
+    checked again against the enqueue's database by ``dependency_database``.
+    """
+    if isinstance(after, (str, bytes)) or not isinstance(after, Iterable):
+        raise ValidationError(f"{where}: after must be a list of jobs or job ids, got {after!r}")
+    ids: list[int] = []
+    for item in after:
+        if isinstance(item, Job):
+            if item.id is None:
+                raise ValidationError(f"{where}: after names a job that was never saved")
+            if alias is not None and item._state.db != alias:
+                raise ValidationError(
+                    f"{where}: after names job {item.id} of database {item._state.db!r}, "
+                    f"not {alias!r}: a dependency must be in the same database"
+                )
+            job_id = item.id
+        elif isinstance(item, int) and not isinstance(item, bool):
+            job_id = item
+        else:
+            raise ValidationError(
+                f"{where}: after takes Job rows or job ids (or a Workflow's steps), "
+                f"got {safe_type(item)}: {item!r}"
+            )
+        if job_id not in ids:
+            ids.append(job_id)
+    return ids
+
+
+def dependency_databases(after: Any) -> set[str]:
+    """The databases of the ``Job`` rows named in ``after``."""
+    if isinstance(after, (str, bytes)) or not isinstance(after, Iterable):
+        return set()
+    return {item._state.db for item in after if isinstance(item, Job) and item._state.db}
+
+
+def safe_type(value: object) -> str:
+    return type(value).__name__
 
 
 def _check_size(text: str, what: str, limit: int, setting: str, where: str) -> None:
@@ -321,6 +396,8 @@ def enqueue(
     metadata: dict[str, Any] | None = None,
     unique: Unique | None = None,
     using: str | None = None,
+    after: Sequence[Any] = (),
+    requires: str = "completed",
 ) -> Job:
     """Insert one job and return its row.
 
@@ -328,8 +405,19 @@ def enqueue(
     open transaction: the job exists only if that transaction commits. Raises
     ``ValidationError`` (nothing written) or ``UniqueConflict`` (nothing
     written; the caller's transaction stays usable).
+
+    ``after`` (Job rows or ids) makes it wait for those jobs: ``blocked``
+    until each has completed (``requires="completed"``) or finished
+    (``requires="finished"``), see SPEC §11.
     """
     alias = database_alias(using)
+    item_after = args.after if isinstance(args, EnqueueRequest) else ()
+    for database in dependency_databases(after) | dependency_databases(item_after):
+        if database != alias:
+            raise ValidationError(
+                f"job of kind {getattr(args, 'kind', '?')!r}: after names a job of database "
+                f"{database!r}, not {alias!r}: a dependency must be in the same database"
+            )
     prepared = prepare(
         args,
         queue=queue,
@@ -339,7 +427,15 @@ def enqueue(
         tags=tags,
         metadata=metadata,
         unique=unique,
+        after=after,
+        requires=requires,
     )
+    if prepared.after:
+        # Imported here: dependencies.py sits above this module (it settles
+        # the new job, with follow-ups for a cascaded cancel).
+        from .dependencies import enqueue_with_dependencies
+
+        return enqueue_with_dependencies(prepared, alias)
     return enqueue_prepared(prepared, alias)
 
 
@@ -429,6 +525,13 @@ def enqueue_many(
     prepared = []
     for index, item in enumerate(items):
         try:
+            if isinstance(item, EnqueueRequest):
+                for database in dependency_databases(item.after):
+                    if database != alias:
+                        raise ValidationError(
+                            f"after names a job of database {database!r}, not {alias!r}: "
+                            f"a dependency must be in the same database"
+                        )
             prepared.append(prepare(item))
         except ValidationError as exc:
             raise ValidationError(f"enqueue_many item {index}: {exc}") from exc
@@ -510,6 +613,11 @@ def insert(prepared: Sequence[PreparedJob], alias: str, *, ids: bool = True) -> 
     streamed with COPY however few; only the others draw ids, to tell which
     were skipped.
     """
+    if any(p.after for p in prepared):
+        # Imported here: dependencies.py sits above this module.
+        from .dependencies import insert_with_dependencies
+
+        return insert_with_dependencies(prepared, alias, ids=ids)
     if len(prepared) == 1:
         row = _insert_alone(prepared[0], alias)
         if row is None:

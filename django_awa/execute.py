@@ -28,6 +28,7 @@ from .codec import (
     MAX_ERROR_CHARS,
     MAX_TRACEBACK_CHARS,
     ArgsDecodeError,
+    check_storable,
     decode_args,
     escape_json,
     escape_text,
@@ -206,6 +207,14 @@ class JobContext:
         else:
             self._flush_progress(self._attempt)
 
+    def dependencies(self) -> list[Job]:
+        """The jobs this one waited for, each with its ``result``, in ``after`` order."""
+        return self._attempt.job.dependencies()
+
+    @property
+    def workflow_id(self) -> uuid.UUID | None:
+        return self._attempt.job.workflow_id
+
     def is_cancelled(self) -> bool:
         """True once the job was cancelled (or its attempt lost) while this handler runs."""
         return self._attempt.cancelled.is_set()
@@ -283,10 +292,14 @@ class AttemptResult:
     # time.monotonic() when the attempt's handler began (Attempt.started):
     # finalize stores it as attempted_at. None: no handler began.
     started: float | None = None
+    # What a completed handler returned, as JSON text (Job.result); None: null.
+    result: str | None = None
     # Set by finalize: the row as it stands after the transition, or, when it
-    # was not written because another session held the row locked, locked.
+    # was not written because another session held the row locked, locked;
+    # whether the job has dependents to settle in the outcome's transaction.
     row: Job | None = None
     locked: bool = False
+    has_dependents: bool = False
 
     @property
     def outcome(self) -> Outcome | None:
@@ -305,6 +318,7 @@ class AttemptResult:
             "reset_attempts": self.reset_attempts,
             "progress": None if self.progress is None else json.dumps(self.progress),
             "started_ago": self.started_ago(),
+            "result": self.result,
         }
 
     def started_ago(self) -> float | None:
@@ -440,11 +454,32 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
                 job=job, state=JobState.WAITING_EXTERNAL, context=WAITING_FOR_CALLBACK
             )
         case _:
-            return errored(
-                job,
-                f"handler returned an unsupported value {safe_repr(value)}; expected None, "
-                f"awa.RetryAfter, awa.Snooze, awa.Cancel or awa.WaitForCallback",
-            )
+            return with_result(job, value)
+
+
+def with_result(job: Job, value: Any) -> AttemptResult:
+    """The handler returned ``value``: completed with it as ``Job.result`` (SPEC §11), or,
+    when it cannot be stored as JSON, a failed attempt naming its type."""
+    try:
+        # Text PostgreSQL cannot hold (NUL, lone surrogates) is kept escaped.
+        escaped = escape_json(value)
+        text = json.dumps(escaped, allow_nan=False, ensure_ascii=False)
+        check_storable(escaped)
+    except (TypeError, ValueError) as exc:
+        return errored(
+            job,
+            f"handler returned a {type(value).__qualname__} ({safe_repr(value)[:200]}), "
+            f"which cannot be stored as Job.result: it must encode as JSON ({exc})",
+        )
+    except RecursionError:
+        return errored(
+            job,
+            f"handler returned a {type(value).__qualname__} nested too deeply to store "
+            f"as Job.result",
+        )
+    result = completed(job)
+    result.result = text
+    return result
 
 
 def safe_repr(value: object) -> str:

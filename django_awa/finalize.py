@@ -9,6 +9,9 @@ rest of the batch is written again without it. So each committed outcome has
 exactly its follow-ups, and one bad follow-up never rolls back another job's
 outcome.
 
+Jobs that others depend on have their dependents promoted or cancelled in
+the same transaction (``dependencies.after_outcomes``).
+
 ``dispatch()`` is the same follow-up step for callers that change state
 themselves (callback resolution, ``awa.cancel``): it raises to the caller.
 """
@@ -26,6 +29,7 @@ from django.db import DatabaseError, transaction
 from . import db, sql
 from .callbacks import apply_early
 from .compat import savepoint_create
+from .dependencies import after_outcomes
 from .enqueueing import PreparedJob, insert
 from .execute import (
     Attempt,
@@ -82,38 +86,61 @@ def _wants_rows(results: Sequence[AttemptResult]) -> bool:
     return bool(_heard(result.outcome for result in results))
 
 
-def _write(results: Sequence[AttemptResult], alias: str, *, rows: bool) -> list[AttemptResult]:
-    """One guarded UPDATE for all ``results``; returns those that applied."""
+def _write(
+    results: Sequence[AttemptResult], alias: str, *, rows: bool, standalone: bool = False
+) -> list[AttemptResult]:
+    """One guarded UPDATE for all ``results``; returns those that applied.
+
+    ``standalone``: the statement is its own transaction, so it leaves out
+    jobs with dependents (whose dependents must be settled in the outcome's
+    transaction); they come back with ``has_dependents`` set and not locked.
+    """
     if not results:
         return []
     by_id = {r.job.id: r for r in results}
-    if all(r.state == JobState.COMPLETED and r.progress is None for r in results):
-        statement = sql.COMPLETE_RETURNING_ROWS if rows else sql.COMPLETE
+    if all(
+        r.state == JobState.COMPLETED and r.progress is None and r.result is None for r in results
+    ):
+        if rows:
+            statement = sql.COMPLETE_RETURNING_ROWS
+        else:
+            statement = sql.COMPLETE_STANDALONE if standalone else sql.COMPLETE
         params: dict[str, Any] = {
             "id": db.int_array(r.job.id for r in results),
             "run_lease": db.int_array(r.job.run_lease for r in results),
             "started_ago": db.float_array(r.started_ago() for r in results),
         }
     else:
-        statement = sql.FINALIZE_RETURNING_ROWS if rows else sql.FINALIZE
+        if rows:
+            statement = sql.FINALIZE_RETURNING_ROWS
+        else:
+            statement = sql.FINALIZE_STANDALONE if standalone else sql.FINALIZE
         params = db.as_columns([result.params() for result in results])
     with db.cursor(alias) as cursor:
         cursor.execute(statement, params)
         returned = cursor.fetchall()
         if len(returned) < len(results):
-            _mark_locked(cursor, results, {row[0] for row in returned})
+            _mark_locked(cursor, results, {row[0] for row in returned}, standalone=standalone)
     applied = [by_id[row[0]] for row in returned]
     if rows:
         for result, job in zip(applied, jobs_from_rows(returned, alias), strict=True):
             result.row = job
+            result.has_dependents = job.has_dependents
+    else:
+        for result, row in zip(applied, returned, strict=True):
+            result.has_dependents = row[1]
     return applied
 
 
-def _mark_locked(cursor: db.Cursor, results: Sequence[AttemptResult], written: set[int]) -> None:
-    """Flag the results left out only because another session held their row locked.
+def _mark_locked(
+    cursor: db.Cursor, results: Sequence[AttemptResult], written: set[int], *, standalone: bool
+) -> None:
+    """Flag the results left out only because another session held their row locked,
+    or (a standalone statement) because the job has dependents.
 
     Their attempt still holds the row, so the completer writes them again
-    later; the others left out were stale and are dropped.
+    later (or finalize at once, in a transaction); the others left out were
+    stale and are dropped.
     """
     missing = [r for r in results if r.job.id not in written]
     cursor.execute(
@@ -123,9 +150,22 @@ def _mark_locked(cursor: db.Cursor, results: Sequence[AttemptResult], written: s
             "run_lease": db.int_array(r.job.run_lease for r in missing),
         },
     )
-    held = {row[0] for row in cursor.fetchall()}
+    held = dict(cursor.fetchall())
     for result in missing:
-        result.locked = result.job.id in held
+        if standalone and held.get(result.job.id):
+            # Left out for its dependents, not for a lock: written again at once.
+            result.has_dependents = True
+            result.locked = False
+        else:
+            result.locked = result.job.id in held
+
+
+def _settle_dependents(applied: Sequence[AttemptResult], alias: str) -> None:
+    """Promote or cancel the dependents of the finished jobs among ``applied``
+    (inside the transaction that wrote them)."""
+    finished = [r.job.id for r in applied if r.has_dependents and r.state in JobState.FINAL]
+    if finished:
+        after_outcomes(finished, alias, worker=True)
 
 
 def followup_context(result: AttemptResult) -> OutcomeContext:
@@ -298,16 +338,30 @@ def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult
     for result in results:
         (special if _has_followups(result) else plain).append(result)
     rows = _wants_rows(plain)
-    if special or rows:
+    # A job whose row said it has dependents when it was claimed goes straight
+    # to the transaction that settles them.
+    if special or rows or any(r.job.has_dependents for r in plain):
         with transaction.atomic(using=alias):
             applied = _write(plain, alias, rows=rows)
             applied.extend(_write_with_followups(special, alias))
+            _settle_dependents(applied, alias)
             _apply_early_callbacks(applied, alias)
             _send_signals(applied, alias)
     else:
         # One statement and nothing else to write with it: it is its own
         # transaction, without a BEGIN and a COMMIT round trip around it.
-        applied = _write(plain, alias, rows=False)
+        # Jobs with dependents are left out of it and written here again, in
+        # a transaction that settles their dependents too.
+        applied = _write(plain, alias, rows=False, standalone=True)
+        written = {r.job.id for r in applied}
+        flagged = [
+            r for r in plain if r.has_dependents and not r.locked and r.job.id not in written
+        ]
+        if flagged:
+            with transaction.atomic(using=alias):
+                again = _write(flagged, alias, rows=False)
+                _settle_dependents(again, alias)
+            applied.extend(again)
     for result in applied:
         _log(result)
     return applied
@@ -331,6 +385,7 @@ def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
             transaction.savepoint_rollback(handler_savepoint, using=alias)
             transaction.set_rollback(False, using=alias)
             applied = _fallback(result, _first_error(failure), alias)
+    _settle_dependents(applied, alias)
     _apply_early_callbacks(applied, alias)
     _send_signals(applied, alias)
     for done in applied:

@@ -25,6 +25,7 @@ from . import db, fleet, sql
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
+from .dependencies import after_outcomes
 from .followups import (
     FollowupError,
     Outcome,
@@ -333,6 +334,9 @@ class Maintenance:
                 if followup_registry.has(Outcome.RESCUED, job.kind):
                     pending_ids.append(keep_pending(job, context, self.alias).id)
                 send_signal(job, context, self.alias)
+            # A job failed for good by the rescue settles its dependents in
+            # the rescue's transaction; one made retryable is no outcome yet.
+            after_outcomes(jobs, self.alias)
         if rescued:
             reasons = Counter(row[0] for row in rescued)
             logger.warning(
@@ -456,7 +460,7 @@ class Maintenance:
                         sql.PRUNE_FINISHED,
                         {"states": states, "retention": retention, "limit": BATCH},
                     )
-                    deleted = cursor.rowcount
+                    deleted = cursor.fetchone()[0]
                 total += deleted
                 if deleted < BATCH:
                     break

@@ -26,6 +26,9 @@ class JobState(models.TextChoices):
     FAILED = "failed"
     CANCELLED = "cancelled"
     WAITING_EXTERNAL = "waiting_external"
+    # Waiting on dependencies (SPEC §11): made available (or scheduled) in the
+    # transaction that commits its last dependency's outcome, never by time.
+    BLOCKED = "blocked"
 
     # Groups of states, each the one statement of a rule (set below the class,
     # once the members exist; sql.py builds its fragments from them too).
@@ -43,6 +46,7 @@ class JobState(models.TextChoices):
 
 JobState.FINAL = (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
 JobState.LIVE = (
+    JobState.BLOCKED,
     JobState.SCHEDULED,
     JobState.AVAILABLE,
     JobState.RUNNING,
@@ -52,6 +56,7 @@ JobState.LIVE = (
 JobState.DELAYED = (JobState.SCHEDULED, JobState.RETRYABLE)
 JobState.RETRIABLE = (JobState.FAILED, JobState.CANCELLED, JobState.RETRYABLE)
 JobState.UNIQUE_HELD = (
+    JobState.BLOCKED,
     JobState.SCHEDULED,
     JobState.AVAILABLE,
     JobState.RUNNING,
@@ -135,6 +140,16 @@ class Job(models.Model):
     # NULL, not "", for "no key": the partial unique index skips NULLs.
     unique_key = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
     unique_states = models.JSONField(null=True, blank=True)
+    # What the handler returned (SPEC §11), written with the completion.
+    result = models.JSONField(null=True, blank=True)
+    # The workflow whose steps this job is one of (SPEC §11); null for most jobs.
+    workflow_id = models.UUIDField(null=True, blank=True)
+    # Set (never cleared) when a job is named in another's ``after``: an
+    # outcome written for a job without it looks for no dependents, so plain
+    # jobs pay nothing for workflows. Set by an UPDATE of the dependency's row
+    # at enqueue, so an outcome written concurrently sees it (its guarded
+    # UPDATE waits for that row and reads the latest version).
+    has_dependents = models.BooleanField(default=False, db_default=False)
 
     objects = JobQuerySet.as_manager()
 
@@ -176,6 +191,12 @@ class Job(models.Model):
                 fields=["state", "finalized_at"],
                 name="awa_job_finalized_idx",
                 condition=Q(state__in=JobState.FINAL),
+            ),
+            # A workflow's jobs (workflow_status, the admin's graph).
+            models.Index(
+                fields=["workflow_id"],
+                name="awa_job_workflow_idx",
+                condition=Q(workflow_id__isnull=False),
             ),
             # Lineage: follow-ups of a trigger.
             models.Index(
@@ -228,6 +249,69 @@ class Job(models.Model):
         ``awa_job_trigger_idx`` finds and sorts them.
         """
         return Job.objects.using(self._state.db).followups_of(self.id).order_by((F("id") + 0).asc())
+
+    def dependencies(self) -> list[Job]:
+        """The jobs this one depends on (each with its ``result``), in ``after`` order."""
+        edges = Dependency.objects.using(self._state.db).filter(job_id=self.id)
+        order = {e.depends_on_id: e.position for e in edges}
+        jobs = Job.objects.using(self._state.db).filter(id__in=order)
+        return sorted(jobs, key=lambda job: order[job.id])
+
+    def dependents(self) -> list[Job]:
+        """The jobs that depend on this one, by id."""
+        ids = Dependency.objects.using(self._state.db).filter(depends_on_id=self.id)
+        return list(
+            Job.objects.using(self._state.db).filter(id__in=ids.values("job_id")).order_by("id")
+        )
+
+
+class Requires(models.TextChoices):
+    """What a dependency must reach for its dependent to run (SPEC §11)."""
+
+    # Completed; a failed or cancelled dependency cancels the dependent.
+    COMPLETED = "completed"
+    # Completed, failed or cancelled: a batch's "all done" callback.
+    FINISHED = "finished"
+
+
+class Dependency(models.Model):
+    """An edge of a workflow: job ``job_id`` waits for job ``depends_on_id``.
+
+    No foreign keys: a finished job moves between ``awa_job`` and its child
+    ``awa_job_done``, which a foreign key cannot follow. The primary key
+    ``(job_id, depends_on_id)`` serves "the dependencies of a job";
+    ``awa_dependency_dependents_idx`` serves "the dependents of a job that just
+    finished". Both are index scans however many edges there are.
+    """
+
+    pk = models.CompositePrimaryKey("job_id", "depends_on_id")
+    job_id = models.BigIntegerField()
+    depends_on_id = models.BigIntegerField()
+    # The dependency's place in ``after``: Job.dependencies() keeps that order.
+    position = models.IntegerField(default=0, db_default=0)
+    requires = models.CharField(
+        max_length=16,
+        choices=Requires.choices,
+        default=Requires.COMPLETED,
+        db_default=Requires.COMPLETED,
+    )
+
+    class Meta:
+        db_table = "awa_job_dependency"
+        indexes = [
+            models.Index(fields=["depends_on_id", "job_id"], name="awa_dependency_dependents_idx")
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(requires__in=Requires.values), name="awa_dependency_requires_valid"
+            ),
+            models.CheckConstraint(
+                condition=~Q(job_id=models.F("depends_on_id")), name="awa_dependency_not_self"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} after job {self.depends_on_id} ({self.requires})"
 
 
 class Queue(models.Model):

@@ -259,7 +259,13 @@ WHERE state IN {_DELAYED} AND (%(all)s OR run_at <= now())
 # the database clock. A delay moves run_at; a retryable outcome without one
 # (the handler raised) waits the backoff. callback_id is kept only for the
 # waiting_external outcome, whose row must carry the callback id the handler
-# registered.
+# registered. A completed outcome stores the handler's result.
+# A job that others depend on (has_dependents) must have its dependents
+# promoted or cancelled in the transaction of its outcome
+# (dependencies.py): the statement run on its own, without a transaction,
+# leaves such rows out (_STANDALONE) and STILL_HELD tells why, so finalize
+# writes them again inside one. The flag is read on the locked row, whose
+# latest version carries a flag set by an enqueue that committed meanwhile.
 # When the attempt's handler began, on the database clock: the worker sends how
 # many seconds ago it began by its own monotonic clock (``started_ago``), so the
 # two machines' clocks never meet. statement_timestamp(), not now(): an atomic
@@ -296,17 +302,18 @@ SET state = d.state,
     heartbeat_at = CASE WHEN d.state = 'running' THEN j.heartbeat_at END,
     deadline_at = NULL,
     callback_id = CASE WHEN d.state = 'waiting_external' THEN j.callback_id END,
-    callback_timeout_at = CASE WHEN d.state = 'waiting_external' THEN j.callback_timeout_at END
+    callback_timeout_at = CASE WHEN d.state = 'waiting_external' THEN j.callback_timeout_at END,
+    result = CASE WHEN d.state = 'completed' THEN d.result ELSE j.result END
 FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(state)s::text[],
             %(delay)s::float8[], %(error)s::text[], %(traceback)s::text[],
             %(snoozed)s::bool[], %(reset_attempts)s::bool[], %(progress)s::jsonb[],
-            %(started_ago)s::float8[])
+            %(started_ago)s::float8[], %(result)s::jsonb[])
      AS d(id, run_lease, state, delay, error, traceback, snoozed, reset_attempts, progress,
-          started_ago)
+          started_ago, result)
 WHERE j.id = d.id AND j.id IN (SELECT id FROM held)
-  AND j.run_lease = d.run_lease AND j.state = 'running'
+  AND j.run_lease = d.run_lease AND j.state = 'running'{{dependents}}
 """
-FINALIZE = _FINALIZE + "RETURNING j.id"
+FINALIZE = _FINALIZE.format(dependents="") + "RETURNING j.id, j.has_dependents"
 
 # -- COMPLETE --
 # FINALIZE for the common batch, where every attempt completed and stores no
@@ -330,18 +337,23 @@ SET state = 'completed',
     attempted_at = {_STARTED_AT.format(d="held")},
     {_ATTEMPT_CLEARED}
 FROM held
-WHERE j.id = held.id AND j.state = 'running'
+WHERE j.id = held.id AND j.state = 'running'{{dependents}}
 """
-COMPLETE = _COMPLETE + "RETURNING j.id"
-COMPLETE_RETURNING_ROWS = _COMPLETE + f"RETURNING {J_JOB_COLUMNS}"
-FINALIZE_RETURNING_ROWS = _FINALIZE + f"RETURNING {J_JOB_COLUMNS}"
+_STANDALONE = " AND NOT j.has_dependents"
+COMPLETE = _COMPLETE.format(dependents="") + "RETURNING j.id, j.has_dependents"
+COMPLETE_RETURNING_ROWS = _COMPLETE.format(dependents="") + f"RETURNING {J_JOB_COLUMNS}"
+FINALIZE_RETURNING_ROWS = _FINALIZE.format(dependents="") + f"RETURNING {J_JOB_COLUMNS}"
+# The same on their own (autocommit): jobs with dependents left out.
+COMPLETE_STANDALONE = _COMPLETE.format(dependents=_STANDALONE) + "RETURNING j.id, j.has_dependents"
+FINALIZE_STANDALONE = _FINALIZE.format(dependents=_STANDALONE) + "RETURNING j.id, j.has_dependents"
 
 # -- STILL_HELD --
 # Of attempts a FINALIZE or COMPLETE left out, those whose row is still
 # running this attempt: another session held it locked, and the outcome is
-# written again later. The others were stale. No lock taken; primary key
-# lookups.
-STILL_HELD = _RUNNING_ATTEMPTS
+# written again later; or, for the _STANDALONE forms, the job has dependents
+# and its outcome is written again at once inside a transaction. The others
+# were stale. No lock taken; primary key lookups.
+STILL_HELD = _RUNNING_ATTEMPTS.replace("SELECT j.id", "SELECT j.id, j.has_dependents", 1)
 
 # -- HEARTBEAT --
 # Mark this worker's running attempts alive and report which are still held:
@@ -526,14 +538,25 @@ WHERE id IN (
 # -- PRUNE_FINISHED --
 # Delete finished rows past retention, one batch per call.
 # Index: awa_job_finalized_idx (state, finalized_at).
+# The pruned jobs' own dependency edges go with them (primary key of
+# awa_job_dependency); edges naming them as a dependency stay until their
+# dependent is pruned (a dependency that no longer exists counts as met).
+# Returns how many jobs it deleted.
 PRUNE_FINISHED = """
-DELETE FROM awa_job WHERE id IN (
-    SELECT id FROM awa_job
-    WHERE state = ANY(%(states)s::text[])
-      AND finalized_at < now() - make_interval(secs => %(retention)s)
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+WITH gone AS (
+    DELETE FROM awa_job WHERE id IN (
+        SELECT id FROM awa_job
+        WHERE state = ANY(%(states)s::text[])
+          AND finalized_at < now() - make_interval(secs => %(retention)s)
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id
+),
+edges AS (
+    DELETE FROM awa_job_dependency WHERE job_id IN (SELECT id FROM gone)
 )
+SELECT count(*) FROM gone
 """
 
 # -- ARCHIVE_FINISHED --
@@ -694,6 +717,7 @@ RETURNING old.state, {J_JOB_COLUMNS}
 RETRY_JOB = f"""
 UPDATE awa_job
 SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
+    metadata = metadata - 'awa_cancelled_by',
     {_ATTEMPT_CLEARED}
 WHERE id = %(id)s AND state = ANY(%(states)s::text[])
 RETURNING {JOB_COLUMNS}
@@ -752,14 +776,6 @@ RETURNING {JOB_COLUMNS}
 
 
 # ==== Django Tasks (backends.py) ====
-
-# -- STORE_TASK_RETURN --
-# A Django Task's return value, stored by its running attempt (guarded by run_lease).
-STORE_TASK_RETURN = """
-UPDATE awa_job SET metadata = metadata || %(patch)s::jsonb
-WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
-"""
-
 
 # -- RECORD_TASK_ERROR --
 # A Django Task's exception class and traceback, for TaskResult.errors.
@@ -906,4 +922,269 @@ FROM ONLY awa_job GROUP BY queue, state
 # -1 before it was first analyzed or vacuumed), for <prefix>/metrics.
 DONE_ROWS_ESTIMATE = """
 SELECT coalesce(max(reltuples), -1)::bigint FROM pg_class WHERE oid = to_regclass('awa_job_done')
+"""
+
+# ==== Dependencies and workflows (dependencies.py) ====
+#
+# A job waiting on others is 'blocked' and has one awa_job_dependency row per
+# dependency. Its promotion (or cancellation) happens in the transaction that
+# writes the outcome of a dependency, for the jobs whose row says
+# has_dependents. Concurrency: each transaction writes its dependencies'
+# outcomes first, then locks the blocked dependents (LOCK_DEPENDENTS, FOR
+# UPDATE, in id order), then judges them in a later statement
+# (CANCEL_BY_DEPENDENCY, PROMOTE_READY), whose snapshot is taken once the lock
+# is held. Of two transactions finishing the last two dependencies of one job
+# at once, the second to lock the dependent sees the first's committed outcome
+# and promotes it; the first saw the other still running and left it. Only the
+# tail of each transaction (judge and commit) waits on the dependent's lock.
+# Worker outcomes go further (dependencies._lock_to_judge): while a dependent
+# has a dependency that is neither finished nor running (PENDING_OF), its
+# outcome will come later and settle the dependent, so this transaction only
+# takes a KEY SHARE lock (SHARE_BLOCKED), shared by all such transactions and
+# waited for by the FOR UPDATE of the one that judges. A dependency whose
+# outcome is being written was 'running' in everyone's snapshot, so two
+# outcomes written at once never leave the dependent to each other.
+
+# -- FLAG_DEPENDENCIES --
+# At enqueue of jobs with `after`: mark the named existing jobs as having
+# dependents and read their states. The UPDATE holds each row's lock until the
+# enqueuing transaction ends, so an outcome being written for one of them is
+# waited for (and its new state read here), and one written later waits for
+# this commit and reads the flag (FINALIZE). Primary key lookups on awa_job
+# and awa_job_done (a finished dependency counts at once).
+FLAG_DEPENDENCIES = """
+UPDATE awa_job SET has_dependents = true
+WHERE id = ANY(%(ids)s::bigint[])
+RETURNING id, state, workflow_id
+"""
+
+# -- INSERT_STEPS --
+# INSERT_MANY for jobs with dependencies (a Workflow's steps, or jobs given
+# `after`), with ids drawn beforehand: each with its workflow, its
+# has_dependents flag (another new job depends on it) and 'blocked' when it
+# has dependencies, to be settled (promoted or cancelled) in the same
+# transaction. ON CONFLICT skips unique duplicates (absent from RETURNING).
+INSERT_STEPS = f"""
+INSERT INTO awa_job (id, {_INSERT_COLUMNS}, workflow_id, has_dependents)
+SELECT d.id, d.kind, d.queue, d.args,
+       CASE WHEN d.blocked THEN 'blocked' WHEN d.run_at > now() THEN 'scheduled'
+            ELSE 'available' END,
+       d.priority, d.max_attempts,
+       coalesce(d.run_at, now()),
+       d.tags, d.metadata, d.unique_key, d.unique_states, d.workflow_id, d.has_dependents
+FROM unnest(%(id)s::bigint[], %(kind)s::text[], %(queue)s::text[], %(args)s::jsonb[],
+            %(priority)s::smallint[], %(max_attempts)s::smallint[],
+            %(run_at)s::timestamptz[], %(tags)s::jsonb[], %(metadata)s::jsonb[],
+            %(unique_key)s::text[], %(unique_states)s::jsonb[], %(blocked)s::bool[],
+            %(workflow_id)s::uuid[], %(has_dependents)s::bool[])
+     AS d(id, kind, queue, args, priority, max_attempts, run_at, tags, metadata,
+          unique_key, unique_states, blocked, workflow_id, has_dependents)
+{UNIQUE_CONFLICT_CLAUSE}
+RETURNING id, state, queue
+"""
+
+# -- INSERT_EDGES --
+# The dependency edges of newly inserted jobs, one row each.
+INSERT_EDGES = """
+INSERT INTO awa_job_dependency (job_id, depends_on_id, position, requires)
+SELECT * FROM unnest(%(job_id)s::bigint[], %(depends_on_id)s::bigint[],
+                     %(position)s::int[], %(requires)s::text[])
+"""
+
+# -- LOCK_DEPENDENTS --
+# The blocked jobs depending on any of these jobs, whose outcome this
+# transaction wrote: locked in id order (two transactions lock shared
+# dependents in the same order), and skipped if no longer blocked once the
+# lock is had. Index: awa_dependency_dependents_idx (depends_on_id, job_id),
+# then primary key lookups.
+LOCK_DEPENDENTS = """
+SELECT j.id FROM ONLY awa_job AS j
+WHERE j.id IN (SELECT e.job_id FROM awa_job_dependency AS e
+               WHERE e.depends_on_id = ANY(%(ids)s::bigint[]))
+  AND j.state = 'blocked'
+ORDER BY j.id
+FOR UPDATE OF j
+"""
+
+# -- LOCK_BLOCKED --
+# The same for jobs named directly (new ones, retried ones). Primary key lookups.
+LOCK_BLOCKED = """
+SELECT id FROM ONLY awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = 'blocked'
+ORDER BY id
+FOR UPDATE
+"""
+
+# -- CANCEL_BY_DEPENDENCY --
+# Cancel the locked blocked jobs one of whose requires='completed'
+# dependencies failed or was cancelled: among %(finished)s (the outcomes this
+# transaction wrote), or among all of them when NULL (new or retried jobs).
+# The errors entry names the first such dependency in `after` order, and
+# metadata.awa_cancelled_by keeps its id (a retry of it reopens this job).
+# Index: the primary key (job_id, depends_on_id) of awa_job_dependency, then
+# primary key lookups of the dependencies in awa_job and awa_job_done.
+_CULPRIT = "%(prefix)s || c.dep_id || ' (' || c.dep_kind || ') ' || c.dep_state"
+CANCEL_BY_DEPENDENCY = f"""
+WITH culprit AS (
+    SELECT DISTINCT ON (e.job_id) e.job_id, d.id AS dep_id, d.kind AS dep_kind,
+           d.state AS dep_state
+    FROM awa_job_dependency AS e
+    JOIN awa_job AS d ON d.id = e.depends_on_id
+    WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.requires = 'completed'
+      AND (%(finished)s::bigint[] IS NULL OR e.depends_on_id = ANY(%(finished)s::bigint[]))
+      AND d.state IN ('failed', 'cancelled')
+    ORDER BY e.job_id, e.position
+)
+UPDATE ONLY awa_job AS j
+SET state = 'cancelled', finalized_at = now(),
+    errors = {_errors_plus("j.", _CULPRIT)},
+    metadata = j.metadata || jsonb_build_object('awa_cancelled_by', c.dep_id)
+FROM culprit AS c
+WHERE j.id = c.job_id AND j.state = 'blocked'
+RETURNING c.dep_id, c.dep_kind, c.dep_state, {J_JOB_COLUMNS}
+"""
+
+# -- PROMOTE_READY --
+# Of the locked blocked jobs, make those whose every dependency reached what
+# it requires available (or scheduled, while their run_at is ahead). A
+# dependency's row that no longer exists (pruned long after it finished)
+# counts as met. Index: the primary key of awa_job_dependency (job_id, ...),
+# stopping at the first unmet dependency; primary key lookups of the
+# dependencies.
+PROMOTE_READY = f"""
+UPDATE ONLY awa_job AS j
+SET state = CASE WHEN j.run_at > now() THEN 'scheduled' ELSE 'available' END
+WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'blocked'
+  AND NOT EXISTS (
+      SELECT 1 FROM awa_job_dependency AS e
+      JOIN awa_job AS d ON d.id = e.depends_on_id
+      WHERE e.job_id = j.id
+        AND d.state <> 'completed'
+        AND (e.requires = 'completed' OR d.state NOT IN {_FINAL})
+  )
+RETURNING j.id, j.state, j.queue
+"""
+
+# -- REOPEN_CASCADED --
+# A retried job's dependents that its failure or cancellation cancelled
+# (metadata.awa_cancelled_by) are blocked again, attempts reset, to wait for
+# it as before. They may have moved to awa_job_done (awa_job_done_reopen
+# brings them back). Index: awa_dependency_dependents_idx.
+# The dependents are found first (MATERIALIZED): the planner would otherwise
+# walk every cancelled job.
+REOPEN_CASCADED = """
+WITH dependents AS MATERIALIZED (
+    SELECT DISTINCT e.job_id FROM awa_job_dependency AS e
+    WHERE e.depends_on_id = ANY(%(ids)s::bigint[])
+)
+UPDATE awa_job AS j
+SET state = 'blocked', finalized_at = NULL, attempt = 0, snoozed = false,
+    metadata = j.metadata - 'awa_cancelled_by'
+FROM dependents
+WHERE j.id = dependents.job_id
+  AND j.state = 'cancelled'
+  AND jsonb_typeof(j.metadata -> 'awa_cancelled_by') = 'number'
+  AND (j.metadata ->> 'awa_cancelled_by')::bigint = ANY(%(ids)s::bigint[])
+RETURNING j.id
+"""
+
+# -- HAS_DEPENDENCIES --
+# Which of these jobs have dependencies at all (a retried one waits for them
+# again). Index: the primary key of awa_job_dependency.
+HAS_DEPENDENCIES = """
+SELECT DISTINCT job_id FROM awa_job_dependency WHERE job_id = ANY(%(ids)s::bigint[])
+"""
+
+# -- BLOCK_AGAIN --
+# Retried jobs that have dependencies wait for them again: blocked, then settled.
+BLOCK_AGAIN = """
+UPDATE ONLY awa_job SET state = 'blocked' WHERE id = ANY(%(ids)s::bigint[]) AND state = 'available'
+"""
+
+# -- WORKFLOW_EDGES --
+# Every edge among a workflow's jobs, for its graph. Index: awa_job_workflow_idx,
+# then the primary key of awa_job_dependency.
+WORKFLOW_EDGES = """
+SELECT e.job_id, e.depends_on_id, e.requires, e.position
+FROM awa_job_dependency AS e
+WHERE e.job_id IN (SELECT id FROM awa_job WHERE workflow_id = %(workflow_id)s)
+ORDER BY e.job_id, e.position
+"""
+
+# -- DEPENDENTS_OF --
+# The blocked jobs depending on any of these jobs, no lock taken (the locks
+# follow, in id order, in the mode each needs). Index:
+# awa_dependency_dependents_idx, then primary key lookups.
+DEPENDENTS_OF = """
+SELECT j.id FROM ONLY awa_job AS j
+WHERE j.id IN (SELECT e.job_id FROM awa_job_dependency AS e
+               WHERE e.depends_on_id = ANY(%(ids)s::bigint[]))
+  AND j.state = 'blocked'
+ORDER BY j.id
+"""
+
+# -- DOOMED_BY --
+# Of these blocked jobs, those a requires='completed' dependency among
+# %(finished)s (this transaction's outcomes) cancels. Index: the primary key
+# of awa_job_dependency.
+DOOMED_BY = """
+SELECT DISTINCT e.job_id FROM awa_job_dependency AS e
+JOIN awa_job AS d ON d.id = e.depends_on_id
+WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.depends_on_id = ANY(%(finished)s::bigint[])
+  AND e.requires = 'completed' AND d.state IN ('failed', 'cancelled')
+"""
+
+# -- PENDING_OF --
+# Of these blocked jobs, those with a dependency that is not finished and not
+# running: not among %(mine)s (this transaction's outcomes), neither
+# finished nor 'running' in this statement's snapshot. Such a dependency's
+# outcome comes later, from a worker that runs it first, and settles the job
+# then; this transaction needs only a KEY SHARE lock on the job, which other
+# such transactions share (no convoy). A dependency whose outcome another
+# transaction is writing right now was 'running' in every snapshot, so it
+# never counts here: of two outcomes written at once, neither takes the other
+# for pending (only worker outcomes use this; other paths lock FOR UPDATE).
+# No lock taken. The newest dependencies first (ORDER BY ... DESC): in a
+# fan-in they are the ones not yet claimed, so the scan stops at once. Index:
+# the primary key of awa_job_dependency, backwards.
+PENDING_OF = f"""
+SELECT c.id FROM unnest(%(ids)s::bigint[]) AS c(id)
+WHERE EXISTS (
+    SELECT 1 FROM awa_job_dependency AS e
+    JOIN awa_job AS d ON d.id = e.depends_on_id
+    WHERE e.job_id = c.id AND d.state NOT IN {_FINAL} AND d.state <> 'running'
+      AND d.id <> ALL(%(mine)s::bigint[])
+    ORDER BY e.depends_on_id DESC
+    LIMIT 1
+)
+"""
+
+# -- SHARE_BLOCKED --
+# A KEY SHARE lock on blocked jobs that another outcome will settle: shared
+# with other such transactions, and waited for by the one that judges the job
+# (LOCK_BLOCKED's FOR UPDATE), so that one sees this transaction's outcome.
+SHARE_BLOCKED = """
+SELECT id FROM ONLY awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = 'blocked'
+ORDER BY id
+FOR KEY SHARE
+"""
+
+# -- DEPENDENTS_TO_JUDGE --
+# DEPENDENTS_OF, with for each dependent whether DOOMED_BY and PENDING_OF
+# hold for it: the first round of finalize's locking in one statement. Same
+# indexes.
+DEPENDENTS_TO_JUDGE = f"""
+SELECT j.id,
+       EXISTS (SELECT 1 FROM awa_job_dependency AS e JOIN awa_job AS d ON d.id = e.depends_on_id
+               WHERE e.job_id = j.id AND e.depends_on_id = ANY(%(ids)s::bigint[])
+                 AND e.requires = 'completed' AND d.state IN ('failed', 'cancelled')),
+       EXISTS (SELECT 1 FROM awa_job_dependency AS e JOIN awa_job AS d ON d.id = e.depends_on_id
+               WHERE e.job_id = j.id AND d.state NOT IN {_FINAL} AND d.state <> 'running'
+                 AND d.id <> ALL(%(ids)s::bigint[])
+               ORDER BY e.depends_on_id DESC
+               LIMIT 1)
+FROM ONLY awa_job AS j
+WHERE j.id IN (SELECT e.job_id FROM awa_job_dependency AS e
+               WHERE e.depends_on_id = ANY(%(ids)s::bigint[]))
+  AND j.state = 'blocked'
+ORDER BY j.id
 """

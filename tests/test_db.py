@@ -140,7 +140,7 @@ def test_an_execute_wrapper_sees_claim_finalize_and_heartbeat():
 
     with recording() as seen:
         assert len(finalize([completed(job)], "default")) == 1
-    assert ours(seen) in ([sql.COMPLETE], [sql.COMPLETE_RETURNING_ROWS])
+    assert ours(seen) in ([sql.COMPLETE_STANDALONE], [sql.COMPLETE_RETURNING_ROWS])
     assert Job.objects.get(id=job.id).state == JobState.COMPLETED
 
 
@@ -152,7 +152,7 @@ def test_an_execute_wrapper_sees_a_finalize_that_reports_locked_rows():
     with recording() as seen:
         assert finalize([completed(stale)], "default") == []
     assert ours(seen)[1:] == [sql.STILL_HELD]
-    assert ours(seen)[0] in (sql.COMPLETE, sql.COMPLETE_RETURNING_ROWS)
+    assert ours(seen)[0] in (sql.COMPLETE_STANDALONE, sql.COMPLETE_RETURNING_ROWS)
 
 
 # -- what counts queries --------------------------------------------------------------

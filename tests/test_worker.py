@@ -74,7 +74,8 @@ def test_every_handler_result_of_the_table(start_worker):
     assert exhausted.attempt == 1 and len(exhausted.errors) == 1
 
     bad = wait_for_state(jobs["bad_return"].id, JobState.FAILED)
-    assert "unsupported value" in bad.errors[-1]["error"]
+    assert "handler returned a dict" in bad.errors[-1]["error"]
+    assert "set is not JSON serializable" in bad.errors[-1]["error"]
 
     # Snooze: scheduled without using an attempt, then the next run keeps the number.
     snoozed = wait_for_state(jobs["snooze"].id, JobState.COMPLETED, timeout=20)

@@ -51,7 +51,15 @@ from django_awa.callbacks import sign
 from django_awa.conf import awa_settings
 from django_awa.models import Job, JobState
 
-from .jobs import ChargeCard, ResizeImage, ShipOrder, SyncInventory, is_cancelled, is_declined
+from .jobs import (
+    ChargeCard,
+    ResizeImage,
+    ShipOrder,
+    SyncInventory,
+    is_cancelled,
+    is_declined,
+    place_order_workflow,
+)
 from .models import Order
 
 # Share of produced jobs that are orders (a ChargeCard each); the rest are cheap kinds.
@@ -59,7 +67,9 @@ ORDER_SHARE = 0.5
 DECLINED_SHARE = 0.03  # amounts ending in 13: charge exhausts, order refunded
 CANCELLED_SHARE = 0.05  # amounts ending in 7: customer cancels
 TICK = 0.05  # the producer enqueues every TICK seconds
+WORKFLOW_SHARE = 0.3  # of orders: placed as a workflow (charge, pack + invoice, ship, report)
 STATES = (
+    JobState.BLOCKED,
     JobState.AVAILABLE,
     JobState.RUNNING,
     JobState.RETRYABLE,
@@ -183,10 +193,14 @@ class Producer(Service):
                 Order(reference=f"ORD-{uuid.uuid4().hex[:10].upper()}", amount_cents=amount)
                 for amount in amounts
             )
-            awa.enqueue_many(
-                [ChargeCard(order_id=o.id, amount_cents=o.amount_cents) for o in placed],
-                using=self.alias,
-            )
+            plain = []
+            for order in placed:
+                if self.rng.random() < WORKFLOW_SHARE:
+                    place_order_workflow(order, using=self.alias)
+                else:
+                    plain.append(ChargeCard(order_id=order.id, amount_cents=order.amount_cents))
+            if plain:
+                awa.enqueue_many(plain, using=self.alias)
         self.orders += count
 
     def cheap_job(self) -> awa.JobArgs:
@@ -710,13 +724,14 @@ CHECKS: list[tuple[str, bool, str]] = [
         """,
     ),
     (
-        "every completed charge enqueued one SendReceipt and one ShipOrder",
+        "every completed charge enqueued one SendReceipt and (outside a workflow) one ShipOrder",
         False,
         """
         SELECT count(*) FROM awa_job j
         WHERE j.id > %(job)s AND j.kind = 'charge_card' AND j.state = 'completed'
           AND (SELECT count(*) FILTER (WHERE f.kind = 'send_receipt') <> 1
-                   OR count(*) FILTER (WHERE f.kind = 'ship_order') <> 1
+                   OR count(*) FILTER (WHERE f.kind = 'ship_order')
+                      <> CASE WHEN j.workflow_id IS NULL THEN 1 ELSE 0 END
                FROM awa_job f
                WHERE f.metadata ? 'awa_trigger'
                  AND f.metadata #>> '{awa_trigger,job_id}' = j.id::text)
@@ -731,6 +746,47 @@ CHECKS: list[tuple[str, bool, str]] = [
           AND (SELECT count(*) FROM awa_job f
                WHERE f.kind = 'refund_order' AND f.metadata ? 'awa_trigger'
                  AND f.metadata #>> '{awa_trigger,job_id}' = j.id::text) <> 1
+        """,
+    ),
+    # Order workflows (shop.jobs.place_order_workflow). Edges are looked up by
+    # awa_dependency_dependents_idx and the primary key (job_id, depends_on_id).
+    (
+        "every workflow step (a shipped order's too) started after its dependencies completed",
+        False,
+        """
+        SELECT count(*) FROM awa_job s
+        JOIN awa_job_dependency e ON e.job_id = s.id
+        JOIN awa_job d ON d.id = e.depends_on_id
+        WHERE s.id > %(job)s AND s.workflow_id IS NOT NULL AND s.attempted_at IS NOT NULL
+          AND e.requires = 'completed'
+          AND NOT (d.state = 'completed' AND d.finalized_at <= s.attempted_at)
+        """,
+    ),
+    (
+        "no workflow step ran twice",
+        False,
+        """
+        SELECT (SELECT count(*) FROM awa_job
+                WHERE id > %(job)s AND workflow_id IS NOT NULL
+                  AND kind IN ('pack_order', 'invoice_order', 'order_report') AND attempt > 1)
+             + (SELECT count(*) FROM (
+                    SELECT 1 FROM awa_job WHERE id > %(job)s AND workflow_id IS NOT NULL
+                    GROUP BY workflow_id, kind HAVING count(*) > 1) AS twice)
+        """,
+    ),
+    (
+        "every order workflow ended, its report run once after shipping finished",
+        True,
+        """
+        SELECT count(*) FROM (SELECT DISTINCT workflow_id FROM awa_job
+                              WHERE id > %(job)s AND workflow_id IS NOT NULL) AS w
+        WHERE EXISTS (SELECT 1 FROM awa_job j WHERE j.workflow_id = w.workflow_id
+                      AND j.state NOT IN ('completed', 'failed', 'cancelled'))
+           OR NOT EXISTS (
+                SELECT 1 FROM awa_job r JOIN awa_job s
+                  ON s.workflow_id = r.workflow_id AND s.kind = 'ship_order'
+                WHERE r.workflow_id = w.workflow_id AND r.kind = 'order_report'
+                  AND r.state = 'completed' AND r.attempted_at >= s.finalized_at)
         """,
     ),
 ]

@@ -16,7 +16,10 @@ def receipt_for_charge(args: ChargeCard, job) -> SendReceipt:
 
 
 @on_completed(ChargeCard)
-def ship_paid_order(args: ChargeCard, job) -> ShipOrder:
+def ship_paid_order(args: ChargeCard, job) -> ShipOrder | None:
+    # An order placed as a workflow ships as its own step, after packing and invoicing.
+    if job.workflow_id is not None:
+        return None
     return ShipOrder(order_id=args.order_id)
 
 

@@ -17,6 +17,10 @@ exactly when its charge is ``completed`` and its receipt is enqueued.
 
 ``ShipOrder`` books the parcel with a carrier and parks on an external callback;
 the carrier (``awa_demo`` plays it) answers with a tracking number.
+
+Some orders are placed as a workflow instead (``place_order_workflow``):
+charge, then ``PackOrder`` and ``InvoiceOrder`` in parallel, then ship, then an
+``OrderReport`` that runs however the others ended (``requires="finished"``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,21 @@ class NotifyCustomer(awa.JobArgs):
 
 @dataclass
 class ShipOrder(awa.JobArgs):
+    order_id: int
+
+
+@dataclass
+class PackOrder(awa.JobArgs):
+    order_id: int
+
+
+@dataclass
+class InvoiceOrder(awa.JobArgs):
+    order_id: int
+
+
+@dataclass
+class OrderReport(awa.JobArgs):
     order_id: int
 
 
@@ -145,6 +164,37 @@ def ship_order(job: awa.JobContext):
     # up; a carrier silent for CARRIER_TIMEOUT gets the job rescued and retried.
     token = job.register_callback(timeout=CARRIER_TIMEOUT)
     return awa.WaitForCallback(token)
+
+
+@awa.worker(PackOrder)
+def pack_order(job: awa.JobContext):
+    return {"parcel": f"PCL-{job.args.order_id}"}
+
+
+@awa.worker(InvoiceOrder, queue="billing")
+def invoice_order(job: awa.JobContext):
+    order = Order.objects.get(id=job.args.order_id)
+    return {"invoice": f"INV-{order.reference}", "amount_cents": order.amount_cents}
+
+
+@awa.worker(OrderReport)
+def order_report(job: awa.JobContext):
+    # Runs once shipping finished in any state: the whole workflow's outcome.
+    status = awa.workflow_status(job.workflow_id, using=job.row._state.db)
+    order = Order.objects.get(id=job.args.order_id)
+    steps = {j.kind: j.state for j in status.jobs if j.id != job.id}
+    return {"order": order.reference, "status": order.status, "steps": steps}
+
+
+def place_order_workflow(order: Order, *, using: str | None = None) -> list[awa.JobArgs]:
+    """Enqueue an order's jobs as one workflow, in the caller's transaction."""
+    flow = awa.Workflow(f"order {order.reference}")
+    charge = flow.add(ChargeCard(order_id=order.id, amount_cents=order.amount_cents))
+    pack = flow.add(PackOrder(order_id=order.id), after=[charge])
+    invoice = flow.add(InvoiceOrder(order_id=order.id), after=[charge])
+    ship = flow.add(ShipOrder(order_id=order.id), after=[pack, invoice])
+    flow.add(OrderReport(order_id=order.id), after=[ship], requires="finished")
+    return flow.enqueue(using=using)
 
 
 @awa.worker(ResizeImage)

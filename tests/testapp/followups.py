@@ -16,7 +16,7 @@ from django_awa.followups import (
     on_waiting_for_callback,
 )
 
-from .jobs import Act, Echo, Forever, Parked, Pay, Poison
+from .jobs import Act, Echo, Forever, Node, Parked, Pay, Poison
 
 # Tests flip these to make follow-up functions misbehave.
 FAIL = {"completed": False, "rescued_times": 0, "exhausted": False, "retried": False}
@@ -139,3 +139,16 @@ def poison_rescued(args: Poison, job, reason):
 @on_completed(Forever)
 def forever_next(args: Forever, job):
     return Forever(n=args.n + 1)
+
+
+@on_completed(Node)
+def node_completed(args: Node, job):
+    # A step whose follow-up joins its workflow: it waits for the step itself.
+    if args.name.startswith("spawn"):
+        return awa.EnqueueRequest(Node(name=f"{args.name}-child"), after=[job])
+    return None
+
+
+@on_cancelled(Node)
+def node_cancelled(args: Node, job, reason):
+    return Echo(n=job.id, note=f"node-cancelled:{args.name}:{reason[:60]}")

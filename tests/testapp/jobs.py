@@ -163,7 +163,9 @@ def act(job: awa.JobContext):
             _ledger(job, f"pid:{os.getpid()}")
             return None
         case "bad_return":
-            return "not a result"
+            return {"a set": {1, 2}}
+        case "result":
+            return {"order": args.tag or "ok", "total": 1999, "text": "nul \x00 kept"}
         case "bad_sql":
             with connection.cursor() as cursor:
                 cursor.execute("SELECT 1 / 0")
@@ -396,3 +398,51 @@ def touch(job):
     Ledger.objects.using(using).create(
         job_id=job.id, attempt=job.attempt, run_lease=job.row.run_lease, note="touch"
     )
+
+
+@dataclass
+class Node(awa.JobArgs):
+    """A step of a test workflow: records its run and returns its name and its
+    dependencies' results."""
+
+    name: str
+    action: str = "ok"
+    seconds: float = 0.0
+    fail_until: int = 0
+
+
+@awa.worker(Node, queue="flow", max_attempts=3)
+def node(job: awa.JobContext):
+    args = job.args
+    _ledger(job, f"node:{args.name}")
+    if args.fail_until and job.attempt <= args.fail_until:
+        raise RuntimeError(f"{args.name} failing attempt {job.attempt}")
+    match args.action:
+        case "raise":
+            raise RuntimeError(f"{args.name} failed")
+        case "terminal":
+            raise TerminalError(f"{args.name} failed for good")
+        case "cancel":
+            return awa.Cancel(f"{args.name} cancelled itself")
+        case "sleep":
+            time.sleep(args.seconds)
+        case "sleep_first" if job.attempt == 1:
+            time.sleep(args.seconds)
+        case "park":
+            token = job.register_callback(timeout=timedelta(seconds=600))
+            return awa.WaitForCallback(token)
+    return {"name": args.name, "after": [dep.result for dep in job.dependencies()]}
+
+
+@dataclass
+class AtomicNode(awa.JobArgs):
+    name: str
+    fail: bool = False
+
+
+@awa.worker(AtomicNode, queue="flow", atomic=True, max_attempts=1)
+def atomic_node(job: awa.JobContext):
+    _ledger(job, f"atomic:{job.args.name}")
+    if job.args.fail:
+        raise TerminalError("atomic node failed")
+    return {"atomic": job.args.name}

@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('django_awa', '0007_maintenance_lease'),
+        ('django_awa', '0008_workflows'),
     ]
 
     operations = [

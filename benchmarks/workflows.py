@@ -1,0 +1,235 @@
+"""Workflows against the plain drain, side by side in one run (issue 19).
+
+    benchmarks/.venv/bin/python benchmarks/workflows.py            # full sizes
+    benchmarks/.venv/bin/python benchmarks/workflows.py --small    # a quick check
+    benchmarks/.venv/bin/python benchmarks/workflows.py --plans    # EXPLAIN at 1,000,000 edges
+
+Any Python with this repository's dependencies works (the repository's own
+``.venv`` too). Each workload gets a fresh database ``awa_bench_workflows`` on
+127.0.0.1:5432 (user postgres), dropped afterwards, and one
+``awa_worker --queue bench`` process with the benchmark's default settings
+(``benchmarks/djbench/settings_awa.py``):
+
+* ``plain``: drain of N no-op jobs enqueued up front (default 20,000);
+* ``workflows``: the same N jobs as N/100 workflows of 100 steps, a chain of
+  10 whose last step fans out to 90 (all enqueued up front);
+* ``fanin``: M members (default 10,000) and one callback after all of them:
+  the members' drain rate, and how long after the last member's outcome
+  (its ``finalized_at``, stamped in the transaction that commits it) the
+  callback started (``attempted_at``), both by the database clock.
+
+The figures are printed as JSON lines. On a shared machine they are
+indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+DB = "awa_bench_workflows"
+PSQL = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-Atq"]
+
+
+def _env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "djbench.settings_awa",
+        "BENCH_DB": DB,
+        "PYTHONPATH": os.pathsep.join([str(BENCH), str(ROOT)]),
+    }
+
+
+def _psql(sql: str, db: str = DB) -> str:
+    out = subprocess.run([*PSQL, "-d", db, "-c", sql], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def _fresh_database() -> None:
+    _psql(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", "postgres")
+    _psql(f"CREATE DATABASE {DB}", "postgres")
+    subprocess.run(
+        [sys.executable, "-m", "django", "migrate", "-v", "0"], env=_env(), check=True, cwd=BENCH
+    )
+
+
+def _setup_django() -> None:
+    os.environ.update(_env())
+    sys.path[:0] = [str(BENCH), str(ROOT)]
+    import django
+
+    django.setup()
+
+
+def _enqueue(workload: str, n: int, members: int) -> None:
+    """Run in a child process: enqueue the workload's jobs (untimed)."""
+    _setup_django()
+    from django.db import transaction
+    from djbench.awa_app.jobs import Noop
+
+    import django_awa as awa
+
+    if workload == "plain":
+        for start in range(0, n, 5000):
+            awa.enqueue_many([Noop(n=i) for i in range(start, min(n, start + 5000))])
+    elif workload == "workflows":
+        for w in range(n // 100):
+            with transaction.atomic():
+                flow = awa.Workflow(f"w{w}")
+                step = flow.add(Noop(n=0))
+                for i in range(1, 10):
+                    step = flow.add(Noop(n=i), after=[step])
+                for i in range(90):
+                    flow.add(Noop(n=10 + i), after=[step])
+                flow.enqueue()
+    else:
+        with transaction.atomic():
+            flow = awa.Workflow("fan-in")
+            parts = [flow.add(Noop(n=i)) for i in range(members)]
+            flow.add(Noop(n=-1), after=parts, name="callback")
+            flow.enqueue()
+
+
+def _drain(expected: int, timeout: float) -> float:
+    """Start a worker, wait until ``expected`` jobs completed; seconds from the first start."""
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "django", "awa_worker", "--queue", "bench"],
+        env=_env(),
+        cwd=BENCH,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                done = int(_psql("SELECT count(*) FROM awa_job WHERE state = 'completed'"))
+            except subprocess.CalledProcessError:  # a busy server (too many clients): poll again
+                done = 0
+            if done >= expected:
+                break
+            time.sleep(0.5)
+        else:
+            raise SystemExit(f"timed out: {done} of {expected} completed")
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    # By the database clock: first claim to last outcome.
+    return float(
+        _psql("SELECT extract(epoch FROM max(finalized_at) - min(attempted_at)) FROM awa_job")
+    )
+
+
+def run_workload(workload: str, n: int, members: int, timeout: float) -> dict[str, Any]:
+    _fresh_database()
+    subprocess.run(
+        [sys.executable, __file__, "--enqueue", workload, "-n", str(n), "--members", str(members)],
+        check=True,
+        env=_env(),
+    )
+    total = members + 1 if workload == "fanin" else n
+    seconds = _drain(total, timeout)
+    figures: dict[str, Any] = {"workload": workload, "jobs": total, "seconds": round(seconds, 3)}
+    figures["jobs_per_s"] = round(total / seconds, 1) if seconds else None
+    if workload == "fanin":
+        row = _psql(
+            "SELECT extract(epoch FROM max(finalized_at) - min(attempted_at)), "
+            "(SELECT extract(epoch FROM c.attempted_at - max(m.finalized_at)) * 1000 "
+            " FROM awa_job c WHERE c.args->>'n' = '-1') "
+            "FROM awa_job m WHERE m.args->>'n' <> '-1'"
+        ).split("|")
+        figures["members_per_s"] = round(members / float(row[0]), 1)
+        figures["callback_after_last_member_ms"] = round(float(row[1]), 1)
+    _psql(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", "postgres")
+    return figures
+
+
+# -- plans at 1,000,000 edges -----------------------------------------------------
+
+
+def plans() -> None:
+    """Fill a database with 1,000,000 edges and print the plans of the statements
+    that read them (dependencies.py), with representative parameters."""
+    _fresh_database()
+    _psql("""
+        -- 110,000 jobs: 100,000 finished dependencies, 10,000 blocked dependents
+        -- with 100 dependencies each: 1,000,000 edges.
+        INSERT INTO awa_job (id, kind, queue, state, finalized_at, has_dependents)
+        SELECT g, 'noop', 'bench', 'completed', now(), true FROM generate_series(1, 100000) g;
+        INSERT INTO awa_job (id, kind, queue, state)
+        SELECT g, 'noop', 'bench', 'blocked' FROM generate_series(100001, 110000) g;
+        INSERT INTO awa_job_dependency (job_id, depends_on_id, position, requires)
+        SELECT 100000 + d, (d * 7919 + k * 104729) % 100000 + 1, k, 'completed'
+        FROM generate_series(1, 10000) d, generate_series(0, 99) k
+        ON CONFLICT DO NOTHING;
+        SELECT setval(pg_get_serial_sequence('awa_job', 'id'), 110000);
+        ANALYZE awa_job; ANALYZE awa_job_dependency;
+    """)
+    _setup_django()
+    from django.db import connection
+
+    from django_awa import sql
+
+    edges = _psql("SELECT count(*) FROM awa_job_dependency")
+    print(f"-- awa_job_dependency rows: {edges}")
+    finished = [1, 2, 3, 50000]
+    dependents = [100001, 100002, 105000]
+    cases = {
+        "DEPENDENTS_OF": (sql.DEPENDENTS_OF, {"ids": finished}),
+        "DOOMED_BY": (sql.DOOMED_BY, {"ids": dependents, "finished": finished}),
+        "PENDING_OF": (sql.PENDING_OF, {"ids": dependents, "mine": finished}),
+        "CANCEL_BY_DEPENDENCY": (
+            sql.CANCEL_BY_DEPENDENCY,
+            {"ids": dependents, "finished": finished, "prefix": "x"},
+        ),
+        "PROMOTE_READY": (sql.PROMOTE_READY, {"ids": dependents}),
+        "REOPEN_CASCADED": (sql.REOPEN_CASCADED, {"ids": finished}),
+        "Job.dependencies()": (
+            "SELECT * FROM awa_job_dependency WHERE job_id = %(id)s",
+            {"id": 100001},
+        ),
+    }
+    with connection.cursor() as cursor:
+        for name, (statement, params) in cases.items():
+            cursor.execute("BEGIN")
+            cursor.execute(
+                "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY ON) " + statement, params
+            )
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+            cursor.execute("ROLLBACK")
+            seq = "Seq Scan on awa_job_dependency" in plan
+            print(f"\n-- {name}{'  (SEQUENTIAL SCAN)' if seq else ''}\n{plan}")
+    _psql(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", "postgres")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="2,000 jobs, a fan-in of 1,000")
+    parser.add_argument("--plans", action="store_true", help="EXPLAIN at 1,000,000 edges")
+    parser.add_argument("--workloads", default="plain,workflows,fanin")
+    parser.add_argument("-n", type=int, default=20_000, help="jobs of the drains")
+    parser.add_argument("--members", type=int, default=10_000, help="members of the fan-in")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--enqueue", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.enqueue:
+        _enqueue(args.enqueue, args.n, args.members)
+        return
+    if args.plans:
+        plans()
+        return
+    n, members = (2000, 1000) if args.small else (args.n, args.members)
+    for workload in args.workloads.split(","):
+        print(json.dumps(run_workload(workload, n, members, args.timeout)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

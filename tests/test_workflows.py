@@ -1,0 +1,533 @@
+"""Results, dependencies and workflows (SPEC §11), in-process on the real database.
+
+Jobs are claimed, run and finalized here through the worker's own functions
+(claim, run_attempt, finalize); tests/test_workflow_workers.py runs them in
+real worker processes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+import django_awa as awa
+from django_awa.execute import Attempt, AttemptResult, run_attempt
+from django_awa.finalize import finalize
+from django_awa.followups import FollowupSpec, Outcome, followup_registry
+from django_awa.maintenance import Maintenance
+from django_awa.models import Dependency, Job, JobState
+from django_awa.producer import claim
+from tests.testapp.jobs import Act, Node
+from tests.testapp.models import Ledger
+
+db = pytest.mark.django_db
+
+
+def run_next(queue: str = "flow") -> list[AttemptResult]:
+    """Claim one job of ``queue`` and run and finalize it in this process."""
+    claimed = claim(queue, 1, "default")
+    if not claimed:
+        return []
+    return finalize([run_attempt(Attempt(job=claimed[0], alias="default"))], "default")
+
+
+def run_all(queue: str = "flow", limit: int = 500) -> list[int]:
+    """Run jobs of ``queue`` one at a time until none is runnable; the ids in run order."""
+    ran = []
+    for _ in range(limit):
+        done = run_next(queue)
+        if not done:
+            return ran
+        ran.append(done[0].job.id)
+    raise AssertionError(f"more than {limit} jobs ran")
+
+
+def state(job: Job | int) -> str:
+    return Job.objects.get(id=job if isinstance(job, int) else job.id).state
+
+
+def runs(job: Job) -> int:
+    return Ledger.objects.filter(job_id=job.id).count()
+
+
+def make_due(job: Job) -> None:
+    """A retryable job, made available now (in a test's transaction now() is its start)."""
+    Job.objects.filter(id=job.id, state=JobState.RETRYABLE).update(
+        state=JobState.AVAILABLE, run_at=timezone.now() - dt.timedelta(seconds=1)
+    )
+
+
+# -- results -------------------------------------------------------------------
+
+
+@db
+def test_a_return_value_is_stored_as_the_result_with_text_postgres_cannot_hold_escaped():
+    job = awa.enqueue(Act(action="result", tag="order-7"))
+    seen: dict[str, Any] = {}
+
+    def capture(args: Act, trigger: Job) -> None:
+        seen["result"] = trigger.result
+
+    spec = FollowupSpec(outcome=Outcome.COMPLETED, trigger=Act, function=capture)
+    followup_registry.add(spec)
+    try:
+        run_next("default")
+    finally:
+        followup_registry._remove(spec)
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.COMPLETED
+    assert row.result == {"order": "order-7", "total": 1999, "text": "nul \\x00 kept"}
+    # on_completed follow-ups see it as job.result, in the completing transaction.
+    assert seen["result"] == row.result
+
+
+@db
+def test_a_result_that_is_not_json_fails_the_attempt_naming_its_type():
+    job = awa.enqueue(Act(action="bad_return"))
+    run_next("default")
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE and row.result is None
+    assert "handler returned a dict" in row.errors[-1]["error"]
+    assert "Job.result" in row.errors[-1]["error"]
+
+
+# -- graphs --------------------------------------------------------------------
+
+
+@db
+def test_a_diamond_runs_each_step_once_after_its_dependencies_with_their_results():
+    flow = awa.Workflow("diamond")
+    top = flow.add(Node(name="top"))
+    left = flow.add(Node(name="left"), after=[top])
+    right = flow.add(Node(name="right"), after=[top])
+    bottom = flow.add(Node(name="bottom"), after=[left, right], name="bottom")
+    jobs = flow.enqueue()
+    assert [j.id for j in jobs] == [s.job.id for s in (top, left, right, bottom)]
+    assert [j.state for j in jobs] == ["available", "blocked", "blocked", "blocked"]
+    assert {j.workflow_id for j in jobs} == {flow.id}
+    order = run_all()
+    assert order[0] == jobs[0].id and order[-1] == jobs[3].id and len(order) == 4
+    last = Job.objects.get(id=jobs[3].id)
+    # job.dependencies() gives the rows in `after` order, each with its result.
+    assert last.result == {
+        "name": "bottom",
+        "after": [{"name": "left", "after": [{"name": "top", "after": []}]},
+                  {"name": "right", "after": [{"name": "top", "after": []}]}],
+    }  # fmt: skip
+    assert [d.id for d in last.dependencies()] == [jobs[1].id, jobs[2].id]
+    assert last.metadata["awa_workflow"] == {
+        "id": str(flow.id),
+        "name": "diamond",
+        "step": "bottom",
+    }
+    assert all(runs(j) == 1 for j in jobs)
+    status = awa.workflow_status(flow.id)
+    assert status.finished and status.state == "completed" and status.name == "diamond"
+    assert (
+        status.counts["completed"] == 4
+        and [j.id for j in status.jobs] == order[:1] + sorted(order[1:3]) + order[3:]
+    )
+
+
+@db
+def test_a_chain_of_fifty_runs_in_order():
+    flow = awa.Workflow("chain")
+    step = flow.add(Node(name="0"))
+    for i in range(1, 50):
+        step = flow.add(Node(name=str(i)), after=[step])
+    jobs = flow.enqueue()
+    assert sum(j.state == JobState.BLOCKED for j in jobs) == 49
+    assert run_all() == [j.id for j in jobs]
+
+
+@db
+def test_a_fan_out_releases_every_dependent_in_the_one_transaction():
+    flow = awa.Workflow()
+    root = flow.add(Node(name="root"))
+    for i in range(200):
+        flow.add(Node(name=f"leaf{i}"), after=[root])
+    jobs = flow.enqueue()
+    run_next()
+    assert Job.objects.filter(id__in=[j.id for j in jobs[1:]], state="available").count() == 200
+
+
+@db
+def test_a_step_with_a_future_run_at_is_scheduled_when_released():
+    later = timezone.now() + dt.timedelta(hours=1)
+    flow = awa.Workflow()
+    first = flow.add(Node(name="first"))
+    flow.add(awa.EnqueueRequest(Node(name="later"), run_at=later), after=[first])
+    jobs = flow.enqueue()
+    run_next()
+    assert state(jobs[1]) == JobState.SCHEDULED
+
+
+# -- outcomes that cancel, and requires="finished" -------------------------------
+
+
+@db
+def test_a_failed_dependency_cancels_its_dependents_transitively_with_their_followups():
+    flow = awa.Workflow()
+    bad = flow.add(Node(name="bad", action="terminal"))
+    child = flow.add(Node(name="child"), after=[bad])
+    grandchild = flow.add(Node(name="grandchild"), after=[child])
+    report = flow.add(Node(name="report"), after=[grandchild], requires="finished")
+    jobs = flow.enqueue()
+    run_next()  # bad fails for good: child and grandchild are cancelled with it
+    rows = {j.id: Job.objects.get(id=j.id) for j in jobs}
+    c, g = rows[jobs[1].id], rows[jobs[2].id]
+    assert (c.state, g.state) == ("cancelled", "cancelled")
+    assert c.errors[-1]["error"] == f"cancelled: dependency {jobs[0].id} (node) failed"
+    assert g.errors[-1]["error"] == f"cancelled: dependency {jobs[1].id} (node) cancelled"
+    assert c.finalized_at is not None
+    # Each cancelled dependent's own on_cancelled follow-ups, in that transaction.
+    notes = sorted(e.args["note"] for e in Job.objects.filter(kind="echo"))
+    assert notes == [
+        f"node-cancelled:child:dependency {jobs[0].id} (node) failed",
+        f"node-cancelled:grandchild:dependency {jobs[1].id} (node) cancelled",
+    ]
+    # requires="finished": the report runs once its dependency is finished at all.
+    assert rows[jobs[3].id].state == JobState.AVAILABLE
+    assert run_all() == [jobs[3].id]
+    assert runs(child.job) == 0 and runs(grandchild.job) == 0 and runs(report.job) == 1
+    assert awa.workflow_status(flow.id).state == "failed"
+
+
+@db
+def test_a_dependency_failing_after_its_retries_cancels_only_then():
+    flow = awa.Workflow()
+    flaky = flow.add(awa.EnqueueRequest(Node(name="flaky", action="raise"), max_attempts=2))
+    after = flow.add(Node(name="after"), after=[flaky])
+    jobs = flow.enqueue()
+    run_next()
+    assert state(jobs[0]) == JobState.RETRYABLE and state(jobs[1]) == JobState.BLOCKED
+    make_due(jobs[0])
+    run_next()
+    assert state(jobs[0]) == JobState.FAILED and state(jobs[1]) == JobState.CANCELLED
+    assert runs(after.job) == 0
+
+
+@db
+def test_handler_cancel_and_awa_cancel_cascade_and_finished_dependents_run():
+    flow = awa.Workflow()
+    selfcancel = flow.add(Node(name="self", action="cancel"))
+    waiting = flow.add(Node(name="waiting"))
+    a = flow.add(Node(name="a"), after=[selfcancel])
+    b = flow.add(Node(name="b"), after=[waiting])
+    batch = flow.add(Node(name="batch"), after=[selfcancel, waiting], requires="finished")
+    jobs = flow.enqueue()
+    run_next()  # "self" returns awa.Cancel
+    assert state(a.job) == JobState.CANCELLED and state(batch.job) == JobState.BLOCKED
+    awa.cancel(jobs[1].id, "operator")  # an available job, cancelled by an operator
+    assert state(b.job) == JobState.CANCELLED
+    assert Job.objects.get(id=b.job.id).errors[-1]["error"] == (
+        f"cancelled: dependency {jobs[1].id} (node) cancelled"
+    )
+    assert state(batch.job) == JobState.AVAILABLE
+    # Cancelling a blocked job itself cascades to its own dependents.
+    flow2 = awa.Workflow()
+    first = flow2.add(Node(name="first"))
+    middle = flow2.add(Node(name="middle"), after=[first])
+    last = flow2.add(Node(name="last"), after=[middle])
+    flow2.enqueue()
+    awa.cancel(middle.job.id)
+    assert state(last.job) == JobState.CANCELLED and state(first.job) == JobState.AVAILABLE
+
+
+@db
+def test_retrying_a_failed_dependency_reopens_the_dependents_its_failure_cancelled():
+    flow = awa.Workflow()
+    bad = flow.add(Node(name="bad", action="terminal"))
+    child = flow.add(Node(name="child"), after=[bad])
+    grandchild = flow.add(Node(name="grandchild"), after=[child])
+    flow.enqueue()
+    run_next()
+    assert state(grandchild.job) == JobState.CANCELLED
+    # The handler now succeeds (its args say so), and the operator retries it.
+    Job.objects.filter(id=bad.job.id).update(args={"name": "bad", "action": "ok"})
+    awa.retry(bad.job.id)
+    assert state(child.job) == JobState.BLOCKED and state(grandchild.job) == JobState.BLOCKED
+    assert run_all() == [bad.job.id, child.job.id, grandchild.job.id]
+    # Retrying a cascade-cancelled job whose dependency is still failed cancels it again.
+    flow2 = awa.Workflow()
+    bad2 = flow2.add(Node(name="bad2", action="terminal"))
+    child2 = flow2.add(Node(name="child2"), after=[bad2])
+    flow2.enqueue()
+    run_next()
+    assert awa.retry(child2.job.id).state == JobState.CANCELLED
+
+
+@db
+def test_an_atomic_dependency_releases_its_dependent_in_its_own_transaction():
+    from tests.testapp.jobs import AtomicNode
+
+    first = awa.enqueue(AtomicNode(name="one"))
+    second = awa.enqueue(Node(name="two"), after=[first])
+    assert second.state == JobState.BLOCKED
+    run_next()
+    assert Job.objects.get(id=first.id).result == {"atomic": "one"}
+    assert state(second) == JobState.AVAILABLE
+
+
+# -- dependencies on jobs already enqueued or finished ----------------------------
+
+
+@db
+def test_dependencies_on_existing_jobs_count_at_once_when_finished_even_archived():
+    done = awa.enqueue(Node(name="done"))
+    run_next()
+    # Maintenance moves the finished row into awa_job_done.
+    Maintenance("default").archive()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM ONLY awa_job_done WHERE id = %s", [done.id])
+        assert cursor.fetchone()[0] == 1
+    ready = awa.enqueue(Node(name="ready"), after=[done])
+    assert ready.state == JobState.AVAILABLE
+    failed = awa.enqueue(Node(name="bad", action="terminal"))
+    run_all()
+    assert state(ready) == JobState.COMPLETED and state(failed) == JobState.FAILED
+    doomed = awa.enqueue(Node(name="doomed"), after=[failed.id])
+    assert doomed.state == JobState.CANCELLED
+    assert doomed.errors[-1]["error"] == f"cancelled: dependency {failed.id} (node) failed"
+    running = awa.enqueue(Node(name="later"))
+    waits = awa.enqueue_many([awa.EnqueueRequest(Node(name="w"), after=[running])])
+    assert state(waits[0]) == JobState.BLOCKED
+    assert Job.objects.get(id=running.id).has_dependents
+    run_all()
+    assert state(waits[0]) == JobState.COMPLETED
+
+
+@db
+def test_a_followup_given_after_joins_the_workflow_of_its_trigger():
+    flow = awa.Workflow("spawner")
+    spawn = flow.add(Node(name="spawn"))
+    flow.enqueue()
+    run_next()
+    (child,) = Job.objects.filter(kind="node", args__name="spawn-child")
+    assert child.workflow_id == flow.id and child.state == JobState.AVAILABLE
+    assert child.trigger_id == spawn.job.id
+    assert [d.id for d in child.dependencies()] == [spawn.job.id]
+    assert len(awa.workflow_status(flow.id).jobs) == 2
+
+
+@db
+def test_a_callback_resolution_releases_and_cancels_dependents():
+    parked = awa.enqueue(Node(name="parked", action="park"))
+    after = awa.enqueue(Node(name="after"), after=[parked])
+    run_next()
+    row = Job.objects.get(id=parked.id)
+    assert row.state == JobState.WAITING_EXTERNAL and state(after) == JobState.BLOCKED
+    awa.complete_external(row.callback_id, {"ok": True})
+    assert state(after) == JobState.AVAILABLE
+    parked2 = awa.enqueue(Node(name="parked2", action="park"))
+    after2 = awa.enqueue(Node(name="after2"), after=[parked2])
+    run_all()
+    awa.fail_external(Job.objects.get(id=parked2.id).callback_id, "declined")
+    assert state(after2) == JobState.CANCELLED
+
+
+@db
+def test_a_rescue_that_exhausts_a_dependency_cancels_its_dependents():
+    stale = timezone.now() - dt.timedelta(hours=1)
+    last = awa.enqueue(awa.EnqueueRequest(Node(name="last"), max_attempts=1))
+    more = awa.enqueue(Node(name="more"))
+    waits_last = awa.enqueue(Node(name="w1"), after=[last])
+    waits_more = awa.enqueue(Node(name="w2"), after=[more])
+    Job.objects.filter(id__in=[last.id, more.id]).update(
+        state=JobState.RUNNING, attempt=1, heartbeat_at=stale, attempted_at=stale
+    )
+    Maintenance("default").rescue()
+    assert state(last) == JobState.FAILED and state(waits_last) == JobState.CANCELLED
+    # Rescued to retryable is no outcome: its dependent still waits.
+    assert state(more) == JobState.RETRYABLE and state(waits_more) == JobState.BLOCKED
+
+
+# -- bad input: nothing written ------------------------------------------------------
+
+
+def _counts() -> tuple[int, int]:
+    return Job.objects.count(), Dependency.objects.count()
+
+
+@db
+def test_cycles_and_bad_references_are_refused_naming_them_with_nothing_written():
+    existing = awa.enqueue(Node(name="existing"))
+    before = _counts()
+    flagged = Job.objects.get(id=existing.id).has_dependents
+
+    cyclic = awa.Workflow("loop")
+    cyclic.add(Node(name="a"), after=["c"], name="a")
+    cyclic.add(Node(name="b"), after=["a"], name="b")
+    cyclic.add(Node(name="c"), after=["b", existing], name="c")
+    with pytest.raises(awa.ValidationError, match=r"has a cycle: .*'a'.* -> .*'b'.* -> .*'c'"):
+        cyclic.enqueue()
+
+    other = awa.Workflow("other")
+    foreign = other.add(Node(name="foreign"))
+    mine = awa.Workflow("mine")
+    mine.add(Node(name="x"), after=[foreign])
+    with pytest.raises(awa.ValidationError, match="a step of another workflow"):
+        mine.enqueue()
+
+    unknown = awa.Workflow()
+    unknown.add(Node(name="x"), after=[existing.id, 987654321])
+    with pytest.raises(awa.ValidationError, match="job id 987654321, which does not exist"):
+        unknown.enqueue()
+    with pytest.raises(awa.ValidationError, match="job id 987654321"):
+        awa.enqueue(Node(name="y"), after=[987654321])
+
+    named = awa.Workflow()
+    named.add(Node(name="x"), after=["nope"])
+    with pytest.raises(awa.ValidationError, match="a step 'nope', which is not in this workflow"):
+        named.enqueue()
+
+    elsewhere = Job(id=existing.id, kind="node")
+    elsewhere._state.db = "replica"
+    with pytest.raises(awa.ValidationError, match="database 'replica'"):
+        awa.enqueue(Node(name="z"), after=[elsewhere])
+    remote = awa.Workflow()
+    remote.add(Node(name="z"), after=[elsewhere])
+    with pytest.raises(awa.ValidationError, match="database 'replica'"):
+        remote.enqueue()
+
+    with pytest.raises(awa.ValidationError, match="requires must be one of"):
+        awa.enqueue(Node(name="z"), after=[existing], requires="done")
+    bad_requires = awa.Workflow()
+    bad_requires.add(Node(name="z"), after=[existing], requires="eventually")
+    with pytest.raises(awa.ValidationError, match="'eventually'"):
+        bad_requires.enqueue()
+    with pytest.raises(awa.ValidationError, match="after takes Job rows or job ids"):
+        awa.enqueue(Node(name="z"), after=[1.5])
+
+    assert _counts() == before
+    assert Job.objects.get(id=existing.id).has_dependents == flagged
+
+
+@db
+def test_a_unique_clash_in_a_workflow_writes_none_of_it():
+    unique = awa.Unique(by_args=True)
+    awa.enqueue(Node(name="held"), unique=unique)
+    before = _counts()
+    flow = awa.Workflow()
+    first = flow.add(Node(name="fresh"))
+    flow.add(awa.EnqueueRequest(Node(name="held"), unique=unique), after=[first])
+    with pytest.raises(awa.UniqueConflict, match="nothing of"):
+        flow.enqueue()
+    assert _counts() == before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rolled_back_workflow_leaves_no_job_and_no_edge():
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), transaction.atomic():
+        flow = awa.Workflow("rolled back")
+        a = flow.add(Node(name="a"))
+        flow.add(Node(name="b"), after=[a])
+        flow.enqueue()
+        raise Boom
+    assert _counts() == (0, 0)
+    assert awa.workflow_status(flow.id).jobs == []
+
+
+@db
+def test_workflow_status_counts_and_a_bad_id():
+    flow = awa.Workflow("counted")
+    a = flow.add(Node(name="a"))
+    flow.add(Node(name="b"), after=[a])
+    flow.enqueue()
+    status = awa.workflow_status(str(flow.id))
+    assert status.counts["available"] == 1 and status.counts["blocked"] == 1
+    assert not status.finished and status.state == "running"
+    assert awa.workflow_status(uuid.uuid4()).jobs == []
+    with pytest.raises(awa.ValidationError, match="not a workflow id"):
+        awa.workflow_status("nope")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_aenqueue_joins_the_transaction_of_its_caller():
+    from asgiref.sync import async_to_sync
+
+    class Boom(Exception):
+        pass
+
+    flow = awa.Workflow("async")
+    a = flow.add(Node(name="a"))
+    flow.add(Node(name="b"), after=[a])
+    with pytest.raises(Boom), transaction.atomic():
+        jobs = async_to_sync(flow.aenqueue)()
+        assert [j.state for j in jobs] == ["available", "blocked"]
+        raise Boom
+    assert _counts() == (0, 0)
+    kept = awa.Workflow("async kept")
+    kept.add(Node(name="a"))
+    with transaction.atomic():
+        async_to_sync(kept.aenqueue)()
+    assert len(awa.workflow_status(kept.id).jobs) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_last_two_members_finishing_at_once_promote_their_callback_exactly_once():
+    """Two threads (two connections, two transactions under READ COMMITTED) write
+    the outcomes of a fan-in's last two members at the same instant, 40 times."""
+    import threading
+
+    from django.db import connections
+
+    from django_awa.execute import completed
+
+    callbacks = []
+    pairs = []
+    for i in range(40):
+        flow = awa.Workflow(f"pair{i}")
+        a, b = flow.add(Node(name="a")), flow.add(Node(name="b"))
+        flow.add(Node(name="callback"), after=[a, b])
+        jobs = flow.enqueue()
+        callbacks.append(jobs[2].id)
+    claimed = {job.id: job for job in claim("flow", 80, "default")}
+    for i in range(40):
+        members = sorted(
+            j.id
+            for j in claimed.values()
+            if j.workflow_id == Job.objects.get(id=callbacks[i]).workflow_id
+        )
+        pairs.append([claimed[m] for m in members])
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def finish(side: int) -> None:
+        try:
+            for pair in pairs:
+                barrier.wait(timeout=10)
+                finalize([completed(pair[side])], "default")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=finish, args=(side,)) for side in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    states = list(Job.objects.filter(id__in=callbacks).values_list("state", flat=True))
+    assert states == ["available"] * 40
+
+
+@db
+def test_pruning_a_finished_job_removes_its_own_dependency_edges():
+    first = awa.enqueue(Node(name="first"))
+    second = awa.enqueue(Node(name="second"), after=[first])
+    run_all()
+    assert Dependency.objects.filter(job_id=second.id).count() == 1
+    long_ago = timezone.now() - dt.timedelta(days=3650)
+    Job.objects.filter(id__in=[first.id, second.id]).update(finalized_at=long_ago)
+    assert Maintenance("default").prune() == 2
+    assert Dependency.objects.count() == 0
