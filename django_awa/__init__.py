@@ -16,6 +16,7 @@ _EXPORTS = {
     "JobArgs": "kinds",
     "worker": "kinds",
     "Unique": "kinds",
+    "Limit": "kinds",
     "periodic": "schedules",
     # enqueueing
     "enqueue": "enqueueing",
@@ -43,6 +44,7 @@ _EXPORTS = {
     "pause_queue": "control",
     "resume_queue": "control",
     "queue_stats": "control",
+    "set_queue_limits": "control",
     # errors
     "AwaError": "exceptions",
     "ValidationError": "exceptions",
@@ -64,6 +66,7 @@ __all__ = [
     "JobContext",
     "JobNotFound",
     "JobState",
+    "Limit",
     "Outcome",
     "RescueReason",
     "RetryAfter",
@@ -85,6 +88,7 @@ __all__ = [
     "resume_queue",
     "retry",
     "retry_external",
+    "set_queue_limits",
     "worker",
 ]
 
@@ -104,7 +108,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .callbacks import complete_external, fail_external, heartbeat_callback, retry_external
-    from .control import cancel, pause_queue, queue_stats, resume_queue, retry
+    from .control import cancel, pause_queue, queue_stats, resume_queue, retry, set_queue_limits
     from .enqueueing import EnqueueRequest, enqueue, enqueue_many
     from .exceptions import (
         AwaError,
@@ -117,6 +121,6 @@ if TYPE_CHECKING:
     )
     from .execute import CallbackToken, Cancel, JobContext, RetryAfter, Snooze, WaitForCallback
     from .followups import Outcome, RescueReason
-    from .kinds import JobArgs, Unique, worker
+    from .kinds import JobArgs, Limit, Unique, worker
     from .models import JobState
     from .schedules import periodic

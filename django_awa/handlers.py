@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from django.db import connections
 
+from .completer import notify_freed
 from .execute import (
     Attempt,
     AttemptResult,
@@ -207,7 +208,9 @@ class HandlerPool:
 
     def _run_atomic(self, attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> None:
         try:
-            run_atomic_attempt(attempt, spec, args)
+            result = run_atomic_attempt(attempt, spec, args)
+            if result is not None:
+                notify_freed(self.state, [result])
         except DB_ERRORS as exc:
             # The transaction rolled back, or its commit's acknowledgement was
             # lost: the completer records the attempt as failed. Its write is

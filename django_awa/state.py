@@ -74,6 +74,7 @@ class QueueRunner:
     room: threading.Condition = field(default_factory=threading.Condition)
     held: int = 0  # claimed and not finished: running, or prefetched and waiting
     run_time: float | None = None  # moving average of handler run time, seconds
+    limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
 
     def prefetch(self, window: float | None, most: int) -> int:
         """How many jobs beyond ``concurrency`` to hold: what starts within ``window``.
