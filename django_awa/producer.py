@@ -238,10 +238,12 @@ class Producer:
         within half a second. A database error is raised, the room given back.
         """
         state, runner = self.state, self.runner
-        limits = self.current_limits()
-        want = self.reserve(self.busy, prefetch=not limits.limited)
+        # No prefetch while limited: a job claimed ahead would hold a fleet-wide slot.
+        want = self.reserve(self.busy, prefetch=not (self.limits and self.limits.limited))
         if not want:
             return None
+        # Read after the wait for room, which may have outlasted a poll interval.
+        limits = self.current_limits()
         runner.wake.clear()
         try:
             if limits.limited:
@@ -253,6 +255,8 @@ class Producer:
             raise
         self.busy = len(jobs) == want
         self.held_back = limits.limited and not self.busy
+        if runner.shared is not None:
+            runner.shared.busy(runner.name, self.busy)
         self.unreserve(want - len(jobs))
         debug = logger.isEnabledFor(logging.DEBUG)
         if debug and not jobs:
@@ -295,6 +299,13 @@ class Producer:
                 )
             want = max(0, min(most, capacity - runner.held))
             runner.held += want
+        if runner.shared is not None and want:
+            # The process-wide cap: what the queue's minimum and weight allow of it.
+            granted = runner.shared.take(runner.name, want, 0.5)
+            with runner.room:
+                runner.held -= want - granted
+                runner.room.notify()
+            want = granted
         return want
 
     def unreserve(self, n: int) -> None:
@@ -304,3 +315,5 @@ class Producer:
             with runner.room:
                 runner.held -= n
                 runner.room.notify()
+            if runner.shared is not None:
+                runner.shared.give(runner.name, n)
