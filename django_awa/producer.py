@@ -161,6 +161,18 @@ def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job]:
     return jobs
 
 
+def held_back(limits: QueueLimits, alias: str) -> int:
+    """How many of the queue's due jobs its limits or their sequences hold back now."""
+    with db.cursor(alias) as cursor:
+        if not limits.limited:
+            cursor.execute(sql.HAS_SEQUENCED, {"queue": limits.queue})
+            if not cursor.fetchone():
+                return 0  # nothing holds a job of an unlimited queue back
+        cursor.execute(sql.HELD_BACK, limits.params(1_000_000, 1_000_000))
+        row = cursor.fetchone()
+    return int(row[0]) if row else 0
+
+
 def why_held_back(limits: QueueLimits, alias: str) -> str:
     """Why a claim of ``limits.queue`` took nothing, in words (for the DEBUG log)."""
     params = limits.params(1_000_000, 1_000_000)

@@ -361,6 +361,15 @@ SELECT (SELECT n FROM room),
        (SELECT count(*) FROM fits)
 """
 
+# -- HAS_SEQUENCED --
+# For the admin: whether an unlimited queue has due sequence members (which
+# may be held back). Index: awa_job_sequence_idx, then the row.
+HAS_SEQUENCED = """
+SELECT 1 FROM ONLY awa_job
+WHERE metadata ? 'awa_sequence' AND state = 'available' AND queue = %(queue)s
+LIMIT 1
+"""
+
 # -- QUEUE_LIMITS --
 # The limits set at runtime for one queue (set_queue_limits); the producer reads
 # them once per poll interval to know whether its queue is limited. Primary key.
