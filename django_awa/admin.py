@@ -1075,13 +1075,7 @@ class QueueAdmin(AwaModelAdmin[Queue]):
         concurrency_text = request.POST.get("global_concurrency", "").strip()
         changelist = HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))
         try:
-            if "reset" in request.POST:
-                control.set_queue_limits(name, reset=True, using=_alias())
-            else:
-                concurrency = int(concurrency_text) if concurrency_text else None
-                control.set_queue_limits(
-                    name, rate_limit=rate, global_concurrency=concurrency, using=_alias()
-                )
+            concurrency = int(concurrency_text) if concurrency_text else None
         except ValueError:
             self.message_user(
                 request,
@@ -1090,6 +1084,13 @@ class QueueAdmin(AwaModelAdmin[Queue]):
                 messages.ERROR,
             )
             return changelist
+        try:
+            if "reset" in request.POST:
+                control.set_queue_limits(name, reset=True, using=_alias())
+            else:
+                control.set_queue_limits(
+                    name, rate_limit=rate, global_concurrency=concurrency, using=_alias()
+                )
         except ValidationError as exc:
             self.message_user(request, f"{exc}; nothing changed.", messages.ERROR)
             return changelist

@@ -781,9 +781,25 @@ def test_queue_overview_shows_limits_held_back_jobs_and_rate_and_edits_limits(
 
     form.locator('input[name="rate_limit"]').fill("5 per sec")
     submit(page, form.get_by_role("button", name="Set limits"))
-    assert any("rate_limit must be a rate" in m and "nothing changed" in m for m in messages(page))
+    shown = messages(page)
+    assert any("rate_limit must be a rate" in m and "nothing changed" in m for m in shown), shown
     assert Queue.objects.get(name="default").limits["rate_limit"] == "5/s"
 
     submit(page, form.get_by_role("button", name="Use settings"))
     assert Queue.objects.get(name="default").limits == {}
     assert default.locator("td.limits").inner_text() == "none"
+
+
+def test_queue_limits_form_refuses_a_bad_number_and_needs_change_permission(
+    client: Any, superuser: User, viewer: User
+) -> None:
+    form = {"queue": "mail", "operation": "limits", "rate_limit": "", "global_concurrency": "x"}
+    client.force_login(superuser)
+    response = client.post(QUEUES_URL, form, follow=True)
+    shown = [str(m) for m in response.context["messages"]]
+    assert shown == ["Queue mail: global concurrency must be a positive integer, got 'x'; "
+                     "nothing changed."]  # fmt: skip
+    assert not Queue.objects.filter(name="mail").exists()
+    client.force_login(viewer)
+    assert client.post(QUEUES_URL, {**form, "global_concurrency": "3"}).status_code == 403
+    assert not Queue.objects.filter(name="mail").exists()

@@ -172,3 +172,25 @@ def test_without_a_direct_connection_the_worker_polls_and_still_maintains(pooled
     later = Job.objects.get(args__tag="later")
     assert later.state == JobState.SCHEDULED and later.run_at > timezone.now() - dt.timedelta(1)
     wait_for_state(later.id, JobState.COMPLETED, timeout=15)
+
+
+# Flow control through the pooler: the limited claim's advisory lock is
+# transaction-scoped, so it holds however PgBouncer hands out server sessions.
+
+
+def test_global_concurrency_holds_through_pgbouncer(pooled_url, start_worker):
+    from tests.test_flow_control import FLOW_ENV, run_global_concurrency
+
+    def start(*args: str, env: dict[str, str] | None = None):
+        return start_worker(*args, env={**_pooled_env(pooled_url), **FLOW_ENV, **(env or {})})
+
+    run_global_concurrency(start)
+
+
+def test_rate_limit_holds_through_pgbouncer(pooled_url, start_worker):
+    from tests.test_flow_control import FLOW_ENV, run_rate_limit
+
+    def start(*args: str, env: dict[str, str] | None = None):
+        return start_worker(*args, env={**_pooled_env(pooled_url), **FLOW_ENV, **(env or {})})
+
+    run_rate_limit(start)
