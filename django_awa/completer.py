@@ -59,7 +59,12 @@ def notify_freed(state: WorkerState, results: Iterable[AttemptResult]) -> None:
     try:
         with db.cursor(state.alias) as cursor:
             cursor.execute(
-                sql.NOTIFY_FREED, {"queues": sorted(queues), "sequences": sorted(sequences)}
+                sql.NOTIFY_FREED,
+                {
+                    "queues": sorted(queues),
+                    "sequences": sorted(sequences),
+                    "local": sorted(state.queues),
+                },
             )
             woken = {row[0] for row in cursor.fetchall()}
     except DB_ERRORS as exc:

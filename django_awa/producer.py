@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 # How long a busy queue's producer may wait for more room to claim together.
 GATHER_SECONDS = 0.005
-# The most candidates a limited claim ranks; a saturated key's rows are passed
+# The most candidates a limited claim of a queue with kind limits ranks (4x the
+# batch, at least 100); a saturated key's rows are passed
 # over before they count, so this bounds the work, not who gets a turn.
 LIMITED_SCAN = 2000
 # Shortest wait between claims of a rate-limited queue that took less than it
@@ -149,7 +150,10 @@ def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job]:
     every attempt the previous lock holder started. Commits before returning.
     """
     conf = awa_settings()
-    params = limits.params(limit, max(LIMITED_SCAN, 4 * limit))
+    # Without kind limits every candidate fits (the sequence check is made in the
+    # scan): the batch itself is enough. With them, a key's second job does not.
+    scan = limit if limits.kinds == "{}" else min(LIMITED_SCAN, max(100, 4 * limit))
+    params = limits.params(limit, scan)
     params["deadlines"] = registry.deadlines_json()
     params["default_deadline"] = conf.default_deadline
     with transaction.atomic(using=alias), db.cursor(alias) as cursor:

@@ -183,7 +183,8 @@ def _sequence_free(row: str) -> str:
     an earlier member leaves the unfinished states only by a committed finalize,
     so two claimers can at worst both pass a member over, never both start two.
     Index: awa_job_sequence_idx ((metadata ->> 'awa_sequence'), id) WHERE
-    metadata ? 'awa_sequence'."""
+    metadata ? 'awa_sequence' AND state NOT IN the finished states (this
+    predicate, word for word, so the planner uses it): one entry read per probe."""
     return f"""(NOT {row}.metadata ? 'awa_sequence' OR NOT EXISTS (
             SELECT 1 FROM ONLY awa_job AS s
             WHERE s.metadata ? 'awa_sequence'
@@ -379,17 +380,24 @@ QUEUE_LIMITS = "SELECT limits FROM awa_queue WHERE name = %(queue)s"
 # After attempts of limited queues or sequences finished (a commit of their
 # outcome): wake the claimers waiting on those queues, and on the queue of each
 # sequence's next member (its first unfinished one, by awa_job_sequence_idx).
-# Returns the queues woken, so the worker wakes its own producers at once.
+# Returns the queues woken, so the worker wakes its own producers at once; a
+# next member on one of this worker's own queues (%(local)s) is left to it,
+# without a NOTIFY that would send every other worker to claim it too. A
+# limited queue's freed capacity is announced to all: this worker may be full.
 NOTIFY_FREED = f"""
-SELECT x.q, pg_notify('{NOTIFY_CHANNEL}', x.q) FROM (
-    SELECT unnest(%(queues)s::text[]) AS q
-    UNION
-    SELECT h.queue FROM unnest(%(sequences)s::text[]) AS k
-    CROSS JOIN LATERAL (
-        SELECT s.queue FROM ONLY awa_job AS s
-        WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k
-          AND s.state NOT IN {_FINAL}
-        ORDER BY s.id LIMIT 1) AS h
+SELECT x.q, CASE WHEN x.q <> ALL(%(local)s::text[]) OR x.limited
+                 THEN pg_notify('{NOTIFY_CHANNEL}', x.q) END
+FROM (
+    SELECT q, bool_or(limited) AS limited FROM (
+        SELECT unnest(%(queues)s::text[]) AS q, true AS limited
+        UNION ALL
+        SELECT h.queue, false FROM unnest(%(sequences)s::text[]) AS k
+        CROSS JOIN LATERAL (
+            SELECT s.queue FROM ONLY awa_job AS s
+            WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k
+              AND s.state NOT IN {_FINAL}
+            ORDER BY s.id LIMIT 1) AS h
+    ) AS u GROUP BY q
 ) AS x
 """
 

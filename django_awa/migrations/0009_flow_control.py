@@ -4,21 +4,25 @@
   admin), read by every claim of a limited queue.
 - ``awa_attempt_start``: when attempts of limited queues and rate-limited kinds
   started, for the sliding-window rate limits; insert-only, pruned by maintenance.
-- ``awa_job_sequence_idx``: the members of each sequence key
+- ``awa_job_sequence_idx``: the unfinished members of each sequence key
   (``metadata["awa_sequence"]``) in id order, for the claim's "is an earlier
   member unfinished" probe.
 
 Online: a new table; a column with a constant default on the small awa_queue
-(no rewrite); the index built CONCURRENTLY, partial on rows that carry a
-sequence key, so other rows add no entries. Earlier releases read none of it
+(no rewrite); the index built CONCURRENTLY, partial on unfinished rows that
+carry a sequence key, so other rows add no entries. Earlier releases read none of it
 (they ignore the limits and sequences, as they always did).
 """
 
 from django.db import migrations, models
 
+# Partial on the unfinished members, in the words of the claim's probe
+# (sql._sequence_free), so the planner matches it: a finished member leaves
+# the index, and the probe for an earlier unfinished member reads one entry.
 CREATE_SEQUENCE_INDEX = (
     "CREATE INDEX CONCURRENTLY IF NOT EXISTS awa_job_sequence_idx "
-    "ON awa_job ((metadata ->> 'awa_sequence'), id) WHERE metadata ? 'awa_sequence'"
+    "ON awa_job ((metadata ->> 'awa_sequence'), id) "
+    "WHERE metadata ? 'awa_sequence' AND state NOT IN ('completed', 'failed', 'cancelled')"
 )
 DROP_SEQUENCE_INDEX = "DROP INDEX CONCURRENTLY IF EXISTS awa_job_sequence_idx"
 
