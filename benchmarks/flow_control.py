@@ -252,13 +252,16 @@ def rate(args: argparse.Namespace) -> dict[str, Any]:
         timeout=args.rate_seconds * 3 + 60,
     )
     with psycopg.connect(SERVER + DB, autocommit=True) as conn:
-        # Starts in the full windows after the first (the first second starts a burst
-        # of N, as a sliding window allows), and the busiest sliding second.
+        # Starts in the whole seconds from the first start (a sliding window lets
+        # N start at once, then the next N a second later: whole seconds count
+        # each burst once), and the busiest sliding second.
         row = conn.execute(
             """WITH s AS (SELECT attempted_at AS at FROM awa_job),
-                    f AS (SELECT min(at) AS t0, max(at) AS t1 FROM s)
-               SELECT (SELECT count(*) FROM s, f WHERE s.at >= f.t0 + interval '1 second'),
-                      extract(epoch FROM f.t1 - f.t0) - 1,
+                    f AS (SELECT min(at) AS t0,
+                                 floor(extract(epoch FROM max(at) - min(at))) AS k FROM s)
+               SELECT (SELECT count(*) FROM s, f
+                       WHERE s.at < f.t0 + make_interval(secs => f.k)),
+                      f.k,
                       (SELECT max(n) FROM (SELECT count(*) OVER (ORDER BY at RANGE BETWEEN
                               CURRENT ROW AND interval '0.999999 seconds' FOLLOWING) AS n
                               FROM s) AS w)

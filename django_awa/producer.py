@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 # How long a busy queue's producer may wait for more room to claim together.
 GATHER_SECONDS = 0.005
 # The most candidates a limited claim of a queue with kind limits ranks (4x the
-# batch, at least 100); a saturated key's rows are passed
-# over before they count, so this bounds the work, not who gets a turn.
+# batch, at least 100, at most this); a saturated key's rows are passed over
+# before they count, so this bounds the work, not who gets a turn.
 LIMITED_SCAN = 2000
 # Shortest wait between claims of a rate-limited queue that took less than it
 # asked for: a slot of the window frees every period / N seconds.
@@ -258,10 +258,10 @@ class Producer:
         want = self.reserve(self.busy, prefetch=not (self.limits and self.limits.limited))
         if not want:
             return None
-        # Read after the wait for room, which may have outlasted a poll interval.
-        limits = self.current_limits()
         runner.wake.clear()
         try:
+            # Read after the wait for room, which may have outlasted a poll interval.
+            limits = self.current_limits()
             if limits.limited:
                 jobs = claim_limited(limits, want, state.alias)
             else:

@@ -264,6 +264,21 @@ def test_a_finishing_member_starts_the_next_without_waiting_for_a_poll(start_wor
     assert [r.n for r in FlowRun.objects.order_by("started_at")] == list(range(20))
 
 
+def test_a_finishing_attempt_frees_its_slot_for_waiting_workers_without_a_poll(
+    start_worker,
+) -> None:
+    awa.set_queue_limits("wake", global_concurrency=1)
+    # 30 s poll intervals: only the wake-ups (in-process, and NOTIFY to the other
+    # worker) can start held-back jobs in time.
+    for _ in range(2):
+        start_worker("--queue", "wake=2", env={"AWA_TEST_POLL_INTERVAL": "30"})
+    started = time.monotonic()
+    awa.enqueue_many([awa.EnqueueRequest(Span(n=i, seconds=0.05), queue="wake") for i in range(16)])
+    all_finished("span", 16, timeout=20)
+    assert time.monotonic() - started < 12
+    assert max_overlap("queue = 'wake'") == 1
+
+
 # ==== Crashes, runtime changes, pausing ===========================================
 
 
