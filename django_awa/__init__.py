@@ -16,6 +16,7 @@ _EXPORTS = {
     "JobArgs": "kinds",
     "worker": "kinds",
     "Unique": "kinds",
+    "Limit": "kinds",
     "periodic": "schedules",
     # enqueueing
     "enqueue": "enqueueing",
@@ -52,6 +53,7 @@ _EXPORTS = {
     "pause_schedule": "schedules",
     "resume_schedule": "schedules",
     "trigger_schedule": "schedules",
+    "set_queue_limits": "control",
     # errors
     "AwaError": "exceptions",
     "ValidationError": "exceptions",
@@ -74,6 +76,7 @@ __all__ = [
     "JobContext",
     "JobNotFound",
     "JobState",
+    "Limit",
     "Outcome",
     "RescueReason",
     "RetryAfter",
@@ -102,6 +105,7 @@ __all__ = [
     "resume_schedule",
     "retry",
     "retry_external",
+    "set_queue_limits",
     "trigger_schedule",
     "worker",
     "workflow_status",
@@ -123,7 +127,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .callbacks import complete_external, fail_external, heartbeat_callback, retry_external
-    from .control import cancel, pause_queue, queue_stats, resume_queue, retry
+    from .control import cancel, pause_queue, queue_stats, resume_queue, retry, set_queue_limits
     from .enqueueing import EnqueueRequest, aenqueue, aenqueue_many, enqueue, enqueue_many
     from .exceptions import (
         AwaError,
@@ -137,7 +141,7 @@ if TYPE_CHECKING:
     )
     from .execute import CallbackToken, Cancel, JobContext, RetryAfter, Snooze, WaitForCallback
     from .followups import Outcome, RescueReason
-    from .kinds import JobArgs, Unique, worker
+    from .kinds import JobArgs, Limit, Unique, worker
     from .models import JobState
     from .schedules import pause_schedule, periodic, resume_schedule, trigger_schedule
     from .workflows import Workflow, WorkflowStatus, workflow_status

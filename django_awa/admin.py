@@ -51,10 +51,11 @@ from . import control, sql
 from . import schedules as schedule_steering
 from .codec import check_text
 from .conf import awa_settings
-from .exceptions import AwaError
+from .exceptions import AwaError, ValidationError
 from .fleet_admin import running_worker
 from .kinds import registry
 from .models import Job, JobQuerySet, JobState, PendingFollowup, PeriodicSchedule, Queue
+from .producer import held_back, queue_limits
 from .schedules import schedules
 from .workflows import workflow_status
 
@@ -1193,12 +1194,15 @@ class QueueAdmin(AwaModelAdmin[Queue]):
         if not self.has_view_permission(request):
             raise PermissionDenied
         if request.method == "POST":
+            if request.POST.get("operation") == "limits":
+                return self._set_limits(request)
             return self._pause_or_resume(request)
         alias = _alias()
         stats = control.queue_stats(using=alias)
         for name in awa_settings().queues:
             stats.setdefault(name, control.empty_queue_stats())
         jobs_url = reverse("admin:django_awa_job_changelist")
+        flow = _flow_control(sorted(stats), alias)
         rows = []
         for name in sorted(stats):
             entry = stats[name]
@@ -1206,6 +1210,7 @@ class QueueAdmin(AwaModelAdmin[Queue]):
                 {
                     "name": name,
                     "paused": entry["paused"],
+                    **flow[name],
                     "url": f"{jobs_url}?{urlencode({'queue': name})}",
                     "total": sum(entry[state] for state in JobState.values),
                     "counts": [
@@ -1248,6 +1253,78 @@ class QueueAdmin(AwaModelAdmin[Queue]):
             self.message_user(request, f"Resumed queue {name}.")
         logger.info("queue %s %sd in admin by %s", name, operation, request.user.get_username())
         return HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))
+
+    def _set_limits(self, request: HttpRequest) -> HttpResponse:
+        """Change a queue's rate_limit and global_concurrency (blank: none) for every
+        worker, or give the settings back with "reset"."""
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        name = request.POST.get("queue", "")
+        if not name or len(name) > 128 or not holdable(name):
+            return HttpResponseBadRequest("a queue name is required")
+        rate = request.POST.get("rate_limit", "").strip() or None
+        concurrency_text = request.POST.get("global_concurrency", "").strip()
+        changelist = HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))
+        try:
+            concurrency = int(concurrency_text) if concurrency_text else None
+        except ValueError:
+            self.message_user(
+                request,
+                f"Queue {name}: global concurrency must be a positive integer, "
+                f"got {concurrency_text!r}; nothing changed.",
+                messages.ERROR,
+            )
+            return changelist
+        try:
+            if "reset" in request.POST:
+                control.set_queue_limits(name, reset=True, using=_alias())
+            else:
+                control.set_queue_limits(
+                    name, rate_limit=rate, global_concurrency=concurrency, using=_alias()
+                )
+        except ValidationError as exc:
+            self.message_user(request, f"{exc}; nothing changed.", messages.ERROR)
+            return changelist
+        self.message_user(request, f"Changed the limits of queue {name} for every worker.")
+        logger.info("queue %s limits changed in admin by %s", name, request.user.get_username())
+        return changelist
+
+
+def _flow_control(names: list[str], alias: str) -> dict[str, dict[str, Any]]:
+    """Per queue: its limits (and whether set at runtime), the jobs a limit or a
+    sequence holds back now, and the attempts started per second over the last minute."""
+    limits = {name: queue_limits(name, alias) for name in names}
+    runtime = {
+        q.name: q.limits for q in Queue.objects.using(alias).filter(name__in=names) if q.limits
+    }
+    limited = [name for name, lim in limits.items() if lim.limited]
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.ACHIEVED_RATE, {"limited": limited})
+        started = dict(cursor.fetchall())
+    flow = {}
+    for name, lim in limits.items():
+        kinds = json.loads(lim.kinds)
+        flow[name] = {
+            "global_concurrency": lim.global_concurrency,
+            "rate_limit": lim.rate_limit.text if lim.rate_limit else None,
+            "runtime_limits": name in runtime,
+            "kind_limits": [
+                f"{kind}: "
+                + ", ".join(
+                    part
+                    for part in (
+                        f"{entry['c']} at once" if "c" in entry else "",
+                        f"{entry['rn']} per {entry['rs']:g}s" if "rn" in entry else "",
+                        f"per {', '.join(entry['by'])}" if entry["by"] else "",
+                    )
+                    if part
+                )
+                for kind, entry in sorted(kinds.items())
+            ],
+            "held_back": held_back(lim, alias),
+            "rate": round(started.get(name, 0) / 60, 2),
+        }
+    return flow
 
 
 class ReadOnlyAdmin[M: Model](AwaModelAdmin[M]):

@@ -5,6 +5,11 @@ up to ``FINALIZE_BATCH_SIZE`` at a time, writes them in one transaction, and
 stops tracking their attempts. Results whose row another session holds locked
 are written again after ``LOCKED_RETRY`` seconds, on their own, while the rest
 go on.
+
+Once the outcomes of a limited queue's attempts, or of sequence members, are
+written, ``notify_freed`` wakes the claimers waiting for that capacity: this
+process's producers at once, every other worker by NOTIFY. Held-back jobs
+start when a slot frees, not at the next poll.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import logging
 import queue as queue_module
 import time
 import traceback
+from collections.abc import Iterable
 
-from . import db
+from . import db, sql
 from .execute import AttemptResult, errored
 from .finalize import finalize
+from .models import JobState
 from .state import DB_ERRORS, WorkerState, log_context, reset_connection
 
 logger = logging.getLogger(__name__)
@@ -48,6 +55,44 @@ def first_of_each_attempt(batch: list[AttemptResult]) -> list[AttemptResult]:
             seen.add(key)
             first.append(result)
     return first
+
+
+def notify_freed(state: WorkerState, results: Iterable[AttemptResult]) -> None:
+    """Wake the claimers of the capacity ``results`` (written outcomes) gave back.
+
+    A queue under limits (its runner says so) is woken whatever the outcome; a
+    sequence's next member only once the member before it is finished. Costs
+    nothing for unlimited queues without sequences. A failure is logged: the
+    claimers' poll still finds the capacity.
+    """
+    queues: set[str] = set()
+    sequences: set[str] = set()
+    for result in results:
+        job = result.job
+        runner = state.queues.get(job.queue)
+        if runner is not None and runner.limited:
+            queues.add(job.queue)
+        key = job.metadata.get("awa_sequence") if job.metadata else None
+        if key is not None and result.state in JobState.FINAL:
+            sequences.add(key)
+    if not queues and not sequences:
+        return
+    try:
+        with db.cursor(state.alias) as cursor:
+            cursor.execute(
+                sql.NOTIFY_FREED,
+                {
+                    "queues": sorted(queues),
+                    "sequences": sorted(sequences),
+                    "local": sorted(state.queues),
+                },
+            )
+            woken = {row[0] for row in cursor.fetchall()}
+    except DB_ERRORS as exc:
+        logger.warning("could not wake claimers of queues %s (%s)", sorted(queues), exc)
+        reset_connection()
+        woken = queues
+    state.wake(woken)
 
 
 class Completer:
@@ -111,6 +156,7 @@ class Completer:
     def write(self, batch: list[AttemptResult], deferred: list[AttemptResult]) -> None:
         """Write ``batch``, forget its attempts; add those whose row was locked to ``deferred``."""
         self.write_batch(first_of_each_attempt(batch))
+        notify_freed(self.state, (result for result in batch if not result.locked))
         forget = self.state.forget
         for result in batch:
             if result.locked:

@@ -28,6 +28,10 @@ MAX_CALLBACK_TIMEOUT = 365 * 86400.0
 
 QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 DEFAULT_CONCURRENCY = 10
+# A rate: N attempt starts per second, minute or hour (a sliding window).
+RATE_RE = re.compile(r"^\s*([0-9]+)\s*/\s*([smh])\s*$")
+RATE_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+QUEUE_OPTIONS = ("concurrency", "rate_limit", "global_concurrency", "min", "weight")
 
 # Key -> default. Durations are seconds; ``None`` disables where documented.
 DEFAULTS: dict[str, Any] = {
@@ -60,6 +64,9 @@ DEFAULTS: dict[str, Any] = {
     "PREPARED_STATEMENTS": True,
     # "" (or absent): the DATABASE alias. None: no direct session (poll, per-tick lock).
     "DIRECT_DATABASE": "",
+    # A cap on handler threads shared by all of a process's queues (weighted by
+    # each queue's "weight", each keeping its "min"); None: each queue its own.
+    "WORKER_CONCURRENCY": None,
 }
 
 # What each key means: the documentation's settings reference is generated
@@ -151,9 +158,40 @@ DURATIONS = {
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Rate:
+    """At most ``count`` attempt starts in any window of ``period`` seconds."""
+
+    count: int
+    period: float
+    text: str
+
+
+def parse_rate(value: Any, what: str) -> Rate:
+    """A rate from ``"N/s"``, ``"N/m"`` or ``"N/h"`` (N a positive integer);
+    ``ValidationError`` beginning with ``what`` otherwise."""
+    match = RATE_RE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValidationError(f'{what} must be a rate "N/s", "N/m" or "N/h", got {value!r}')
+    count = int(match.group(1))
+    if count < 1:
+        raise ValidationError(f"{what} must allow at least one start per period, got {value!r}")
+    return Rate(count=count, period=RATE_PERIODS[match.group(2)], text=f"{count}/{match.group(2)}")
+
+
+def positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class QueueConfig:
     name: str
     concurrency: int = DEFAULT_CONCURRENCY
+    # Fleet-wide limits (SPEC 12); the database's runtime values win (set_queue_limits).
+    rate_limit: Rate | None = None
+    global_concurrency: int | None = None
+    # Weighted sharing of AWA["WORKER_CONCURRENCY"] within one process.
+    min: int = 0
+    weight: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,6 +216,7 @@ class AwaSettings:
     max_metadata_bytes: int
     prepared_statements: bool
     direct_database: str | None
+    worker_concurrency: int | None = None
 
 
 def to_seconds(value: Any) -> float:
@@ -304,6 +343,8 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
         found.append(("PREPARED_STATEMENTS", "AWA['PREPARED_STATEMENTS'] must be True or False"))
     if "QUEUES" in raw:
         found.extend(_queue_problems(raw["QUEUES"]))
+    if raw.get("WORKER_CONCURRENCY") is not None:
+        found.extend(_worker_concurrency_problems(raw["WORKER_CONCURRENCY"], raw.get("QUEUES")))
     stale = raw.get("STALE_AFTER", DEFAULTS["STALE_AFTER"])
     beat = raw.get("HEARTBEAT_INTERVAL", DEFAULTS["HEARTBEAT_INTERVAL"])
     try:
@@ -328,8 +369,30 @@ def _queue_problems(queues: Any) -> list[tuple[str, str]]:
             found.append(("QUEUES", f"AWA['QUEUES'][{name!r}] must be a dict, got {options!r}"))
             continue
         for opt in options:
-            if opt != "concurrency":
+            if opt not in QUEUE_OPTIONS:
                 found.append(("QUEUES", f"AWA['QUEUES'][{name!r}] has an unknown option {opt!r}"))
+        if options.get("rate_limit") is not None:
+            try:
+                parse_rate(options["rate_limit"], f"AWA['QUEUES'][{name!r}]['rate_limit']")
+            except ValidationError as exc:
+                found.append(("QUEUES", str(exc)))
+        for opt in ("global_concurrency", "weight"):
+            if options.get(opt) is not None and not positive_int(options[opt]):
+                found.append(
+                    (
+                        "QUEUES",
+                        f"AWA['QUEUES'][{name!r}][{opt!r}] must be a positive integer, "
+                        f"got {options[opt]!r}",
+                    )
+                )
+        low = options.get("min")
+        if low is not None and (not isinstance(low, int) or isinstance(low, bool) or low < 0):
+            found.append(
+                (
+                    "QUEUES",
+                    f"AWA['QUEUES'][{name!r}]['min'] must be an integer of at least 0, got {low!r}",
+                )
+            )
         concurrency = options.get("concurrency", DEFAULT_CONCURRENCY)
         if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
             found.append(
@@ -340,6 +403,53 @@ def _queue_problems(queues: Any) -> list[tuple[str, str]]:
                 )
             )
     return found
+
+
+def _worker_concurrency_problems(cap: Any, queues: Any) -> list[tuple[str, str]]:
+    if not positive_int(cap):
+        return [
+            (
+                "WORKER_CONCURRENCY",
+                f"AWA['WORKER_CONCURRENCY'] must be a positive integer or None, got {cap!r}",
+            )
+        ]
+    if not isinstance(queues, dict):
+        return []  # the default queue, or reported under QUEUES
+    mins = {
+        name: opts["min"]
+        for name, opts in queues.items()
+        if isinstance(opts, dict) and isinstance(opts.get("min"), int)
+    }
+    found = [
+        (
+            "WORKER_CONCURRENCY",
+            f"AWA['QUEUES'][{name!r}]['min'] ({low}) is more than "
+            f"AWA['WORKER_CONCURRENCY'] ({cap})",
+        )
+        for name, low in mins.items()
+        if low > cap
+    ]
+    if not found and sum(mins.values()) > cap:
+        found.append(
+            (
+                "WORKER_CONCURRENCY",
+                f"the queues' 'min' values add up to {sum(mins.values())}, more than "
+                f"AWA['WORKER_CONCURRENCY'] ({cap})",
+            )
+        )
+    return found
+
+
+def _queue_config(name: str, opts: dict[str, Any]) -> QueueConfig:
+    rate = opts.get("rate_limit")
+    return QueueConfig(
+        name=name,
+        concurrency=opts.get("concurrency", DEFAULT_CONCURRENCY),
+        rate_limit=None if rate is None else parse_rate(rate, name),
+        global_concurrency=opts.get("global_concurrency"),
+        min=opts.get("min") or 0,
+        weight=opts.get("weight") or 1,
+    )
 
 
 @functools.cache
@@ -361,10 +471,7 @@ def awa_settings() -> AwaSettings:
 
     return AwaSettings(
         database=merged["DATABASE"],
-        queues={
-            name: QueueConfig(name=name, concurrency=opts.get("concurrency", DEFAULT_CONCURRENCY))
-            for name, opts in merged["QUEUES"].items()
-        },
+        queues={name: _queue_config(name, opts) for name, opts in merged["QUEUES"].items()},
         poll_interval=required("POLL_INTERVAL"),
         heartbeat_interval=required("HEARTBEAT_INTERVAL"),
         stale_after=required("STALE_AFTER"),
@@ -385,6 +492,7 @@ def awa_settings() -> AwaSettings:
         direct_database=(
             merged["DATABASE"] if merged["DIRECT_DATABASE"] == "" else merged["DIRECT_DATABASE"]
         ),
+        worker_concurrency=merged["WORKER_CONCURRENCY"],
     )
 
 

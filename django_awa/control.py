@@ -1,4 +1,4 @@
-"""Operator controls: cancel, retry, pause and resume queues, queue statistics.
+"""Operator controls: cancel, retry, pause and resume queues, queue limits, statistics.
 
 Each joins the caller's open transaction on ``using`` (default
 ``AWA["DATABASE"]``).
@@ -6,15 +6,17 @@ Each joins the caller's open transaction on ``using`` (default
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from typing import Any, Final, Literal
 
 from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
 from . import sql
+from .conf import QUEUE_NAME_RE, parse_rate, positive_int
 from .dependencies import after_outcomes, reopen
 from .enqueueing import database_alias
-from .exceptions import JobNotFound, UniqueConflict
+from .exceptions import JobNotFound, UniqueConflict, ValidationError
 from .followups import Cancelled, dispatch, send_signal
 from .models import Job, JobState, Queue, jobs_from_rows
 
@@ -114,6 +116,64 @@ def resume_queue(name: str, *, using: str | None = None) -> None:
         )
         with connections[alias].cursor() as cursor:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [name]})
+
+
+class _Keep(enum.Enum):
+    KEEP = "keep"
+
+
+KEEP: Final = _Keep.KEEP  # set_queue_limits: leave this limit as it is
+
+
+def set_queue_limits(
+    name: str,
+    *,
+    rate_limit: str | Literal[_Keep.KEEP] | None = KEEP,
+    global_concurrency: int | Literal[_Keep.KEEP] | None = KEEP,
+    reset: bool = False,
+    using: str | None = None,
+) -> dict[str, Any]:
+    """Change queue ``name``'s fleet-wide limits at runtime; return what is stored.
+
+    ``rate_limit`` (``"N/s"``, ``"N/m"``, ``"N/h"``) and ``global_concurrency``
+    override ``AWA["QUEUES"][name]`` for every worker; ``None`` removes that
+    limit, an argument left out keeps what was there. ``reset=True`` first drops
+    every runtime value, so the settings apply again. Stored in the database
+    (``awa_queue.limits``) in the caller's transaction; each worker applies it
+    within one ``POLL_INTERVAL`` of the commit (woken by NOTIFY, sooner). Raises
+    ``ValidationError`` naming a bad value, nothing written.
+    """
+    where = f"set_queue_limits({name!r})"
+    if not isinstance(name, str) or not QUEUE_NAME_RE.match(name):
+        raise ValidationError(f"set_queue_limits: invalid queue name {name!r}")
+    changes: dict[str, Any] = {}
+    if rate_limit is not KEEP:
+        if rate_limit is None:
+            changes["rate_limit"] = None
+        else:
+            rate = parse_rate(rate_limit, f"{where}: rate_limit")
+            changes.update(rate_limit=rate.text, rate_count=rate.count, rate_period=rate.period)
+    if global_concurrency is not KEEP:
+        if global_concurrency is not None and not positive_int(global_concurrency):
+            raise ValidationError(
+                f"{where}: global_concurrency must be a positive integer or None, "
+                f"got {global_concurrency!r}"
+            )
+        changes["global_concurrency"] = global_concurrency
+    alias = database_alias(using)
+    with transaction.atomic(using=alias):
+        queue, _ = Queue.objects.using(alias).select_for_update().get_or_create(name=name)
+        limits = {} if reset else dict(queue.limits or {})
+        if changes.get("rate_limit", "") is None:
+            for key in ("rate_count", "rate_period"):
+                limits.pop(key, None)
+        limits.update(changes)
+        queue.limits = limits
+        queue.updated_at = timezone.now()
+        queue.save(update_fields=["limits", "updated_at"])
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.NOTIFY_QUEUES, {"queues": [name]})
+    return limits
 
 
 def empty_queue_stats() -> dict[str, Any]:

@@ -50,6 +50,9 @@ class EnqueueRequest:
     # Jobs (rows or ids) this one waits for, and what they must reach (SPEC §11).
     after: Sequence[Any] = ()
     requires: str = "completed"
+    # This job's sequence key (SPEC 12): jobs sharing one run one at a time, in
+    # enqueue order, whatever their kind. Wins over the kind's sequence=.
+    sequence: str | None = None
 
 
 # What a dependency must reach (models.Requires, kept here as text: the
@@ -140,8 +143,10 @@ def prepare(
         unique = item.unique if item.unique is not None else unique
         after = item.after or after
         requires = item.requires if item.after else requires
+        sequence = item.sequence
     else:
         args = item
+        sequence = None
     if not isinstance(args, JobArgs):
         raise ValidationError(
             f"expected JobArgs or awa.EnqueueRequest, got {type(args).__name__}: {args!r}"
@@ -160,6 +165,11 @@ def prepare(
     queue = defaults.queue if queue is None else queue
     if not isinstance(queue, str) or not QUEUE_NAME_RE.match(queue):
         raise ValidationError(f"{where}: invalid queue name {queue!r}")
+    if defaults.limited and queue != defaults.queue:
+        raise ValidationError(
+            f"{where}: the kind has an awa.Limit, which holds on its queue "
+            f"{defaults.queue!r}; it cannot be enqueued on {queue!r}"
+        )
     priority = defaults.priority if priority is None else priority
     check_priority(priority, where)
     max_attempts = defaults.max_attempts if max_attempts is None else max_attempts
@@ -172,6 +182,9 @@ def prepare(
     metadata_json = with_trace(metadata_json)  # the enqueuing span, with the otel extra
     if metadata_json is not None:
         meta = _with_engine_metadata(meta, metadata_json)
+    sequence_key = _sequence_key(sequence, defaults.sequence, kind, encoded, where)
+    if sequence_key is not None:
+        meta = _with_engine_metadata(meta, json.dumps({"awa_sequence": sequence_key}))
     unique = defaults.unique if unique is None else unique
     unique_key = unique_states = None
     if unique is not None:
@@ -330,6 +343,31 @@ def _check_metadata(metadata: dict[str, Any] | None, where: str) -> str:
         return check_json(metadata)
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"{where}: metadata cannot be stored as JSON: {exc}") from exc
+
+
+# A sequence key is an index entry: keep it short.
+MAX_SEQUENCE_KEY = 255
+
+
+def _sequence_key(
+    given: Any, fields: tuple[str, ...], kind: str, encoded: dict[str, Any], where: str
+) -> str | None:
+    """The job's sequence key: ``EnqueueRequest(sequence=)`` as given, else the
+    kind's ``sequence=`` fields' values (prefixed with the kind); ``None`` if neither."""
+    if given is not None:
+        if not isinstance(given, str) or not 1 <= len(given) <= MAX_SEQUENCE_KEY:
+            raise ValidationError(
+                f"{where}: sequence must be a string of 1 to {MAX_SEQUENCE_KEY} characters, "
+                f"got {given!r}"
+            )
+        return given
+    if not fields:
+        return None
+    key = f"{kind}:{json.dumps([encoded.get(name) for name in fields], sort_keys=True)}"
+    if len(key) > MAX_SEQUENCE_KEY:
+        # Long values: their digest keeps the key short and still one per value.
+        key = f"{kind}:sha256:{hashlib.sha256(key.encode()).hexdigest()}"
+    return key
 
 
 def _with_engine_metadata(user_json: str, engine_json: str) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 from django.db import connections
 
 from . import db
+from .completer import notify_freed
 from .execute import (
     Attempt,
     AttemptResult,
@@ -309,6 +310,8 @@ class HandlerPool:
     ) -> AttemptResult | None:
         try:
             written = run_atomic_attempt(attempt, spec, args)
+            if written is not None:
+                notify_freed(self.state, [written])
         except DB_ERRORS as exc:
             # The transaction rolled back, or its commit's acknowledgement was
             # lost: the completer records the attempt as failed. Its write is

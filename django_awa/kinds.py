@@ -18,7 +18,7 @@ from typing import Any, ClassVar, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .conf import MAX_DURATION, QUEUE_NAME_RE, to_seconds
+from .conf import MAX_DURATION, QUEUE_NAME_RE, Rate, parse_rate, positive_int, to_seconds
 from .exceptions import ValidationError
 
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
@@ -82,6 +82,63 @@ class Unique:
     states: tuple[str, ...] = field(default_factory=_unique_held)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limit:
+    """Fleet-wide flow control of one kind (``@awa.worker(..., limit=awa.Limit(...))``).
+
+    ``concurrency``: at most this many of the kind's attempts run at once;
+    ``rate`` (``"N/s"``, ``"N/m"``, ``"N/h"``): at most N start in any such
+    window. With ``by`` (an args field name, or a tuple of them) both hold per
+    value of those fields instead: one busy account never holds back another.
+    """
+
+    concurrency: int | None = None
+    rate: str | None = None
+    by: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.concurrency is None and self.rate is None:
+            raise ValidationError("awa.Limit() needs concurrency=, rate= or both")
+        if self.concurrency is not None and not positive_int(self.concurrency):
+            raise ValidationError(
+                f"awa.Limit(concurrency=) must be a positive integer, got {self.concurrency!r}"
+            )
+        if self.rate is not None:
+            parse_rate(self.rate, "awa.Limit(rate=)")
+        if self.by is not None:
+            fields_of(self.by, "awa.Limit(by=)")
+
+    @property
+    def parsed_rate(self) -> Rate | None:
+        return None if self.rate is None else parse_rate(self.rate, "awa.Limit(rate=)")
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return () if self.by is None else fields_of(self.by, "awa.Limit(by=)")
+
+
+def fields_of(by: Any, what: str) -> tuple[str, ...]:
+    """The args field names ``by`` gives (a name or a tuple of names)."""
+    names = (by,) if isinstance(by, str) else by
+    if (
+        not isinstance(names, tuple)
+        or not names
+        or not all(isinstance(n, str) and n.isidentifier() for n in names)
+    ):
+        raise ValidationError(f"{what} takes a field name or a tuple of field names, got {by!r}")
+    return names
+
+
+def _check_fields(args_cls: type[JobArgs], names: tuple[str, ...], what: str) -> None:
+    known = {f.name for f in dataclasses.fields(cast(Any, args_cls))}
+    for name in names:
+        if name not in known:
+            raise ValidationError(
+                f"{what}: {args_cls.__qualname__} has no field {name!r} "
+                f"(fields: {', '.join(sorted(known)) or 'none'})"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
     args_cls: type[JobArgs]
@@ -96,6 +153,9 @@ class WorkerSpec:
     timeout: float | None = None
     # An ``async def`` handler: the worker runs it on its event loop thread.
     is_async: bool = False
+    # Flow control (SPEC 12): a kind limit, and the args fields of its sequence key.
+    limit: Limit | None = None
+    sequence: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -108,6 +168,8 @@ class WorkerSpec:
             priority=self.priority,
             max_attempts=self.max_attempts,
             unique=self.unique,
+            sequence=self.sequence,
+            limited=self.limit is not None,
         )
 
 
@@ -119,6 +181,8 @@ class KindDefaults:
     priority: int = PRIORITY_DEFAULT
     max_attempts: int = MAX_ATTEMPTS_DEFAULT
     unique: Unique | None = None
+    sequence: tuple[str, ...] = ()  # args fields whose values make the sequence key
+    limited: bool = False  # an awa.Limit: its jobs run on ``queue`` only
 
 
 class Registry:
@@ -130,6 +194,7 @@ class Registry:
         # Families of kinds served by one handler (Django Tasks: "task:<path>").
         self.resolvers: dict[str, Callable[[str], WorkerSpec | None]] = {}
         self._deadlines_json: str | None = None
+        self._limits_json: dict[str, str] = {}
 
     def handler_for(self, kind: str) -> WorkerSpec | None:
         spec = self.workers.get(kind)
@@ -156,9 +221,33 @@ class Registry:
             )
         return self._deadlines_json
 
+    def limits_json(self, queue: str) -> str:
+        """``{kind: {"c", "rn", "rs", "by"}}`` of the kinds on ``queue`` with an
+        ``awa.Limit``, as the limited claim takes it ("{}" when none has one).
+
+        A kind's limit holds on the queue it is declared on; enqueue refuses its
+        jobs on any other, so the queue's lock serializes every claim that counts.
+        """
+        cached = self._limits_json.get(queue)
+        if cached is None:
+            limits: dict[str, dict[str, Any]] = {}
+            for kind, spec in self.workers.items():
+                if spec.limit is None or spec.queue != queue:
+                    continue
+                entry: dict[str, Any] = {"by": list(spec.limit.fields)}
+                if spec.limit.concurrency is not None:
+                    entry["c"] = spec.limit.concurrency
+                rate = spec.limit.parsed_rate
+                if rate is not None:
+                    entry["rn"], entry["rs"] = rate.count, rate.period
+                limits[kind] = entry
+            cached = self._limits_json[queue] = json.dumps(limits, sort_keys=True)
+        return cached
+
     def register(self, spec: WorkerSpec) -> None:
         self.workers[spec.kind] = spec
         self._deadlines_json = None
+        self._limits_json = {}
 
 
 _NO_DEFAULTS = KindDefaults()
@@ -175,6 +264,8 @@ def worker(
     unique: Unique | None = None,
     atomic: bool = False,
     timeout: float | dt.timedelta | None = None,
+    limit: Limit | None = None,
+    sequence: str | tuple[str, ...] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the one handler for ``args_cls.kind`` and its enqueue defaults.
 
@@ -183,6 +274,8 @@ def worker(
     it the attempt is recorded as failed ("timed out") and retried per the
     retry policy; an async handler is cancelled, a sync handler's result is
     ignored. It must not exceed the kind's ``deadline`` when both are given.
+    ``limit`` (an ``awa.Limit``) and ``sequence`` (args field names) are the
+    kind's flow control, fleet-wide (README, *Flow control*).
     """
     given = cast(object, args_cls)  # whatever the caller passed, typed or not
     if not (isinstance(given, type) and issubclass(given, JobArgs)):
@@ -203,6 +296,7 @@ def worker(
             f"{where}: timeout ({timeout_s:g}s) is longer than the deadline ({deadline_s:g}s): "
             f"maintenance would rescue the attempt before it timed out"
         )
+    sequence_fields = _flow_control(args_cls, limit, sequence, where)
 
     def decorator(handler: Callable[..., Any]) -> Callable[..., Any]:
         kind = args_cls.kind
@@ -233,6 +327,8 @@ def worker(
                 atomic=atomic,
                 timeout=timeout_s,
                 is_async=is_async,
+                limit=limit,
+                sequence=sequence_fields,
             )
         )
         return handler
@@ -254,6 +350,21 @@ def _duration(value: float | dt.timedelta | None, name: str, where: str) -> floa
             f"got {value!r}"
         )
     return seconds
+
+
+def _flow_control(
+    args_cls: type[JobArgs], limit: Any, sequence: Any, where: str
+) -> tuple[str, ...]:
+    """Check ``limit=`` and ``sequence=`` of ``@awa.worker``; return the sequence's fields."""
+    if limit is not None:
+        if not isinstance(limit, Limit):
+            raise ValidationError(f"{where}: limit must be an awa.Limit, got {limit!r}")
+        _check_fields(args_cls, limit.fields, f"{where}: limit by=")
+    if sequence is None:
+        return ()
+    names = fields_of(sequence, f"{where}: sequence=")
+    _check_fields(args_cls, names, f"{where}: sequence=")
+    return names
 
 
 def _qualname(fn: Callable[..., Any]) -> str:

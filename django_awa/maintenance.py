@@ -35,6 +35,7 @@ from .followups import (
     followup_registry,
     send_signal,
 )
+from .kinds import registry
 from .logs import log_context
 from .models import JobState, PendingFollowup, jobs_from_rows
 from .pending import keep_pending, restore
@@ -211,6 +212,7 @@ class Maintenance:
             self._duty("fire_periodic", self.fire_periodic)
             self._duty("prune_workers", self.prune_workers)
             self._duty("count_jobs", self.count_jobs)
+            self._duty("prune_attempt_starts", self.prune_attempt_starts)
             if now - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = now
                 self._duty("prune", self.prune)
@@ -247,6 +249,7 @@ class Maintenance:
         self.prune_workers()
         self.count_jobs()
         self.prune()
+        self.prune_attempt_starts()
 
     # -- duties ------------------------------------------------------------------------
 
@@ -444,6 +447,27 @@ class Maintenance:
         with self._transaction(), connections[self.alias].cursor() as cursor:
             cursor.execute(sql.CLEAR_JOB_COUNTS)
             cursor.execute(sql.COUNT_JOBS)
+
+    def prune_attempt_starts(self) -> int:
+        """Forget attempt starts no rate window reads any more (``awa_attempt_start``)."""
+        periods = [60.0]  # the admin's achieved rate looks back a minute
+        periods += [q.rate_limit.period for q in self.conf.queues.values() if q.rate_limit]
+        periods += [
+            rate.period
+            for spec in registry.workers.values()
+            if spec.limit is not None and (rate := spec.limit.parsed_rate) is not None
+        ]
+        total = 0
+        for _ in range(100):
+            with self._transaction(), connections[self.alias].cursor() as cursor:
+                cursor.execute(
+                    sql.PRUNE_ATTEMPT_STARTS, {"keep": max(periods) + 1.0, "limit": ARCHIVE_BATCH}
+                )
+                deleted = cursor.rowcount
+            total += deleted
+            if deleted < ARCHIVE_BATCH:
+                break
+        return total
 
     def prune(self) -> int:
         """Delete finished rows past retention, in batches; returns how many."""

@@ -204,6 +204,7 @@ class Job(models.Model):
                 name="awa_job_trigger_idx",
                 condition=Q(metadata__has_key="awa_trigger"),
             ),
+            # Sequences: awa_job_sequence_idx, built CONCURRENTLY by migration 0009.
         ]
         constraints = [
             models.CheckConstraint(
@@ -315,12 +316,18 @@ class Dependency(models.Model):
 
 
 class Queue(models.Model):
-    """A queue's operator state. Queues exist without a row; a row records a pause."""
+    """A queue's operator state. Queues exist without a row; a row records a pause
+    or limits set at runtime."""
 
     name = models.CharField(max_length=128, primary_key=True)
     paused = models.BooleanField(default=False, db_default=False)
     paused_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(default=timezone.now, db_default=Now())
+    # Limits set by awa.set_queue_limits() or the admin, winning over AWA["QUEUES"]:
+    # a key present overrides the setting (null: no limit), a key absent leaves it.
+    # {"global_concurrency": N | null, "rate_limit": "N/s" | null,
+    #  "rate_count": N, "rate_period": seconds} (the rate as the claim reads it).
+    limits = models.JSONField(default=dict, db_default={}, blank=True)
 
     class Meta:
         db_table = "awa_queue"
@@ -328,6 +335,28 @@ class Queue(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}{' (paused)' if self.paused else ''}"
+
+
+class AttemptStart(models.Model):
+    """When attempts of a limited queue or rate-limited kind started: the sliding
+    window rate limits count (SPEC 12). Insert-only, written by the limited claim
+    in its own statement; maintenance deletes rows older than the longest window.
+
+    ``scope`` is ``"q:<queue>"`` or ``"k:<kind>"``; ``key`` the ``Limit(by=)``
+    values of a kind's start (JSON text), ``""`` otherwise.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    scope = models.CharField(max_length=300)
+    key = models.TextField(default="", db_default="", blank=True)
+    started_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "awa_attempt_start"
+        indexes = [models.Index(fields=["scope", "started_at"], name="awa_start_window_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.scope} {self.key} {self.started_at}"
 
 
 class PendingFollowup(models.Model):

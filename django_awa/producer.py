@@ -6,19 +6,29 @@ While handlers are quick it claims ahead what they will start within
 ``PREFETCH_WINDOW``, so they never wait for a claim's round trip; slow
 handlers get no prefetch. Claimed attempts go to the queue's inbox, where its
 handler threads (``handlers.py``) take them.
+
+A queue under limits (SPEC 12: its ``rate_limit`` or ``global_concurrency``,
+set in ``AWA["QUEUES"]`` or at runtime, or kinds with an ``awa.Limit``) claims
+with ``sql.CLAIM_LIMITED`` after ``sql.LOCK_LIMITS``, without prefetch (a job
+claimed ahead would hold a fleet-wide slot while it waits); every other queue
+keeps the plain ``sql.CLAIM``. Which one applies is read again once per poll
+interval, so limits set at runtime reach every worker within one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
-from django.db import connections
+from django.db import connections, transaction
 
 from . import db, sql
-from .conf import awa_settings
+from .conf import AwaSettings, Rate, awa_settings
 from .execute import Attempt
 from .kinds import registry
 from .models import Job, jobs_from_rows
@@ -28,6 +38,86 @@ logger = logging.getLogger(__name__)
 
 # How long a busy queue's producer may wait for more room to claim together.
 GATHER_SECONDS = 0.005
+# The most candidates a limited claim of a queue with kind limits ranks (4x the
+# batch, at least 100, at most this); a saturated key's rows are passed over
+# before they count, so this bounds the work, not who gets a turn.
+LIMITED_SCAN = 2000
+# Shortest wait between claims of a rate-limited queue that took less than it
+# asked for: a slot of the window frees every period / N seconds.
+RATE_TICK = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLimits:
+    """A queue's limits as a claim applies them: settings, overridden at runtime."""
+
+    queue: str
+    global_concurrency: int | None
+    rate_limit: Rate | None
+    kinds: str  # registry.limits_json(queue)
+
+    @property
+    def limited(self) -> bool:
+        return (
+            self.global_concurrency is not None or self.rate_limit is not None or self.kinds != "{}"
+        )
+
+    @property
+    def rate_wait(self) -> float | None:
+        """How soon a claim that was held back by a rate should try again."""
+        periods = [self.rate_limit.period / self.rate_limit.count] if self.rate_limit else []
+        for entry in json.loads(self.kinds).values():
+            if "rn" in entry:
+                periods.append(entry["rs"] / entry["rn"])
+        return max(RATE_TICK, min(periods)) if periods else None
+
+    def lock_keys(self) -> list[str]:
+        # One lock per queue: a limited kind's jobs run on its declared queue only.
+        return [f"q:{self.queue}"]
+
+    def params(self, limit: int, scan: int) -> dict[str, Any]:
+        """The parameters of ``sql.CLAIM_LIMITED`` (and ``HELD_BACK``) but the deadlines.
+
+        The settings' limits go in; ``awa_queue.limits`` overrides them in the
+        statement itself, so a change made at runtime applies to the next claim.
+        """
+        rate = self.rate_limit
+        return {
+            "queue": self.queue,
+            "scope": f"q:{self.queue}",
+            "kinds": self.kinds,
+            "q_conc": self.global_concurrency,
+            "q_rate_count": None if rate is None else rate.count,
+            "q_rate_period": None if rate is None else rate.period,
+            "limit": limit,
+            "scan": scan,
+        }
+
+
+def queue_limits(queue: str, alias: str, conf: AwaSettings | None = None) -> QueueLimits:
+    """``queue``'s limits now: ``AWA["QUEUES"]``, then what ``set_queue_limits`` stored."""
+    conf = conf or awa_settings()
+    configured = conf.queues.get(queue)
+    concurrency = configured.global_concurrency if configured else None
+    rate = configured.rate_limit if configured else None
+    row = db.fetch_one(alias, sql.QUEUE_LIMITS, {"queue": queue})
+    stored: Any = row[0] if row else None  # jsonb: text on the libpq fast path
+    runtime: dict[str, Any] = (json.loads(stored) if isinstance(stored, str) else stored) or {}
+    if "global_concurrency" in runtime:
+        concurrency = runtime["global_concurrency"]
+    if "rate_limit" in runtime:
+        text = runtime["rate_limit"]
+        rate = (
+            None
+            if text is None
+            else Rate(count=runtime["rate_count"], period=runtime["rate_period"], text=text)
+        )
+    return QueueLimits(
+        queue=queue,
+        global_concurrency=concurrency,
+        rate_limit=rate,
+        kinds=registry.limits_json(queue),
+    )
 
 
 def claim(queue: str, limit: int, alias: str) -> list[Job]:
@@ -52,6 +142,64 @@ def claim(queue: str, limit: int, alias: str) -> list[Job]:
     jobs = jobs_from_rows(rows, alias)
     jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
     return jobs
+
+
+def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job]:
+    """Claim up to ``limit`` jobs of a limited queue, as many as its limits allow now.
+
+    One transaction: the advisory locks of the queue and the limited kinds
+    (``sql.LOCK_LIMITS``), then the one claim statement, whose snapshot sees
+    every attempt the previous lock holder started. Commits before returning.
+    """
+    conf = awa_settings()
+    # Without kind limits every candidate fits (the sequence check is made in the
+    # scan): the batch itself is enough. With them, a key's second job does not.
+    scan = limit if limits.kinds == "{}" else min(LIMITED_SCAN, max(100, 4 * limit))
+    params = limits.params(limit, scan)
+    params["deadlines"] = registry.deadlines_json()
+    params["default_deadline"] = conf.default_deadline
+    with transaction.atomic(using=alias), db.cursor(alias) as cursor:
+        cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
+        cursor.execute(sql.CLAIM_LIMITED, params)
+        rows = cursor.fetchall()
+    jobs = jobs_from_rows(rows, alias)
+    jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
+    return jobs
+
+
+def held_back(limits: QueueLimits, alias: str) -> int:
+    """How many of the queue's due jobs its limits or their sequences hold back now."""
+    with db.cursor(alias) as cursor:
+        if not limits.limited:
+            cursor.execute(sql.HAS_SEQUENCED, {"queue": limits.queue})
+            if not cursor.fetchone():
+                return 0  # nothing holds a job of an unlimited queue back
+        cursor.execute(sql.HELD_BACK, limits.params(1_000_000, 1_000_000))
+        row = cursor.fetchone()
+    return int(row[0]) if row else 0
+
+
+def why_held_back(limits: QueueLimits, alias: str) -> str:
+    """Why a claim of ``limits.queue`` took nothing, in words (for the DEBUG log)."""
+    params = limits.params(1_000_000, 1_000_000)
+    with db.cursor(alias) as cursor:
+        cursor.execute(sql.LIMITS_DIAGNOSIS, params)
+        row = cursor.fetchone()
+    room, due, candidates, fitting = row if row else (0, 0, 0, 0)
+    if not due:
+        return "no job is due"
+    if not room:
+        return (
+            f"{due} due job(s) held back: the queue is paused or at its limit "
+            f"(global_concurrency={limits.global_concurrency}, rate_limit="
+            f"{limits.rate_limit.text if limits.rate_limit else None})"
+        )
+    if not fitting:
+        return (
+            f"{due} due job(s) held back by their kind's awa.Limit or their sequence "
+            f"({candidates} not at a limit but waiting for the job before them, or locked)"
+        )
+    return f"{fitting} job(s) could start but were locked by another claimer"
 
 
 class SharedConnection:
@@ -104,6 +252,9 @@ class Producer:
         self.runner = runner
         self.shared = shared
         self.busy = False  # the last claim took all it asked for: more jobs are waiting
+        self.limits: QueueLimits | None = None  # read again every poll interval
+        self.limits_read = 0.0  # time.monotonic() of that read
+        self.held_back = False  # the last limited claim took less than it asked for
 
     def _turn(self) -> contextlib.AbstractContextManager[Any]:
         """Hold the shared connection (a no-op without one)."""
@@ -136,7 +287,23 @@ class Producer:
                 continue  # no room yet
             reconnect.succeeded()
             if not self.busy:
-                runner.wake.wait(state.conf.poll_interval)
+                runner.wake.wait(self.idle_wait())
+
+    def idle_wait(self) -> float:
+        """How long to sleep when the last claim did not fill: the poll interval, less
+        for a rate-limited queue held back (its window frees a slot every period / N)."""
+        poll = self.state.conf.poll_interval
+        rate_wait = self.limits.rate_wait if self.limits and self.held_back else None
+        return poll if rate_wait is None else min(poll, rate_wait)
+
+    def current_limits(self) -> QueueLimits:
+        """The queue's limits, read again when a poll interval has passed since the last read."""
+        now = time.monotonic()
+        if self.limits is None or now - self.limits_read >= self.state.conf.poll_interval:
+            self.limits = queue_limits(self.runner.name, self.state.alias, self.state.conf)
+            self.limits_read = now
+            self.runner.limited = self.limits.limited
+        return self.limits
 
     def run_once(self) -> list[Job] | None:
         """Claim one batch, as much as the queue has room for, and put it in the inbox.
@@ -145,19 +312,32 @@ class Producer:
         within half a second. A database error is raised, the room given back.
         """
         state, runner = self.state, self.runner
-        want = self.reserve(self.busy)
+        # No prefetch while limited: a job claimed ahead would hold a fleet-wide slot.
+        want = self.reserve(self.busy, prefetch=not (self.limits and self.limits.limited))
         if not want:
             return None
         runner.wake.clear()
         try:
             with self._turn():
-                jobs = claim(runner.name, want, state.alias)
+                # Read after the wait for room, which may have outlasted a poll interval.
+                limits = self.current_limits()
+                if limits.limited:
+                    jobs = claim_limited(limits, want, state.alias)
+                else:
+                    jobs = claim(runner.name, want, state.alias)
         except BaseException:
             self.unreserve(want)
             raise
         self.busy = len(jobs) == want
+        self.held_back = limits.limited and not self.busy
+        if runner.shared is not None:
+            runner.shared.busy(runner.name, self.busy)
         self.unreserve(want - len(jobs))
         debug = logger.isEnabledFor(logging.DEBUG)
+        if debug and not jobs:
+            with self._turn():
+                reason = why_held_back(limits, state.alias) if limits.limited else "none is due"
+            logger.debug("queue %s: claimed nothing: %s", runner.name, reason)
         alias, running, waiting, lock, inbox = (
             state.alias, state.running, state.waiting, state.running_lock, runner.inbox
         )  # fmt: skip
@@ -172,18 +352,20 @@ class Producer:
             inbox.put(attempt)
         return jobs
 
-    def reserve(self, busy: bool) -> int:
+    def reserve(self, busy: bool, *, prefetch: bool = True) -> int:
         """Wait for room on the queue and reserve it; return how many jobs to claim.
 
         Room is the concurrency plus the prefetch. While a queue is busy,
         handlers make room one job at a time: claiming at the first free place
         would mean one claim statement (and one commit) per job. Waiting up to
         ``GATHER_SECONDS`` for half the room keeps batches large; an idle queue
-        (not busy) claims at once, so pickup latency does not suffer.
+        (not busy) claims at once, so pickup latency does not suffer. Without
+        ``prefetch`` (a limited queue) room is the concurrency alone.
         """
         runner = self.runner
         most = self.state.conf.claim_batch_size
-        capacity = runner.concurrency + runner.prefetch(self.state.conf.prefetch_window, most)
+        ahead = runner.prefetch(self.state.conf.prefetch_window, most) if prefetch else 0
+        capacity = runner.concurrency + ahead
         with runner.room:
             if runner.held >= capacity and not runner.room.wait(0.5):
                 return 0
@@ -193,6 +375,13 @@ class Producer:
                 )
             want = max(0, min(most, capacity - runner.held))
             runner.held += want
+        if runner.shared is not None and want:
+            # The process-wide cap: what the queue's minimum and weight allow of it.
+            granted = runner.shared.take(runner.name, want, 0.5)
+            with runner.room:
+                runner.held -= want - granted
+                runner.room.notify()
+            want = granted
         return want
 
     def unreserve(self, n: int) -> None:
@@ -202,3 +391,5 @@ class Producer:
             with runner.room:
                 runner.held -= n
                 runner.room.notify()
+            if runner.shared is not None:
+                runner.shared.give(runner.name, n)

@@ -173,12 +173,275 @@ COPY_AVAILABLE_UNNUMBERED = f"COPY awa_job ({_COPY_COLUMNS}) FROM STDIN"
 # notifications within one transaction into one.
 NOTIFY_QUEUES = f"SELECT pg_notify('{NOTIFY_CHANNEL}', q) FROM unnest(%(queues)s::text[]) AS q"
 
+# ==== Flow control (producer.py, SPEC 12) ====
+
+
+def _sequence_free(row: str) -> str:
+    """True for a ``row`` that is no sequence's member, or whose sequence has no
+    unfinished member before it (in id order: enqueue order). A member unfinished in
+    any state (scheduled, retryable, running...) holds the ones after it. No lock:
+    an earlier member leaves the unfinished states only by a committed finalize,
+    so two claimers can at worst both pass a member over, never both start two.
+    Index: awa_job_sequence_idx ((metadata ->> 'awa_sequence'), id) WHERE
+    metadata ? 'awa_sequence' AND state NOT IN the finished states (this
+    predicate, word for word, so the planner uses it): one entry read per probe."""
+    return f"""(NOT {row}.metadata ? 'awa_sequence' OR NOT EXISTS (
+            SELECT 1 FROM ONLY awa_job AS s
+            WHERE s.metadata ? 'awa_sequence'
+              AND (s.metadata ->> 'awa_sequence') = ({row}.metadata ->> 'awa_sequence')
+              AND s.id < {row}.id AND s.state NOT IN {_FINAL}))"""
+
+
+def _limit_key(row: str) -> str:
+    """The ``Limit(by=)`` values of ``row`` as JSON text (``''`` without ``by``),
+    from its kind's entry ``kl.v``."""
+    return f"""coalesce((SELECT jsonb_agg({row}.args -> b.f ORDER BY b.o)::text
+              FROM jsonb_array_elements_text(kl.v -> 'by') WITH ORDINALITY AS b(f, o)), '')"""
+
+
+# -- LOCK_LIMITS --
+# Serialize the limited claims that could exceed one limit together: a
+# transaction-scoped advisory lock per limited queue ("q:<name>"; a kind's
+# awa.Limit holds on the queue it is declared on, whose claims it serializes),
+# several taken in hash order so two claimers never deadlock. Only limited
+# claimers of that queue take it: unlimited claims, finalize,
+# heartbeats and maintenance never wait here. The claim that follows in the
+# same transaction takes its snapshot after the lock, so it sees every
+# attempt the previous holder started (it committed before it let go). No
+# counter row: what is running is counted from the rows themselves.
+LIMIT_LOCK_NAMESPACE = 0x617761  # "awa"
+LOCK_LIMITS = f"""
+SELECT pg_advisory_xact_lock({LIMIT_LOCK_NAMESPACE}, s.h)
+FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest(%(keys)s::text[]) AS k ORDER BY 1) AS s
+"""
+
+# The limited claim's parts, shared with HELD_BACK. Parameters: %(queue)s;
+# %(scope)s ("q:<queue>"); %(kinds)s, the kind limits as registry.limits_json()
+# gives them; %(q_conc)s, %(q_rate_count)s, %(q_rate_period)s, the queue's
+# limits in AWA["QUEUES"] (NULL: none), which awa_queue.limits overrides key
+# by key; %(limit)s, the most to take; %(scan)s, the most candidates to rank.
+#   t: the clock after LOCK_LIMITS (now() is the transaction's start, before
+#      the lock wait); starts are stamped with it.
+#   room: what the queue may start: its free global slots and what its rate
+#      allows in the window now, 0 if paused.
+#   used: per limited kind and Limit(by=) key, attempts running (fleet-wide,
+#      from the running rows: awa_job_running_idx) and started in its window.
+#   cand: the due available rows in claim order (awa_job_claim_idx), passing
+#      over sequence members that must wait and rows of a saturated key, so a
+#      busy key's backlog does not fill the candidates.
+#   fits: each key's first (limit - used) candidates, in claim order, up to room.
+_LIMITED_PARTS = f"""
+WITH t AS MATERIALIZED (SELECT clock_timestamp() AS now),
+kl AS MATERIALIZED (SELECT key AS kind, value AS v FROM jsonb_each(%(kinds)s::jsonb)),
+q AS MATERIALIZED (
+    SELECT CASE WHEN o.limits ? 'global_concurrency'
+                THEN (o.limits ->> 'global_concurrency')::int ELSE %(q_conc)s::int END AS conc,
+           CASE WHEN o.limits ? 'rate_limit'
+                THEN (o.limits ->> 'rate_count')::int ELSE %(q_rate_count)s::int END AS rate_count,
+           CASE WHEN o.limits ? 'rate_limit'
+                THEN (o.limits ->> 'rate_period')::float8
+                ELSE %(q_rate_period)s::float8 END AS rate_period,
+           coalesce(o.paused, false) AS paused
+    FROM (SELECT 1) AS one LEFT JOIN awa_queue AS o ON o.name = %(queue)s
+),
+room AS MATERIALIZED (
+    SELECT CASE WHEN q.paused THEN 0 ELSE greatest(0, least(
+        %(limit)s::int,
+        q.conc - (SELECT count(*) FROM ONLY awa_job AS r
+                  WHERE r.state = 'running' AND r.queue = %(queue)s),
+        q.rate_count - CASE WHEN q.rate_count IS NOT NULL THEN (
+            SELECT count(*) FROM awa_attempt_start AS a
+            WHERE a.scope = %(scope)s
+              AND a.started_at > t.now - make_interval(secs => q.rate_period)) END
+    )) END AS n
+    FROM q, t
+),
+used AS MATERIALIZED (
+    SELECT u.kind, u.gkey, sum(u.running)::int AS running, sum(u.started)::int AS started
+    FROM (
+        SELECT r.kind, {_limit_key("r")} AS gkey, 1 AS running, 0 AS started
+        FROM ONLY awa_job AS r JOIN kl ON kl.kind = r.kind
+        WHERE r.state = 'running'
+        UNION ALL
+        SELECT kl.kind, a.key, 0, 1
+        FROM kl CROSS JOIN t
+        JOIN awa_attempt_start AS a ON a.scope = 'k:' || kl.kind
+        WHERE kl.v ? 'rn' AND a.started_at > t.now - make_interval(secs => (kl.v ->> 'rs')::float8)
+    ) AS u
+    GROUP BY u.kind, u.gkey
+),
+cand AS MATERIALIZED (
+    SELECT c.id, c.priority, c.run_at, c.kind, g.gkey, kl.v,
+           coalesce(u.running, 0) AS running, coalesce(u.started, 0) AS started
+    FROM ONLY awa_job AS c
+    LEFT JOIN kl ON kl.kind = c.kind
+    CROSS JOIN LATERAL (
+        SELECT CASE WHEN kl.v IS NULL THEN '' ELSE {_limit_key("c")} END AS gkey) AS g
+    LEFT JOIN used AS u ON u.kind = c.kind AND u.gkey = g.gkey
+    WHERE c.state = 'available' AND c.queue = %(queue)s AND c.run_at <= now()
+      AND {_sequence_free("c")}
+      AND (u.kind IS NULL
+           OR ((NOT kl.v ? 'c' OR u.running < (kl.v ->> 'c')::int)
+               AND (NOT kl.v ? 'rn' OR u.started < (kl.v ->> 'rn')::int)))
+    ORDER BY c.priority, c.run_at, c.id
+    LIMIT %(scan)s
+),
+fits AS (
+    SELECT r.id FROM (
+        SELECT c.*, row_number() OVER (
+            PARTITION BY c.kind, c.gkey ORDER BY c.priority, c.run_at, c.id) AS nth
+        FROM cand AS c
+    ) AS r
+    WHERE r.v IS NULL
+       OR ((NOT r.v ? 'c' OR r.running + r.nth <= (r.v ->> 'c')::int)
+           AND (NOT r.v ? 'rn' OR r.started + r.nth <= (r.v ->> 'rn')::int))
+    ORDER BY r.priority, r.run_at, r.id
+    LIMIT (SELECT n FROM room)
+)"""
+
+# -- CLAIM_LIMITED --
+# The claim of a queue under limits (its own, or its kinds' awa.Limit), run
+# after LOCK_LIMITS in one transaction; the parameters of _LIMITED_PARTS, and
+# CLAIM's deadlines. Still one statement per batch: it ranks the candidates
+# (above), locks the fitting rows with SKIP LOCKED (an unlimited claimer of the
+# same queue, an operator), starts their attempts as CLAIM does, and records
+# each start in awa_attempt_start (for the queue, and for the kind when it has
+# a rate). A job held back is not touched: it stays available, its attempt unused.
+CLAIM_LIMITED = f"""{_LIMITED_PARTS},
+picked AS (
+    SELECT j.id FROM ONLY awa_job AS j
+    WHERE j.id IN (SELECT id FROM fits) AND j.state = 'available'
+    FOR UPDATE OF j SKIP LOCKED
+),
+claimed AS (
+    UPDATE ONLY awa_job AS j
+    SET state = 'running',
+        attempt = j.attempt + CASE WHEN j.snoozed THEN 0 ELSE 1 END,
+        snoozed = false,
+        run_lease = j.run_lease + 1,
+        attempted_at = t.now,
+        heartbeat_at = t.now,
+        deadline_at = t.now + make_interval(
+            secs => coalesce((%(deadlines)s::jsonb ->> j.kind)::float8,
+                             %(default_deadline)s::float8)),
+        callback_id = NULL,
+        callback_timeout_at = NULL
+    FROM picked, t
+    WHERE j.id = picked.id
+    RETURNING {J_JOB_COLUMNS}
+),
+logged AS (
+    INSERT INTO awa_attempt_start (scope, key, started_at)
+    SELECT %(scope)s, '', t.now FROM claimed CROSS JOIN t
+    UNION ALL
+    SELECT 'k:' || c.kind, {_limit_key("c")}, t.now
+    FROM claimed AS c JOIN kl ON kl.kind = c.kind CROSS JOIN t
+    WHERE kl.v ? 'rn'
+)
+SELECT {JOB_COLUMNS} FROM claimed
+"""
+
+# -- HELD_BACK --
+# For the admin: how many of a queue's due available jobs a limit (or a
+# sequence) holds back right now: those due, less those a claim could take.
+# The parameters of _LIMITED_PARTS, with %(limit)s and %(scan)s large. Reads only.
+HELD_BACK = f"""{_LIMITED_PARTS}
+SELECT (SELECT count(*) FROM ONLY awa_job
+        WHERE state = 'available' AND queue = %(queue)s AND run_at <= now())
+     - (SELECT count(*) FROM fits)
+"""
+
+# -- LIMITS_DIAGNOSIS --
+# Under DEBUG, after a limited claim took nothing: the queue's room, its due
+# jobs, the candidates not at a limit, and those that would fit. Reads only.
+LIMITS_DIAGNOSIS = f"""{_LIMITED_PARTS}
+SELECT (SELECT n FROM room),
+       (SELECT count(*) FROM ONLY awa_job
+        WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()),
+       (SELECT count(*) FROM cand),
+       (SELECT count(*) FROM fits)
+"""
+
+# -- HAS_SEQUENCED --
+# For the admin: whether an unlimited queue has due sequence members (which
+# may be held back). Index: awa_job_sequence_idx, then the row.
+HAS_SEQUENCED = """
+SELECT 1 FROM ONLY awa_job
+WHERE metadata ? 'awa_sequence' AND state = 'available' AND queue = %(queue)s
+LIMIT 1
+"""
+
+# -- QUEUE_LIMITS --
+# The limits set at runtime for one queue (set_queue_limits); the producer reads
+# them once per poll interval to know whether its queue is limited. Primary key.
+QUEUE_LIMITS = "SELECT limits FROM awa_queue WHERE name = %(queue)s"
+
+# -- NOTIFY_FREED --
+# After attempts of limited queues or sequences finished (a commit of their
+# outcome): wake the claimers waiting on those queues, and on the queue of each
+# sequence's next member (its first unfinished one, by awa_job_sequence_idx).
+# Returns the queues woken, so the worker wakes its own producers at once; a
+# next member on one of this worker's own queues (%(local)s) is left to it,
+# without a NOTIFY that would send every other worker to claim it too. A
+# limited queue's freed capacity is announced to all: this worker may be full.
+NOTIFY_FREED = f"""
+SELECT x.q, CASE WHEN x.q <> ALL(%(local)s::text[]) OR x.limited
+                 THEN pg_notify('{NOTIFY_CHANNEL}', x.q) END
+FROM (
+    SELECT q, bool_or(limited) AS limited FROM (
+        SELECT unnest(%(queues)s::text[]) AS q, true AS limited
+        UNION ALL
+        SELECT h.queue, false FROM unnest(%(sequences)s::text[]) AS k
+        CROSS JOIN LATERAL (
+            SELECT s.queue FROM ONLY awa_job AS s
+            WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k
+              AND s.state NOT IN {_FINAL}
+            ORDER BY s.id LIMIT 1) AS h
+    ) AS u GROUP BY q
+) AS x
+"""
+
+# -- PRUNE_ATTEMPT_STARTS --
+# Maintenance: forget attempt starts older than every window that may read them
+# (%(keep)s seconds, the longest rate of the settings and the registry, at
+# least a minute for the admin's achieved rate; and any rate set at runtime).
+# In batches, rows locked by nobody (insert-only). Index: awa_start_window_idx
+# does not lead with started_at, so this reads the small table's heap.
+PRUNE_ATTEMPT_STARTS = """
+DELETE FROM awa_attempt_start WHERE id IN (
+    SELECT id FROM awa_attempt_start
+    WHERE started_at < now() - make_interval(secs => greatest(
+        %(keep)s::float8,
+        (SELECT max((limits ->> 'rate_period')::float8) FROM awa_queue)))
+    LIMIT %(limit)s
+)
+"""
+
+# -- ACHIEVED_RATE --
+# For the admin: attempts of each queue started in the last minute. Limited
+# queues log their starts (awa_attempt_start); for the others the rows tell
+# (attempted_at of live rows, and of rows finished within the minute: one
+# start per row, so a job retried within the minute counts once).
+ACHIEVED_RATE = f"""
+SELECT substr(scope, 3), count(*) FROM awa_attempt_start
+WHERE scope LIKE 'q:%%' AND started_at > now() - interval '60 seconds'
+GROUP BY scope
+UNION ALL
+SELECT queue, count(*) FROM awa_job
+WHERE attempted_at > now() - interval '60 seconds'
+  AND (state NOT IN {_FINAL} OR finalized_at > now() - interval '60 seconds')
+  AND queue <> ALL(%(limited)s::text[])
+GROUP BY queue
+"""
+
 # -- CLAIM --
 # Claim up to %(limit)s runnable jobs of one queue in one statement. The CTE
 # takes row locks with SKIP LOCKED, so concurrent workers never get the same
 # job and never wait on each other; the UPDATE starts a new attempt (a new
 # run_lease). Index: awa_job_claim_idx (queue, priority, run_at, id) WHERE
-# state = 'available'. A paused queue claims nothing.
+# state = 'available'. A paused queue claims nothing. A member of a sequence
+# whose earlier member is unfinished is passed over (_sequence_free; rows
+# without a sequence key pay one key lookup in their small metadata).
 # Deadlines come per kind as a JSON object of seconds, else the default.
 # What a claim does to each row it picked: a new attempt (and run_lease).
 _CLAIM_SET = """
@@ -194,9 +457,10 @@ SET state = 'running',
     callback_timeout_at = NULL"""
 CLAIM = f"""
 WITH picked AS (
-    SELECT id FROM ONLY awa_job
+    SELECT id FROM ONLY awa_job AS c
     WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
+      AND {_sequence_free("c")}
     ORDER BY priority, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED

@@ -42,6 +42,75 @@ def reset_connection() -> None:
         connections.close_all()
 
 
+class SharedConcurrency:
+    """``AWA["WORKER_CONCURRENCY"]``: one cap on the places all of a process's queues
+    hold (running, or claimed and waiting), shared by weight (Awa ADR-011).
+
+    Each queue keeps its ``min`` places however busy the others are; the rest
+    (the cap less every ``min``) is shared: a queue may borrow all of it while
+    no other queue wants more, and while several do, each gets at most its
+    ``weight``'s share. Running jobs are never taken back: shares even out as
+    they finish. Guarded by one lock; queues waiting for a place wait on it.
+    """
+
+    def __init__(self, cap: int, mins: dict[str, int], weights: dict[str, int]) -> None:
+        self.cap = cap
+        self.mins = mins
+        self.weights = weights
+        self.held = dict.fromkeys(mins, 0)
+        self.wanting: set[str] = set()  # queues whose last claim filled, or that wait for room
+        self.freed = threading.Condition()
+
+    def over(self, name: str) -> int:
+        return max(0, self.held[name] - self.mins[name])
+
+    def grant(self, name: str, want: int) -> int:
+        """How many of ``want`` places queue ``name`` may take now (the caller holds ``freed``)."""
+        own = max(0, self.mins[name] - self.held[name])
+        free = self.cap - sum(self.held.values())
+        shared = self.cap - sum(self.mins.values())
+        # Places past the minimums this queue may hold: all the shared ones while
+        # no other queue wants more, else its weight's share of them.
+        others = self.wanting - {name}
+        if others:
+            weights = self.weights[name] + sum(self.weights[q] for q in others)
+            fair = shared * self.weights[name] // weights
+            # The share rounds down; a queue below it by less than one place
+            # still gets one when the pool has it, so no share is stranded.
+            fair = max(fair, 1 if shared and self.over(name) == 0 else 0)
+        else:
+            fair = shared
+        # Never past the shared places in all: every queue's minimum stays free for it.
+        spare = shared - sum(self.over(q) for q in self.held)
+        borrow = max(0, min(fair - self.over(name), spare, free - own))
+        return max(0, min(want, own + borrow, free))
+
+    def take(self, name: str, want: int, timeout: float) -> int:
+        """Take up to ``want`` places for queue ``name``, waiting up to ``timeout`` for one."""
+        with self.freed:
+            granted = self.grant(name, want)
+            if not granted:
+                self.wanting.add(name)
+                self.freed.wait(timeout)
+                granted = self.grant(name, want)
+            self.held[name] += granted
+            return granted
+
+    def give(self, name: str, n: int) -> None:
+        if n:
+            with self.freed:
+                self.held[name] -= n
+                self.freed.notify_all()
+
+    def busy(self, name: str, wanting: bool) -> None:
+        """Queue ``name``'s last claim took all it asked for (it wants more) or not."""
+        with self.freed:
+            if wanting:
+                self.wanting.add(name)
+            else:
+                self.wanting.discard(name)
+
+
 @dataclass(slots=True)
 class QueueRunner:
     """One queue of the worker: the producer fills ``inbox``, its handler threads empty it."""
@@ -55,6 +124,8 @@ class QueueRunner:
     room: threading.Condition = field(default_factory=threading.Condition)
     held: int = 0  # claimed and not finished: running, or prefetched and waiting
     run_time: float | None = None  # moving average of handler run time, seconds
+    limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
+    shared: SharedConcurrency | None = None  # AWA["WORKER_CONCURRENCY"], when set
 
     def prefetch(self, window: float | None, most: int) -> int:
         """How many jobs beyond ``concurrency`` to hold: what starts within ``window``.
@@ -75,6 +146,8 @@ class QueueRunner:
         with self.room:
             self.held -= 1
             self.room.notify()
+        if self.shared is not None:
+            self.shared.give(self.name, 1)
 
 
 @dataclass(eq=False)
@@ -116,11 +189,24 @@ class WorkerState:
         """The state of a worker running ``queues`` (name: concurrency) on ``alias``."""
         conf = conf or awa_settings()
         alias = alias or conf.database
+        runners = {name: QueueRunner(name=name, concurrency=n) for name, n in queues.items()}
+        if conf.worker_concurrency is not None:
+            configured = conf.queues
+            shared = SharedConcurrency(
+                conf.worker_concurrency,
+                mins={
+                    n: min(configured[n].min, r.concurrency) if n in configured else 0
+                    for n, r in runners.items()
+                },
+                weights={n: configured[n].weight if n in configured else 1 for n in runners},
+            )
+            for runner in runners.values():
+                runner.shared = shared
         return cls(
             alias=alias,
             conf=conf,
             name=f"{socket.gethostname()}:{os.getpid()}",
-            queues={name: QueueRunner(name=name, concurrency=n) for name, n in queues.items()},
+            queues=runners,
             need=connection_need(queues, alias, listener=conf.direct_database is not None),
             backlog_limit=max(1000, 2 * sum(queues.values())),
         )

@@ -88,6 +88,22 @@ AWA = {
     "SHUTDOWN_TIMEOUT": 5,
     "CALLBACK_SECRET": "test-secret",
 }
+# Worker subprocesses of the flow-control tests (test_flow_control.py) add
+# queues with fleet-wide limits from the settings.
+if os.environ.get("AWA_TEST_FLOW_QUEUES"):
+    AWA["QUEUES"] = {
+        "default": {"concurrency": 4},
+        "glob": {"concurrency": 6, "global_concurrency": 4},
+        "rated": {"concurrency": 10, "rate_limit": "10/s"},
+    }
+if os.environ.get("AWA_TEST_FLOW_QUEUES") == "shared":
+    # Weighted sharing of one process's places (WORKER_CONCURRENCY).
+    AWA["WORKER_CONCURRENCY"] = 4
+    AWA["QUEUES"] = {
+        "default": {"concurrency": 4},
+        "wa": {"concurrency": 4, "min": 1, "weight": 1},
+        "wb": {"concurrency": 4, "min": 1, "weight": 1},
+    }
 # A test may give a worker subprocess other timings: AWA_TEST_POLL_INTERVAL=30.
 for _key in (
     "POLL_INTERVAL",

@@ -744,3 +744,62 @@ def test_json_text_writes_what_json_dumps_writes(value: Any) -> None:
     compact = json.dumps(value, sort_keys=True, ensure_ascii=False)
     cut = compact if len(compact) <= 5 else compact[:5] + "…"
     assert awa_admin.json_text(value, limit=5) == cut
+
+
+def test_queue_overview_shows_limits_held_back_jobs_and_rate_and_edits_limits(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    now = timezone.now()
+    # bykey: KeyedSpan's awa.Limit(concurrency=1, by="key"). Key a runs, so its
+    # three due jobs are held back; key b's one is not.
+    make_job(kind="keyed_span", queue="bykey", args={"key": "a"}, state=JobState.RUNNING,
+             attempted_at=now, heartbeat_at=now)  # fmt: skip
+    for key in "aaab":
+        make_job(kind="keyed_span", queue="bykey", args={"key": key})
+    for _ in range(6):
+        make_job(queue="default", state=JobState.RUNNING, attempted_at=now, heartbeat_at=now)
+    page = login(superuser)
+    page.goto(QUEUES_URL)
+    bykey = page.locator('tr[data-queue="bykey"]')
+    assert bykey.locator('[data-limit="kind"]').inner_text() == "keyed_span: 1 at once, per key"
+    assert bykey.locator("td.held-back").inner_text() == "3"
+    default = page.locator('tr[data-queue="default"]')
+    assert default.locator("td.held-back").inner_text() == "0"
+    assert default.locator("td.rate").inner_text() == "0.1"  # 6 starts in the last minute
+    assert default.locator("td.limits").inner_text() == "none"
+
+    form = default.locator("form.awa-limits-form")
+    form.locator('input[name="rate_limit"]').fill("5/s")
+    form.locator('input[name="global_concurrency"]').fill("2")
+    submit(page, form.get_by_role("button", name="Set limits"))
+    assert any("Changed the limits of queue default" in m for m in messages(page))
+    stored = {"rate_limit": "5/s", "rate_count": 5, "rate_period": 1.0, "global_concurrency": 2}
+    assert Queue.objects.get(name="default").limits == stored
+    assert default.locator('[data-limit="rate_limit"]').inner_text() == "5/s"
+    assert default.locator('[data-limit="global_concurrency"]').inner_text() == "2 at once"
+    assert "set at runtime" in default.locator("td.limits").inner_text()
+
+    form.locator('input[name="rate_limit"]').fill("5 per sec")
+    submit(page, form.get_by_role("button", name="Set limits"))
+    shown = messages(page)
+    assert any("rate_limit must be a rate" in m and "nothing changed" in m for m in shown), shown
+    assert Queue.objects.get(name="default").limits["rate_limit"] == "5/s"
+
+    submit(page, form.get_by_role("button", name="Use settings"))
+    assert Queue.objects.get(name="default").limits == {}
+    assert default.locator("td.limits").inner_text() == "none"
+
+
+def test_queue_limits_form_refuses_a_bad_number_and_needs_change_permission(
+    client: Any, superuser: User, viewer: User
+) -> None:
+    form = {"queue": "mail", "operation": "limits", "rate_limit": "", "global_concurrency": "x"}
+    client.force_login(superuser)
+    response = client.post(QUEUES_URL, form, follow=True)
+    shown = [str(m) for m in response.context["messages"]]
+    assert shown == ["Queue mail: global concurrency must be a positive integer, got 'x'; "
+                     "nothing changed."]  # fmt: skip
+    assert not Queue.objects.filter(name="mail").exists()
+    client.force_login(viewer)
+    assert client.post(QUEUES_URL, {**form, "global_concurrency": "3"}).status_code == 403
+    assert not Queue.objects.filter(name="mail").exists()

@@ -212,3 +212,25 @@ def test_orm_handlers_share_the_poolers_server_connections(pooled_url, start_wor
         "up to 35 connections (30 handler threads + 4 for the engine + 1 LISTEN), to a "
         f"pooler in front of the server (port {port}; the server's is " in worker.output()
     )
+
+
+# Flow control through the pooler: the limited claim's advisory lock is
+# transaction-scoped, so it holds however PgBouncer hands out server sessions.
+
+
+def test_global_concurrency_holds_through_pgbouncer(pooled_url, start_worker):
+    from tests.test_flow_control import FLOW_ENV, run_global_concurrency
+
+    def start(*args: str, env: dict[str, str] | None = None):
+        return start_worker(*args, env={**_pooled_env(pooled_url), **FLOW_ENV, **(env or {})})
+
+    run_global_concurrency(start)
+
+
+def test_rate_limit_holds_through_pgbouncer(pooled_url, start_worker):
+    from tests.test_flow_control import FLOW_ENV, run_rate_limit
+
+    def start(*args: str, env: dict[str, str] | None = None):
+        return start_worker(*args, env={**_pooled_env(pooled_url), **FLOW_ENV, **(env or {})})
+
+    run_rate_limit(start)

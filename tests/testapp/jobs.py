@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.db import connection
+from django.utils import timezone
 
 import django_awa as awa
 from django_awa.exceptions import TerminalError
 
-from .models import Ledger, Order
+from .models import FlowRun, Ledger, Order
 
 
 @dataclass
@@ -446,3 +447,64 @@ def atomic_node(job: awa.JobContext):
     if job.args.fail:
         raise TerminalError("atomic node failed")
     return {"atomic": job.args.name}
+
+
+# -- Flow control (test_flow_control.py): every run records a FlowRun. ----------------
+
+
+@dataclass
+class Span(awa.JobArgs):
+    """Sleep ``seconds`` (``first_seconds`` on the first attempt, if given); raise
+    while the attempt is at most ``fail_until``."""
+
+    key: str = ""
+    n: int = 0
+    seconds: float = 0.1
+    first_seconds: float = 0.0
+    fail_until: int = 0
+
+
+@dataclass
+class KeyedSpan(Span):
+    """At most one running per key, fleet-wide."""
+
+
+@dataclass
+class CappedSpan(Span):
+    """At most two running, fleet-wide."""
+
+
+@dataclass
+class RatedSpan(Span):
+    """At most four starts per key in any second, fleet-wide."""
+
+
+@dataclass
+class SequencedSpan(Span):
+    """One at a time per key, in enqueue order."""
+
+
+def span(job: awa.JobContext):
+    args = job.args
+    run = FlowRun.objects.create(
+        job_id=job.id,
+        kind=job.kind,
+        queue=job.queue,
+        key=args.key,
+        n=args.n,
+        attempt=job.attempt,
+        attempted_at=job.row.attempted_at,
+        started_at=timezone.now(),
+        pid=os.getpid(),
+    )
+    time.sleep(args.first_seconds if job.attempt == 1 and args.first_seconds else args.seconds)
+    FlowRun.objects.filter(id=run.id).update(ended_at=timezone.now())
+    if job.attempt <= args.fail_until:
+        raise RuntimeError(f"span {args.key}/{args.n} fails attempt {job.attempt}")
+
+
+awa.worker(Span, queue="flow", max_attempts=3)(span)
+awa.worker(KeyedSpan, queue="bykey", limit=awa.Limit(concurrency=1, by="key"))(span)
+awa.worker(CappedSpan, queue="capped", limit=awa.Limit(concurrency=2))(span)
+awa.worker(RatedSpan, queue="keyrate", limit=awa.Limit(rate="4/s", by="key"))(span)
+awa.worker(SequencedSpan, queue="seq", max_attempts=3, sequence="key")(span)

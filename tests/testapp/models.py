@@ -27,3 +27,28 @@ class Order(models.Model):
 
     def __str__(self) -> str:
         return self.reference
+
+
+class FlowRun(models.Model):
+    """One handler run of a flow-control test kind: when it started and ended.
+
+    The flow-control tests assert in SQL over these rows that a limit held at
+    every instant, and that runs overlapped where the limits allow it.
+    """
+
+    job_id = models.BigIntegerField()
+    kind = models.CharField(max_length=100)
+    queue = models.CharField(max_length=100)
+    key = models.CharField(max_length=100, blank=True, default="")
+    n = models.IntegerField(default=0)  # the job's place in its test's enqueue order
+    attempt = models.IntegerField()
+    attempted_at = models.DateTimeField()  # the attempt's start, as the claim stamped it
+    started_at = models.DateTimeField()  # the handler's start and end (this machine's clock)
+    ended_at = models.DateTimeField(null=True)
+    pid = models.IntegerField()
+
+    class Meta:
+        app_label = "testapp"
+
+    def __str__(self) -> str:
+        return f"run of job {self.job_id} ({self.key}) {self.started_at}-{self.ended_at}"

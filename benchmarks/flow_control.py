@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Flow control (SPEC 12): what limits cost, and whether they hold at speed.
+
+    python benchmarks/flow_control.py                     # the full sizes below
+    python benchmarks/flow_control.py --small             # a quick check that it runs
+    python benchmarks/flow_control.py --workloads unlimited --baseline-repo /work/main
+
+Each workload gets a fresh database (``awa_bench_flow``), migrated, its jobs
+enqueued untimed (``awa.enqueue_many``), then ``--processes`` worker processes
+(``awa_worker --queue <q>=<concurrency>``) started; it reports the drain rate
+from the first attempt's start to the last completion (database clock, so no
+start-up time), and the wall time from starting the workers. Handlers are
+no-ops.
+
+  unlimited  --jobs on an unlimited queue (``djbench.settings_awa``, the kind
+             run.py drains). With ``--baseline-repo`` the same workload runs on
+             that checkout too, in the same run: the before and after of a change.
+  global     --jobs on a queue with ``global_concurrency`` 50 (3 x 20 places)
+  keyed      --keys x --per-key jobs of a kind with ``Limit(concurrency=1, by="key")``,
+             enqueued interleaved (as events of many accounts arrive)
+  sequence   --sequence jobs of one sequence key
+  rate       a queue with ``rate_limit`` --rate per second, for --rate-seconds:
+             the starts achieved per second, and the most in any sliding second
+
+While global and keyed run, a sampler reads ``pg_stat_activity`` every 100 ms
+and reports how many sessions waited on an advisory lock (the limited claim's),
+on any other lock, and were active: the evidence that limited claims do not
+convoy. Figures are indicative on a shared machine; no test asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+DB = "awa_bench_flow"
+SERVER = "postgresql://postgres@127.0.0.1:5432/"
+FLOW_SETTINGS = "djbench.settings_flow"
+PLAIN_SETTINGS = "djbench.settings_awa"
+
+
+def django_env(settings: str, repo: Path, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": settings,
+        "BENCH_DB": DB,
+        "PYTHONPATH": os.pathsep.join([str(repo), str(BENCH_DIR)]),
+        **extra,
+    }
+
+
+def in_django(code: str, settings: str, repo: Path) -> None:
+    """Run ``code`` after ``django.setup()`` in a process importing django_awa from ``repo``."""
+    script = "import django; django.setup()\n" + code
+    subprocess.run(
+        [sys.executable, "-c", script], cwd=BENCH_DIR, env=django_env(settings, repo), check=True
+    )
+
+
+def fresh_database(settings: str, repo: Path) -> None:
+    with psycopg.connect(SERVER + "postgres", autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {DB}")
+    subprocess.run(
+        [sys.executable, "-m", "django", "migrate", "-v", "0"],
+        cwd=BENCH_DIR,
+        env=django_env(settings, repo),
+        check=True,
+    )
+
+
+def drop_database() -> None:
+    with psycopg.connect(SERVER + "postgres", autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
+
+
+class LockSampler(threading.Thread):
+    """Every 100 ms: sessions of the benchmark database waiting on an advisory lock,
+    on another lock, and active."""
+
+    STATEMENT = """
+        SELECT count(*) FILTER (WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'),
+               count(*) FILTER (WHERE wait_event_type = 'Lock' AND wait_event <> 'advisory'),
+               count(*) FILTER (WHERE state = 'active')
+        FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[tuple[int, int, int]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(SERVER + DB, autocommit=True) as conn:
+            while not self.stop.wait(0.1):
+                row = conn.execute(self.STATEMENT, [DB]).fetchone()
+                if row:
+                    self.samples.append((int(row[0]), int(row[1]), int(row[2])))
+
+    def report(self) -> str:
+        if not self.samples:
+            return "no samples"
+        advisory, other, active = zip(*self.samples, strict=True)
+        return (
+            f"{len(self.samples)} samples: waiting on the advisory lock mean "
+            f"{statistics.mean(advisory):.2f} max {max(advisory)}; on other locks mean "
+            f"{statistics.mean(other):.2f} max {max(other)}; active sessions mean "
+            f"{statistics.mean(active):.1f}"
+        )
+
+
+def drain(
+    queue: str,
+    total: int,
+    processes: int,
+    concurrency: int,
+    settings: str,
+    repo: Path,
+    *,
+    sample: bool = False,
+    timeout: float = 600,
+) -> dict[str, Any]:
+    """Start the workers, wait until ``total`` jobs are completed; the rates."""
+    env = django_env(settings, repo)
+    sampler = LockSampler() if sample else None
+    started = time.monotonic()
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "django", "awa_worker", "--queue", f"{queue}={concurrency}"],
+            cwd=BENCH_DIR,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for _ in range(processes)
+    ]
+    if sampler:
+        sampler.start()
+    try:
+        with psycopg.connect(SERVER + DB, autocommit=True) as conn:
+            deadline = started + timeout
+            while True:
+                row = conn.execute(
+                    "SELECT count(*) FROM awa_job WHERE state = 'completed'"
+                ).fetchone()
+                if row and row[0] >= total:
+                    break
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{queue}: not drained in {timeout}s ({row} done)")
+                time.sleep(0.05)
+            wall = time.monotonic() - started
+            span = conn.execute(
+                "SELECT extract(epoch FROM max(finalized_at) - min(attempted_at)) FROM awa_job"
+            ).fetchone()
+    finally:
+        if sampler:
+            sampler.stop.set()
+            sampler.join(5)
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            try:
+                worker.wait(60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    seconds = float(span[0]) if span and span[0] else wall
+    result = {"jobs": total, "seconds": seconds, "rate": total / seconds, "wall": wall}
+    if sampler:
+        result["locks"] = sampler.report()
+    return result
+
+
+def enqueue(code: str, settings: str = FLOW_SETTINGS, repo: Path = REPO_ROOT) -> None:
+    in_django("import django_awa as awa\n" + code, settings, repo)
+
+
+def unlimited(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+    fresh_database(PLAIN_SETTINGS, repo)
+    enqueue(
+        "from djbench.awa_app.jobs import Noop\n"
+        f"for s in range(0, {args.jobs}, 1000):\n"
+        f"    awa.enqueue_many([Noop(n=i) for i in range(s, min(s + 1000, {args.jobs}))])\n",
+        PLAIN_SETTINGS,
+        repo,
+    )
+    return drain("bench", args.jobs, args.processes, args.concurrency, PLAIN_SETTINGS, repo)
+
+
+def global_limit(args: argparse.Namespace) -> dict[str, Any]:
+    fresh_database(FLOW_SETTINGS, REPO_ROOT)
+    enqueue(
+        "from djbench.flow_app.jobs import FlowNoop\n"
+        f"for s in range(0, {args.jobs}, 1000):\n"
+        "    awa.enqueue_many([awa.EnqueueRequest(FlowNoop(n=i), queue='glob')\n"
+        f"                      for i in range(s, min(s + 1000, {args.jobs}))])\n"
+    )
+    return drain(
+        "glob", args.jobs, args.processes, args.concurrency, FLOW_SETTINGS, REPO_ROOT, sample=True
+    )
+
+
+def keyed(args: argparse.Namespace) -> dict[str, Any]:
+    fresh_database(FLOW_SETTINGS, REPO_ROOT)
+    enqueue(
+        "from djbench.flow_app.jobs import KeyedNoop\n"
+        f"for i in range({args.per_key}):\n"
+        f"    awa.enqueue_many([KeyedNoop(key=k, n=i) for k in range({args.keys})])\n"
+    )
+    total = args.keys * args.per_key
+    return drain(
+        "keyed", total, args.processes, args.concurrency, FLOW_SETTINGS, REPO_ROOT, sample=True
+    )
+
+
+def sequence(args: argparse.Namespace) -> dict[str, Any]:
+    fresh_database(FLOW_SETTINGS, REPO_ROOT)
+    enqueue(
+        "from djbench.flow_app.jobs import SeqNoop\n"
+        f"awa.enqueue_many([SeqNoop(key=1, n=i) for i in range({args.sequence})])\n"
+    )
+    return drain("seq", args.sequence, args.processes, args.concurrency, FLOW_SETTINGS, REPO_ROOT)
+
+
+def rate(args: argparse.Namespace) -> dict[str, Any]:
+    fresh_database(FLOW_SETTINGS, REPO_ROOT)
+    total = int(args.rate * args.rate_seconds)
+    enqueue(
+        "from djbench.flow_app.jobs import FlowNoop\n"
+        f"for s in range(0, {total}, 1000):\n"
+        "    awa.enqueue_many([awa.EnqueueRequest(FlowNoop(n=i), queue='rated')\n"
+        f"                      for i in range(s, min(s + 1000, {total}))])\n"
+    )
+    os.environ["BENCH_RATE"] = f"{args.rate}/s"
+    result = drain(
+        "rated",
+        total,
+        args.processes,
+        args.concurrency,
+        FLOW_SETTINGS,
+        REPO_ROOT,
+        timeout=args.rate_seconds * 3 + 60,
+    )
+    with psycopg.connect(SERVER + DB, autocommit=True) as conn:
+        # Starts in the whole seconds from the first start (a sliding window lets
+        # N start at once, then the next N a second later: whole seconds count
+        # each burst once), and the busiest sliding second.
+        row = conn.execute(
+            """WITH s AS (SELECT attempted_at AS at FROM awa_job),
+                    f AS (SELECT min(at) AS t0,
+                                 floor(extract(epoch FROM max(at) - min(at))) AS k FROM s)
+               SELECT (SELECT count(*) FROM s, f
+                       WHERE s.at < f.t0 + make_interval(secs => f.k)),
+                      f.k,
+                      (SELECT max(n) FROM (SELECT count(*) OVER (ORDER BY at RANGE BETWEEN
+                              CURRENT ROW AND interval '0.999999 seconds' FOLLOWING) AS n
+                              FROM s) AS w)
+               FROM f"""
+        ).fetchone()
+    if row and row[1]:
+        result["achieved_per_s"] = float(row[0]) / float(row[1])
+        result["busiest_second"] = int(row[2])
+    result["limit_per_s"] = args.rate
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="small sizes: a check that it runs")
+    parser.add_argument("--workloads", default="unlimited,global,keyed,sequence,rate")
+    parser.add_argument("--jobs", type=int, default=20_000)
+    parser.add_argument("--keys", type=int, default=1000)
+    parser.add_argument("--per-key", type=int, default=20)
+    parser.add_argument("--sequence", type=int, default=2000)
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--rate-seconds", type=int, default=30)
+    parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=20)
+    parser.add_argument("--baseline-repo", type=Path, help="run `unlimited` on this checkout too")
+    args = parser.parse_args()
+    if args.small:
+        args.jobs, args.keys, args.per_key, args.sequence = 2000, 50, 20, 300
+        args.rate, args.rate_seconds = 100, 4
+    results: dict[str, Any] = {}
+    try:
+        for workload in args.workloads.split(","):
+            if workload == "unlimited":
+                results["unlimited"] = unlimited(args, REPO_ROOT)
+                if args.baseline_repo:
+                    results["unlimited (baseline)"] = unlimited(args, args.baseline_repo)
+            else:
+                results[workload] = {
+                    "global": global_limit,
+                    "keyed": keyed,
+                    "sequence": sequence,
+                    "rate": rate,
+                }[workload](args)
+            print(f"{workload}: {results.get(workload)}", flush=True)
+    finally:
+        drop_database()
+    base = results.get("unlimited", {}).get("rate")
+    print("\nflow control benchmark (indicative):")
+    for name, result in results.items():
+        ratio = f" ({result['rate'] / base:.2f}x unlimited)" if base and name != "unlimited" else ""
+        line = f"  {name:22} {result['rate']:9.0f} jobs/s{ratio}  wall {result['wall']:.1f}s"
+        if "achieved_per_s" in result:
+            line += (
+                f"; achieved {result['achieved_per_s']:.1f}/s of {result['limit_per_s']}/s, "
+                f"busiest second {result['busiest_second']}"
+            )
+        print(line)
+        if "locks" in result:
+            print(f"  {'':22} {result['locks']}")
+
+
+if __name__ == "__main__":
+    main()

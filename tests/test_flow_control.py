@@ -1,0 +1,568 @@
+"""Flow control (SPEC 12): queue rate limits and global concurrency, kind limits
+per key, sequences, runtime changes, pausing.
+
+The worker tests run three real ``awa_worker`` processes; every handler run
+records a ``FlowRun`` row (its attempt's start, the handler's start and end),
+and the assertions are SQL over those rows: that the limit held at every
+instant, and that runs did overlap where the limits allow it (so a serial
+implementation fails them).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import logging
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+
+import django_awa as awa
+from django_awa import conf, producer
+from django_awa.kinds import registry
+from django_awa.models import Job, JobState
+from django_awa.state import SharedConcurrency
+from tests.conftest import WorkerProcess, wait_for
+from tests.testapp.jobs import CappedSpan, KeyedSpan, RatedSpan, SequencedSpan, Span
+from tests.testapp.models import FlowRun
+
+FLOW_ENV = {"AWA_TEST_FLOW_QUEUES": "1"}
+
+
+def _scalar(statement: str, params: Any = None) -> Any:
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        return cursor.fetchone()[0]
+
+
+# The most runs that overlapped at one instant: a sweep over the starts (+1)
+# and ends (-1) of the runs matched by the WHERE clause, ends first at a tie.
+MAX_OVERLAP = """
+SELECT coalesce(max(running), 0) FROM (
+    SELECT sum(d) OVER (ORDER BY at, d ROWS UNBOUNDED PRECEDING) AS running
+    FROM (SELECT started_at AS at, 1 AS d FROM testapp_flowrun WHERE {where}
+          UNION ALL
+          SELECT ended_at, -1 FROM testapp_flowrun WHERE {where}) AS edges
+) AS sweep
+"""
+
+
+def max_overlap(where: str = "true", params: Any = None) -> int:
+    return _scalar(MAX_OVERLAP.format(where=where), (params or []) * 2)
+
+
+# The most attempts that started in any window of %s seconds (each window
+# begins at a start: the busiest window does).
+MAX_STARTS_IN_WINDOW = """
+SELECT coalesce(max(n), 0) FROM (
+    SELECT (SELECT count(*) FROM testapp_flowrun AS b
+            WHERE {where_b} AND b.attempted_at >= a.attempted_at
+              AND b.attempted_at < a.attempted_at + make_interval(secs => %s)) AS n
+    FROM testapp_flowrun AS a WHERE {where_a}
+) AS w
+"""
+
+
+def max_starts_in_window(seconds: float, where: str = "true", params: Any = None) -> int:
+    statement = MAX_STARTS_IN_WINDOW.format(
+        where_a=where.replace("{t}", "a"), where_b=where.replace("{t}", "b")
+    )
+    return _scalar(statement, [*(params or []), seconds, *(params or [])])
+
+
+def overlaps_within_key(kind: str) -> int:
+    """Pairs of runs of one key whose handler runs overlapped."""
+    return _scalar(
+        """SELECT count(*) FROM testapp_flowrun AS a JOIN testapp_flowrun AS b
+           ON a.kind = b.kind AND a.key = b.key AND a.id < b.id
+          AND tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)
+           WHERE a.kind = %s""",
+        [kind],
+    )
+
+
+def all_finished(kind: str, count: int, timeout: float = 60) -> None:
+    def done() -> bool:
+        return Job.objects.filter(kind=kind, state__in=JobState.FINAL).count() >= count
+
+    wait_for(
+        done,
+        timeout,
+        lambda: (
+            f"{kind}: states {list(Job.objects.filter(kind=kind).values_list('state', flat=True))}"
+        ),
+    )
+
+
+def start_three(start_worker: Callable[..., WorkerProcess], queue: str, **env: str) -> list[Any]:
+    return [start_worker("--queue", queue, env={**FLOW_ENV, **env}) for _ in range(3)]
+
+
+# ==== In-process: the limited claim =============================================
+
+
+@pytest.mark.django_db(transaction=True)
+def test_held_back_jobs_stay_available_without_using_an_attempt() -> None:
+    awa.set_queue_limits("inproc", global_concurrency=2)
+    ids = awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="inproc") for i in range(5)])
+    limits = producer.queue_limits("inproc", "default")
+    assert limits.limited and limits.global_concurrency == 2
+    first = producer.claim_limited(limits, 10, "default")
+    assert [j.id for j in first] == ids[:2]
+    assert producer.claim_limited(limits, 10, "default") == []
+    held = Job.objects.filter(id__in=ids[2:])
+    assert {(j.state, j.attempt) for j in held} == {(JobState.AVAILABLE, 0)}
+    # A finished attempt frees its slot for the next in claim order.
+    Job.objects.filter(id=ids[0]).update(state=JobState.COMPLETED)
+    assert [j.id for j in producer.claim_limited(limits, 10, "default")] == [ids[2]]
+
+
+# ==== Queue limits across three worker processes =================================
+
+
+def run_global_concurrency(start_worker: Callable[..., WorkerProcess], **env: str) -> None:
+    """AWA["QUEUES"]["glob"] = {"concurrency": 6, "global_concurrency": 4}, three workers."""
+    workers = start_three(start_worker, "glob", **env)
+    awa.enqueue_many([awa.EnqueueRequest(Span(n=i, seconds=0.15), queue="glob") for i in range(36)])
+    all_finished("span", 36, timeout=90)
+    assert Job.objects.filter(kind="span", state=JobState.COMPLETED).count() == 36
+    overlap = max_overlap("queue = %s", ["glob"])
+    assert overlap <= 4, f"{overlap} runs of queue glob overlapped; global_concurrency is 4"
+    # 18 places across the processes, 4 allowed: a serial claim would give 1.
+    assert overlap >= 3, f"at most {overlap} ran at once: the fleet did not use its 4 slots"
+    assert FlowRun.objects.values("pid").distinct().count() >= 2
+    for worker in workers:
+        assert worker.stop() == 0
+
+
+def run_rate_limit(start_worker: Callable[..., WorkerProcess], **env: str) -> None:
+    """AWA["QUEUES"]["rated"] = {"rate_limit": "10/s"}, three workers, quick jobs."""
+    workers = start_three(start_worker, "rated", **env)
+    awa.enqueue_many([awa.EnqueueRequest(Span(n=i, seconds=0.0), queue="rated") for i in range(35)])
+    all_finished("span", 35, timeout=60)
+    busiest = max_starts_in_window(1.0, "{t}.queue = %s", ["rated"])
+    assert busiest <= 10, f"{busiest} attempts of queue rated started within one second"
+    # Quick handlers on 30 places: the window filled (not one start at a time).
+    assert busiest >= 8, f"the busiest second had only {busiest} starts of 10 allowed"
+    first, last = FlowRun.objects.order_by("attempted_at").values_list("attempted_at", flat=True)[
+        :: FlowRun.objects.count() - 1
+    ]
+    # 35 starts at 10 per sliding second take at least three seconds.
+    assert last - first >= dt.timedelta(seconds=3)
+    for worker in workers:
+        assert worker.stop() == 0
+
+
+def test_global_concurrency_holds_across_three_workers(start_worker) -> None:
+    run_global_concurrency(start_worker)
+
+
+def test_rate_limit_holds_across_three_workers(start_worker) -> None:
+    run_rate_limit(start_worker)
+
+
+# ==== Kind limits ================================================================
+
+
+def test_kind_limit_per_key_never_overlaps_one_key_and_runs_keys_in_parallel(
+    start_worker,
+) -> None:
+    start_three(start_worker, "bykey=4")
+    # Interleaved keys, the first key's jobs first: one busy key holds back no other.
+    jobs = [KeyedSpan(key="busy", n=i, seconds=0.1) for i in range(8)]
+    jobs += [KeyedSpan(key=f"k{i % 5}", n=i, seconds=0.1) for i in range(20)]
+    awa.enqueue_many(jobs)
+    all_finished("keyed_span", 28)
+    assert overlaps_within_key("keyed_span") == 0
+    assert max_overlap("kind = %s", ["keyed_span"]) >= 4  # keys ran side by side
+    # The quiet keys did not wait for the busy key's backlog.
+    busy_last = FlowRun.objects.filter(key="busy").order_by("-ended_at")[0].ended_at
+    assert FlowRun.objects.filter(key="k1", started_at__lt=busy_last).exists()
+
+
+def test_kind_concurrency_limit_holds_fleet_wide(start_worker) -> None:
+    start_three(start_worker, "capped=4")
+    awa.enqueue_many([CappedSpan(n=i, seconds=0.15) for i in range(16)])
+    all_finished("capped_span", 16)
+    assert max_overlap("kind = %s", ["capped_span"]) == 2
+
+
+def test_kind_rate_limit_per_key(start_worker) -> None:
+    start_three(start_worker, "keyrate=4")
+    awa.enqueue_many([RatedSpan(key=k, n=i, seconds=0.0) for i in range(10) for k in "ab"])
+    all_finished("rated_span", 20, timeout=30)
+    for key in "ab":
+        busiest = max_starts_in_window(1.0, "{t}.key = %s", [key])
+        assert busiest <= 4, f"key {key}: {busiest} starts within a second; the limit is 4/s"
+    # Per key, not per kind: both keys used their 4 in the same second.
+    assert max_starts_in_window(1.0, "true") >= 6
+
+
+# ==== Sequences ==================================================================
+
+
+def test_sequence_runs_one_at_a_time_in_enqueue_order_and_keys_in_parallel(
+    start_worker,
+) -> None:
+    start_three(start_worker, "seq=4")
+    awa.enqueue_many([SequencedSpan(key=k, n=i, seconds=0.05) for i in range(8) for k in "xyz"])
+    # One job for a per-job sequence key across kinds: EnqueueRequest(sequence=).
+    all_finished("sequenced_span", 24)
+    assert overlaps_within_key("sequenced_span") == 0
+    out_of_order = _scalar(
+        """SELECT count(*) FROM testapp_flowrun AS a JOIN testapp_flowrun AS b
+           ON a.key = b.key AND a.n < b.n AND b.started_at < a.ended_at
+           WHERE a.kind = 'sequenced_span'"""
+    )
+    assert out_of_order == 0, "a member started before the one enqueued before it ended"
+    assert max_overlap("kind = %s", ["sequenced_span"]) >= 2  # the keys ran side by side
+
+
+def test_a_retrying_member_holds_its_sequence_until_it_finishes(start_worker) -> None:
+    start_three(start_worker, "seq=4")
+    awa.enqueue_many(
+        [
+            SequencedSpan(key="r", n=0, seconds=0.0),
+            SequencedSpan(key="r", n=1, seconds=0.0, fail_until=1),  # retried after ~2 s
+            SequencedSpan(key="r", n=2, seconds=0.0),
+        ]
+    )
+    all_finished("sequenced_span", 3, timeout=30)
+    runs = list(FlowRun.objects.order_by("started_at").values_list("n", "attempt"))
+    assert runs == [(0, 1), (1, 1), (1, 2), (2, 1)]
+
+
+def test_a_per_job_sequence_key_orders_jobs_of_different_kinds(start_worker) -> None:
+    start_worker("--queue", "flow=4", "--queue", "capped=4", env=FLOW_ENV)
+    awa.enqueue_many(
+        [
+            awa.EnqueueRequest(Span(key="s", n=0, seconds=0.3), sequence="account-1"),
+            awa.EnqueueRequest(CappedSpan(key="s", n=1, seconds=0.0), sequence="account-1"),
+            awa.EnqueueRequest(Span(key="s", n=2, seconds=0.0), sequence="account-1"),
+        ]
+    )
+    wait_for(lambda: Job.objects.filter(state=JobState.COMPLETED).count() == 3, 20)
+    runs = list(FlowRun.objects.order_by("started_at"))
+    assert [r.n for r in runs] == [0, 1, 2]
+    assert all(a.ended_at <= b.started_at for a, b in itertools.pairwise(runs))
+
+
+def test_a_finishing_member_starts_the_next_without_waiting_for_a_poll(start_worker) -> None:
+    # A 30 s poll interval: only the wake-up from the finishing job can start the next.
+    start_worker("--queue", "seq=2", env={"AWA_TEST_POLL_INTERVAL": "30"})
+    wait_for(lambda: FlowRun.objects.exists() or True)
+    started = time.monotonic()
+    awa.enqueue_many([SequencedSpan(key="w", n=i, seconds=0.0) for i in range(20)])
+    all_finished("sequenced_span", 20, timeout=20)
+    assert time.monotonic() - started < 10
+    assert [r.n for r in FlowRun.objects.order_by("started_at")] == list(range(20))
+
+
+def test_a_finishing_attempt_frees_its_slot_for_waiting_workers_without_a_poll(
+    start_worker,
+) -> None:
+    awa.set_queue_limits("wake", global_concurrency=1)
+    # 30 s poll intervals: only the wake-ups (in-process, and NOTIFY to the other
+    # worker) can start held-back jobs in time.
+    for _ in range(2):
+        start_worker("--queue", "wake=2", env={"AWA_TEST_POLL_INTERVAL": "30"})
+    started = time.monotonic()
+    awa.enqueue_many([awa.EnqueueRequest(Span(n=i, seconds=0.05), queue="wake") for i in range(16)])
+    all_finished("span", 16, timeout=20)
+    assert time.monotonic() - started < 12
+    assert max_overlap("queue = 'wake'") == 1
+
+
+# ==== Crashes, runtime changes, pausing ===========================================
+
+
+def test_a_killed_workers_slots_return_when_its_jobs_are_rescued(start_worker) -> None:
+    awa.set_queue_limits("crash", global_concurrency=2)
+    victim = start_worker("--queue", "crash=4")
+    # The first attempts hang; they are what the victim holds when it dies.
+    awa.enqueue_many(
+        [
+            awa.EnqueueRequest(Span(n=i, first_seconds=60, seconds=0.05), queue="crash")
+            for i in (0, 1)
+        ]
+    )
+    wait_for(lambda: FlowRun.objects.count() == 2, 20)
+    awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=i, seconds=0.05), queue="crash") for i in range(2, 8)]
+    )
+    victim.signal(signal.SIGKILL)
+    victim.wait(10)
+    start_worker("--queue", "crash=4")
+    start_worker("--queue", "crash=4")
+    # Until rescue (STALE_AFTER is 3 s) the dead worker's two attempts hold both slots.
+    time.sleep(1.5)
+    assert FlowRun.objects.count() == 2
+    assert Job.objects.filter(queue="crash", state=JobState.AVAILABLE, attempt=0).count() == 6
+    wait_for(lambda: Job.objects.filter(queue="crash", state=JobState.COMPLETED).count() == 8, 40)
+    rescued = Job.objects.filter(queue="crash", args__n__in=[0, 1])
+    assert {j.attempt for j in rescued} == {2}
+    assert max_overlap("queue = %s AND attempt = 1 AND n >= 2", ["crash"]) <= 2
+
+
+def test_limits_changed_at_runtime_reach_every_worker_within_a_poll_interval(
+    start_worker,
+) -> None:
+    poll = 0.2  # tests.settings POLL_INTERVAL
+    start_three(start_worker, "runtime=4")
+    awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=i, seconds=0.3), queue="runtime") for i in range(24)]
+    )
+    # Unlimited: 12 places at once, once every worker is up.
+    wait_for(lambda: FlowRun.objects.filter(ended_at__isnull=True).count() >= 6, 20)
+    awa.set_queue_limits("runtime", global_concurrency=1)
+    changed = _scalar("SELECT clock_timestamp()")
+    all_finished("span", 24, timeout=60)
+    assert max_overlap("queue = 'runtime' AND attempted_at < %s", [changed]) >= 6
+    applied = changed + dt.timedelta(seconds=poll)
+    # Every attempt that started a poll interval after the change started alone.
+    crowded = _scalar(
+        """SELECT count(*) FROM testapp_flowrun AS a JOIN testapp_flowrun AS b
+           ON a.id <> b.id AND b.started_at <= a.started_at AND b.ended_at > a.started_at
+           WHERE a.attempted_at > %s""",
+        [applied],
+    )
+    assert crowded == 0, "an attempt started beside another after global_concurrency=1 applied"
+    assert FlowRun.objects.filter(attempted_at__gt=applied).count() >= 5
+    awa.set_queue_limits("runtime", global_concurrency=None)  # back to unlimited
+    assert not producer.queue_limits("runtime", "default").limited
+
+
+def test_pausing_stops_claims_on_every_worker_within_a_poll_interval(start_worker) -> None:
+    poll = 0.2  # tests.settings POLL_INTERVAL
+    start_three(start_worker, "flow=3")
+    awa.enqueue_many([Span(n=i, seconds=0.02) for i in range(3000)])
+    wait_for(lambda: FlowRun.objects.count() > 100, 30)
+    awa.pause_queue("flow")
+    paused_at = _scalar("SELECT clock_timestamp()")
+    # Wait out one poll interval and then some, while the workers keep polling.
+    time.sleep(poll * 5)
+    last = _scalar("SELECT max(attempted_at) FROM awa_job WHERE queue = 'flow'")
+    assert last <= paused_at + dt.timedelta(seconds=poll), (last, paused_at)
+    waiting = Job.objects.filter(queue="flow", state=JobState.AVAILABLE).count()
+    assert waiting > 0 and Job.objects.filter(queue="flow", state=JobState.RUNNING).count() == 0
+    awa.resume_queue("flow")
+    wait_for(
+        lambda: Job.objects.filter(queue="flow", state=JobState.AVAILABLE).count() < waiting, 10
+    )
+
+
+# ==== Validation =================================================================
+
+
+@pytest.mark.parametrize(
+    ("queues", "extra", "key", "words"),
+    [
+        ({"q": {"rate_limit": "50/sec"}}, {}, "QUEUES", "['q']['rate_limit']"),
+        ({"q": {"rate_limit": "0/s"}}, {}, "QUEUES", "at least one start"),
+        ({"q": {"rate_limit": 50}}, {}, "QUEUES", '"N/s", "N/m" or "N/h"'),
+        ({"q": {"global_concurrency": 0}}, {}, "QUEUES", "['q']['global_concurrency']"),
+        ({"q": {"global_concurrency": True}}, {}, "QUEUES", "positive integer"),
+        ({"q": {"weight": -1}}, {}, "QUEUES", "['q']['weight']"),
+        ({"q": {"min": -1}}, {}, "QUEUES", "['q']['min']"),
+        ({"q": {"min": 5}}, {"WORKER_CONCURRENCY": 4}, "WORKER_CONCURRENCY", "more than"),
+        (
+            {"a": {"min": 3}, "b": {"min": 3}},
+            {"WORKER_CONCURRENCY": 4},
+            "WORKER_CONCURRENCY",
+            "add up to 6",
+        ),
+        ({"q": {}}, {"WORKER_CONCURRENCY": 0}, "WORKER_CONCURRENCY", "positive integer"),
+    ],
+)
+def test_a_wrong_flow_control_setting_is_a_check_error_naming_the_key(
+    settings, queues, extra, key, words
+) -> None:
+    settings.AWA = {"QUEUES": queues, **extra}
+    found = conf.problems()
+    assert [k for k, _ in found] == [key], found
+    assert words in found[0][1]
+    with pytest.raises(awa.ConfigurationError, match=key):
+        conf.awa_settings()
+
+
+def test_queue_limits_in_the_settings_are_parsed(settings) -> None:
+    settings.AWA = {"QUEUES": {"email": {"concurrency": 10, "rate_limit": "50/m",
+                                         "global_concurrency": 20}}}  # fmt: skip
+    email = conf.awa_settings().queues["email"]
+    assert (email.rate_limit.count, email.rate_limit.period) == (50, 60.0)
+    assert email.global_concurrency == 20 and email.concurrency == 10
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({}, "needs concurrency=, rate= or both"),
+        ({"concurrency": 0}, "concurrency=) must be a positive integer, got 0"),
+        ({"rate": "5 per second"}, "rate=) must be a rate"),
+        ({"concurrency": 1, "by": ""}, "by=) takes a field name"),
+        ({"concurrency": 1, "by": ["key"]}, "by=) takes a field name"),
+    ],
+)
+def test_a_bad_limit_is_refused_when_declared(options, words) -> None:
+    with pytest.raises(awa.ValidationError, match=re.escape(words)):
+        awa.Limit(**options)
+
+
+def test_limit_and_sequence_fields_must_be_fields_of_the_args() -> None:
+    with pytest.raises(awa.ValidationError, match=r"Span has no field 'account'.*fields: "):
+        awa.worker(Span, limit=awa.Limit(concurrency=1, by="account"))
+    with pytest.raises(awa.ValidationError, match=r"sequence=: Span has no field 'account'"):
+        awa.worker(Span, sequence=("key", "account"))
+    with pytest.raises(awa.ValidationError, match=r"limit must be an awa\.Limit"):
+        awa.worker(Span, limit={"concurrency": 1})  # type: ignore[arg-type]
+    assert registry.workers["span"].limit is None  # nothing was registered
+
+
+@pytest.mark.django_db
+def test_a_limited_kind_is_refused_on_another_queue_and_bad_sequence_keys() -> None:
+    with pytest.raises(awa.ValidationError, match="holds on its queue 'bykey'"):
+        awa.enqueue(KeyedSpan(key="a"), queue="default")
+    with pytest.raises(awa.ValidationError, match="sequence must be a string of 1 to 255"):
+        awa.enqueue_many([awa.EnqueueRequest(Span(), sequence="")])
+    assert not Job.objects.exists()
+    job = awa.enqueue(SequencedSpan(key="acct-7"))
+    assert job.metadata["awa_sequence"] == 'sequenced_span:["acct-7"]'
+    other = awa.enqueue_many([awa.EnqueueRequest(SequencedSpan(key="x"), sequence="mine")])
+    assert Job.objects.get(id=other[0]).metadata == {"awa_sequence": "mine"}
+
+
+@pytest.mark.django_db
+def test_set_queue_limits_validates_and_keeps_what_it_is_not_given() -> None:
+    with pytest.raises(awa.ValidationError, match=r"set_queue_limits\('q'\): rate_limit"):
+        awa.set_queue_limits("q", rate_limit="fast")
+    with pytest.raises(awa.ValidationError, match="global_concurrency must be a positive"):
+        awa.set_queue_limits("q", global_concurrency=-2)
+    with pytest.raises(awa.ValidationError, match="invalid queue name"):
+        awa.set_queue_limits("no spaces")
+    assert awa.set_queue_limits("q", rate_limit="5/s") == {
+        "rate_limit": "5/s", "rate_count": 5, "rate_period": 1.0}  # fmt: skip
+    stored = awa.set_queue_limits("q", global_concurrency=3)
+    assert stored["rate_limit"] == "5/s" and stored["global_concurrency"] == 3
+    assert awa.set_queue_limits("q", rate_limit=None) == {
+        "rate_limit": None, "global_concurrency": 3}  # fmt: skip
+    limits = producer.queue_limits("q", "default")
+    assert limits.rate_limit is None and limits.global_concurrency == 3
+    assert awa.set_queue_limits("q", reset=True) == {}
+    assert not producer.queue_limits("q", "default").limited
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_held_back_says_why_in_the_debug_log(caplog) -> None:
+    from django_awa.state import WorkerState
+
+    awa.set_queue_limits("why", global_concurrency=1)
+    awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="why") for i in range(3)])
+    state = WorkerState.create({"why": 5})
+    runner = state.queues["why"]
+    with caplog.at_level(logging.DEBUG, logger="django_awa.producer"):
+        assert len(producer.Producer(state, runner).run_once() or []) == 1
+        assert producer.Producer(state, runner).run_once() == []
+    assert "queue why: claimed nothing: 2 due job(s) held back" in caplog.text
+    assert "global_concurrency=1" in caplog.text
+    assert runner.limited
+
+
+# ==== The advisory lock ==========================================================
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_limited_claim_waits_for_the_one_before_it_to_commit() -> None:
+    awa.set_queue_limits("race", global_concurrency=2)
+    awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="race") for i in range(6)])
+    limits = producer.queue_limits("race", "default")
+    holding, release = threading.Event(), threading.Event()
+    claimed: dict[str, list[Job]] = {}
+
+    def first() -> None:
+        try:
+            with transaction.atomic():  # the claim's commit is held back
+                claimed["first"] = producer.claim_limited(limits, 10, "default")
+                holding.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    def second() -> None:
+        try:
+            claimed["second"] = producer.claim_limited(limits, 10, "default")
+        finally:
+            connection.close()
+
+    one = threading.Thread(target=first)
+    one.start()
+    assert holding.wait(10)
+    two = threading.Thread(target=second)
+    two.start()
+    two.join(0.5)
+    # Without the lock it would count no running row (the first claim is not
+    # committed) and skip the locked ones: two more, four running.
+    assert two.is_alive(), "the second claimer did not wait for the first"
+    release.set()
+    one.join(10)
+    two.join(10)
+    assert len(claimed["first"]) == 2 and claimed["second"] == []
+    assert Job.objects.filter(queue="race", state=JobState.RUNNING).count() == 2
+
+
+# ==== Weighted sharing within a process ===========================================
+
+
+def test_shared_concurrency_lends_idle_places_and_keeps_each_minimum() -> None:
+    pool = SharedConcurrency(4, mins={"a": 1, "b": 1}, weights={"a": 1, "b": 1})
+    assert pool.take("a", 4, 0) == 3  # its minimum and every shared place; b's minimum stays
+    pool.busy("a", True)
+    assert pool.take("b", 4, 0) == 1  # b's minimum, however busy a is
+    assert pool.take("b", 1, 0.01) == 0  # the cap: 4
+    pool.busy("b", True)
+    pool.give("a", 2)  # a's borrowed jobs finished: now each gets its weight's share
+    assert pool.take("b", 4, 0) == 1
+    assert pool.take("a", 4, 0) == 1
+    assert pool.held == {"a": 2, "b": 2}
+
+
+def test_shared_concurrency_splits_by_weight_while_both_want_more() -> None:
+    pool = SharedConcurrency(8, mins={"a": 0, "b": 0}, weights={"a": 3, "b": 1})
+    pool.busy("a", True)
+    pool.busy("b", True)
+    assert pool.take("a", 8, 0) == 6
+    assert pool.take("b", 8, 0) == 2
+    pool.give("a", 6)
+    pool.busy("b", False)  # b drained: a may borrow its share too
+    assert pool.take("a", 8, 0) == 6  # b still holds 2
+
+
+def test_worker_concurrency_caps_a_process_and_shares_it(start_worker) -> None:
+    # WORKER_CONCURRENCY 4; queues wa and wb: concurrency 4, min 1, weight 1 each.
+    start_worker("--queue", "wa=4", "--queue", "wb=4", env={"AWA_TEST_FLOW_QUEUES": "shared"})
+    awa.enqueue_many([awa.EnqueueRequest(Span(n=i, seconds=0.3), queue="wa") for i in range(12)])
+    wait_for(lambda: FlowRun.objects.filter(queue="wa").count() >= 3, 20)
+    time.sleep(0.1)  # wa alone for a moment: a fourth start would show now
+    alone_until = _scalar("SELECT clock_timestamp()")
+    awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=100 + i, seconds=0.3), queue="wb") for i in range(6)]
+    )
+    all_finished("span", 18, timeout=60)
+    assert max_overlap() <= 4  # the process's cap, across both queues
+    # Alone, wa borrowed wb's idle shared places (4 threads, 3 allowed: min 1 + 2 shared).
+    assert max_overlap("queue = 'wa' AND started_at < %s", [alone_until]) == 3
+    # wb got its places while wa had a backlog: both ran at once.
+    assert (
+        _scalar(
+            """SELECT count(*) FROM testapp_flowrun AS a JOIN testapp_flowrun AS b
+           ON a.queue = 'wa' AND b.queue = 'wb'
+          AND tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)"""
+        )
+        > 0
+    )
+    assert max_overlap("queue = 'wb'") >= 2
