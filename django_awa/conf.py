@@ -76,7 +76,9 @@ DESCRIPTIONS: dict[str, str] = {
     "DATABASE": "The database alias holding the job tables.",
     "QUEUES": (
         "The queues a worker runs, and how many jobs at once on each: "
-        '`{"name": {"concurrency": N}}`. `awa_worker --queue name=N` overrides it.'
+        '`{"name": {"concurrency": N}}`. `awa_worker --queue name=N` overrides it. '
+        'Fleet-wide limits per queue: `"rate_limit"` (`"N/s"`, `"N/m"`, `"N/h"`) and '
+        '`"global_concurrency"`; with `WORKER_CONCURRENCY`, `"min"` and `"weight"`.'
     ),
     "POLL_INTERVAL": "How often an idle queue polls, as a fallback to LISTEN/NOTIFY.",
     "HEARTBEAT_INTERVAL": "How often a worker heartbeats its running jobs.",
@@ -129,6 +131,11 @@ DESCRIPTIONS: dict[str, str] = {
     "METRICS_TOKEN": (
         "A bearer token that lets a scraper read `<prefix>/metrics` without a staff login; "
         "`None`: staff users only."
+    ),
+    "WORKER_CONCURRENCY": (
+        "One cap on the jobs a worker process runs at once over all its queues, shared by "
+        'their `"weight"` while each keeps its `"min"`; `None`: each queue has its own '
+        "`concurrency`."
     ),
     "OPENTELEMETRY": (
         "Traces and metrics through the OpenTelemetry API (the `otel` extra): `None` uses "

@@ -589,6 +589,8 @@ async def aenqueue(
     metadata: dict[str, Any] | None = None,
     unique: Unique | None = None,
     using: str | None = None,
+    after: Sequence[Any] = (),
+    requires: str = "completed",
 ) -> Job:
     """``enqueue`` for async code (an async view, an async handler): same options, same errors.
 
@@ -609,6 +611,8 @@ async def aenqueue(
         metadata=metadata,
         unique=unique,
         using=using,
+        after=after,
+        requires=requires,
     )
 
 

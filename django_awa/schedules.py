@@ -129,20 +129,7 @@ def fire_due(alias: str, now: dt.datetime) -> int:
 
 def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
     with transaction.atomic(using=alias):
-        row, created = (
-            PeriodicSchedule.objects.using(alias)
-            .select_for_update()
-            .get_or_create(
-                name=schedule.name,
-                defaults={
-                    "cron": schedule.cron,
-                    "timezone": schedule.timezone,
-                    "kind": schedule.args.kind,
-                    "last_fire_at": now,
-                    "next_fire_at": schedule.next_after(now),
-                },
-            )
-        )
+        row, created = _get_or_create_locked(schedule, alias, now)
         if created or row.paused:
             return 0
         changed = (row.cron, row.timezone) != (schedule.cron, schedule.timezone)
@@ -190,12 +177,20 @@ def _row_for_update(name: str, alias: str) -> PeriodicSchedule:
     schedule = schedules.get(name)
     if schedule is None:
         raise ScheduleNotFound(f"no periodic schedule named {name!r}")
-    now = _database_now(alias)
-    row, _ = (
+    row, _ = _get_or_create_locked(schedule, alias, _database_now(alias))
+    return row
+
+
+def _get_or_create_locked(
+    schedule: Periodic, alias: str, now: dt.datetime
+) -> tuple[PeriodicSchedule, bool]:
+    """The schedule's row, locked (FOR UPDATE), created as of ``now`` on its first use;
+    and whether it was created."""
+    return (
         PeriodicSchedule.objects.using(alias)
         .select_for_update()
         .get_or_create(
-            name=name,
+            name=schedule.name,
             defaults={
                 "cron": schedule.cron,
                 "timezone": schedule.timezone,
@@ -205,7 +200,6 @@ def _row_for_update(name: str, alias: str) -> PeriodicSchedule:
             },
         )
     )
-    return row
 
 
 def pause_schedule(name: str, *, using: str | None = None) -> PeriodicSchedule:

@@ -481,12 +481,14 @@ RETURNING {J_JOB_COLUMNS}
 # start, while rows inserted by COPY (follow-ups) take run_at from the column
 # default, statement_timestamp(), a little later.
 # Index: awa_job_claim_idx when a queue is given; a test's few rows otherwise.
-_INLINE_DUE = """
+# A sequence's members run one at a time in its order, as in a worker.
+_INLINE_DUE = f"""
     SELECT id FROM ONLY awa_job AS c
     WHERE state = 'available'
       AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
       AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
-      AND NOT EXISTS (SELECT 1 FROM awa_queue AS q WHERE q.name = c.queue AND q.paused)"""
+      AND NOT EXISTS (SELECT 1 FROM awa_queue AS q WHERE q.name = c.queue AND q.paused)
+      AND {_sequence_free("c")}"""
 CLAIM_INLINE = f"""
 WITH picked AS ({_INLINE_DUE}
     ORDER BY priority, run_at, id

@@ -473,6 +473,19 @@ def test_aenqueue_joins_the_transaction_of_its_caller():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_aenqueue_takes_dependencies_as_enqueue_does():
+    from asgiref.sync import async_to_sync
+
+    first = awa.enqueue(Node(name="first"))
+    then = async_to_sync(awa.aenqueue)(Node(name="then"), after=[first], requires="finished")
+    assert then.state == JobState.BLOCKED
+    assert list(
+        Dependency.objects.filter(job_id=then.id).values_list("depends_on_id", "requires")
+    ) == [(first.id, "finished")]
+    assert run_all() == [first.id, then.id]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_the_last_two_members_finishing_at_once_promote_their_callback_exactly_once():
     """Two threads (two connections, two transactions under READ COMMITTED) write
     the outcomes of a fan-in's last two members at the same instant, 40 times."""

@@ -493,7 +493,7 @@ def span(job: awa.JobContext):
         key=args.key,
         n=args.n,
         attempt=job.attempt,
-        attempted_at=job.row.attempted_at,
+        attempted_at=job.row.heartbeat_at,  # the claim's stamp (attempted_at: the handler's)
         started_at=timezone.now(),
         pid=os.getpid(),
     )

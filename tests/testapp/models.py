@@ -42,7 +42,7 @@ class FlowRun(models.Model):
     key = models.CharField(max_length=100, blank=True, default="")
     n = models.IntegerField(default=0)  # the job's place in its test's enqueue order
     attempt = models.IntegerField()
-    attempted_at = models.DateTimeField()  # the attempt's start, as the claim stamped it
+    attempted_at = models.DateTimeField()  # the attempt's claim (its row's heartbeat_at then)
     started_at = models.DateTimeField()  # the handler's start and end (this machine's clock)
     ended_at = models.DateTimeField(null=True)
     pid = models.IntegerField()
