@@ -26,6 +26,18 @@ ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["django_awa.testing.pytest"]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``AWA_SLOW_TESTS=0`` skips the tests marked ``slow`` (fault, soak, upgrade and demo
+    runs of several seconds each): ``.ci/run`` runs them in the first of its three test
+    runs only. By default they run."""
+    if os.environ.get("AWA_SLOW_TESTS", "1") != "0":
+        return
+    skip = pytest.mark.skip(reason="slow: AWA_SLOW_TESTS=0 (.ci/run runs it in its first run)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 class WorkerProcess:
     """``python -m django awa_worker`` on the test database; reaped at teardown."""
 

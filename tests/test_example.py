@@ -86,6 +86,7 @@ def scalar(url: str, query: str) -> Any:
     return rows(url, query)[0][0]
 
 
+@pytest.mark.slow
 def test_demo_runs_orders_through_every_follow_up(example_database: str) -> None:
     url = example_database
     manage(url, "migrate", "--noinput", timeout=120)
@@ -174,6 +175,7 @@ def test_demo_runs_orders_through_every_follow_up(example_database: str) -> None
         assert check in output, output
 
 
+@pytest.mark.slow
 def test_demo_at_a_high_rate_settles_with_its_checks_and_prints_a_working_admin_login(
     example_database: str,
 ) -> None:

@@ -35,7 +35,7 @@ from stress import audit
 from tests.conftest import ROOT, wait_for
 from tests.testapp.jobs import Act
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 

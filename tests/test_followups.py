@@ -546,6 +546,7 @@ def test_sigkill_between_handler_return_and_commit_runs_again_with_one_set_of_fo
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
 def test_every_committed_outcome_has_exactly_its_followups_over_5000_jobs(start_worker):
     rng = random.Random(20261130)
     items = []

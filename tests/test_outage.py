@@ -66,6 +66,7 @@ def read_only_afterwards():
     _set_read_only(False)
 
 
+@pytest.mark.slow
 def test_a_read_only_server_is_waited_out_and_the_worker_says_so_once(
     start_worker, read_only_afterwards
 ):

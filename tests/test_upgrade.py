@@ -383,6 +383,7 @@ class Upgrade:
 # -- the rolling upgrade -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_previous_release_and_this_one_share_a_live_database(
     previous_release: Path, upgrade_db: str, start_worker: Callable[..., WorkerProcess]
 ) -> None:

@@ -506,6 +506,7 @@ def test_errors_while_loading_a_handler_or_finalizing_are_the_attempts_error(sta
     wait_for_state(after.id, JobState.COMPLETED, timeout=3)
 
 
+@pytest.mark.slow
 def test_handlers_stuck_after_their_attempt_was_lost_are_replaced_within_a_bound(start_worker):
     # Handlers that ignore cancellation and their deadline (1 s here). Once
     # rescued, each holds its thread until the grace (5 s here) runs out; then
@@ -545,6 +546,7 @@ def test_handlers_stuck_after_their_attempt_was_lost_are_replaced_within_a_bound
     assert worker.proc.poll() is None
 
 
+@pytest.mark.slow
 def test_a_cancelled_handler_that_will_not_stop_gives_up_its_thread_then_exits(start_worker):
     job = awa.enqueue(Act(action="stubborn", seconds=10))
     worker = start_worker("--queue", "default=1")

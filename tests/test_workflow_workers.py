@@ -80,6 +80,7 @@ def test_a_dependency_rescued_after_its_worker_was_killed_releases_its_dependent
     assert Ledger.objects.filter(job_id=after.id).count() == 1
 
 
+@pytest.mark.slow
 def test_a_short_crash_soak_of_random_dags_passes_its_sql_audit(tmp_path):
     """stress/workflow_soak.py, short: 15 random DAGs, workers SIGKILLed every 2 s."""
     from stress import workflow_soak
