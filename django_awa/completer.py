@@ -111,6 +111,11 @@ class Completer:
         while not done:
             timeout = max(0.0, retry_at - time.monotonic()) if deferred else None
             batch, done = self.next_batch(timeout)
+            if deferred:
+                # An attempt's first result waits for its row: a later one of the
+                # same attempt (a timed-out handler's own) is stale, as in one batch.
+                waiting_for = {(r.job.id, r.job.run_lease) for r in deferred}
+                batch = [r for r in batch if (r.job.id, r.job.run_lease) not in waiting_for]
             if deferred and (done or time.monotonic() >= retry_at):
                 batch.extend(deferred)
                 deferred = []

@@ -242,6 +242,7 @@ def audit(workload: Any, drain: float) -> dict[str, Any]:
 
     from django_awa import db
     from stress import audit as checks
+    from stress.workflow_soak import audit_workflows
 
     ids = workload.ids
 
@@ -266,6 +267,13 @@ def audit(workload: Any, drain: float) -> dict[str, Any]:
             "handler_runs_duplicated": checks.ledger_duplicates(cursor, ids + followups),
             "outcome_mismatches": checks.outcome_mismatches(cursor, ids),
             "not_final": checks.not_final(cursor, ids + followups),
+            # Workflow steps: none ran before its dependency completed, ran twice or
+            # was left unfinished (stress/workflow_soak.py's rules).
+            "workflow_rules_broken": {
+                rule: rows
+                for rule, rows in audit_workflows(cursor, workload.workflow_ids).items()
+                if rows
+            },
         }
     return out
 
@@ -305,11 +313,14 @@ def report(results: dict[str, Any]) -> bool:
         print(f"{key}: {len(values)} {values[:10]}")  # noqa: T201
     for key in ("handler_runs_duplicated", "outcome_mismatches", "not_final"):
         print(f"{key}: {len(results[key])} {results[key][:10]}")  # noqa: T201
+    print(f"workflow rules broken: {results['workflow_rules_broken'] or 'none'}")  # noqa: T201
     print(f"ledger (outside the cluster) and worker logs: {results['ledger']}")  # noqa: T201
     print("worker outage log lines:")  # noqa: T201
     for line in results["logs"][:40]:
         print("  " + line)  # noqa: T201
-    broken = any(results[k] for k in ("handler_runs_duplicated", "not_final"))
+    broken = any(
+        results[k] for k in ("handler_runs_duplicated", "not_final", "workflow_rules_broken")
+    )
     broken |= bool(lost["enqueues_duplicated"])
     if mode == "synchronous":
         broken |= any(lost.values()) or bool(results["outcome_mismatches"])

@@ -3,8 +3,9 @@
 Used by ``stress/ha.py`` and ``stress/hosts.py``, in a process where Django is
 set up on the job database (``DATABASE_URL``). Three threads:
 
-* the enqueuer enqueues ``Act`` jobs (and every tenth a ``Parked`` one), each
-  with a unique tag and ``awa.Unique()``. When an enqueue raises a database
+* the enqueuer enqueues ``Act`` jobs (every tenth a ``Parked`` one, and every
+  tenth, offset by five, a workflow of two ``Act`` steps, the second after the
+  first), each with a unique tag and ``awa.Unique()``. When an enqueue raises a database
   error it does not know whether the commit landed (an *ambiguous commit*:
   the connection died between the server's commit and its answer), so it
   enqueues the same job again until it succeeds or gets ``UniqueConflict``,
@@ -30,6 +31,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +102,12 @@ class Workload:
             "callback_errors": 0,
             "ambiguous_callbacks": 0,
             "gave_up": 0,
+            "workflows": 0,
         }
         # (first error, first success after it), wall clock, of each enqueue outage.
         self.outages: list[tuple[float, float]] = []
         self._ids: list[int] = []
+        self._workflow_ids: list[int] = []  # the workflows' steps, for their audit
         self._completed: set[int] = set()
         self._seen: set[int] = set()
         self._lock = threading.Lock()
@@ -112,6 +116,11 @@ class Workload:
     def ids(self) -> list[int]:
         with self._lock:
             return list(self._ids)
+
+    @property
+    def workflow_ids(self) -> list[int]:
+        with self._lock:
+            return list(self._workflow_ids)
 
     def start(self) -> None:
         for target in (self._enqueuer, self._answerer, self._watcher):
@@ -150,13 +159,48 @@ class Workload:
                 timeout = float(PARKED_TIMEOUT + n)
                 args: Any = Parked(timeout=timeout)
                 tag = f"timeout:{timeout!r}"
+                self._enqueue(awa, args, tag)
+            elif n % 10 == 5:
+                self._enqueue_workflow(awa, Act, n)
             else:
                 tag = f"{time.time_ns()}-{n}"
-                args = Act("sleep", self.seconds, tag)
-            self._enqueue(awa, args, tag)
+                self._enqueue(awa, Act("sleep", self.seconds, tag), tag)
             self.stop_event.wait(1.0 / self.rate)
 
     def _enqueue(self, awa: Any, args: Any, tag: str) -> None:
+        def insert() -> list[tuple[int, str]]:
+            job = awa.enqueue(args, unique=awa.Unique())
+            return [(job.id, job.kind)]
+
+        self._insert(awa, [tag], insert)
+
+    def _enqueue_workflow(self, awa: Any, act: Any, n: int) -> None:
+        """Two ``Act`` steps in one workflow, the second after the first, in one transaction."""
+        from django.db import transaction
+
+        stamp = time.time_ns()
+        tags = [f"{stamp}-{n}-first", f"{stamp}-{n}-then"]
+
+        def insert() -> list[tuple[int, str]]:
+            flow = awa.Workflow(f"ha-{n}")
+            first = flow.add(
+                awa.EnqueueRequest(act("sleep", self.seconds, tags[0]), unique=awa.Unique())
+            )
+            flow.add(
+                awa.EnqueueRequest(act("sleep", self.seconds, tags[1]), unique=awa.Unique()),
+                after=[first],
+            )
+            with transaction.atomic():
+                return [(job.id, job.kind) for job in flow.enqueue()]
+
+        if self._insert(awa, tags, insert):
+            self.counts["workflows"] += 1
+
+    def _insert(
+        self, awa: Any, tags: list[str], insert: Callable[[], list[tuple[int, str]]]
+    ) -> bool:
+        """Run ``insert`` (the jobs tagged ``tags``, in one transaction) until it is known to
+        have committed; ledger what it wrote. False: it gave up."""
         from django_awa import db
 
         failed_at: float | None = None
@@ -164,17 +208,16 @@ class Workload:
         delay = 0.05
         while time.monotonic() < deadline:
             try:
-                job = awa.enqueue(args, unique=awa.Unique())
-                self._enqueued(job.id, tag, kind=job.kind, ambiguous=False, failed_at=failed_at)
-                return
+                written = insert()
+                ambiguous = False
             except awa.UniqueConflict as exc:
                 if failed_at is None:
                     raise  # a fresh tag conflicts with nothing: a bug
                 # The try that raised had committed: the ambiguous commit resolved.
                 self.counts["ambiguous_enqueues"] += 1
-                held = exc.conflicting_id
-                self._enqueued(held, tag, kind="?", ambiguous=True, failed_at=failed_at)
-                return
+                ids = [exc.conflicting_id] if len(tags) == 1 else self._ids_of(tags)
+                written = [(job_id, "?") for job_id in ids]
+                ambiguous = True
             except Exception:  # noqa: BLE001 - a database error: try again, the key dedupes
                 self.counts["enqueue_errors"] += 1
                 if failed_at is None:
@@ -182,7 +225,32 @@ class Workload:
                 db.close_thread_connections()
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+                continue
+            for index, ((job_id, kind), tag) in enumerate(zip(written, tags, strict=True)):
+                self._enqueued(
+                    job_id, tag, kind=kind, ambiguous=ambiguous,
+                    failed_at=failed_at if index == 0 else None,
+                )  # fmt: skip
+            if len(tags) > 1:
+                with self._lock:
+                    self._workflow_ids.extend(job_id for job_id, _ in written)
+            return True
         self.counts["gave_up"] += 1
+        return False
+
+    @staticmethod
+    def _ids_of(tags: list[str]) -> list[int]:
+        """The ids of the ``Act`` jobs tagged ``tags``, in their order."""
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT args ->> 'tag', id FROM awa_job"
+                " WHERE kind = 'act' AND args ->> 'tag' = ANY(%s)",
+                [tags],
+            )
+            found = dict(cursor.fetchall())
+        return [found[tag] for tag in tags]
 
     def _enqueued(
         self, job_id: int, tag: str, *, kind: str, ambiguous: bool, failed_at: float | None

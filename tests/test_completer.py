@@ -114,3 +114,34 @@ def test_an_outcome_left_out_for_a_lock_is_written_again_while_results_keep_comi
     assert set(Job.objects.filter(id__in=others).values_list("state", flat=True)) == {
         JobState.COMPLETED
     }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_later_result_of_an_attempt_whose_first_waits_for_its_row_is_not_written():
+    # The timed-out result is left out for a row lock (the heartbeat's, say); the
+    # handler's own late result of the same attempt comes next and must not win.
+    import threading
+    import time
+
+    from django_awa.execute import completed, timed_out
+
+    state, [job_id] = _run(1)
+    handlers_own = state.results.get_nowait()
+    completer = threading.Thread(target=Completer(state).run)
+    with psycopg.connect(**listen_params("default")) as other:
+        other.execute("SELECT id FROM awa_job WHERE id = %s FOR UPDATE", [job_id])
+        state.results.put(timed_out(handlers_own.job, 1.0, 1.2))
+        completer.start()
+        time.sleep(0.2)  # written once, left out for the lock
+        other.rollback()
+    state.results.put(completed(handlers_own.job))
+    try:
+        deadline = time.monotonic() + 10
+        while Job.objects.get(id=job_id).state == JobState.RUNNING:
+            assert time.monotonic() < deadline, "the outcome was never written"
+            time.sleep(0.05)
+    finally:
+        state.results.put(None)
+        completer.join(10)
+    row = Job.objects.get(id=job_id)
+    assert row.state == JobState.RETRYABLE and row.errors[-1]["error"].startswith("timed out")

@@ -68,6 +68,10 @@ def test_switchover_and_failover_with_synchronous_replication_lose_nothing(tmp_p
         "enqueues_duplicated": [],
     }
     assert results["counts"]["enqueued"] > 100
+    # Its workflows' steps, through both faults: none ran before its dependency
+    # completed, none ran twice, every one finished.
+    assert results["counts"]["workflows"] > 5
+    assert results["workflow_rules_broken"] == {}
     assert results["counts"]["enqueue_errors"] > 0  # the faults were felt
     assert results["handler_runs_duplicated"] == []
     assert results["outcome_mismatches"] == []
