@@ -123,11 +123,20 @@ def test_a_later_result_of_an_attempt_whose_first_waits_for_its_row_is_not_writt
     import threading
     import time
 
+    from django.db import connections
+
     from django_awa.execute import completed, timed_out
 
     state, [job_id] = _run(1)
     handlers_own = state.results.get_nowait()
-    completer = threading.Thread(target=Completer(state).run)
+
+    def run_completer() -> None:
+        try:
+            Completer(state).run()
+        finally:
+            connections.close_all()  # this thread's own, before the test database goes
+
+    completer = threading.Thread(target=run_completer)
     with psycopg.connect(**listen_params("default")) as other:
         other.execute("SELECT id FROM awa_job WHERE id = %s FOR UPDATE", [job_id])
         state.results.put(timed_out(handlers_own.job, 1.0, 1.2))
