@@ -455,12 +455,9 @@ SET state = 'running',
         secs => coalesce((%(deadlines)s::jsonb ->> j.kind)::float8, %(default_deadline)s::float8)),
     callback_id = NULL,
     callback_timeout_at = NULL"""
-CLAIM = f"""
-WITH picked AS (
-    SELECT id FROM ONLY awa_job AS c
-    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
-      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
-      AND {_sequence_free("c")}
+# The rest of a claim, after the candidates it picks: the oldest first, locked
+# rows skipped, each turned into a running attempt.
+_CLAIM_PICKED = f"""
     ORDER BY priority, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -470,6 +467,12 @@ FROM picked
 WHERE j.id = picked.id
 RETURNING {J_JOB_COLUMNS}
 """
+CLAIM = f"""
+WITH picked AS (
+    SELECT id FROM ONLY awa_job AS c
+    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
+      AND {_sequence_free("c")}{_CLAIM_PICKED}"""
 
 # -- CLAIM_INLINE, DUE_INLINE --
 # testing.run_jobs: CLAIM across queues (%(queue)s NULL: any) and kinds
@@ -490,16 +493,7 @@ _INLINE_DUE = f"""
       AND NOT EXISTS (SELECT 1 FROM awa_queue AS q WHERE q.name = c.queue AND q.paused)
       AND {_sequence_free("c")}"""
 CLAIM_INLINE = f"""
-WITH picked AS ({_INLINE_DUE}
-    ORDER BY priority, run_at, id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE ONLY awa_job AS j{_CLAIM_SET}
-FROM picked
-WHERE j.id = picked.id
-RETURNING {J_JOB_COLUMNS}
-"""
+WITH picked AS ({_INLINE_DUE}{_CLAIM_PICKED}"""
 DUE_INLINE = f"SELECT EXISTS ({_INLINE_DUE})"
 
 # -- PROMOTE_INLINE --
