@@ -8,8 +8,8 @@ import datetime as dt
 import pytest
 from django.utils import timezone
 
-from django_awa.execute import Attempt
 from django_awa.conf import awa_settings
+from django_awa.execute import Attempt
 from django_awa.heartbeat import Heartbeat, fresh_for
 from django_awa.models import Job, JobState
 from django_awa.state import WorkerState
