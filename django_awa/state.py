@@ -132,7 +132,7 @@ class QueueRunner:
     held: int = 0  # claimed and not finished: running, or prefetched and waiting
     run_time: float | None = None  # moving average of handler run time, seconds
     inbox_wait: float | None = None  # moving average of claim-to-start time, seconds
-    start_rate: float = 0.0  # attempts begun per second, over the last period measured
+    start_rate: float | None = None  # attempts begun per second, in the last period measured
     starts: int = 0  # attempts begun since starts_since (time.monotonic())
     starts_since: float = field(default_factory=time.monotonic)
     limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
@@ -158,7 +158,7 @@ class QueueRunner:
         if not window or self.run_time is None:
             return 0
         ahead = min(2 * most, int(self.concurrency * window / max(self.run_time, 1e-6)))
-        if self.inbox_wait is not None and self.inbox_wait > window / 4:
+        if self.start_rate is not None and self.inbox_wait and self.inbox_wait > window / 4:
             ahead = min(ahead, max(self.concurrency, int(self.start_rate * window)))
         return ahead
 
@@ -170,15 +170,17 @@ class QueueRunner:
         """A handler began an attempt claimed ``waited`` seconds ago (handler threads call this).
 
         Keeps a moving average of the inbox wait, and the start rate over the
-        last ``START_RATE_PERIOD`` or more. Handler threads call it holding the
-        worker's ``running_lock``.
+        last ``START_RATE_PERIOD`` (up to twice it: a longer span held an idle
+        gap, whose rate says nothing of the handlers' pace, and is not taken).
+        Handler threads call it holding the worker's ``running_lock``.
         """
         previous = self.inbox_wait
         self.inbox_wait = waited if previous is None else 0.8 * previous + 0.2 * waited
         self.starts += 1
         elapsed = now - self.starts_since
         if elapsed >= START_RATE_PERIOD:
-            self.start_rate = self.starts / elapsed
+            if elapsed <= 2 * START_RATE_PERIOD:
+                self.start_rate = self.starts / elapsed
             self.starts, self.starts_since = 0, now
 
     def finished(self) -> None:

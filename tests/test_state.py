@@ -54,7 +54,12 @@ def test_a_prefetch_is_held_to_what_the_handlers_start_once_claimed_jobs_wait():
     runner = QueueRunner(name="q", concurrency=10)
     runner.observe(0.001)
     assert runner.prefetch(0.05, 500) == 500
-    now = runner.starts_since
+    # The first start after an idle spell measures no rate (one start in ten
+    # seconds says nothing of the pace): the prefetch stays as it was.
+    now = runner.starts_since + 10
+    runner.observe_start(0.2, now)
+    assert runner.start_rate is None
+    assert runner.prefetch(0.05, 500) == 500
     for i in range(1, 501):  # 1,000 starts a second, each waiting 200 ms in the inbox
         runner.observe_start(0.2, now + i / 1000)
     assert runner.start_rate == pytest.approx(1000, rel=0.01)
