@@ -134,6 +134,7 @@ class QueueRunner:
     inbox_wait: float | None = None  # moving average of claim-to-start time, seconds
     start_rate: float | None = None  # attempts begun per second, in the last period measured
     starts: int = 0  # attempts begun since starts_since (time.monotonic())
+    drained: bool = False  # since starts_since, a handler took the inbox's last attempt
     starts_since: float = field(default_factory=time.monotonic)
     limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
     shared: SharedConcurrency | None = None  # AWA["WORKER_CONCURRENCY"], when set
@@ -166,22 +167,29 @@ class QueueRunner:
         previous = self.run_time
         self.run_time = seconds if previous is None else 0.8 * previous + 0.2 * seconds
 
-    def observe_start(self, waited: float, now: float) -> None:
-        """A handler began an attempt claimed ``waited`` seconds ago (handler threads call this).
+    def observe_start(self, waited: float, now: float, *, drained: bool = False) -> None:
+        """A handler began an attempt claimed ``waited`` seconds ago; ``drained``: it
+        took the last one in the inbox.
 
         Keeps a moving average of the inbox wait, and the start rate over the
-        last ``START_RATE_PERIOD`` (up to twice it: a longer span held an idle
-        gap, whose rate says nothing of the handlers' pace, and is not taken).
-        Handler threads call it holding the worker's ``running_lock``.
+        last ``START_RATE_PERIOD``. A period's rate says how fast the handlers
+        go only if they always had a job waiting: one in which the inbox ran
+        dry measured the claims instead (bounding the prefetch by it would
+        starve the handlers further), and one that spans more than twice the
+        period held an idle gap; neither is taken, and the first lifts the
+        bound. Handler threads call it holding the worker's ``running_lock``.
         """
         previous = self.inbox_wait
         self.inbox_wait = waited if previous is None else 0.8 * previous + 0.2 * waited
         self.starts += 1
+        self.drained = self.drained or drained
         elapsed = now - self.starts_since
         if elapsed >= START_RATE_PERIOD:
-            if elapsed <= 2 * START_RATE_PERIOD:
+            if self.drained:
+                self.start_rate = None
+            elif elapsed <= 2 * START_RATE_PERIOD:
                 self.start_rate = self.starts / elapsed
-            self.starts, self.starts_since = 0, now
+            self.starts, self.starts_since, self.drained = 0, now, False
 
     def finished(self) -> None:
         """A held job's place is free again (its handler is done, or it was given up)."""

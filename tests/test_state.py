@@ -71,3 +71,19 @@ def test_a_prefetch_is_held_to_what_the_handlers_start_once_claimed_jobs_wait():
     for i in range(30):
         runner.observe_start(0.0, now + 1 + i / 1000)
     assert runner.prefetch(0.05, 500) == 500
+
+
+def test_a_start_rate_measured_while_the_inbox_ran_dry_does_not_bound_the_prefetch():
+    # Claims slower than the window (a loaded server) leave the handlers waiting
+    # for jobs: the rate they start at is the claims', and holding the prefetch
+    # to it would starve them further (each claim smaller, the rate lower).
+    runner = QueueRunner(name="q", concurrency=10)
+    runner.observe(0.001)
+    now = runner.starts_since
+    for i in range(1, 251):  # a pace the handlers keep, jobs always waiting
+        runner.observe_start(0.2, now + i / 1000)
+    assert runner.prefetch(0.05, 500) == 50
+    for i in range(1, 51):  # 200 a second, and the inbox runs dry between claims
+        runner.observe_start(0.2, now + 0.25 + i / 200, drained=i % 10 == 0)
+    assert runner.start_rate is None
+    assert runner.prefetch(0.05, 500) == 500
