@@ -7,6 +7,7 @@ child unpickles its target by importing the target's module, before
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import sys
 from typing import Any
@@ -40,15 +41,22 @@ def produce(
     django.setup()
     from .demo import Producers, quiet_logging  # models: only once Django is set up
 
+    # The demo's process, watched: killed (no stop), it must not leave this one
+    # producing orders for ever.
+    parent = multiprocessing.parent_process()
+
+    def orphaned() -> bool:
+        return parent is not None and not parent.is_alive()
+
     producers = Producers(rate, alias, sys.stderr, count=count, burst=burst)
     ready.set()
     while not go.wait(0.1):
-        if stop.is_set():
+        if stop.is_set() or orphaned():
             return
     with quiet_logging():
         producers.start()
         try:
-            while not stop.wait(0.1):
+            while not stop.wait(0.1) and not orphaned():
                 counts[:] = [producers.orders, producers.others, producers.bursts]
         finally:
             producers.stop()
