@@ -111,9 +111,10 @@ DESCRIPTIONS: dict[str, str] = {
     ),
     "PREFETCH_WINDOW": (
         "While handlers are quick, claim ahead what they will start within this time (by "
-        "their recent run time), so they never wait for a claim; slow handlers get none; "
-        "`None` turns it off. A prefetched job is `running` with `attempted_at` empty until "
-        "a handler takes it."
+        "their recent run time, and once claimed jobs wait, by the rate the handlers really "
+        "start them), so they never wait for a claim; slow handlers get none; `None` turns "
+        "it off. A prefetched job is `running` with `attempted_at` empty until a handler "
+        "takes it."
     ),
     "MAX_ARGS_BYTES": "The largest encoded args accepted at enqueue, in bytes of JSON (UTF-8).",
     "MAX_METADATA_BYTES": (

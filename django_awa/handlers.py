@@ -234,6 +234,9 @@ class HandlerPool:
                 handler.attempt = attempt
                 # Claimed until now; from here its handler runs (attempted_at).
                 handler.started = attempt.started = time.monotonic()
+                runner.observe_start(
+                    attempt.started - attempt.claimed, attempt.started, drained=runner.inbox.empty()
+                )
                 handler.lost_at = None
                 handler.overrun_logged = handler.bound_logged = handler.timed_out = False
             if attempt.cancelled.is_set():

@@ -5,8 +5,10 @@ Four times a second the heartbeat thread stores the progress handlers set
 run ``MARK_STARTED_AFTER`` began (``attempted_at``: a claimed job's row keeps
 it NULL until then, so a job prefetched into the worker's inbox does not look
 like one whose handler runs; quicker attempts get theirs from finalize), and every
-``HEARTBEAT_INTERVAL`` it renews ``heartbeat_at`` of every running attempt,
-guarded by run_lease, and the worker's row in the registry (``fleet.py``).
+``HEARTBEAT_INTERVAL`` it renews ``heartbeat_at`` of the running attempts
+not claimed or beaten in the last ``fresh_for`` seconds (under a burst, most
+were claimed moments ago and their rows are about to be finalized), guarded
+by run_lease, and the worker's row in the registry (``fleet.py``).
 An attempt whose row no longer matches (cancelled, rescued or finalized
 meanwhile) gets its cancelled flag set, so its handler learns the attempt was
 lost and the handler pool may replace a stuck thread.
@@ -18,6 +20,7 @@ import logging
 import time
 
 from . import db, fleet, sql
+from .conf import AwaSettings
 from .execute import Attempt, write_progress
 from .state import DB_ERRORS, WorkerState, reset_connection
 
@@ -28,6 +31,17 @@ PROGRESS_INTERVAL = 0.25
 # A handler running this long gets its start stored while it runs; one that
 # returns sooner has it stored with its outcome, one write instead of two.
 MARK_STARTED_AFTER = 0.1
+
+
+def fresh_for(conf: AwaSettings) -> float:
+    """How recent a heartbeat may be and still not be written again (seconds).
+
+    A row claimed or beaten this recently is left alone by the next pass; the
+    pass after writes it, so a running attempt's ``heartbeat_at`` is at most
+    ``fresh_for + HEARTBEAT_INTERVAL`` old, which stays under ``STALE_AFTER``
+    (the settings check ``STALE_AFTER > HEARTBEAT_INTERVAL``).
+    """
+    return min(conf.heartbeat_interval, (conf.stale_after - conf.heartbeat_interval) / 2)
 
 
 class Heartbeat:
@@ -108,6 +122,7 @@ class Heartbeat:
                 {
                     "id": [a.job.id for a in attempts],
                     "run_lease": [a.job.run_lease for a in attempts],
+                    "fresh": fresh_for(self.state.conf),
                 },
             )
             alive = {row[0] for row in cursor.fetchall()}

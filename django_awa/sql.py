@@ -618,9 +618,14 @@ STILL_HELD = _RUNNING_ATTEMPTS.replace("SELECT j.id", "SELECT j.id, j.has_depend
 # -- HEARTBEAT --
 # Mark this worker's running attempts alive and report which are still held:
 # one missing was cancelled, rescued or otherwise lost, and its handler is
-# told through JobContext.is_cancelled(). Rows locked by a concurrent write
-# (the completer finalizing them) are skipped, not waited for, so a heartbeat
-# never deadlocks with a batched finalize; they still count as held when the
+# told through JobContext.is_cancelled(). Only rows whose heartbeat is older
+# than %(fresh)s seconds are written: a row claimed (or beaten) since needs
+# none yet, and under a burst nearly every attempt a worker holds was claimed
+# moments ago, so the statement locks and rewrites (a non-HOT update:
+# heartbeat_at is indexed) a few long-running rows, not thousands that the
+# completer is about to finalize. Rows locked by a concurrent write (the
+# completer finalizing them) are skipped, not waited for, so a heartbeat never
+# deadlocks with a batched finalize; they still count as held when the
 # statement's snapshot shows them running. Primary key lookups.
 HEARTBEAT = f"""
 WITH held AS ({_RUNNING_ATTEMPTS}
@@ -628,6 +633,7 @@ WITH held AS ({_RUNNING_ATTEMPTS}
 beat AS (
     UPDATE ONLY awa_job AS j SET heartbeat_at = now()
     FROM (SELECT id FROM ONLY awa_job WHERE id IN (SELECT id FROM held)
+            AND heartbeat_at < now() - make_interval(secs => %(fresh)s)
           ORDER BY id FOR UPDATE SKIP LOCKED) AS l
     WHERE j.id = l.id
     RETURNING j.id

@@ -14,6 +14,7 @@ import os
 import queue as queue_module
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,6 +112,12 @@ class SharedConcurrency:
                 self.wanting.discard(name)
 
 
+# How long the start rate of a queue's handlers is counted over before it is
+# taken (QueueRunner.observe_start); a prefetch bounded by it follows a change
+# in the process's pace within a few periods.
+START_RATE_PERIOD = 0.25
+
+
 @dataclass(slots=True)
 class QueueRunner:
     """One queue of the worker: the producer fills ``inbox``, its handler threads empty it."""
@@ -124,6 +131,11 @@ class QueueRunner:
     room: threading.Condition = field(default_factory=threading.Condition)
     held: int = 0  # claimed and not finished: running, or prefetched and waiting
     run_time: float | None = None  # moving average of handler run time, seconds
+    inbox_wait: float | None = None  # moving average of claim-to-start time, seconds
+    start_rate: float | None = None  # attempts begun per second, in the last period measured
+    starts: int = 0  # attempts begun since starts_since (time.monotonic())
+    drained: bool = False  # since starts_since, a handler took the inbox's last attempt
+    starts_since: float = field(default_factory=time.monotonic)
     limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
     shared: SharedConcurrency | None = None  # AWA["WORKER_CONCURRENCY"], when set
 
@@ -132,14 +144,52 @@ class QueueRunner:
 
         At most two claims' worth: handlers work through one batch while the
         next claim is under way. With one, they ran dry during each claim.
+
+        The handlers' run time promises a start rate (``concurrency / run_time``)
+        that a process short of CPU does not reach: 1 ms handlers promise 10,000
+        starts a second on ten threads, and a process sharing its interpreter
+        lock (or two cores) with others starts a fraction of that. Once claimed
+        jobs wait in the inbox more than a quarter of ``window`` on average, the
+        prefetch is at most what the handlers did start in ``window`` at their
+        measured rate (at least ``concurrency``): a few claims' worth, never
+        thousands of ``running`` rows no handler has begun. Held to it, jobs
+        wait about half the window, so the bound stays on while the pace does
+        not change; a quicker pace raises it with the measured rate.
         """
         if not window or self.run_time is None:
             return 0
-        return min(2 * most, int(self.concurrency * window / max(self.run_time, 1e-6)))
+        ahead = min(2 * most, int(self.concurrency * window / max(self.run_time, 1e-6)))
+        if self.start_rate is not None and self.inbox_wait and self.inbox_wait > window / 4:
+            ahead = min(ahead, max(self.concurrency, int(self.start_rate * window)))
+        return ahead
 
     def observe(self, seconds: float) -> None:
         previous = self.run_time
         self.run_time = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def observe_start(self, waited: float, now: float, *, drained: bool = False) -> None:
+        """A handler began an attempt claimed ``waited`` seconds ago; ``drained``: it
+        took the last one in the inbox.
+
+        Keeps a moving average of the inbox wait, and the start rate over the
+        last ``START_RATE_PERIOD``. A period's rate says how fast the handlers
+        go only if they always had a job waiting: one in which the inbox ran
+        dry measured the claims instead (bounding the prefetch by it would
+        starve the handlers further), and one that spans more than twice the
+        period held an idle gap; neither is taken, and the first lifts the
+        bound. Handler threads call it holding the worker's ``running_lock``.
+        """
+        previous = self.inbox_wait
+        self.inbox_wait = waited if previous is None else 0.8 * previous + 0.2 * waited
+        self.starts += 1
+        self.drained = self.drained or drained
+        elapsed = now - self.starts_since
+        if elapsed >= START_RATE_PERIOD:
+            if self.drained:
+                self.start_rate = None
+            elif elapsed <= 2 * START_RATE_PERIOD:
+                self.start_rate = self.starts / elapsed
+            self.starts, self.starts_since, self.drained = 0, now, False
 
     def finished(self) -> None:
         """A held job's place is free again (its handler is done, or it was given up)."""

@@ -190,6 +190,7 @@ def test_statements_about_live_jobs_read_awa_job_alone():
         "%(run_lease)s": "'{1}'",
         "%(started_ago)s": "'{0.001}'",
         "%(waited)s": "'{0.001}'",
+        "%(fresh)s": "5",
     }
 
     def plan(statement: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from django_awa.execute import Attempt
 from django_awa.models import Job
 from django_awa.state import QueueRunner, WorkerState
@@ -43,3 +45,45 @@ def test_wake_sets_the_named_queues_or_all():
     assert all(r.wake.is_set() for r in state.queues.values())
     assert state.backlog_limit == 1000
     assert WorkerState.create({"big": 800}).backlog_limit == 1600
+
+
+def test_a_prefetch_is_held_to_what_the_handlers_start_once_claimed_jobs_wait():
+    # 1 ms handlers on ten threads promise 10,000 starts a second: 500 prefetched
+    # for a 50 ms window. A process that starts 1,000 a second (short of CPU)
+    # leaves them waiting: the prefetch comes down to what it starts in 50 ms.
+    runner = QueueRunner(name="q", concurrency=10)
+    runner.observe(0.001)
+    assert runner.prefetch(0.05, 500) == 500
+    # The first start after an idle spell measures no rate (one start in ten
+    # seconds says nothing of the pace): the prefetch stays as it was.
+    now = runner.starts_since + 10
+    runner.observe_start(0.2, now)
+    assert runner.start_rate is None
+    assert runner.prefetch(0.05, 500) == 500
+    for i in range(1, 501):  # 1,000 starts a second, each waiting 200 ms in the inbox
+        runner.observe_start(0.2, now + i / 1000)
+    assert runner.start_rate == pytest.approx(1000, rel=0.01)
+    assert runner.prefetch(0.05, 500) == 50
+    # Never below the concurrency, whatever the rate measured.
+    runner.start_rate = 10.0
+    assert runner.prefetch(0.05, 500) == 10
+    # Jobs that start at once (a quick process) lift the bound.
+    for i in range(30):
+        runner.observe_start(0.0, now + 1 + i / 1000)
+    assert runner.prefetch(0.05, 500) == 500
+
+
+def test_a_start_rate_measured_while_the_inbox_ran_dry_does_not_bound_the_prefetch():
+    # Claims slower than the window (a loaded server) leave the handlers waiting
+    # for jobs: the rate they start at is the claims', and holding the prefetch
+    # to it would starve them further (each claim smaller, the rate lower).
+    runner = QueueRunner(name="q", concurrency=10)
+    runner.observe(0.001)
+    now = runner.starts_since
+    for i in range(1, 251):  # a pace the handlers keep, jobs always waiting
+        runner.observe_start(0.2, now + i / 1000)
+    assert runner.prefetch(0.05, 500) == 50
+    for i in range(1, 51):  # 200 a second, and the inbox runs dry between claims
+        runner.observe_start(0.2, now + 0.25 + i / 200, drained=i % 10 == 0)
+    assert runner.start_rate is None
+    assert runner.prefetch(0.05, 500) == 500

@@ -4,6 +4,7 @@
 * the producers: create orders at a steady rate, each tick's ``Order`` rows and
   their ``ChargeCard`` jobs in one transaction, plus a stream of cheap jobs, and
   with ``--preset burst`` a bulk ``enqueue_many`` now and then (``Burst``);
+  threads of a child process of their own (``ProducerProcess``);
 * the carrier: answers parked ``ShipOrder`` jobs after a short delay, by a
   signed ``POST`` to the callback receiver (``http``) or by calling
   ``awa.complete_external`` (``direct``);
@@ -20,6 +21,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import math
+import multiprocessing
 import os
 import queue
 import random
@@ -61,6 +64,7 @@ from .jobs import (
     place_order_workflow,
 )
 from .models import Order
+from .producer_process import produce
 
 # Share of produced jobs that are orders (a ChargeCard each); the rest are cheap kinds.
 ORDER_SHARE = 0.5
@@ -509,8 +513,110 @@ class Producers:
 
     @property
     def others(self) -> int:
-        bursts = self.burst.enqueued if self.burst is not None else 0
-        return sum(p.others for p in self.producers) + bursts
+        return sum(p.others for p in self.producers) + self.bursts
+
+    @property
+    def bursts(self) -> int:
+        return self.burst.enqueued if self.burst is not None else 0
+
+    @property
+    def produced(self) -> int:
+        return self.orders + self.others
+
+
+# Orders a producer thread places a second, about: each order placed as a
+# workflow costs several round trips (ids, rows, edges, a savepoint), and a
+# thread waits for each, so higher rates get more threads (and connections).
+ORDERS_PER_THREAD = 125
+
+
+def producer_threads(rate: float) -> int:
+    """How many producer threads share ``rate`` (jobs a second, half of them orders)."""
+    return min(16, max(4, math.ceil(rate * ORDER_SHARE / ORDERS_PER_THREAD)))
+
+
+class ProducerProcess:
+    """``Producers`` run in a child process (``producer_process.produce``), with the
+    same interface.
+
+    Placing a thousand orders a second is Python work (model instances, job
+    args, encoding): in the demo's process it would share one interpreter lock
+    with the carrier, the admin server and the statistics, and the demo would
+    produce what that lock left it, not what was asked.
+    """
+
+    def __init__(
+        self,
+        rate: float,
+        alias: str,
+        count: int | None = None,
+        burst: tuple[int, float] | None = None,
+    ) -> None:
+        if count is None:
+            count = producer_threads(rate)
+        self.count = count
+        context = multiprocessing.get_context("spawn")
+        self._counts = context.Array("q", 3)  # orders, other jobs, of them in bursts
+        self._ready = context.Event()
+        self._go = context.Event()
+        self._stop = context.Event()
+        self.process = context.Process(
+            target=produce,
+            args=(
+                rate,
+                alias,
+                count,
+                burst,
+                self._counts,
+                self._ready,
+                self._go,
+                self._stop,
+            ),
+            name="demo-producers",
+            daemon=True,
+        )
+
+    def start(self) -> None:
+        """Start the process; it sets Django up, then waits for ``go()``."""
+        self.process.start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the process is set up and waits for ``go()``."""
+        deadline = time.monotonic() + timeout
+        while self.process.is_alive() and time.monotonic() < deadline:
+            if self._ready.wait(0.1):
+                return True
+        return self._ready.is_set()
+
+    def go(self) -> None:
+        """Start producing."""
+        self._go.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        if self.process.pid is None:
+            return  # never started
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def exit_code(self) -> int | None:
+        return self.process.exitcode
+
+    @property
+    def orders(self) -> int:
+        return int(self._counts[0])
+
+    @property
+    def others(self) -> int:
+        return int(self._counts[1])
+
+    @property
+    def bursts(self) -> int:
+        return int(self._counts[2])
 
     @property
     def produced(self) -> int:
@@ -620,6 +726,10 @@ class Ticker:
     last_completed: int | None = None
     last_produced: int = 0
     last_at: float = 0.0
+    # The backlog (available jobs) seen by the lines while producing, from the
+    # second line on (the first follows the workers' start).
+    backlog: list[int] = field(default_factory=list)
+    lines: int = 0
 
     def prime(self) -> None:
         """Take the first sample, so that the first line has a rate."""
@@ -633,8 +743,11 @@ class Ticker:
                 totals[state] += counts.get(state, 0)
         return totals
 
-    def line(self, note: str = "") -> str:
+    def line(self, note: str = "", *, producing: bool = True) -> str:
         totals = self.totals()
+        self.lines += 1
+        if producing and self.lines > 1:
+            self.backlog.append(totals[JobState.AVAILABLE])
         with connections[self.alias].cursor() as cursor:
             cursor.execute("SELECT count(*) FROM awa_job WHERE metadata ? 'awa_trigger'")
             (followups,) = cursor.fetchone()

@@ -1,8 +1,9 @@
 """``manage.py awa_demo``: worker processes, a stream of orders, a carrier and the admin.
 
-The workers are ``manage.py awa_worker`` subprocesses; the producers, the
-carrier and the admin server (with a ``demo`` superuser it prints) are threads
-of this process. ``--preset`` picks a rate and a number of workers.
+The workers are ``manage.py awa_worker`` subprocesses and the producers run
+in a child process of their own; the carrier and the admin server (with a
+``demo`` superuser it prints) are threads of this process. ``--preset`` picks
+a rate and a number of workers.
 
 Prints one line a second: elapsed time, jobs produced and completed per second, jobs per
 state (``awa.queue_stats()`` summed over queues) and how many jobs follow-ups
@@ -28,12 +29,13 @@ from django.urls import NoReverseMatch, reverse
 
 from django_awa.conf import DEFAULT_CONCURRENCY, AwaSettings, awa_settings
 from django_awa.exceptions import ConfigurationError
+from django_awa.models import JobState
 from example_project.shop.demo import (
     CallbackServer,
     Carrier,
     HttpCarrier,
     Marks,
-    Producers,
+    ProducerProcess,
     Summary,
     Ticker,
     WorkerProcesses,
@@ -211,7 +213,7 @@ class Command(BaseCommand):
         write = write_line(self.stdout)
         marks = Marks.now(alias)
         worker = WorkerProcesses(queues, workers, worker_log)
-        producer = Producers(rate, alias, self.stderr, burst=burst)
+        producer = ProducerProcess(rate, alias, burst=burst)
         server = CallbackServer(port)
         carrier: Carrier
         if use_http:
@@ -224,7 +226,8 @@ class Command(BaseCommand):
         write(
             f"awa demo: {workers} worker process{'es' if workers > 1 else ''} (awa_worker) on "
             + ", ".join(f"{name}={n}" for name, n in queues.items())
-            + f"; producing {rate:g} jobs/s (half of them orders)"
+            + f"; producing {rate:g} jobs/s (half of them orders; {producer.count} producer "
+            "threads in a process of their own)"
             + (f" and {burst[0]:,} jobs every {burst[1]:g}s" if burst else "")
             + (f" for {duration:g}s" if duration else ", Ctrl-C to stop")
         )
@@ -266,17 +269,23 @@ class Command(BaseCommand):
         ticker.prime()
         try:
             worker.start()
+            producer.start()
             server.start()
-            # Produce once the workers listen: their start (Django, connections)
-            # would otherwise show as a backlog the first seconds.
+            # Produce once the workers listen and the producers' process is set
+            # up: their start (Django, connections) would otherwise show as a
+            # backlog, or as a rate short of the one asked, the first seconds.
             if not worker.wait_ready(30.0):
                 if (code := worker.exit_code()) is not None:
                     raise CommandError(f"the worker exited at start ({code}); see {worker_log}")
                 write("the workers are slow to start; producing anyway")
+            if not producer.wait_ready(30.0):
+                if (code := producer.exit_code()) is not None:
+                    raise CommandError(f"the producer process exited at start ({code})")
+                write("the producer process is slow to start; going on")
             ticker.started = time.monotonic()
             ticker.prime()
             carrier.start()
-            producer.start()
+            producer.go()
             next_tick = ticker.started
             while True:
                 next_tick += 1.0
@@ -289,6 +298,8 @@ class Command(BaseCommand):
                     break
                 if (code := worker.exit_code()) is not None:
                     raise CommandError(f"the worker exited unexpectedly ({code}); see {worker_log}")
+                if not draining and (code := producer.exit_code()) is not None:
+                    raise CommandError(f"the producer process exited unexpectedly ({code})")
                 elapsed = time.monotonic() - ticker.started
                 if not draining and (presses or (duration and elapsed >= duration)):
                     producer.stop()
@@ -300,7 +311,11 @@ class Command(BaseCommand):
                         f"(up to {drain:g}s{', Ctrl-C again to stop now' if presses else ''})"
                     )
                 left = unfinished(alias, marks) if draining else 0
-                write(ticker.line(f"[draining: {left} unfinished]" if draining else ""))
+                write(
+                    ticker.line(
+                        f"[draining: {left} unfinished]" if draining else "", producing=not draining
+                    )
+                )
                 if draining and (left == 0 or time.monotonic() >= drain_until):
                     break
         finally:
@@ -317,13 +332,25 @@ class Command(BaseCommand):
                 signal.signal(signal.SIGINT, previous_handler or signal.default_int_handler)
 
         summary = Summary.collect(alias, marks)
+        elapsed = time.monotonic() - ticker.started
         write("")
-        write(f"summary after {time.monotonic() - ticker.started:.1f}s")
+        write(f"summary after {elapsed:.1f}s")
+        steady = producer.orders + producer.others - producer.bursts
         write(
             f"produced: {producer.orders} orders (one ChargeCard each) and "
-            f"{producer.others} other jobs in {produced_for:.1f}s "
-            f"({(producer.orders + producer.others) / max(produced_for, 0.001):.0f} jobs/s"
-            f" of the {rate:g} asked)"
+            f"{producer.others - producer.bursts} other jobs in {produced_for:.1f}s "
+            f"({steady / max(produced_for, 0.001):.0f} jobs/s of the {rate:g} asked)"
+            + (f", and {producer.bursts} jobs in bursts" if burst else "")
+        )
+        if ticker.backlog:
+            write(
+                f"backlog (available jobs) while producing: min {min(ticker.backlog)}, "
+                f"max {max(ticker.backlog)}, last {ticker.backlog[-1]}"
+            )
+        completed = summary.totals.get(JobState.COMPLETED, 0)
+        write(
+            f"completed: {completed} jobs of this run (follow-ups and workflow steps included) "
+            f"in {elapsed:.1f}s, {completed / max(elapsed, 0.001):.0f} jobs/s"
         )
         write(
             f"carrier: answered {carrier.answered} callbacks ({carrier.mode})"
