@@ -42,6 +42,10 @@ GATHER_SECONDS = 0.005
 # batch, at least 100, at most this); a saturated key's rows are passed over
 # before they count, so this bounds the work, not who gets a turn.
 LIMITED_SCAN = 2000
+# The most candidates a claim of a queue with sequence members reads (the free
+# ones claimed, the others parked): the first claim of a long sequence parks
+# this many of its waiting members, the next ones the rest.
+SEQUENCED_SCAN = 500
 # Shortest wait between claims of a rate-limited queue that took less than it
 # asked for: a slot of the window frees every period / N seconds.
 RATE_TICK = 0.01
@@ -55,6 +59,7 @@ class QueueLimits:
     global_concurrency: int | None
     rate_limit: Rate | None
     kinds: str  # registry.limits_json(queue)
+    sequenced: bool = False  # a kind on the queue declares sequence=
 
     @property
     def limited(self) -> bool:
@@ -117,6 +122,9 @@ def queue_limits(queue: str, alias: str, conf: AwaSettings | None = None) -> Que
         global_concurrency=concurrency,
         rate_limit=rate,
         kinds=registry.limits_json(queue),
+        sequenced=any(
+            spec.sequence and spec.queue == queue for spec in registry.workers.values()
+        ),
     )
 
 
@@ -134,6 +142,29 @@ def claim(queue: str, limit: int, alias: str) -> list[Job]:
             {
                 "queue": queue,
                 "limit": limit,
+                "deadlines": registry.deadlines_json(),
+                "default_deadline": conf.default_deadline,
+            },
+        )
+        rows = cursor.fetchall()
+    jobs = jobs_from_rows(rows, alias)
+    jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
+    return jobs
+
+
+def claim_sequenced(queue: str, limit: int, alias: str) -> list[Job]:
+    """``claim`` for a queue that holds sequence members: the same jobs, and the
+    members passed over because an earlier member is unfinished are parked
+    (``sql.CLAIM_SEQUENCED``), so the next claims of the queue do not read them
+    again. One statement, committed at once."""
+    conf = awa_settings()
+    with db.cursor(alias) as cursor:
+        cursor.execute(
+            sql.CLAIM_SEQUENCED,
+            {
+                "queue": queue,
+                "limit": limit,
+                "scan": max(SEQUENCED_SCAN, 4 * limit),
                 "deadlines": registry.deadlines_json(),
                 "default_deadline": conf.default_deadline,
             },
@@ -255,6 +286,7 @@ class Producer:
         self.limits: QueueLimits | None = None  # read again every poll interval
         self.limits_read = 0.0  # time.monotonic() of that read
         self.held_back = False  # the last limited claim took less than it asked for
+        self.sequenced = False  # a claim of this queue has met a sequence member
 
     def _turn(self) -> contextlib.AbstractContextManager[Any]:
         """Hold the shared connection (a no-op without one)."""
@@ -323,8 +355,16 @@ class Producer:
                 limits = self.current_limits()
                 if limits.limited:
                     jobs = claim_limited(limits, want, state.alias)
+                elif limits.sequenced or self.sequenced:
+                    jobs = claim_sequenced(runner.name, want, state.alias)
                 else:
                     jobs = claim(runner.name, want, state.alias)
+                    # A member enqueued with EnqueueRequest(sequence=) on a queue
+                    # whose kinds declare none: park its sequence's waiting members
+                    # from now on.
+                    self.sequenced = any(
+                        job.metadata and "awa_sequence" in job.metadata for job in jobs
+                    )
         except BaseException:
             self.unreserve(want)
             raise

@@ -474,6 +474,109 @@ WITH picked AS (
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
       AND {_sequence_free("c")}{_CLAIM_PICKED}"""
 
+# ---- Parked sequence members ----
+# A sequence member whose earlier member is unfinished cannot start, yet each
+# claim of its queue would pass over it again (a probe of
+# awa_job_sequence_idx per member: a 2,000-member sequence costs every claim
+# 2,000 probes). So such a member is *parked*: it stays available (SPEC 12),
+# its run_at moves to PARKED_RUN_AT and the real one is kept in
+# metadata["awa_sequence_run_at"]. Every claim's index condition
+# (run_at <= now() on awa_job_claim_idx) then drops it from the index tuple,
+# without a heap visit or a probe. Parking is only ever a shortcut: the claims
+# still judge with _sequence_free, so a member parked or restored at the wrong
+# moment could start late, never out of turn.
+PARKED_RUN_AT = "'9999-12-31 00:00:00+00'::timestamptz"
+SEQUENCE_RUN_AT_KEY = "awa_sequence_run_at"
+# What restoring a parked row j sets: its run_at back, the marker gone.
+_UNPARK_SET = f"""
+SET run_at = (j.metadata ->> '{SEQUENCE_RUN_AT_KEY}')::timestamptz,
+    metadata = j.metadata - '{SEQUENCE_RUN_AT_KEY}'"""
+
+# -- CLAIM_SEQUENCED --
+# CLAIM for a queue that holds sequence members (its kinds declare sequence=,
+# or its claims have met members): the same candidates, order, locks and new
+# attempts, and the members passed over because an earlier member is
+# unfinished are parked in the same statement. %(scan)s bounds the candidates
+# read (the free ones are claimed up to %(limit)s, the others parked).
+# The race it must not lose: a member parked after its predecessor's finalize
+# looked for a parked member to restore would wait for ever. So a member is
+# parked only while this statement holds its queue's first unfinished earlier
+# member locked FOR SHARE (SKIP LOCKED: a row being finalized is skipped, and
+# one finalized since this statement's snapshot fails the recheck of its
+# state): that member's finalize cannot commit before this statement does, and
+# its HAND_OFF, a later statement, then sees the parked member. The member
+# itself is locked SKIP LOCKED too (another claimer may be taking it).
+# Index: awa_job_claim_idx (parked rows fail its run_at condition in the index
+# tuple), awa_job_sequence_idx for the probes and the predecessor.
+CLAIM_SEQUENCED = f"""
+WITH cand AS MATERIALIZED (
+    SELECT c.id, {_sequence_free("c")} AS free
+    FROM ONLY awa_job AS c
+    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
+    ORDER BY priority, run_at, id
+    LIMIT %(scan)s
+),
+parked AS (
+    UPDATE ONLY awa_job AS j
+    SET run_at = {PARKED_RUN_AT},
+        metadata = j.metadata || jsonb_build_object('{SEQUENCE_RUN_AT_KEY}', j.run_at)
+    FROM (
+        SELECT m.id FROM ONLY awa_job AS m
+        WHERE m.id = ANY(ARRAY(SELECT id FROM cand WHERE NOT free))
+          AND m.state = 'available' AND NOT m.metadata ? '{SEQUENCE_RUN_AT_KEY}'
+          AND EXISTS (
+              SELECT 1 FROM (
+                  SELECT s.id FROM ONLY awa_job AS s
+                  WHERE s.metadata ? 'awa_sequence'
+                    AND (s.metadata ->> 'awa_sequence') = (m.metadata ->> 'awa_sequence')
+                    AND s.id < m.id AND s.state NOT IN {_FINAL}
+                  ORDER BY s.id LIMIT 1
+                  FOR SHARE OF s SKIP LOCKED) AS before)
+        FOR UPDATE OF m SKIP LOCKED
+    ) AS w
+    WHERE j.id = w.id
+    RETURNING j.id
+),
+picked AS (
+    SELECT id FROM ONLY awa_job AS c
+    WHERE id = ANY(ARRAY(SELECT id FROM cand WHERE free)) AND state = 'available'{_CLAIM_PICKED}"""
+
+# -- HAND_OFF --
+# In the transaction that finishes sequence members (finalize): restore the
+# first unfinished member of each of those keys (%(keys)s) if it is parked,
+# so it is claimable the moment this commits. Returns the queues of the
+# members restored. Index: awa_job_sequence_idx (one entry per key), the row.
+HAND_OFF = f"""
+UPDATE ONLY awa_job AS j{_UNPARK_SET}
+FROM unnest(%(keys)s::text[]) AS k
+CROSS JOIN LATERAL (
+    SELECT s.id FROM ONLY awa_job AS s
+    WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k
+      AND s.state NOT IN {_FINAL}
+    ORDER BY s.id LIMIT 1) AS h
+WHERE j.id = h.id AND j.metadata ? '{SEQUENCE_RUN_AT_KEY}'
+RETURNING j.queue
+"""
+
+# -- RESTORE_PARKED --
+# Maintenance, the safety net of HAND_OFF: restore every parked member that is
+# the first unfinished one of its key (its predecessor was cancelled through
+# the admin, discarded by rescue, deleted...). Reads awa_job_sequence_idx
+# whole (the unfinished members of every sequence), in key order.
+RESTORE_PARKED = f"""
+UPDATE ONLY awa_job AS j{_UNPARK_SET}
+FROM (
+    SELECT DISTINCT ON (s.metadata ->> 'awa_sequence') s.id,
+           s.metadata ? '{SEQUENCE_RUN_AT_KEY}' AS parked
+    FROM ONLY awa_job AS s
+    WHERE s.metadata ? 'awa_sequence' AND s.state NOT IN {_FINAL}
+    ORDER BY s.metadata ->> 'awa_sequence', s.id
+) AS h
+WHERE j.id = h.id AND h.parked
+RETURNING j.queue
+"""
+
 # -- CLAIM_INLINE, DUE_INLINE --
 # testing.run_jobs: CLAIM across queues (%(queue)s NULL: any) and kinds
 # (%(kinds)s NULL: any), on the caller's connection and inside its transaction.
@@ -1116,7 +1219,7 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 # batch instead of looking ids up by primary key, so they are planned on each
 # run.
 PREPARED = frozenset(
-    {INSERT_ONE, INSERT_ONE_UNIQUE, RESERVE_IDS, INSERT_MANY, NOTIFY_QUEUES, CLAIM}
+    {INSERT_ONE, INSERT_ONE_UNIQUE, RESERVE_IDS, INSERT_MANY, NOTIFY_QUEUES, CLAIM, CLAIM_SEQUENCED}
 )
 
 
