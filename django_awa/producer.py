@@ -46,6 +46,9 @@ LIMITED_SCAN = 2000
 # ones claimed, the others parked): the first claim of a long sequence parks
 # this many of its waiting members, the next ones the rest.
 SEQUENCED_SCAN = 500
+# How long a limited claimer that found its queue's lock held waits for a
+# wake-up before it tries again (LOCK_LIMITS: it does not queue for the lock).
+LOCKED_RETRY = 0.02
 # Shortest wait between claims of a rate-limited queue that took less than it
 # asked for: a slot of the window frees every period / N seconds.
 RATE_TICK = 0.01
@@ -175,12 +178,13 @@ def claim_sequenced(queue: str, limit: int, alias: str) -> list[Job]:
     return jobs
 
 
-def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job]:
+def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job] | None:
     """Claim up to ``limit`` jobs of a limited queue, as many as its limits allow now.
 
-    One transaction: the advisory locks of the queue and the limited kinds
-    (``sql.LOCK_LIMITS``), then the one claim statement, whose snapshot sees
-    every attempt the previous lock holder started. Commits before returning.
+    One transaction: the advisory lock of the queue (``sql.LOCK_LIMITS``), then
+    the one claim statement, whose snapshot sees every attempt the previous
+    lock holder started. Commits before returning. Returns ``None``, claiming
+    nothing, when another claimer holds the lock: it is claiming what is free.
     """
     conf = awa_settings()
     # Without kind limits every candidate fits (the sequence check is made in the
@@ -191,6 +195,9 @@ def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job]:
     params["default_deadline"] = conf.default_deadline
     with transaction.atomic(using=alias), db.cursor(alias) as cursor:
         cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
+        locked = cursor.fetchone()
+        if not (locked and locked[0]):
+            return None
         cursor.execute(sql.CLAIM_LIMITED, params)
         rows = cursor.fetchall()
     jobs = jobs_from_rows(rows, alias)
@@ -287,6 +294,7 @@ class Producer:
         self.limits_read = 0.0  # time.monotonic() of that read
         self.held_back = False  # the last limited claim took less than it asked for
         self.sequenced = False  # a claim of this queue has met a sequence member
+        self.skipped = False  # the last limited claim found the queue's lock held
 
     def _turn(self) -> contextlib.AbstractContextManager[Any]:
         """Hold the shared connection (a no-op without one)."""
@@ -325,6 +333,8 @@ class Producer:
         """How long to sleep when the last claim did not fill: the poll interval, less
         for a rate-limited queue held back (its window frees a slot every period / N)."""
         poll = self.state.conf.poll_interval
+        if self.skipped:
+            return min(poll, LOCKED_RETRY)
         rate_wait = self.limits.rate_wait if self.limits and self.held_back else None
         return poll if rate_wait is None else min(poll, rate_wait)
 
@@ -353,8 +363,11 @@ class Producer:
             with self._turn():
                 # Read after the wait for room, which may have outlasted a poll interval.
                 limits = self.current_limits()
+                skipped = False
                 if limits.limited:
-                    jobs = claim_limited(limits, want, state.alias)
+                    taken = claim_limited(limits, want, state.alias)
+                    skipped = taken is None
+                    jobs = taken or []
                 elif limits.sequenced or self.sequenced:
                     jobs = claim_sequenced(runner.name, want, state.alias)
                 else:
@@ -370,11 +383,14 @@ class Producer:
             raise
         self.busy = len(jobs) == want
         self.held_back = limits.limited and not self.busy
+        self.skipped = skipped
         if runner.shared is not None:
             runner.shared.busy(runner.name, self.busy)
         self.unreserve(want - len(jobs))
         debug = logger.isEnabledFor(logging.DEBUG)
-        if debug and not jobs:
+        if debug and skipped:
+            logger.debug("queue %s: claimed nothing: another worker is claiming", runner.name)
+        elif debug and not jobs:
             with self._turn():
                 reason = why_held_back(limits, state.alias) if limits.limited else "none is due"
             logger.debug("queue %s: claimed nothing: %s", runner.name, reason)
