@@ -125,9 +125,7 @@ def queue_limits(queue: str, alias: str, conf: AwaSettings | None = None) -> Que
         global_concurrency=concurrency,
         rate_limit=rate,
         kinds=registry.limits_json(queue),
-        sequenced=any(
-            spec.sequence and spec.queue == queue for spec in registry.workers.values()
-        ),
+        sequenced=any(spec.sequence and spec.queue == queue for spec in registry.workers.values()),
     )
 
 

@@ -1256,8 +1256,17 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 # batch instead of looking ids up by primary key, so they are planned on each
 # run.
 PREPARED = frozenset(
-    {INSERT_ONE, INSERT_ONE_UNIQUE, RESERVE_IDS, INSERT_MANY, NOTIFY_QUEUES, CLAIM, CLAIM_SEQUENCED,
-     CLAIM_LIMITED, LOCK_LIMITS}
+    {
+        INSERT_ONE,
+        INSERT_ONE_UNIQUE,
+        RESERVE_IDS,
+        INSERT_MANY,
+        NOTIFY_QUEUES,
+        CLAIM,
+        CLAIM_SEQUENCED,
+        CLAIM_LIMITED,
+        LOCK_LIMITS,
+    }
 )
 
 

@@ -25,9 +25,9 @@ from django.db import connection, transaction
 
 import django_awa as awa
 from django_awa import conf, producer
-from django_awa.kinds import registry
 from django_awa.execute import completed, errored
 from django_awa.finalize import finalize
+from django_awa.kinds import registry
 from django_awa.models import Job, JobState
 from django_awa.state import SharedConcurrency
 from tests.conftest import WorkerProcess, wait_for
