@@ -5,7 +5,8 @@ an earlier one (``sql.CLAIM_SEQUENCED``): they stay ``available``, but no claim
 reads them again. The transaction that finishes a member restores the next one
 of its key (``hand_off``, called by ``finalize``), so it is claimable the moment
 that commits; the completer then wakes its queue (``completer.notify_freed``).
-A member finished another way (cancelled from the admin, discarded by rescue,
+``awa.cancel`` and a callback's resolution hand on too (``after_finishing``). A
+member finished another way (discarded by rescue, cancelled by its dependency,
 deleted) leaves the next one to maintenance (``restore_parked``), within one
 maintenance interval.
 """
@@ -17,7 +18,7 @@ from collections.abc import Iterable
 
 from . import db, sql
 from .execute import AttemptResult
-from .models import JobState
+from .models import Job, JobState
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,25 @@ def hand_off(keys: list[str], alias: str) -> list[str]:
     with db.cursor(alias) as cursor:
         cursor.execute(sql.HAND_OFF, {"keys": keys})
         return [row[0] for row in cursor.fetchall()]
+
+
+def after_finishing(rows: Iterable[Job], alias: str) -> None:
+    """``hand_off`` for callers that finish jobs themselves (``awa.cancel``, a
+    callback's resolution), inside their transaction; the queues of the members
+    restored are NOTIFYed at its commit."""
+    keys = sorted(
+        {
+            key
+            for row in rows
+            if row.state in JobState.FINAL
+            and row.metadata
+            and (key := row.metadata.get(SEQUENCE_KEY)) is not None
+        }
+    )
+    queues = hand_off(keys, alias)
+    if queues:
+        with db.cursor(alias) as cursor:
+            cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(set(queues))})
 
 
 def restore_parked(alias: str) -> set[str]:

@@ -267,19 +267,23 @@ def test_waiting_members_are_parked_available_and_the_finishing_transaction_hand
 
 
 @pytest.mark.django_db(transaction=True)
-def test_maintenance_restores_a_parked_member_whose_turn_came_outside_finalize() -> None:
+def test_cancel_hands_on_and_maintenance_restores_a_member_whose_turn_came_otherwise() -> None:
     from django_awa.maintenance import Maintenance
 
-    awa.enqueue_many([SequencedSpan(key="c", n=i) for i in range(3)])
+    awa.enqueue_many([SequencedSpan(key="c", n=i) for i in range(4)])
     assert len(producer.claim_sequenced("seq", 10, "default")) == 1
-    head, second, third = _members("c")
-    assert _parked(second) and _parked(third)
-    awa.cancel(head.id)  # not through finalize: nothing hands on at once
-    assert _parked(Job.objects.get(id=second.id))
-    assert Maintenance().restore_parked() == {"seq"}
+    head, second, third, fourth = _members("c")
+    assert _parked(second) and _parked(third) and _parked(fourth)
+    awa.cancel(head.id)  # its transaction hands on, as finalize's does
     assert not _parked(Job.objects.get(id=second.id))
     assert _parked(Job.objects.get(id=third.id))
-    assert [j.id for j in producer.claim("seq", 10, "default")] == [second.id]
+    # A member deleted (or discarded by rescue) hands on nothing: maintenance does.
+    Job.objects.filter(id=second.id).delete()
+    assert _parked(Job.objects.get(id=third.id))
+    assert Maintenance().restore_parked() == {"seq"}
+    assert not _parked(Job.objects.get(id=third.id))  # first unfinished now: restored
+    assert _parked(Job.objects.get(id=fourth.id))
+    assert [j.id for j in producer.claim("seq", 10, "default")] == [third.id]
 
 
 @pytest.mark.slow
