@@ -199,15 +199,20 @@ def unlimited(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
     return drain("bench", args.jobs, args.processes, args.concurrency, PLAIN_SETTINGS, repo)
 
 
-def global_limit(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
-    fresh_database(FLOW_SETTINGS, repo)
+def enqueue_noops(queue: str, total: int, repo: Path) -> None:
+    """``total`` FlowNoop jobs on ``queue``, in batches of 1,000."""
     enqueue(
         "from djbench.flow_app.jobs import FlowNoop\n"
-        f"for s in range(0, {args.jobs}, 1000):\n"
-        "    awa.enqueue_many([awa.EnqueueRequest(FlowNoop(n=i), queue='glob')\n"
-        f"                      for i in range(s, min(s + 1000, {args.jobs}))])\n",
+        f"for s in range(0, {total}, 1000):\n"
+        f"    awa.enqueue_many([awa.EnqueueRequest(FlowNoop(n=i), queue={queue!r})\n"
+        f"                      for i in range(s, min(s + 1000, {total}))])\n",
         repo=repo,
     )
+
+
+def global_limit(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+    fresh_database(FLOW_SETTINGS, repo)
+    enqueue_noops("glob", args.jobs, repo)
     return drain(
         "glob", args.jobs, args.processes, args.concurrency, FLOW_SETTINGS, repo, sample=True
     )
@@ -240,13 +245,7 @@ def sequence(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
 def rate(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
     fresh_database(FLOW_SETTINGS, repo)
     total = int(args.rate * args.rate_seconds)
-    enqueue(
-        "from djbench.flow_app.jobs import FlowNoop\n"
-        f"for s in range(0, {total}, 1000):\n"
-        "    awa.enqueue_many([awa.EnqueueRequest(FlowNoop(n=i), queue='rated')\n"
-        f"                      for i in range(s, min(s + 1000, {total}))])\n",
-        repo=repo,
-    )
+    enqueue_noops("rated", total, repo)
     os.environ["BENCH_RATE"] = f"{args.rate}/s"
     result = drain(
         "rated",

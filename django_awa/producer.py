@@ -136,17 +136,16 @@ def claim(queue: str, limit: int, alias: str) -> list[Job]:
     guard for every later write. Commits at once (autocommit): a claim must be
     visible to other workers' SKIP LOCKED and to maintenance.
     """
-    conf = awa_settings()
+    return _run_claim(sql.CLAIM, {"queue": queue, "limit": limit}, alias)
+
+
+def _run_claim(statement: str, params: dict[str, Any], alias: str) -> list[Job]:
+    """Run a claim statement (autocommit) with ``params`` and the kinds' deadlines;
+    the jobs it started, in claim order."""
+    params["deadlines"] = registry.deadlines_json()
+    params["default_deadline"] = awa_settings().default_deadline
     with db.cursor(alias) as cursor:
-        cursor.execute(
-            sql.CLAIM,
-            {
-                "queue": queue,
-                "limit": limit,
-                "deadlines": registry.deadlines_json(),
-                "default_deadline": conf.default_deadline,
-            },
-        )
+        cursor.execute(statement, params)
         rows = cursor.fetchall()
     jobs = jobs_from_rows(rows, alias)
     jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
@@ -158,22 +157,8 @@ def claim_sequenced(queue: str, limit: int, alias: str) -> list[Job]:
     members passed over because an earlier member is unfinished are parked
     (``sql.CLAIM_SEQUENCED``), so the next claims of the queue do not read them
     again. One statement, committed at once."""
-    conf = awa_settings()
-    with db.cursor(alias) as cursor:
-        cursor.execute(
-            sql.CLAIM_SEQUENCED,
-            {
-                "queue": queue,
-                "limit": limit,
-                "scan": max(SEQUENCED_SCAN, 4 * limit),
-                "deadlines": registry.deadlines_json(),
-                "default_deadline": conf.default_deadline,
-            },
-        )
-        rows = cursor.fetchall()
-    jobs = jobs_from_rows(rows, alias)
-    jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
-    return jobs
+    params = {"queue": queue, "limit": limit, "scan": max(SEQUENCED_SCAN, 4 * limit)}
+    return _run_claim(sql.CLAIM_SEQUENCED, params, alias)
 
 
 def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job] | None:
@@ -184,23 +169,16 @@ def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job] | No
     lock holder started. Commits before returning. Returns ``None``, claiming
     nothing, when another claimer holds the lock: it is claiming what is free.
     """
-    conf = awa_settings()
     # Without kind limits every candidate fits (the sequence check is made in the
     # scan): the batch itself is enough. With them, a key's second job does not.
     scan = limit if limits.kinds == "{}" else min(LIMITED_SCAN, max(100, 4 * limit))
-    params = limits.params(limit, scan)
-    params["deadlines"] = registry.deadlines_json()
-    params["default_deadline"] = conf.default_deadline
-    with transaction.atomic(using=alias), db.cursor(alias) as cursor:
-        cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
-        locked = cursor.fetchone()
+    with transaction.atomic(using=alias):
+        with db.cursor(alias) as cursor:
+            cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
+            locked = cursor.fetchone()
         if not (locked and locked[0]):
             return None
-        cursor.execute(sql.CLAIM_LIMITED, params)
-        rows = cursor.fetchall()
-    jobs = jobs_from_rows(rows, alias)
-    jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
-    return jobs
+        return _run_claim(sql.CLAIM_LIMITED, limits.params(limit, scan), alias)
 
 
 def held_back(limits: QueueLimits, alias: str) -> int:
