@@ -552,11 +552,14 @@ picked AS (
 parked AS (
     UPDATE ONLY awa_job AS j
     SET run_at = {PARKED_RUN_AT},
-        metadata = j.metadata || jsonb_build_object('{SEQUENCE_RUN_AT_KEY}', j.run_at)
+        -- a member made due again by hand while parked keeps the run_at it had
+        metadata = CASE WHEN j.metadata ? '{SEQUENCE_RUN_AT_KEY}' THEN j.metadata
+                        ELSE j.metadata || jsonb_build_object('{SEQUENCE_RUN_AT_KEY}', j.run_at)
+                   END
     FROM (
         SELECT m.id FROM ONLY awa_job AS m
         WHERE m.id = ANY(ARRAY(SELECT id FROM cand WHERE NOT free))
-          AND m.state = 'available' AND NOT m.metadata ? '{SEQUENCE_RUN_AT_KEY}'
+          AND m.state = 'available'
           AND (EXISTS (
                   SELECT 1 FROM picked AS p
                   WHERE p.seq = (m.metadata ->> 'awa_sequence') AND p.id < m.id)
