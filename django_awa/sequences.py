@@ -30,9 +30,9 @@ def finished_keys(results: Iterable[AttemptResult]) -> list[str]:
     keys = {
         key
         for result in results
-        if result.state in JobState.FINAL
-        and result.job.metadata
+        if result.job.metadata  # most jobs have none: one test each
         and (key := result.job.metadata.get(SEQUENCE_KEY)) is not None
+        and result.state in JobState.FINAL
     }
     return sorted(keys)
 
