@@ -250,6 +250,8 @@ def test_waiting_members_are_parked_available_and_the_finishing_transaction_hand
         (j.id, j.state, j.metadata, j.run_at) for j in Job.objects.order_by("id")
     ]
     assert producer.claim("seq", 10, "default") == []  # the plain claim passes them over too
+    # The admin counts them as held back by their sequence, parked or not.
+    assert producer.held_back(producer.queue_limits("seq", "default"), "default") == 4
 
     # The transaction that completes p's first member restores the second, and
     # only it: its run_at back as enqueued, claimable the moment that commits.
