@@ -3,18 +3,20 @@
 
     python benchmarks/flow_control.py                     # the full sizes below
     python benchmarks/flow_control.py --small             # a quick check that it runs
-    python benchmarks/flow_control.py --workloads unlimited --baseline-repo /work/main
+    python benchmarks/flow_control.py --workloads unlimited,sequence --baseline-repo /tmp/base
 
 Each workload gets a fresh database (``awa_bench_flow``), migrated, its jobs
 enqueued untimed (``awa.enqueue_many``), then ``--processes`` worker processes
 (``awa_worker --queue <q>=<concurrency>``) started; it reports the drain rate
 from the first attempt's start to the last completion (database clock, so no
 start-up time), and the wall time from starting the workers. Handlers are
-no-ops.
+no-ops. With ``--baseline-repo`` (e.g. a ``git worktree`` of main) every
+workload runs on that checkout too, right after this one's: the before and
+after of a change in one run, each line with the load average when it ended.
 
   unlimited  --jobs on an unlimited queue (``djbench.settings_awa``, the kind
-             run.py drains). With ``--baseline-repo`` the same workload runs on
-             that checkout too, in the same run: the before and after of a change.
+             run.py drains); each other workload's rate is also given as a
+             multiple of it (the targets: global 0.8x, keyed 0.5x)
   global     --jobs on a queue with ``global_concurrency`` 50 (3 x 20 places)
   keyed      --keys x --per-key jobs of a kind with ``Limit(concurrency=1, by="key")``,
              enqueued interleaved (as events of many accounts arrive)
@@ -22,7 +24,7 @@ no-ops.
   rate       a queue with ``rate_limit`` --rate per second, for --rate-seconds:
              the starts achieved per second, and the most in any sliding second
 
-While global and keyed run, a sampler reads ``pg_stat_activity`` every 100 ms
+While the limited workloads run, a sampler reads ``pg_stat_activity`` every 100 ms
 and reports how many sessions waited on an advisory lock (the limited claim's),
 on any other lock, and were active: the evidence that limited claims do not
 convoy. Figures are indicative on a shared machine; no test asserts a speed.
@@ -197,50 +199,53 @@ def unlimited(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
     return drain("bench", args.jobs, args.processes, args.concurrency, PLAIN_SETTINGS, repo)
 
 
-def global_limit(args: argparse.Namespace) -> dict[str, Any]:
-    fresh_database(FLOW_SETTINGS, REPO_ROOT)
-    enqueue(
-        "from djbench.flow_app.jobs import FlowNoop\n"
-        f"for s in range(0, {args.jobs}, 1000):\n"
-        "    awa.enqueue_many([awa.EnqueueRequest(FlowNoop(n=i), queue='glob')\n"
-        f"                      for i in range(s, min(s + 1000, {args.jobs}))])\n"
-    )
-    return drain(
-        "glob", args.jobs, args.processes, args.concurrency, FLOW_SETTINGS, REPO_ROOT, sample=True
-    )
-
-
-def keyed(args: argparse.Namespace) -> dict[str, Any]:
-    fresh_database(FLOW_SETTINGS, REPO_ROOT)
-    enqueue(
-        "from djbench.flow_app.jobs import KeyedNoop\n"
-        f"for i in range({args.per_key}):\n"
-        f"    awa.enqueue_many([KeyedNoop(key=k, n=i) for k in range({args.keys})])\n"
-    )
-    total = args.keys * args.per_key
-    return drain(
-        "keyed", total, args.processes, args.concurrency, FLOW_SETTINGS, REPO_ROOT, sample=True
-    )
-
-
-def sequence(args: argparse.Namespace) -> dict[str, Any]:
-    fresh_database(FLOW_SETTINGS, REPO_ROOT)
-    enqueue(
-        "from djbench.flow_app.jobs import SeqNoop\n"
-        f"awa.enqueue_many([SeqNoop(key=1, n=i) for i in range({args.sequence})])\n"
-    )
-    return drain("seq", args.sequence, args.processes, args.concurrency, FLOW_SETTINGS, REPO_ROOT)
-
-
-def rate(args: argparse.Namespace) -> dict[str, Any]:
-    fresh_database(FLOW_SETTINGS, REPO_ROOT)
-    total = int(args.rate * args.rate_seconds)
+def enqueue_noops(queue: str, total: int, repo: Path) -> None:
+    """``total`` FlowNoop jobs on ``queue``, in batches of 1,000."""
     enqueue(
         "from djbench.flow_app.jobs import FlowNoop\n"
         f"for s in range(0, {total}, 1000):\n"
-        "    awa.enqueue_many([awa.EnqueueRequest(FlowNoop(n=i), queue='rated')\n"
-        f"                      for i in range(s, min(s + 1000, {total}))])\n"
+        f"    awa.enqueue_many([awa.EnqueueRequest(FlowNoop(n=i), queue={queue!r})\n"
+        f"                      for i in range(s, min(s + 1000, {total}))])\n",
+        repo=repo,
     )
+
+
+def global_limit(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+    fresh_database(FLOW_SETTINGS, repo)
+    enqueue_noops("glob", args.jobs, repo)
+    return drain(
+        "glob", args.jobs, args.processes, args.concurrency, FLOW_SETTINGS, repo, sample=True
+    )
+
+
+def keyed(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+    fresh_database(FLOW_SETTINGS, repo)
+    enqueue(
+        "from djbench.flow_app.jobs import KeyedNoop\n"
+        f"for i in range({args.per_key}):\n"
+        f"    awa.enqueue_many([KeyedNoop(key=k, n=i) for k in range({args.keys})])\n",
+        repo=repo,
+    )
+    total = args.keys * args.per_key
+    return drain("keyed", total, args.processes, args.concurrency, FLOW_SETTINGS, repo, sample=True)
+
+
+def sequence(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+    fresh_database(FLOW_SETTINGS, repo)
+    enqueue(
+        "from djbench.flow_app.jobs import SeqNoop\n"
+        f"awa.enqueue_many([SeqNoop(key=1, n=i) for i in range({args.sequence})])\n",
+        repo=repo,
+    )
+    return drain(
+        "seq", args.sequence, args.processes, args.concurrency, FLOW_SETTINGS, repo, sample=True
+    )
+
+
+def rate(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+    fresh_database(FLOW_SETTINGS, repo)
+    total = int(args.rate * args.rate_seconds)
+    enqueue_noops("rated", total, repo)
     os.environ["BENCH_RATE"] = f"{args.rate}/s"
     result = drain(
         "rated",
@@ -248,7 +253,8 @@ def rate(args: argparse.Namespace) -> dict[str, Any]:
         args.processes,
         args.concurrency,
         FLOW_SETTINGS,
-        REPO_ROOT,
+        repo,
+        sample=True,
         timeout=args.rate_seconds * 3 + 60,
     )
     with psycopg.connect(SERVER + DB, autocommit=True) as conn:
@@ -286,7 +292,11 @@ def main() -> None:
     parser.add_argument("--rate-seconds", type=int, default=30)
     parser.add_argument("--processes", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=20)
-    parser.add_argument("--baseline-repo", type=Path, help="run `unlimited` on this checkout too")
+    parser.add_argument(
+        "--baseline-repo",
+        type=Path,
+        help="run every workload on this checkout too, right after this one's (before/after)",
+    )
     args = parser.parse_args()
     if args.small:
         args.jobs, args.keys, args.per_key, args.sequence = 2000, 50, 20, 300
@@ -294,24 +304,30 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         for workload in args.workloads.split(","):
-            if workload == "unlimited":
-                results["unlimited"] = unlimited(args, REPO_ROOT)
-                if args.baseline_repo:
-                    results["unlimited (baseline)"] = unlimited(args, args.baseline_repo)
-            else:
-                results[workload] = {
-                    "global": global_limit,
-                    "keyed": keyed,
-                    "sequence": sequence,
-                    "rate": rate,
-                }[workload](args)
-            print(f"{workload}: {results.get(workload)}", flush=True)
+            run = {
+                "unlimited": unlimited,
+                "global": global_limit,
+                "keyed": keyed,
+                "sequence": sequence,
+                "rate": rate,
+            }[workload]
+            results[workload] = run(args, REPO_ROOT)
+            print(f"{workload}: {results[workload]} (load {os.getloadavg()[0]:.1f})", flush=True)
+            if args.baseline_repo:
+                name = f"{workload} (baseline)"
+                results[name] = run(args, args.baseline_repo)
+                print(f"{name}: {results[name]} (load {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         drop_database()
     base = results.get("unlimited", {}).get("rate")
     print("\nflow control benchmark (indicative):")
     for name, result in results.items():
-        ratio = f" ({result['rate'] / base:.2f}x unlimited)" if base and name != "unlimited" else ""
+        own = results.get("unlimited (baseline)", {}).get("rate") if "baseline" in name else base
+        ratio = (
+            f" ({result['rate'] / own:.2f}x unlimited)"
+            if own and not name.startswith("unlimited")
+            else ""
+        )
         line = f"  {name:22} {result['rate']:9.0f} jobs/s{ratio}  wall {result['wall']:.1f}s"
         if "achieved_per_s" in result:
             line += (

@@ -49,6 +49,7 @@ from .followups import (
     send_signal,
 )
 from .models import CallbackReceipt, Job, JobState, jobs_from_rows
+from .sequences import after_finishing
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ def _resolve(
     dispatch(row, context, alias)
     send_signal(row, context, alias)
     after_outcomes([row], alias)
+    after_finishing([row], alias)
     logger.info(
         "job %s kind=%s attempt=%s -> %s by callback %s (%s)",
         row.id, row.kind, job.attempt, row.state, job.callback_id, action,

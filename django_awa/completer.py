@@ -77,6 +77,9 @@ def notify_freed(state: WorkerState, results: Iterable[AttemptResult]) -> None:
             sequences.add(key)
     if not queues and not sequences:
         return
+    # This process's own producers first, without waiting for the round trip
+    # below: the outcomes are committed, so the capacity is free now.
+    state.wake(queues)
     try:
         with db.cursor(state.alias) as cursor:
             cursor.execute(

@@ -19,6 +19,7 @@ from .enqueueing import database_alias
 from .exceptions import JobNotFound, UniqueConflict, ValidationError
 from .followups import Cancelled, dispatch, send_signal
 from .models import Job, JobState, Queue, jobs_from_rows
+from .sequences import after_finishing
 
 
 def _get(job_id: int, alias: str) -> Job:
@@ -56,6 +57,7 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
         dispatch(job, context, alias)
         send_signal(job, context, alias)
         after_outcomes([job], alias)
+        after_finishing([job], alias)
     return job
 
 

@@ -54,6 +54,7 @@ from .kinds import JobArgs, WorkerSpec
 from .logs import log_context
 from .models import JobState, jobs_from_rows
 from .pending import keep_pending
+from .sequences import finished_keys, hand_off
 
 logger = logging.getLogger(__name__)
 
@@ -339,12 +340,14 @@ def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult
         (special if _has_followups(result) else plain).append(result)
     rows = _wants_rows(plain)
     # A job whose row said it has dependents when it was claimed goes straight
-    # to the transaction that settles them.
-    if special or rows or any(r.job.has_dependents for r in plain):
+    # to the transaction that settles them; a sequence member that finishes, to
+    # the one that hands its sequence on (sequences.hand_off).
+    if special or rows or any(r.job.has_dependents for r in plain) or finished_keys(plain):
         with transaction.atomic(using=alias):
             applied = _write(plain, alias, rows=rows)
             applied.extend(_write_with_followups(special, alias))
             _settle_dependents(applied, alias)
+            hand_off(finished_keys(applied), alias)
             _apply_early_callbacks(applied, alias)
             _send_signals(applied, alias)
     else:
@@ -386,6 +389,7 @@ def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
             transaction.set_rollback(False, using=alias)
             applied = _fallback(result, _first_error(failure), alias)
     _settle_dependents(applied, alias)
+    hand_off(finished_keys(applied), alias)
     _apply_early_callbacks(applied, alias)
     _send_signals(applied, alias)
     for done in applied:

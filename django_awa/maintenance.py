@@ -21,7 +21,7 @@ from typing import Any
 from django.db import DatabaseError, connections, transaction
 from django.db.models.functions import Now
 
-from . import db, fleet, sql
+from . import db, fleet, sequences, sql
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
@@ -213,6 +213,7 @@ class Maintenance:
             self._duty("prune_workers", self.prune_workers)
             self._duty("count_jobs", self.count_jobs)
             self._duty("prune_attempt_starts", self.prune_attempt_starts)
+            woken |= self._duty("restore_parked", self.restore_parked) or set()
             if now - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = now
                 self._duty("prune", self.prune)
@@ -250,6 +251,7 @@ class Maintenance:
         self.count_jobs()
         self.prune()
         self.prune_attempt_starts()
+        self.restore_parked()
 
     # -- duties ------------------------------------------------------------------------
 
@@ -468,6 +470,12 @@ class Maintenance:
             if deleted < ARCHIVE_BATCH:
                 break
         return total
+
+    def restore_parked(self) -> set[str]:
+        """Restore the parked sequence members whose turn came outside finalize (a
+        member before them cancelled, discarded by rescue, deleted); returns their queues."""
+        with self._transaction():
+            return sequences.restore_parked(self.alias)
 
     def prune(self) -> int:
         """Delete finished rows past retention, in batches; returns how many."""

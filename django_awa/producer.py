@@ -42,6 +42,13 @@ GATHER_SECONDS = 0.005
 # batch, at least 100, at most this); a saturated key's rows are passed over
 # before they count, so this bounds the work, not who gets a turn.
 LIMITED_SCAN = 2000
+# The most candidates a claim of a queue with sequence members reads (the free
+# ones claimed, the others parked): the first claim of a long sequence parks
+# this many of its waiting members, the next ones the rest.
+SEQUENCED_SCAN = 500
+# How long a limited claimer that found its queue's lock held waits for a
+# wake-up before it tries again (LOCK_LIMITS: it does not queue for the lock).
+LOCKED_RETRY = 0.02
 # Shortest wait between claims of a rate-limited queue that took less than it
 # asked for: a slot of the window frees every period / N seconds.
 RATE_TICK = 0.01
@@ -55,6 +62,7 @@ class QueueLimits:
     global_concurrency: int | None
     rate_limit: Rate | None
     kinds: str  # registry.limits_json(queue)
+    sequenced: bool = False  # a kind on the queue declares sequence=
 
     @property
     def limited(self) -> bool:
@@ -117,6 +125,7 @@ def queue_limits(queue: str, alias: str, conf: AwaSettings | None = None) -> Que
         global_concurrency=concurrency,
         rate_limit=rate,
         kinds=registry.limits_json(queue),
+        sequenced=any(spec.sequence and spec.queue == queue for spec in registry.workers.values()),
     )
 
 
@@ -127,44 +136,49 @@ def claim(queue: str, limit: int, alias: str) -> list[Job]:
     guard for every later write. Commits at once (autocommit): a claim must be
     visible to other workers' SKIP LOCKED and to maintenance.
     """
-    conf = awa_settings()
+    return _run_claim(sql.CLAIM, {"queue": queue, "limit": limit}, alias)
+
+
+def _run_claim(statement: str, params: dict[str, Any], alias: str) -> list[Job]:
+    """Run a claim statement (autocommit) with ``params`` and the kinds' deadlines;
+    the jobs it started, in claim order."""
+    params["deadlines"] = registry.deadlines_json()
+    params["default_deadline"] = awa_settings().default_deadline
     with db.cursor(alias) as cursor:
-        cursor.execute(
-            sql.CLAIM,
-            {
-                "queue": queue,
-                "limit": limit,
-                "deadlines": registry.deadlines_json(),
-                "default_deadline": conf.default_deadline,
-            },
-        )
+        cursor.execute(statement, params)
         rows = cursor.fetchall()
     jobs = jobs_from_rows(rows, alias)
     jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
     return jobs
 
 
-def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job]:
+def claim_sequenced(queue: str, limit: int, alias: str) -> list[Job]:
+    """``claim`` for a queue that holds sequence members: the same jobs, and the
+    members passed over because an earlier member is unfinished are parked
+    (``sql.CLAIM_SEQUENCED``), so the next claims of the queue do not read them
+    again. One statement, committed at once."""
+    params = {"queue": queue, "limit": limit, "scan": max(SEQUENCED_SCAN, 4 * limit)}
+    return _run_claim(sql.CLAIM_SEQUENCED, params, alias)
+
+
+def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job] | None:
     """Claim up to ``limit`` jobs of a limited queue, as many as its limits allow now.
 
-    One transaction: the advisory locks of the queue and the limited kinds
-    (``sql.LOCK_LIMITS``), then the one claim statement, whose snapshot sees
-    every attempt the previous lock holder started. Commits before returning.
+    One transaction: the advisory lock of the queue (``sql.LOCK_LIMITS``), then
+    the one claim statement, whose snapshot sees every attempt the previous
+    lock holder started. Commits before returning. Returns ``None``, claiming
+    nothing, when another claimer holds the lock: it is claiming what is free.
     """
-    conf = awa_settings()
     # Without kind limits every candidate fits (the sequence check is made in the
     # scan): the batch itself is enough. With them, a key's second job does not.
     scan = limit if limits.kinds == "{}" else min(LIMITED_SCAN, max(100, 4 * limit))
-    params = limits.params(limit, scan)
-    params["deadlines"] = registry.deadlines_json()
-    params["default_deadline"] = conf.default_deadline
-    with transaction.atomic(using=alias), db.cursor(alias) as cursor:
-        cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
-        cursor.execute(sql.CLAIM_LIMITED, params)
-        rows = cursor.fetchall()
-    jobs = jobs_from_rows(rows, alias)
-    jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
-    return jobs
+    with transaction.atomic(using=alias):
+        with db.cursor(alias) as cursor:
+            cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
+            locked = cursor.fetchone()
+        if not (locked and locked[0]):
+            return None
+        return _run_claim(sql.CLAIM_LIMITED, limits.params(limit, scan), alias)
 
 
 def held_back(limits: QueueLimits, alias: str) -> int:
@@ -255,6 +269,8 @@ class Producer:
         self.limits: QueueLimits | None = None  # read again every poll interval
         self.limits_read = 0.0  # time.monotonic() of that read
         self.held_back = False  # the last limited claim took less than it asked for
+        self.sequenced = False  # a claim of this queue has met a sequence member
+        self.skipped = False  # the last limited claim found the queue's lock held
 
     def _turn(self) -> contextlib.AbstractContextManager[Any]:
         """Hold the shared connection (a no-op without one)."""
@@ -293,6 +309,8 @@ class Producer:
         """How long to sleep when the last claim did not fill: the poll interval, less
         for a rate-limited queue held back (its window frees a slot every period / N)."""
         poll = self.state.conf.poll_interval
+        if self.skipped:
+            return min(poll, LOCKED_RETRY)
         rate_wait = self.limits.rate_wait if self.limits and self.held_back else None
         return poll if rate_wait is None else min(poll, rate_wait)
 
@@ -321,20 +339,34 @@ class Producer:
             with self._turn():
                 # Read after the wait for room, which may have outlasted a poll interval.
                 limits = self.current_limits()
+                skipped = False
                 if limits.limited:
-                    jobs = claim_limited(limits, want, state.alias)
+                    taken = claim_limited(limits, want, state.alias)
+                    skipped = taken is None
+                    jobs = taken or []
+                elif limits.sequenced or self.sequenced:
+                    jobs = claim_sequenced(runner.name, want, state.alias)
                 else:
                     jobs = claim(runner.name, want, state.alias)
+                    # A member enqueued with EnqueueRequest(sequence=) on a queue
+                    # whose kinds declare none: park its sequence's waiting members
+                    # from now on.
+                    self.sequenced = any(
+                        job.metadata and "awa_sequence" in job.metadata for job in jobs
+                    )
         except BaseException:
             self.unreserve(want)
             raise
         self.busy = len(jobs) == want
         self.held_back = limits.limited and not self.busy
+        self.skipped = skipped
         if runner.shared is not None:
             runner.shared.busy(runner.name, self.busy)
         self.unreserve(want - len(jobs))
         debug = logger.isEnabledFor(logging.DEBUG)
-        if debug and not jobs:
+        if debug and skipped:
+            logger.debug("queue %s: claimed nothing: another worker is claiming", runner.name)
+        elif debug and not jobs:
             with self._turn():
                 reason = why_held_back(limits, state.alias) if limits.limited else "none is due"
             logger.debug("queue %s: claimed nothing: %s", runner.name, reason)

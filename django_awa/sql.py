@@ -192,26 +192,40 @@ def _sequence_free(row: str) -> str:
               AND s.id < {row}.id AND s.state NOT IN {_FINAL}))"""
 
 
-def _limit_key(row: str) -> str:
-    """The ``Limit(by=)`` values of ``row`` as JSON text (``''`` without ``by``),
-    from its kind's entry ``kl.v``."""
+def _limit_key(row: str, limit: str = "kl.v") -> str:
+    """The ``Limit(by=)`` values of ``row`` as JSON text (``''`` without ``by``, or
+    without a limit), from its kind's entry ``limit`` (``kl.v``)."""
     return f"""coalesce((SELECT jsonb_agg({row}.args -> b.f ORDER BY b.o)::text
-              FROM jsonb_array_elements_text(kl.v -> 'by') WITH ORDINALITY AS b(f, o)), '')"""
+              FROM jsonb_array_elements_text({limit} -> 'by') WITH ORDINALITY AS b(f, o)), '')"""
+
+
+# A candidate c's kind limit, looked up in the %(kinds)s object itself: no join,
+# so the candidates' scan keeps awa_job_claim_idx's order and stops at its LIMIT
+# whatever the planner's statistics say (a join with kl let a table without
+# them be read whole and sorted, every claim).
+_KIND_LIMIT = "(%(kinds)s::jsonb -> c.kind::text)"
 
 
 # -- LOCK_LIMITS --
 # Serialize the limited claims that could exceed one limit together: a
 # transaction-scoped advisory lock per limited queue ("q:<name>"; a kind's
 # awa.Limit holds on the queue it is declared on, whose claims it serializes),
-# several taken in hash order so two claimers never deadlock. Only limited
+# several in hash order. Only limited
 # claimers of that queue take it: unlimited claims, finalize,
 # heartbeats and maintenance never wait here. The claim that follows in the
 # same transaction takes its snapshot after the lock, so it sees every
 # attempt the previous holder started (it committed before it let go). No
 # counter row: what is running is counted from the rows themselves.
+# The claimers do not queue for it: each tries (pg_try_advisory_xact_lock),
+# and one that finds it held claims nothing this round and comes back when
+# woken (a finishing attempt of the queue wakes its claimers) or shortly after
+# (producer.LOCKED_RETRY): the holder is claiming what is free right now, and
+# a queue of waiters would each take the lock only to find less room than it
+# waited for. Returns whether every lock was taken (those that were are let
+# go when the transaction ends).
 LIMIT_LOCK_NAMESPACE = 0x617761  # "awa"
 LOCK_LIMITS = f"""
-SELECT pg_advisory_xact_lock({LIMIT_LOCK_NAMESPACE}, s.h)
+SELECT coalesce(bool_and(pg_try_advisory_xact_lock({LIMIT_LOCK_NAMESPACE}, s.h)), true)
 FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest(%(keys)s::text[]) AS k ORDER BY 1) AS s
 """
 
@@ -226,9 +240,11 @@ FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest(%(keys)s::text[]) AS k ORDER 
 #      allows in the window now, 0 if paused.
 #   used: per limited kind and Limit(by=) key, attempts running (fleet-wide,
 #      from the running rows: awa_job_running_idx) and started in its window.
+#   saturated: the kind and Limit(by=) keys at their limit now.
 #   cand: the due available rows in claim order (awa_job_claim_idx), passing
-#      over sequence members that must wait and rows of a saturated key, so a
-#      busy key's backlog does not fill the candidates.
+#      over sequence members that must wait and rows of a saturated key (a
+#      hashed NOT IN), so a busy key's backlog does not fill the candidates.
+#      One index scan in claim order, stopped at %(scan)s rows.
 #   fits: each key's first (limit - used) candidates, in claim order, up to room.
 _LIMITED_PARTS = f"""
 WITH t AS MATERIALIZED (SELECT clock_timestamp() AS now),
@@ -270,21 +286,26 @@ used AS MATERIALIZED (
     ) AS u
     GROUP BY u.kind, u.gkey
 ),
+saturated AS MATERIALIZED (
+    SELECT u.kind, u.gkey FROM used AS u JOIN kl ON kl.kind = u.kind
+    WHERE (kl.v ? 'c' AND u.running >= (kl.v ->> 'c')::int)
+       OR (kl.v ? 'rn' AND u.started >= (kl.v ->> 'rn')::int)
+),
 cand AS MATERIALIZED (
-    SELECT c.id, c.priority, c.run_at, c.kind, g.gkey, kl.v,
+    SELECT c.id, c.priority, c.run_at, c.kind, c.gkey, c.v,
            coalesce(u.running, 0) AS running, coalesce(u.started, 0) AS started
-    FROM ONLY awa_job AS c
-    LEFT JOIN kl ON kl.kind = c.kind
-    CROSS JOIN LATERAL (
-        SELECT CASE WHEN kl.v IS NULL THEN '' ELSE {_limit_key("c")} END AS gkey) AS g
-    LEFT JOIN used AS u ON u.kind = c.kind AND u.gkey = g.gkey
-    WHERE c.state = 'available' AND c.queue = %(queue)s AND c.run_at <= now()
-      AND {_sequence_free("c")}
-      AND (u.kind IS NULL
-           OR ((NOT kl.v ? 'c' OR u.running < (kl.v ->> 'c')::int)
-               AND (NOT kl.v ? 'rn' OR u.started < (kl.v ->> 'rn')::int)))
-    ORDER BY c.priority, c.run_at, c.id
-    LIMIT %(scan)s
+    FROM (
+        SELECT c.id, c.priority, c.run_at, c.kind::text AS kind,
+               %(kinds)s::jsonb -> c.kind::text AS v, {_limit_key("c", _KIND_LIMIT)} AS gkey
+        FROM ONLY awa_job AS c
+        WHERE c.state = 'available' AND c.queue = %(queue)s AND c.run_at <= now()
+          AND {_sequence_free("c")}
+          AND (c.kind::text, {_limit_key("c", _KIND_LIMIT)}) NOT IN (
+              SELECT f.kind, f.gkey FROM saturated AS f)
+        ORDER BY c.priority, c.run_at, c.id
+        LIMIT %(scan)s
+    ) AS c
+    LEFT JOIN used AS u ON u.kind = c.kind AND u.gkey = c.gkey
 ),
 fits AS (
     SELECT r.id FROM (
@@ -343,11 +364,13 @@ SELECT {JOB_COLUMNS} FROM claimed
 
 # -- HELD_BACK --
 # For the admin: how many of a queue's due available jobs a limit (or a
-# sequence) holds back right now: those due, less those a claim could take.
+# sequence) holds back right now: those due (parked sequence members too),
+# less those a claim could take.
 # The parameters of _LIMITED_PARTS, with %(limit)s and %(scan)s large. Reads only.
 HELD_BACK = f"""{_LIMITED_PARTS}
 SELECT (SELECT count(*) FROM ONLY awa_job
-        WHERE state = 'available' AND queue = %(queue)s AND run_at <= now())
+        WHERE state = 'available' AND queue = %(queue)s
+          AND (run_at <= now() OR metadata ? 'awa_sequence_run_at'))
      - (SELECT count(*) FROM fits)
 """
 
@@ -357,7 +380,8 @@ SELECT (SELECT count(*) FROM ONLY awa_job
 LIMITS_DIAGNOSIS = f"""{_LIMITED_PARTS}
 SELECT (SELECT n FROM room),
        (SELECT count(*) FROM ONLY awa_job
-        WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()),
+        WHERE state = 'available' AND queue = %(queue)s
+          AND (run_at <= now() OR metadata ? 'awa_sequence_run_at')),
        (SELECT count(*) FROM cand),
        (SELECT count(*) FROM fits)
 """
@@ -473,6 +497,125 @@ WITH picked AS (
     WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
       AND {_sequence_free("c")}{_CLAIM_PICKED}"""
+
+# ---- Parked sequence members ----
+# A sequence member whose earlier member is unfinished cannot start, yet each
+# claim of its queue would pass over it again (a probe of
+# awa_job_sequence_idx per member: a 2,000-member sequence costs every claim
+# 2,000 probes). So such a member is *parked*: it stays available (SPEC 12),
+# its run_at moves to PARKED_RUN_AT and the real one is kept in
+# metadata["awa_sequence_run_at"]. Every claim's index condition
+# (run_at <= now() on awa_job_claim_idx) then drops it from the index tuple,
+# without a heap visit or a probe. Parking is only ever a shortcut: the claims
+# still judge with _sequence_free, so a member parked or restored at the wrong
+# moment could start late, never out of turn.
+PARKED_RUN_AT = "'9999-12-31 00:00:00+00'::timestamptz"
+SEQUENCE_RUN_AT_KEY = "awa_sequence_run_at"
+# What restoring a parked row j sets: its run_at back, the marker gone.
+_UNPARK_SET = f"""
+SET run_at = (j.metadata ->> '{SEQUENCE_RUN_AT_KEY}')::timestamptz,
+    metadata = j.metadata - '{SEQUENCE_RUN_AT_KEY}'"""
+
+# -- CLAIM_SEQUENCED --
+# CLAIM for a queue that holds sequence members (its kinds declare sequence=,
+# or its claims have met members): the same candidates, order, locks and new
+# attempts, and the members passed over because an earlier member is
+# unfinished are parked in the same statement. %(scan)s bounds the candidates
+# read (the free ones are claimed up to %(limit)s, the others parked).
+# The race it must not lose: a member parked after its predecessor's finalize
+# looked for a parked member to restore would wait for ever. So a member is
+# parked only while this statement holds an unfinished earlier member of its
+# key locked: one it is claiming itself (FOR UPDATE, in picked), or else the
+# first unfinished one, FOR SHARE (SKIP LOCKED: a row being finalized is
+# skipped, and one finalized since this statement's snapshot fails the recheck
+# of its state). That member's finalize cannot commit before this statement
+# does, and its HAND_OFF, a later statement, then sees the parked member. The
+# member itself is locked SKIP LOCKED too (another claimer may be taking it).
+# Index: awa_job_claim_idx (parked rows fail its run_at condition in the index
+# tuple), awa_job_sequence_idx for the probes and the predecessor.
+CLAIM_SEQUENCED = f"""
+WITH cand AS MATERIALIZED (
+    SELECT c.id, {_sequence_free("c")} AS free
+    FROM ONLY awa_job AS c
+    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
+    ORDER BY priority, run_at, id
+    LIMIT %(scan)s
+),
+picked AS (
+    SELECT c.id, c.metadata ->> 'awa_sequence' AS seq FROM ONLY awa_job AS c
+    WHERE c.id = ANY(ARRAY(SELECT id FROM cand WHERE free)) AND c.state = 'available'
+    ORDER BY c.priority, c.run_at, c.id
+    LIMIT %(limit)s
+    FOR UPDATE OF c SKIP LOCKED
+),
+parked AS (
+    UPDATE ONLY awa_job AS j
+    SET run_at = {PARKED_RUN_AT},
+        -- a member made due again by hand while parked keeps the run_at it had
+        metadata = CASE WHEN j.metadata ? '{SEQUENCE_RUN_AT_KEY}' THEN j.metadata
+                        ELSE j.metadata || jsonb_build_object('{SEQUENCE_RUN_AT_KEY}', j.run_at)
+                   END
+    FROM (
+        SELECT m.id FROM ONLY awa_job AS m
+        WHERE m.id = ANY(ARRAY(SELECT id FROM cand WHERE NOT free))
+          AND m.state = 'available'
+          AND (EXISTS (
+                  SELECT 1 FROM picked AS p
+                  WHERE p.seq = (m.metadata ->> 'awa_sequence') AND p.id < m.id)
+               OR EXISTS (
+                  SELECT 1 FROM (
+                      SELECT s.id FROM ONLY awa_job AS s
+                      WHERE s.metadata ? 'awa_sequence'
+                        AND (s.metadata ->> 'awa_sequence') = (m.metadata ->> 'awa_sequence')
+                        AND s.id < m.id AND s.state NOT IN {_FINAL}
+                      ORDER BY s.id LIMIT 1
+                      FOR SHARE OF s SKIP LOCKED) AS before))
+        FOR UPDATE OF m SKIP LOCKED
+    ) AS w
+    WHERE j.id = w.id
+    RETURNING j.id
+)
+UPDATE ONLY awa_job AS j{_CLAIM_SET}
+FROM picked
+WHERE j.id = picked.id
+RETURNING {J_JOB_COLUMNS}
+"""
+
+# -- HAND_OFF --
+# In the transaction that finishes sequence members (finalize): restore the
+# first unfinished member of each of those keys (%(keys)s) if it is parked,
+# so it is claimable the moment this commits. Returns the queues of the
+# members restored. Index: awa_job_sequence_idx (one entry per key), the row.
+HAND_OFF = f"""
+UPDATE ONLY awa_job AS j{_UNPARK_SET}
+FROM unnest(%(keys)s::text[]) AS k
+CROSS JOIN LATERAL (
+    SELECT s.id FROM ONLY awa_job AS s
+    WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k
+      AND s.state NOT IN {_FINAL}
+    ORDER BY s.id LIMIT 1) AS h
+WHERE j.id = h.id AND j.metadata ? '{SEQUENCE_RUN_AT_KEY}'
+RETURNING j.queue
+"""
+
+# -- RESTORE_PARKED --
+# Maintenance, the safety net of HAND_OFF: restore every parked member that is
+# the first unfinished one of its key (its predecessor was cancelled through
+# the admin, discarded by rescue, deleted...). Reads awa_job_sequence_idx
+# whole (the unfinished members of every sequence), in key order.
+RESTORE_PARKED = f"""
+UPDATE ONLY awa_job AS j{_UNPARK_SET}
+FROM (
+    SELECT DISTINCT ON (s.metadata ->> 'awa_sequence') s.id,
+           s.metadata ? '{SEQUENCE_RUN_AT_KEY}' AS parked
+    FROM ONLY awa_job AS s
+    WHERE s.metadata ? 'awa_sequence' AND s.state NOT IN {_FINAL}
+    ORDER BY s.metadata ->> 'awa_sequence', s.id
+) AS h
+WHERE j.id = h.id AND h.parked
+RETURNING j.queue
+"""
 
 # -- CLAIM_INLINE, DUE_INLINE --
 # testing.run_jobs: CLAIM across queues (%(queue)s NULL: any) and kinds
@@ -1122,7 +1265,17 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 # batch instead of looking ids up by primary key, so they are planned on each
 # run.
 PREPARED = frozenset(
-    {INSERT_ONE, INSERT_ONE_UNIQUE, RESERVE_IDS, INSERT_MANY, NOTIFY_QUEUES, CLAIM}
+    {
+        INSERT_ONE,
+        INSERT_ONE_UNIQUE,
+        RESERVE_IDS,
+        INSERT_MANY,
+        NOTIFY_QUEUES,
+        CLAIM,
+        CLAIM_SEQUENCED,
+        CLAIM_LIMITED,
+        LOCK_LIMITS,
+    }
 )
 
 

@@ -25,6 +25,8 @@ from django.db import connection, transaction
 
 import django_awa as awa
 from django_awa import conf, producer
+from django_awa.execute import completed, errored
+from django_awa.finalize import finalize
 from django_awa.kinds import registry
 from django_awa.models import Job, JobState
 from django_awa.state import SharedConcurrency
@@ -222,6 +224,83 @@ def test_sequence_runs_one_at_a_time_in_enqueue_order_and_keys_in_parallel(
     )
     assert out_of_order == 0, "a member started before the one enqueued before it ended"
     assert max_overlap("kind = %s", ["sequenced_span"]) >= 2  # the keys ran side by side
+
+
+def _members(key: str) -> list[Job]:
+    return list(Job.objects.filter(metadata__awa_sequence__endswith=f'["{key}"]').order_by("id"))
+
+
+def _parked(job: Job) -> bool:
+    return "awa_sequence_run_at" in job.metadata
+
+
+@pytest.mark.django_db(transaction=True)
+def test_waiting_members_are_parked_available_and_the_finishing_transaction_hands_on() -> None:
+    awa.enqueue_many(
+        [awa.EnqueueRequest(SequencedSpan(key="p", n=i), max_attempts=1) for i in range(4)]
+    )
+    awa.enqueue_many([SequencedSpan(key="q", n=i) for i in range(2)])
+    enqueued = {job.id: job.run_at for job in Job.objects.all()}
+    claimed = producer.claim_sequenced("seq", 10, "default")
+    assert sorted(j.args["key"] for j in claimed) == ["p", "q"]  # each key's first only
+    first, *rest = _members("p")
+    assert first.state == JobState.RUNNING
+    # Parked, and still what SPEC 12 says a held-back job is: available, no attempt.
+    assert all(_parked(j) and j.state == JobState.AVAILABLE and j.attempt == 0 for j in rest), [
+        (j.id, j.state, j.metadata, j.run_at) for j in Job.objects.order_by("id")
+    ]
+    assert producer.claim("seq", 10, "default") == []  # the plain claim passes them over too
+    # The admin counts them as held back by their sequence, parked or not.
+    assert producer.held_back(producer.queue_limits("seq", "default"), "default") == 4
+
+    # The transaction that completes p's first member restores the second, and
+    # only it: its run_at back as enqueued, claimable the moment that commits.
+    assert finalize([completed(first)], "default")
+    second, *waiting = _members("p")[1:]
+    assert not _parked(second) and second.run_at == enqueued[second.id]
+    assert all(_parked(j) for j in waiting)
+    assert [j.id for j in producer.claim("seq", 10, "default")] == [second.id]
+
+    # A member that fails for good hands on too; a retry would still hold it.
+    assert finalize([errored(Job.objects.get(id=second.id), "boom")], "default")
+    assert Job.objects.get(id=second.id).state == JobState.FAILED
+    third = _members("p")[2]
+    assert not _parked(third) and third.run_at == enqueued[third.id]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cancel_hands_on_and_maintenance_restores_a_member_whose_turn_came_otherwise() -> None:
+    from django_awa.maintenance import Maintenance
+
+    awa.enqueue_many([SequencedSpan(key="c", n=i) for i in range(4)])
+    assert len(producer.claim_sequenced("seq", 10, "default")) == 1
+    head, second, third, fourth = _members("c")
+    assert _parked(second) and _parked(third) and _parked(fourth)
+    awa.cancel(head.id)  # its transaction hands on, as finalize's does
+    assert not _parked(Job.objects.get(id=second.id))
+    assert _parked(Job.objects.get(id=third.id))
+    # A member deleted (or discarded by rescue) hands on nothing: maintenance does.
+    Job.objects.filter(id=second.id).delete()
+    assert _parked(Job.objects.get(id=third.id))
+    assert Maintenance().restore_parked() == {"seq"}
+    assert not _parked(Job.objects.get(id=third.id))  # first unfinished now: restored
+    assert _parked(Job.objects.get(id=fourth.id))
+    assert [j.id for j in producer.claim("seq", 10, "default")] == [third.id]
+
+
+@pytest.mark.slow
+def test_a_long_sequence_hands_on_member_after_member_without_polls(start_worker) -> None:
+    # A 30 s poll interval and a member enqueued before the workers start: every
+    # member after the first is parked by the first claim, and only the hand-off
+    # in each finishing transaction (with its wake-up) can start the next.
+    awa.enqueue_many([SequencedSpan(key="long", n=i, seconds=0.0) for i in range(60)])
+    started = time.monotonic()
+    start_three(start_worker, "seq=4", AWA_TEST_POLL_INTERVAL="30")
+    all_finished("sequenced_span", 60, timeout=30)
+    assert time.monotonic() - started < 20
+    assert [r.n for r in FlowRun.objects.order_by("started_at")] == list(range(60))
+    assert overlaps_within_key("sequenced_span") == 0
+    assert not Job.objects.filter(metadata__has_key="awa_sequence_run_at").exists()
 
 
 def test_a_retrying_member_holds_its_sequence_until_it_finishes(start_worker) -> None:
@@ -477,12 +556,12 @@ def test_a_claim_held_back_says_why_in_the_debug_log(caplog) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_limited_claim_waits_for_the_one_before_it_to_commit() -> None:
+def test_a_limited_claim_skips_while_another_holds_the_queue_lock_then_counts_its_starts() -> None:
     awa.set_queue_limits("race", global_concurrency=2)
     awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="race") for i in range(6)])
     limits = producer.queue_limits("race", "default")
     holding, release = threading.Event(), threading.Event()
-    claimed: dict[str, list[Job]] = {}
+    claimed: dict[str, list[Job] | None] = {}
 
     def first() -> None:
         try:
@@ -493,25 +572,31 @@ def test_a_limited_claim_waits_for_the_one_before_it_to_commit() -> None:
         finally:
             connection.close()
 
-    def second() -> None:
+    def second(name: str) -> None:
         try:
-            claimed["second"] = producer.claim_limited(limits, 10, "default")
+            claimed[name] = producer.claim_limited(limits, 10, "default")
         finally:
             connection.close()
 
     one = threading.Thread(target=first)
     one.start()
-    assert holding.wait(10)
-    two = threading.Thread(target=second)
-    two.start()
-    two.join(0.5)
-    # Without the lock it would count no running row (the first claim is not
-    # committed) and skip the locked ones: two more, four running.
-    assert two.is_alive(), "the second claimer did not wait for the first"
-    release.set()
-    one.join(10)
-    two.join(10)
-    assert len(claimed["first"]) == 2 and claimed["second"] == []
+    try:
+        assert holding.wait(10)
+        two = threading.Thread(target=second, args=("second",))
+        two.start()
+        two.join(5)
+        # It does not queue behind the holder: it claims nothing (None) at once.
+        # Without the lock it would count no running row (the first claim is not
+        # committed) and take the locked ones' neighbours: four running.
+        assert not two.is_alive(), "the second claimer waited for the lock"
+        assert claimed["second"] is None
+    finally:
+        release.set()
+        one.join(10)
+    three = threading.Thread(target=second, args=("third",))
+    three.start()
+    three.join(10)
+    assert len(claimed["first"] or []) == 2 and claimed["third"] == []
     assert Job.objects.filter(queue="race", state=JobState.RUNNING).count() == 2
 
 
