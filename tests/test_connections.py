@@ -24,7 +24,7 @@ from django_awa.db import connection_need
 from django_awa.execute import from_exception
 from django_awa.models import Job, JobState
 from tests.conftest import ROOT, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Echo, Noop, Touch
+from tests.testapp.jobs import Act, Echo, Nap, Noop, Touch
 from tests.testapp.models import Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -125,6 +125,46 @@ def test_the_engine_threads_give_their_pooled_connections_back(limited_role, sta
     jobs = list(Job.objects.filter(id__in=ids).values_list("state", "attempt"))
     assert set(jobs) == {(JobState.COMPLETED, 1)}
     assert most <= 3, most
+
+
+@pytest.mark.slow
+def test_sixty_handler_threads_on_a_pool_of_five_wait_their_turn_without_a_job(
+    limited_role, start_worker
+):
+    # 60 handler threads, Django's pool of 5 with a 1 s timeout, jobs holding
+    # their connection 0.2 s: were every thread to take a job and then queue for
+    # a connection, most would wait past the timeout and fail an attempt. The
+    # gate lets 3 threads (5 less the engine's 2) take jobs at once; the role
+    # may open 6 connections (the pool's 5 and LISTEN), so any more is refused.
+    role = limited_role(6)
+    ids = _touch_jobs(60, hold=0.2)
+    worker = start_worker(
+        "--queue",
+        "orm=60",
+        env={**SETTINGS, "AWA_TEST_DB_USER": role, "AWA_TEST_POOL": "default:5:1"},
+    )
+    most = _drain_watching(ids, role, timeout=90)
+    jobs = list(Job.objects.filter(id__in=ids).values_list("state", "attempt", "errors"))
+    assert [j for j in jobs if j != (JobState.COMPLETED, 1, [])] == []
+    assert Order.objects.filter(paid=True).count() == 60
+    assert most <= 6, most
+    assert "PoolTimeout" not in worker.output()
+
+
+@pytest.mark.slow
+def test_handlers_that_use_no_database_are_not_held_to_the_pools_size(start_worker):
+    # 20 handler threads on a pool of 3: once a job has shown that the queue's
+    # handlers take no connection, its threads run side by side, not 1 at a time.
+    ids = awa.enqueue_many([Nap(seconds=1.5) for _ in range(20)])
+    start_worker("--queue", "nap=20", env={**SETTINGS, "AWA_TEST_POOL": "default:3"})
+    wait_for(
+        lambda: not Job.objects.filter(id__in=ids).exclude(state=JobState.COMPLETED).exists(),
+        timeout=60,
+    )
+    started = sorted(Job.objects.filter(id__in=ids).values_list("attempted_at", flat=True))
+    # All but the first start when it ends; were the threads let through one at a
+    # time as their own jobs show it, the last would start about 12 s after the first.
+    assert (started[-1] - started[0]).total_seconds() < 4, [s.isoformat() for s in started]
 
 
 def test_a_refused_connection_is_named_in_the_jobs_error_and_the_log(limited_role, start_worker):
