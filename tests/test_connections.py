@@ -89,23 +89,29 @@ def _drain_watching(ids: list[int], role: str, timeout: float) -> int:
     raise AssertionError(f"jobs did not finish in {timeout}s: {states}")
 
 
+def _pooled_drain(start_worker, role: str, jobs: int, hold: float, concurrency: int, pool: str):
+    """Run ``jobs`` Touch jobs on a worker logged in as ``role`` with the pool ``pool``.
+
+    Every job must finish at its first attempt with no error; returns the
+    worker and the most backends ``role`` had meanwhile.
+    """
+    ids = _touch_jobs(jobs, hold=hold)
+    worker = start_worker(
+        "--queue",
+        f"orm={concurrency}",
+        env={**SETTINGS, "AWA_TEST_DB_USER": role, "AWA_TEST_POOL": pool},
+    )
+    most = _drain_watching(ids, role, timeout=90)
+    found = list(Job.objects.filter(id__in=ids).values_list("state", "attempt", "errors"))
+    assert [j for j in found if j != (JobState.COMPLETED, 1, [])][:3] == []
+    assert Order.objects.filter(paid=True).count() == jobs
+    return worker, most
+
+
 def test_pooled_handlers_outnumber_the_connections_the_role_may_open(limited_role, start_worker):
     # 30 handler threads and 4 engine threads, but the role may open 15
     # connections: they share Django's pool of 10 (and the LISTEN connection).
-    role = limited_role(15)
-    ids = _touch_jobs(150, hold=0.05)
-    worker = start_worker(
-        "--queue",
-        "orm=30",
-        env={**SETTINGS, "AWA_TEST_DB_USER": role, "AWA_TEST_POOL": "default:10"},
-    )
-    most = _drain_watching(ids, role, timeout=90)
-    jobs = list(Job.objects.filter(id__in=ids).values_list("state", "attempt", "errors"))
-    assert {(state, attempt) for state, attempt, _ in jobs} == {(JobState.COMPLETED, 1)}, [
-        j for j in jobs if j[0] != JobState.COMPLETED or j[1] != 1
-    ][:3]
-    assert all(errors == [] for *_, errors in jobs)
-    assert Order.objects.filter(paid=True).count() == 150
+    worker, most = _pooled_drain(start_worker, limited_role(15), 150, 0.05, 30, "default:10")
     assert most <= 11, most  # the pool's 10 and the LISTEN connection
     assert (
         "up to 11 connections (Django's pool of at most 10, shared by 30 handler threads and "
@@ -136,17 +142,7 @@ def test_sixty_handler_threads_on_a_pool_of_five_wait_their_turn_without_a_job(
     # a connection, most would wait past the timeout and fail an attempt. The
     # gate lets 3 threads (5 less the engine's 2) take jobs at once; the role
     # may open 6 connections (the pool's 5 and LISTEN), so any more is refused.
-    role = limited_role(6)
-    ids = _touch_jobs(60, hold=0.2)
-    worker = start_worker(
-        "--queue",
-        "orm=60",
-        env={**SETTINGS, "AWA_TEST_DB_USER": role, "AWA_TEST_POOL": "default:5:1"},
-    )
-    most = _drain_watching(ids, role, timeout=90)
-    jobs = list(Job.objects.filter(id__in=ids).values_list("state", "attempt", "errors"))
-    assert [j for j in jobs if j != (JobState.COMPLETED, 1, [])] == []
-    assert Order.objects.filter(paid=True).count() == 60
+    worker, most = _pooled_drain(start_worker, limited_role(6), 60, 0.2, 60, "default:5:1")
     assert most <= 6, most
     assert "PoolTimeout" not in worker.output()
 
