@@ -288,6 +288,14 @@ class HandlerPool:
         for runner in self.state.queues.values():
             for _ in range(runner.concurrency):
                 self.spawn(runner)
+        if self.gate is not None:
+            need = self.state.need
+            logger.info(
+                "Django's pool of database %r (max_size %s) serves %s handler threads at once "
+                "(%s kept for the engine): of the %s handler threads, those whose last job "
+                "used the pool take turns",
+                need.alias, need.pool_max, self.gate.slots, ENGINE_RESERVE, need.handlers,
+            )  # fmt: skip
 
     def spawn(self, runner: QueueRunner) -> HandlerThread:
         """Start one more handler thread for ``runner``'s queue (main thread only)."""

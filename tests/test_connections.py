@@ -144,6 +144,7 @@ def test_sixty_handler_threads_on_a_pool_of_five_wait_their_turn_without_a_job(
     # may open 6 connections (the pool's 5 and LISTEN), so any more is refused.
     worker, most = _pooled_drain(start_worker, limited_role(6), 60, 0.2, 60, "default:5:1")
     assert most <= 6, most
+    assert "(max_size 5) serves 3 handler threads at once" in worker.output()
     assert "PoolTimeout" not in worker.output()
 
 
