@@ -147,7 +147,7 @@ class ConnectionGate:
     """How many handler threads may work on the worker's pool at once: what it can serve.
 
     Django's pool of ``max_size`` connections serves ``max_size`` handler
-    threads at best, fewer the engine threads' share (``ENGINE_RESERVE``).
+    threads at best, less the engine threads' share (``ENGINE_RESERVE``).
     Past that, each job's handler would queue for a connection holding its
     claimed job, and every job would cost a hand-over between threads. A
     handler thread whose last job used the pool takes a slot before its next
