@@ -569,6 +569,11 @@ def is_pooled(wrapper: Any) -> bool:
     return bool(wrapper.settings_dict.get("OPTIONS", {}).get("pool"))
 
 
+def pool_wanted(wrapper: Any) -> bool:
+    """Whether a thread waits for a connection of the pool behind a pooled Django connection."""
+    return bool(wrapper.pool.get_stats().get("requests_waiting"))
+
+
 def release(alias: str) -> None:
     """Give this thread's connection of ``alias`` back to its pool, outside a transaction.
 

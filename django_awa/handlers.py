@@ -16,6 +16,14 @@ marked cancelled, so an async handler is cancelled and a sync handler's
 (``awa-asyncio``, started when the first one comes); the handler thread that
 took the attempt waits for it, so it holds its place on the queue as a sync
 handler does.
+
+With Django's pool on the worker's database, a handler thread keeps its
+pooled connection from one job to the next while its queue's inbox holds
+work and no thread waits for one of the pool's connections; it gives it back
+when it goes idle. When the queues' concurrency exceeds what the pool can
+serve, a ``ConnectionGate`` lets only that many handler threads whose last
+job used the pool take a job at once: the others sleep, rather than each
+holding a claimed job while it queues for a connection.
 """
 
 from __future__ import annotations
@@ -54,6 +62,12 @@ logger = logging.getLogger(__name__)
 # from when the worker learns of it, to return before its thread is replaced.
 STUCK_GRACE_MIN = 5.0
 
+# Of the worker's pool, handler threads behind the gate leave this many connections
+# to the engine threads on every job's path: the completer's write, a producer's claim.
+ENGINE_RESERVE = 2
+# How often a thread waiting at the gate looks whether the worker halted, seconds.
+GATE_HALT_POLL = 0.5
+
 _thread = threading.local()
 
 
@@ -91,19 +105,26 @@ def _writable(conn: Any) -> bool:
         return False
 
 
-def release_connections() -> None:
+def release_connections(keep: bool = False) -> bool:
     """After a job: put back this thread's pooled connections, close those a handler broke.
 
     A connection of an alias with Django's pool (``OPTIONS["pool"]``) goes
-    back to the pool, so a handler thread holds one only while its handler
-    runs: many handler threads share a few connections. Any other stays
+    back to the pool, so a handler thread holds one only while it works:
+    many handler threads share a few connections. With ``keep`` (the thread
+    is about to take its next job) it stays with the thread unless another
+    thread waits for one of that pool's connections: a checkout costs a
+    round trip (Django's health check) and, when the pool is short, a
+    hand-over between threads, for every job. Any other connection stays
     open for the thread's next job, unless the handler left it unusable.
     Not ``close_old_connections()``: with the default CONN_MAX_AGE of 0 it
     would reconnect after every job. It runs after every job, so it keeps the
     thread's connection objects at hand: ``connections.all()`` goes through
     asgiref's ``Local`` for each alias, which costs more than the rest of a
     quick job's bookkeeping.
+
+    Returns whether the thread held a pooled connection, kept or not.
     """
+    held = False
     for conn, pooled in _thread_connections():
         if conn.connection is None:
             continue
@@ -116,7 +137,91 @@ def release_connections() -> None:
                 continue
             conn.errors_occurred = False
         if pooled and not conn.in_atomic_block:
-            conn.close()
+            held = True
+            if not keep or db.pool_wanted(conn):
+                conn.close()
+    return held
+
+
+class ConnectionGate:
+    """How many handler threads may work on the worker's pool at once: what it can serve.
+
+    Django's pool of ``max_size`` connections serves ``max_size`` handler
+    threads at best, less the engine threads' share (``ENGINE_RESERVE``).
+    Past that, each job's handler would queue for a connection holding its
+    claimed job, and every job would cost a hand-over between threads. A
+    handler thread whose last job used the pool takes a slot before its next
+    job (``enter``), keeps it while it has work, and gives it back
+    (``leave``) when its job used no pooled connection or a thread of another
+    queue waits for a slot. A thread whose last job did not use the pool
+    takes jobs without a slot, and so do the threads of a queue whose last
+    finished job used none (``note``): handlers that use no database are not
+    held to the pool's size, once a job has shown it.
+    """
+
+    def __init__(self, slots: int, halt: threading.Event) -> None:
+        self.slots = slots
+        self.free = slots
+        self.halt = halt
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting: dict[str, int] = {}  # threads waiting for a slot, per queue
+        self.waiting_total = 0
+        self.unpooled: dict[str, bool] = {}  # the queue's last job used no pooled connection
+
+    def enter(self, queue: str) -> bool:
+        """Take a slot for a thread of ``queue``, waiting for one.
+
+        False (no slot) once the worker halts, or when the queue's last
+        finished job used no pooled connection: the thread goes on without.
+        """
+        with self.cond:
+            if self.free <= 0:
+                self.waiting[queue] = self.waiting.get(queue, 0) + 1
+                self.waiting_total += 1
+                try:
+                    while self.free <= 0:
+                        if self.halt.is_set() or self.unpooled.get(queue):
+                            return False
+                        self.cond.wait(GATE_HALT_POLL)
+                finally:
+                    self.waiting[queue] -= 1
+                    self.waiting_total -= 1
+            self.free -= 1
+            return True
+
+    def leave(self) -> None:
+        """Give a slot back; one waiting thread takes it."""
+        with self.cond:
+            self.free += 1
+            self.cond.notify()
+
+    def note(self, queue: str, pooled: bool) -> None:
+        """Whether the job a thread of ``queue`` just finished used a pooled connection.
+
+        When it used none after one that did, the queue's threads waiting for a
+        slot go on without one.
+        """
+        unpooled = not pooled
+        if self.unpooled.get(queue) != unpooled:
+            self.unpooled[queue] = unpooled
+            if unpooled:
+                with self.cond:
+                    self.cond.notify_all()
+
+    def wanted_elsewhere(self, queue: str) -> bool:
+        """Whether a thread of another queue than ``queue`` waits for a slot (read unlocked)."""
+        return self.waiting_total > self.waiting.get(queue, 0)
+
+
+def connection_gate(state: WorkerState) -> ConnectionGate | None:
+    """The gate of a worker whose queues' concurrency exceeds what its pool can serve."""
+    pool_max = state.need.pool_max
+    if pool_max is None:
+        return None
+    slots = max(1, pool_max - ENGINE_RESERVE)
+    if state.need.handlers <= slots:
+        return None
+    return ConnectionGate(slots, state.halt)
 
 
 def _deadline_seconds(job: Job) -> float | None:
@@ -147,6 +252,9 @@ class HandlerThread:
     timed_out: bool = False  # its attempt passed the kind's timeout and was given up
     bound_logged: bool = False  # that it could not be replaced (the bound) was logged
     abandoned: bool = False  # replaced: it exits when its handler returns
+    # Its last job used a pooled connection, so it takes a slot of the gate before
+    # its next; assumed of a new thread, so a first burst does not outrun the pool.
+    on_pool: bool = True
 
 
 class HandlerPool:
@@ -173,12 +281,21 @@ class HandlerPool:
         # The event loop of async handlers, started with the first one (event_loop()).
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_lock = threading.Lock()
+        self.gate = connection_gate(state)
 
     def start(self) -> None:
         """Start every queue's handler threads, ``concurrency`` of each."""
         for runner in self.state.queues.values():
             for _ in range(runner.concurrency):
                 self.spawn(runner)
+        if self.gate is not None:
+            need = self.state.need
+            logger.info(
+                "Django's pool of database %r (max_size %s) serves %s handler threads at once "
+                "(%s kept for the engine): of the %s handler threads, those whose last job "
+                "used the pool take turns",
+                need.alias, need.pool_max, self.gate.slots, ENGINE_RESERVE, need.handlers,
+            )  # fmt: skip
 
     def spawn(self, runner: QueueRunner) -> HandlerThread:
         """Start one more handler thread for ``runner``'s queue (main thread only)."""
@@ -194,10 +311,39 @@ class HandlerPool:
         """A handler thread: run the queue's attempts until told to stop (``None``).
 
         An abandoned thread takes no other attempt: its place went to another.
+        It keeps its pooled connection from one job to the next while the
+        inbox holds work (see ``release_connections``), and takes a slot of the
+        gate, if the worker has one, before a job when its last job used the pool.
         """
-        inbox = handler.runner.inbox
-        while not handler.abandoned and (attempt := inbox.get()) is not None:
-            self.execute(handler, attempt)
+        runner = handler.runner
+        inbox = runner.inbox
+        gate = self.gate
+        slot = False
+        try:
+            while not handler.abandoned:
+                if gate is not None and handler.on_pool and not slot:
+                    release_connections()  # none held while it waits for a slot
+                    slot = gate.enter(runner.name)
+                try:
+                    attempt = inbox.get_nowait()
+                except queue_module.Empty:
+                    release_connections()  # idle: its pooled connection serves others meanwhile
+                    attempt = inbox.get()
+                if attempt is None:
+                    break
+                self.execute(handler, attempt)
+                if gate is None:
+                    continue
+                handler.on_pool = getattr(_thread, "pooled", False)
+                gate.note(runner.name, handler.on_pool)
+                if slot and (not handler.on_pool or gate.wanted_elsewhere(runner.name)):
+                    release_connections()
+                    gate.leave()
+                    slot = False
+        finally:
+            if gate is not None and slot:
+                release_connections()
+                gate.leave()
         if handler.abandoned:
             logger.info(
                 "abandoned handler thread %s returned after %.1fs; it exits",
@@ -218,6 +364,7 @@ class HandlerPool:
             return False
         handler = HandlerThread(runner=runner, name=threading.current_thread().name)
         self.execute(handler, attempt)
+        release_connections()
         return True
 
     def execute(self, handler: HandlerThread, attempt: Attempt) -> None:
@@ -301,7 +448,8 @@ class HandlerPool:
             self._put(attempt, result)
             return result
         finally:
-            release_connections()
+            # Kept for the thread's next job, if it has one; run() gives it back when idle.
+            _thread.pooled = release_connections(keep=True)
 
     def _put(self, attempt: Attempt, result: AttemptResult) -> None:
         """Hand ``result`` to the completer, with when its handler began."""

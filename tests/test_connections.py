@@ -24,7 +24,7 @@ from django_awa.db import connection_need
 from django_awa.execute import from_exception
 from django_awa.models import Job, JobState
 from tests.conftest import ROOT, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Echo, Noop, Touch
+from tests.testapp.jobs import Act, Echo, Nap, Noop, Touch
 from tests.testapp.models import Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -89,23 +89,29 @@ def _drain_watching(ids: list[int], role: str, timeout: float) -> int:
     raise AssertionError(f"jobs did not finish in {timeout}s: {states}")
 
 
+def _pooled_drain(start_worker, role: str, jobs: int, hold: float, concurrency: int, pool: str):
+    """Run ``jobs`` Touch jobs on a worker logged in as ``role`` with the pool ``pool``.
+
+    Every job must finish at its first attempt with no error; returns the
+    worker and the most backends ``role`` had meanwhile.
+    """
+    ids = _touch_jobs(jobs, hold=hold)
+    worker = start_worker(
+        "--queue",
+        f"orm={concurrency}",
+        env={**SETTINGS, "AWA_TEST_DB_USER": role, "AWA_TEST_POOL": pool},
+    )
+    most = _drain_watching(ids, role, timeout=90)
+    found = list(Job.objects.filter(id__in=ids).values_list("state", "attempt", "errors"))
+    assert [j for j in found if j != (JobState.COMPLETED, 1, [])][:3] == []
+    assert Order.objects.filter(paid=True).count() == jobs
+    return worker, most
+
+
 def test_pooled_handlers_outnumber_the_connections_the_role_may_open(limited_role, start_worker):
     # 30 handler threads and 4 engine threads, but the role may open 15
     # connections: they share Django's pool of 10 (and the LISTEN connection).
-    role = limited_role(15)
-    ids = _touch_jobs(150, hold=0.05)
-    worker = start_worker(
-        "--queue",
-        "orm=30",
-        env={**SETTINGS, "AWA_TEST_DB_USER": role, "AWA_TEST_POOL": "default:10"},
-    )
-    most = _drain_watching(ids, role, timeout=90)
-    jobs = list(Job.objects.filter(id__in=ids).values_list("state", "attempt", "errors"))
-    assert {(state, attempt) for state, attempt, _ in jobs} == {(JobState.COMPLETED, 1)}, [
-        j for j in jobs if j[0] != JobState.COMPLETED or j[1] != 1
-    ][:3]
-    assert all(errors == [] for *_, errors in jobs)
-    assert Order.objects.filter(paid=True).count() == 150
+    worker, most = _pooled_drain(start_worker, limited_role(15), 150, 0.05, 30, "default:10")
     assert most <= 11, most  # the pool's 10 and the LISTEN connection
     assert (
         "up to 11 connections (Django's pool of at most 10, shared by 30 handler threads and "
@@ -125,6 +131,37 @@ def test_the_engine_threads_give_their_pooled_connections_back(limited_role, sta
     jobs = list(Job.objects.filter(id__in=ids).values_list("state", "attempt"))
     assert set(jobs) == {(JobState.COMPLETED, 1)}
     assert most <= 3, most
+
+
+@pytest.mark.slow
+def test_sixty_handler_threads_on_a_pool_of_five_wait_their_turn_without_a_job(
+    limited_role, start_worker
+):
+    # 60 handler threads, Django's pool of 5 with a 1 s timeout, jobs holding
+    # their connection 0.2 s: were every thread to take a job and then queue for
+    # a connection, most would wait past the timeout and fail an attempt. The
+    # gate lets 3 threads (5 less the engine's 2) take jobs at once; the role
+    # may open 6 connections (the pool's 5 and LISTEN), so any more is refused.
+    worker, most = _pooled_drain(start_worker, limited_role(6), 60, 0.2, 60, "default:5:1")
+    assert most <= 6, most
+    assert "(max_size 5) serves 3 handler threads at once" in worker.output()
+    assert "PoolTimeout" not in worker.output()
+
+
+@pytest.mark.slow
+def test_handlers_that_use_no_database_are_not_held_to_the_pools_size(start_worker):
+    # 20 handler threads on a pool of 3: once a job has shown that the queue's
+    # handlers take no connection, its threads run side by side, not 1 at a time.
+    ids = awa.enqueue_many([Nap(seconds=1.5) for _ in range(20)])
+    start_worker("--queue", "nap=20", env={**SETTINGS, "AWA_TEST_POOL": "default:3"})
+    wait_for(
+        lambda: not Job.objects.filter(id__in=ids).exclude(state=JobState.COMPLETED).exists(),
+        timeout=60,
+    )
+    started = sorted(Job.objects.filter(id__in=ids).values_list("attempted_at", flat=True))
+    # All but the first start when it ends; were the threads let through one at a
+    # time as their own jobs show it, the last would start about 12 s after the first.
+    assert (started[-1] - started[0]).total_seconds() < 4, [s.isoformat() for s in started]
 
 
 def test_a_refused_connection_is_named_in_the_jobs_error_and_the_log(limited_role, start_worker):

@@ -402,6 +402,18 @@ def touch(job):
 
 
 @dataclass
+class Nap(awa.JobArgs):
+    """Sleep ``seconds`` and touch no database (tests/test_connections.py)."""
+
+    seconds: float = 1.0
+
+
+@awa.worker(Nap, queue="nap")
+def nap(job: awa.JobContext):
+    time.sleep(job.args.seconds)
+
+
+@dataclass
 class Node(awa.JobArgs):
     """A step of a test workflow: records its run and returns its name and its
     dependencies' results."""
