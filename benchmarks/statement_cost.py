@@ -91,9 +91,7 @@ def main() -> None:
 
         for start in range(0, args.jobs, 1000):
             with transaction.atomic():
-                awa.enqueue_many(
-                    [Noop(n=n) for n in range(start, min(start + 1000, args.jobs))]
-                )
+                awa.enqueue_many([Noop(n=n) for n in range(start, min(start + 1000, args.jobs))])
         from django.db import connections
 
         connections.close_all()  # its counters flushed before the first snapshot
@@ -104,7 +102,12 @@ def main() -> None:
             time.sleep(1.1)
             cursor.execute("SELECT pg_stat_clear_snapshot()")
             before = _table_writes(cursor)
-            claim = {"queue": "bench", "limit": args.batch, "deadlines": "{}", "default_deadline": 1800.0}
+            claim = {
+                "queue": "bench",
+                "limit": args.batch,
+                "deadlines": "{}",
+                "default_deadline": 1800.0,
+            }
             for batch in range(args.jobs // args.batch):
                 for name, value in _explain(cursor, sql.CLAIM, claim).items():
                     totals["CLAIM"][name] += value
@@ -118,7 +121,9 @@ def main() -> None:
                 for name, value in _explain(cursor, sql.COMPLETE, done).items():
                     totals["COMPLETE"][name] += value
                 if batch % 10 == 9:
-                    for name, value in _explain(cursor, sql.ARCHIVE_FINISHED, {"limit": 5000}).items():
+                    for name, value in _explain(
+                        cursor, sql.ARCHIVE_FINISHED, {"limit": 5000}
+                    ).items():
                         totals["ARCHIVE_FINISHED"][name] += value
             for name, value in _explain(cursor, sql.ARCHIVE_FINISHED, {"limit": 100000}).items():
                 totals["ARCHIVE_FINISHED"][name] += value
@@ -129,7 +134,9 @@ def main() -> None:
             after = _table_writes(cursor)
         n = args.jobs
         print(f"{n} jobs, batches of {args.batch}; per job:")
-        print(f"{'statement':<18} {'server ms':>10} {'WAL rec':>8} {'WAL bytes':>10} {'dirtied':>8}")
+        print(
+            f"{'statement':<18} {'server ms':>10} {'WAL rec':>8} {'WAL bytes':>10} {'dirtied':>8}"
+        )
         for statement, figures in totals.items():
             print(
                 f"{statement:<18} {figures['ms'] / n:>10.4f} {figures['wal_records'] / n:>8.2f}"
@@ -145,7 +152,10 @@ def main() -> None:
         for table in ("awa_job", "awa_job_done"):
             b = before.get(table, (0, 0, 0, 0))
             a = after.get(table, (0, 0, 0, 0))
-            print(f"  {table:<14} " + ", ".join(f"{(x - y) / n:.2f}" for x, y in zip(a, b, strict=True)))
+            print(
+                f"  {table:<14} "
+                + ", ".join(f"{(x - y) / n:.2f}" for x, y in zip(a, b, strict=True))
+            )
     finally:
         from django.db import connections
 

@@ -604,7 +604,7 @@ _COMPLETED_SET = {
     "callback_timeout_at": "NULL::timestamptz",
 }
 _DONE_ROW = ", ".join(
-    f'{_COMPLETED_SET.get(f.column, f"j.{f.column}")} AS "{f.column}"'
+    f'{_COMPLETED_SET.get(f.attname, f"j.{f.attname}")} AS "{f.attname}"'
     for f in Job._meta.concrete_fields
 )
 _COMPLETE = f"""

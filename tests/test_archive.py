@@ -398,7 +398,9 @@ def test_a_completed_batch_is_written_once_straight_into_awa_job_done():
         assert job.heartbeat_at is job.deadline_at is job.callback_id is None
     assert Job.objects.get(id=ids[1]).errors == [{"attempt": 0, "at": "x", "error": "e"}]
     # Their follow-ups (act's on_completed) saw the completed rows (COMPLETE_RETURNING_ROWS).
-    triggers = Job.objects.filter(kind="echo").values_list("metadata__awa_trigger__job_id", flat=True)
+    triggers = Job.objects.filter(kind="echo").values_list(
+        "metadata__awa_trigger__job_id", flat=True
+    )
     assert set(ids) <= set(triggers)
     assert Maintenance().archive() == 0  # nothing left for maintenance to move
 
