@@ -373,12 +373,17 @@ class Producer:
         alias, running, waiting, lock, inbox = (
             state.alias, state.running, state.waiting, state.running_lock, runner.inbox
         )  # fmt: skip
-        for job in jobs:
-            attempt = Attempt(job=job, alias=alias)
-            with lock:
-                running[job.id] = attempt
-                waiting.add(job.id)
+        attempts = [Attempt(job=job, alias=alias) for job in jobs]
+        # Every attempt of the batch is tracked (running, waiting) before the first
+        # reaches a handler, under one hold of the lock the handler threads take for
+        # each job: a hold per job contended with them for every job of the batch.
+        with lock:
+            for attempt in attempts:
+                running[attempt.job.id] = attempt
+                waiting.add(attempt.job.id)
+        for attempt in attempts:
             if debug:
+                job = attempt.job
                 logger.debug("claimed job %s kind=%s attempt=%s", job.id, job.kind,
                              job.attempt, extra=log_context(job, state.name))  # fmt: skip
             inbox.put(attempt)

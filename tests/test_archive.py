@@ -13,7 +13,7 @@ import threading
 import psycopg
 import pytest
 from django.contrib.auth.models import User
-from django.db import connection, connections, transaction
+from django.db import IntegrityError, connection, connections, transaction
 from django.forms.models import model_to_dict
 from django.urls import reverse
 from django.utils import timezone
@@ -200,11 +200,17 @@ def test_statements_about_live_jobs_read_awa_job_alone():
             cursor.execute("EXPLAIN " + statement)
             return "\n".join(row[0] for row in cursor.fetchall())
 
+    def reads(statement: str) -> str:
+        # COMPLETE writes its moved rows into awa_job_done; it reads none there.
+        return "\n".join(
+            line for line in plan(statement).splitlines() if "Insert on awa_job_done" not in line
+        )
+
     live = (sql.CLAIM, sql.HEARTBEAT, sql.MARK_STARTED, sql.COMPLETE, sql.RESCUE, sql.PROMOTE_DUE)
     for statement in live:
         if "%(stale_after)s" in statement:
             statement = statement.replace("%(stale_after)s", "30")
-        assert "awa_job_done" not in plan(statement), statement
+        assert "awa_job_done" not in reads(statement), statement
         assert "awa_job_done" in plan(statement.replace("ONLY awa_job", "awa_job")), statement
 
 
@@ -356,3 +362,65 @@ def test_between_sweeps_a_tick_reads_only_rows_finished_since_the_last(monkeypat
     monkeypatch.setattr("django_awa.maintenance.ARCHIVE_SWEEP_EVERY", 0.0)
     assert maintenance.archive() == 1  # the sweep finds it
     assert table_of(straggler.id) == "awa_job_done"
+
+
+def _complete_in_worker(*rows: dict[str, object]) -> list[int]:
+    """Claim, run and complete one job per entry of ``rows`` (its fields) as a worker
+    does: the producer's CLAIM, the handler pool, the completer's batched COMPLETE."""
+    from django_awa.completer import Completer
+    from django_awa.handlers import HandlerPool
+    from django_awa.producer import Producer
+    from django_awa.state import WorkerState
+    from tests.conftest import due_job
+
+    ids = [due_job(**fields).id for fields in rows]
+    state = WorkerState.create({"default": len(ids)})
+    runner = state.queues["default"]
+    Producer(state, runner).run_once()
+    pool = HandlerPool(state)
+    while pool.run_once(runner, timeout=0):
+        pass
+    assert Completer(state).run_once() == []
+    assert not state.running
+    return ids
+
+
+@pytest.mark.django_db
+def test_a_completed_batch_is_written_once_straight_into_awa_job_done():
+    ids = _complete_in_worker({}, {"errors": [{"attempt": 0, "at": "x", "error": "e"}]}, {})
+
+    # No archive pass has run: the completion itself wrote the rows there.
+    assert {table_of(job_id) for job_id in ids} == {"awa_job_done"}
+    for job in Job.objects.filter(id__in=ids):
+        assert job.state == JobState.COMPLETED
+        assert job.attempt == 1 and job.run_lease == 1
+        assert job.finalized_at is not None and job.attempted_at is not None
+        assert job.attempted_at <= job.finalized_at
+        assert job.heartbeat_at is job.deadline_at is job.callback_id is None
+    assert Job.objects.get(id=ids[1]).errors == [{"attempt": 0, "at": "x", "error": "e"}]
+    # Their follow-ups (act's on_completed) saw the completed rows (COMPLETE_RETURNING_ROWS).
+    triggers = Job.objects.filter(kind="echo").values_list(
+        "metadata__awa_trigger__job_id", flat=True
+    )
+    assert set(ids) <= set(triggers)
+    assert Maintenance().archive() == 0  # nothing left for maintenance to move
+
+
+@pytest.mark.django_db
+def test_a_completed_job_that_holds_its_unique_key_stays_in_awa_job_and_keeps_holding_it():
+    holds = {"unique_key": "k-held", "unique_states": ["available", "running", "completed"]}
+    frees = {"unique_key": "k-free", "unique_states": ["available", "running"]}
+    held, free, plain = _complete_in_worker(holds, frees, {})
+
+    # One COMPLETE wrote all three: the key holder in place, the others moved.
+    assert table_of(held) == "awa_job"
+    assert table_of(free) == table_of(plain) == "awa_job_done"
+    assert set(Job.objects.filter(id__in=[held, free, plain]).values_list("state", flat=True)) == {
+        JobState.COMPLETED
+    }
+    assert Job.objects.get(id=held).finalized_at is not None
+    # awa_job_unique_idx (on awa_job alone) still refuses a second holder of the key...
+    with pytest.raises(IntegrityError), transaction.atomic():
+        make_job(**holds)
+    # ...and a key the completed job let go of is free again.
+    make_job(**frees)
