@@ -69,18 +69,22 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
     ``UniqueConflict`` if another job now holds its unique key.
     """
     alias = database_alias(using)
+    params = {"ids": [job_id], "states": list(JobState.RETRIABLE)}
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-            cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(JobState.RETRIABLE)})
+            # A finished row in awa_job_done comes back into awa_job first.
+            cursor.execute(sql.REVIVE_DONE, params)
+            cursor.execute(sql.RETRY_JOBS, params)
             row = cursor.fetchone()
             if row is None:
                 job = _get(job_id, alias)
                 if job.state not in JobState.RETRIABLE:
                     return job
-                # Maintenance moved the row into awa_job_done while this
-                # UPDATE waited for it: the copy there was not yet committed
-                # when the statement began. The next statement sees it.
-                cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(JobState.RETRIABLE)})
+                # Maintenance moved the row into awa_job_done while these
+                # statements waited for it: the copy there was not yet
+                # committed when they began. The next statements see it.
+                cursor.execute(sql.REVIVE_DONE, params)
+                cursor.execute(sql.RETRY_JOBS, params)
                 row = cursor.fetchone()
                 if row is None:
                     return _get(job_id, alias)
