@@ -51,6 +51,7 @@ from . import control, sql
 from . import schedules as schedule_steering
 from .codec import check_text
 from .conf import awa_settings
+from .bulk_admin import BulkOperationsMixin
 from .exceptions import AwaError, ValidationError
 from .fleet_admin import running_worker
 from .kinds import registry
@@ -602,7 +603,7 @@ class TriggerFilter(admin.SimpleListFilter):
 
 
 @admin.register(Job)
-class JobAdmin(AwaModelAdmin[Job]):
+class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     list_display = (
         "id",
         "kind",
@@ -757,7 +758,12 @@ class JobAdmin(AwaModelAdmin[Job]):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        context = {"title": "Jobs", **self._links(request), **(extra_context or {})}
+        context = {
+            "title": "Jobs",
+            **self._links(request),
+            "awa_bulk_links": self.bulk_links(request),  # bulk_admin.py
+            **(extra_context or {}),
+        }
         return super().changelist_view(request, extra_context=context)
 
     def _links(self, request: HttpRequest) -> dict[str, str]:
@@ -954,6 +960,7 @@ class JobAdmin(AwaModelAdmin[Job]):
                 self.admin_site.admin_view(self.workflow_operation_view),
                 name="django_awa_job_workflow_operation",
             ),
+            *self.get_bulk_urls(),  # bulk_admin.py
             path(
                 "<path:object_id>/retry/",
                 self.admin_site.admin_view(self.retry_view),
