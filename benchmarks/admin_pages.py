@@ -63,9 +63,10 @@ SELECT nextval(pg_get_serial_sequence('awa_job', 'id')),
        now() - make_interval(secs => g), now() - make_interval(secs => g),
        now() - make_interval(secs => g), now() - make_interval(secs => g - 1),
        CASE WHEN g <= %(failed)s THEN
-            '[{"attempt": 3, "at": "2026-01-01T00:00:00+00:00", "error": "ValueError: boom", "traceback": "Traceback ..."}]'::jsonb
+            jsonb_build_array(jsonb_build_object('attempt', 3, 'at', '2026-01-01T00:00:00Z',
+                'error', 'ValueError: boom', 'traceback', 'Traceback ...'))
             ELSE '[]'::jsonb END,
-       ARRAY['tag' || (g %% 100)]
+       jsonb_build_array('tag' || (g %% 100))
 FROM generate_series(1, %(finished)s) AS g;
 -- live jobs in awa_job
 INSERT INTO awa_job (kind, queue, args, state, attempt, run_at, heartbeat_at, deadline_at)
@@ -78,7 +79,8 @@ FROM generate_series(1, %(live)s) AS g;
 """
 FOLLOWUP_ROWS = """
 INSERT INTO awa_job_done (id, kind, queue, args, state, attempt, finalized_at, metadata)
-SELECT nextval(pg_get_serial_sequence('awa_job', 'id')), 'kind_01', 'q1', '{}', 'completed', 1, now(),
+SELECT nextval(pg_get_serial_sequence('awa_job', 'id')), 'kind_01', 'q1', '{}', 'completed', 1,
+       now(),
        jsonb_build_object('awa_trigger', jsonb_build_object(
            'job_id', %(trigger)s, 'kind', 'kind_00', 'outcome', 'completed'))
 FROM generate_series(1, %(count)s)
@@ -264,7 +266,10 @@ def main() -> None:
         ids = build()
         results = time_pages(ids, has_bulk)
         print()
-        print(f"{'page':<22} {'status':>6} {'ms':>8} {'queries':>7} {'slowest':>8}  plan of the slowest")
+        print(
+            f"{'page':<22} {'status':>6} {'ms':>8} {'queries':>7} {'slowest':>8}"
+            + "  plan of the slowest"
+        )
         for r in results:
             flag = " !" if float(r["ms"]) > LIMIT_MS else "  "  # type: ignore[arg-type]
             print(

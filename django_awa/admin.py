@@ -27,7 +27,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import JSONField, Model, Q, QuerySet, TextField
+from django.db.models import JSONField, Min, Model, Q, QuerySet, TextField
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 from django.http import (
@@ -49,13 +49,21 @@ from django.utils.translation import ngettext
 
 from . import control, sql
 from . import schedules as schedule_steering
+from .bulk_admin import BulkOperationsMixin
 from .codec import check_text
 from .conf import awa_settings
-from .bulk_admin import BulkOperationsMixin
 from .exceptions import AwaError, ValidationError
 from .fleet_admin import running_worker
 from .kinds import registry
-from .models import Job, JobQuerySet, JobState, PendingFollowup, PeriodicSchedule, Queue
+from .models import (
+    Job,
+    JobCount,
+    JobQuerySet,
+    JobState,
+    PendingFollowup,
+    PeriodicSchedule,
+    Queue,
+)
 from .producer import held_back, queue_limits
 from .schedules import schedules
 from .workflows import workflow_status
@@ -83,6 +91,12 @@ FOLLOWUPS_SHOWN = 50
 MAX_FILTER_CHOICES = 200
 # Above this many rows (pg_class estimate) the unfiltered list shows an estimate.
 ESTIMATE_ABOVE = 100_000
+# A filtered list counts at most this many matching rows exactly; past it, the
+# planner's estimate ("about N").
+COUNT_CAP = 10_000
+# Text search (not a job id) looks at the newest this many jobs by id: without
+# an index on kind, queue or tags, a word matching nothing would read every row.
+SEARCH_WINDOW = 100_000
 # Below this heap size a sequential scan of awa_job is cheap.
 SMALL_TABLE_BYTES = 64 * 1024 * 1024
 # JSON nested deeper than this is shown compact, not pretty-printed: indenting
@@ -479,21 +493,36 @@ def _with_raw_json(queryset: QuerySet[Job]) -> Job | None:
 
 
 class EstimatedCountPaginator(_JobPaginator):
-    """Counts exactly, except the unfiltered list of a large table: the planner's estimate.
+    """Counts exactly up to ``COUNT_CAP`` rows; past it, the planner's estimate.
 
-    ``count(*)`` over millions of rows reads them all on every page view.
+    ``count(*)`` over millions of rows reads them all on every page view. The
+    unfiltered list takes the catalog's estimate of the tables' rows; a
+    filtered one counts at most ``COUNT_CAP + 1`` matching rows, and past that
+    asks the planner (EXPLAIN, no rows read). ``estimated`` says which: the
+    page then shows "about N".
     """
+
+    estimated = False
 
     @cached_property
     def count(self) -> int:
         queryset = self.object_list
-        if isinstance(queryset, QuerySet) and not queryset.query.where:
+        if not isinstance(queryset, QuerySet):
+            return super().count
+        if not queryset.query.where:
             with connections[queryset.db].cursor() as cursor:
                 cursor.execute(sql.ESTIMATED_ROWS)
                 row = cursor.fetchone()
             if row is not None and row[0] >= ESTIMATE_ABOVE:
+                self.estimated = True
                 return int(row[0])
-        return super().count
+            return super().count
+        counted = queryset.order_by()[: COUNT_CAP + 1].count()
+        if counted <= COUNT_CAP:
+            return counted
+        self.estimated = True
+        plan = json.loads(queryset.order_by().explain(format="json"))
+        return max(int(plan[0]["Plan"]["Plan Rows"]), counted)
 
 
 def _is_small(alias: str) -> bool:
@@ -618,7 +647,10 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     list_display_links = ("id", "kind")
     list_filter = ("state", QueueFilter, KindFilter, TriggerFilter)
     search_fields = ("kind", "queue")  # the search itself is get_search_results
-    search_help_text = "A job id, or text in the kind or queue, or an exact tag."
+    search_help_text = (
+        f"A job id; or text in the kind or queue, or an exact tag, among the newest "
+        f"{SEARCH_WINDOW:,} jobs."
+    )
     ordering = ("-id",)
     list_per_page = 50
     show_full_result_count = False
@@ -723,8 +755,12 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         self, request: HttpRequest, queryset: QuerySet[Job], search_term: str
     ) -> tuple[QuerySet[Job], bool]:
         """Each word must match: a number (or ``#number``) is a job id, found by
-        primary key; other text is part of the kind, the queue name, or a tag."""
-        for word in search_term.split():
+        primary key; other text is part of the kind, the queue name, or a tag,
+        among the newest ``SEARCH_WINDOW`` jobs (a range of the primary key:
+        no column but id is indexed for every row; the filters reach all)."""
+        words = search_term.split()
+        texts = [w for w in words if job_id(w.removeprefix("#")) is None]
+        for word in words:
             number = job_id(word.removeprefix("#"))
             if number is not None:
                 queryset = queryset.filter(id=number)
@@ -732,6 +768,11 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
                 queryset = queryset.filter(
                     Q(kind__icontains=word) | Q(queue=word) | Q(tags__contains=[word])
                 )
+        if texts:
+            newest = Job.objects.using(queryset.db).order_by("-id").values_list("id", flat=True)
+            last = newest.first()
+            if last is not None and last > SEARCH_WINDOW:
+                queryset = queryset.filter(id__gt=last - SEARCH_WINDOW)
         return queryset, False
 
     def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
@@ -1205,7 +1246,11 @@ class QueueAdmin(AwaModelAdmin[Queue]):
                 return self._set_limits(request)
             return self._pause_or_resume(request)
         alias = _alias()
-        stats = control.queue_stats(using=alias)
+        # On a large table, the maintenance leader's count (awa_job_count):
+        # live jobs exact as of its last tick; finished ones it does not see
+        # once moved to awa_job_done, so those columns are not counted here.
+        counted = not _is_small(alias)
+        stats = control.queue_stats(using=alias, counted=counted)
         for name in awa_settings().queues:
             stats.setdefault(name, control.empty_queue_stats())
         jobs_url = reverse("admin:django_awa_job_changelist")
@@ -1219,11 +1264,15 @@ class QueueAdmin(AwaModelAdmin[Queue]):
                     "paused": entry["paused"],
                     **flow[name],
                     "url": f"{jobs_url}?{urlencode({'queue': name})}",
-                    "total": sum(entry[state] for state in JobState.values),
+                    "total": sum(
+                        entry[state]
+                        for state in JobState.values
+                        if not (counted and state in JobState.FINAL)
+                    ),
                     "counts": [
                         {
                             "state": state,
-                            "count": entry[state],
+                            "count": "…" if counted and state in JobState.FINAL else entry[state],
                             "url": jobs_url
                             + "?"
                             + urlencode({"queue": name, "state__exact": state}),
@@ -1240,6 +1289,10 @@ class QueueAdmin(AwaModelAdmin[Queue]):
             "rows": rows,
             "can_change": self.has_change_permission(request),
             "failed_url": f"{jobs_url}?{urlencode({'state__exact': JobState.FAILED})}",
+            "counted": counted,
+            "counted_at": JobCount.objects.using(alias).aggregate(at=Min("counted_at"))["at"]
+            if counted
+            else None,
         }
         return TemplateResponse(request, "admin/django_awa/queue/overview.html", context)
 

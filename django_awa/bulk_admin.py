@@ -121,9 +121,9 @@ class BulkOperationsMixin(_ModelAdmin[Job]):
             "up_to": found.up_to or "",
             "states": [str(s) for s in bulk.ALLOWED[op]],
             "sample": list(
-                bulk.targets(jobs, op).order_by("id").only("id", "kind", "queue", "state")[
-                    :SAMPLE_SHOWN
-                ]
+                bulk.targets(jobs, op)
+                .order_by("id")
+                .only("id", "kind", "queue", "state")[:SAMPLE_SHOWN]
             ),
             "filters": [(key, value) for key, values in request.GET.lists() for value in values],
             "search": request.GET.get("q", ""),

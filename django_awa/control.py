@@ -185,8 +185,13 @@ def empty_queue_stats() -> dict[str, Any]:
     return {state: 0 for state in JobState.values} | {"paused": False}
 
 
-def queue_stats(*, using: str | None = None) -> dict[str, dict[str, Any]]:
-    """``{queue: {state: count for every state, "paused": bool}}`` for every known queue."""
+def queue_stats(*, using: str | None = None, counted: bool = False) -> dict[str, dict[str, Any]]:
+    """``{queue: {state: count for every state, "paused": bool}}`` for every known queue.
+
+    ``counted=True`` reads the maintenance leader's last count (``awa_job_count``)
+    instead of counting every row: live jobs as of its last tick, and only the
+    finished ones not yet moved to ``awa_job_done``.
+    """
     alias = database_alias(using)
     stats: dict[str, dict[str, Any]] = {}
 
@@ -196,7 +201,7 @@ def queue_stats(*, using: str | None = None) -> dict[str, dict[str, Any]]:
         return stats[name]
 
     with connections[alias].cursor() as cursor:
-        cursor.execute(sql.QUEUE_STATS)
+        cursor.execute(sql.COUNTED_QUEUE_STATS if counted else sql.QUEUE_STATS)
         for queue, state, count in cursor.fetchall():
             entry(queue)[state] = count
     for queue in Queue.objects.using(alias).all():

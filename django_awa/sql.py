@@ -951,6 +951,12 @@ SELECT queue, state, count(*) FROM awa_job GROUP BY queue, state
 """
 
 
+# -- COUNTED_QUEUE_STATS --
+# The same from the maintenance leader's last count (awa_job_count, a few rows),
+# for the admin's queue overview on a large table: no job row is read.
+COUNTED_QUEUE_STATS = "SELECT queue, state, count FROM awa_job_count"
+
+
 # ==== Operator controls (control.py) ====
 
 # -- CANCEL_JOB --

@@ -58,7 +58,8 @@ def insert_failed(count: int, queue: str) -> None:
 
 @pytest.mark.slow
 def test_bulk_retry_over_a_filter_of_100000_failed_jobs(
-    login: Callable[[User], Page], superuser: User
+    login: Callable[[User], Page],  # noqa: F811 (the fixtures of test_admin.py)
+    superuser: User,  # noqa: F811
 ) -> None:
     insert_failed(100_000, "bulk")
     others = [failed_job(queue="other") for _ in range(3)]
@@ -77,9 +78,7 @@ def test_bulk_retry_over_a_filter_of_100000_failed_jobs(
     assert page.url.endswith("?state__exact=failed&queue=bulk")
     assert page.locator("#result_list tbody tr").count() == 0
 
-    by_state = dict(
-        Job.objects.filter(queue="bulk").values_list("state").annotate(n=Count("id"))
-    )
+    by_state = dict(Job.objects.filter(queue="bulk").values_list("state").annotate(n=Count("id")))
     assert by_state == {"available": 100_000, "completed": 1}
     assert Job.objects.filter(queue="bulk", state="available").exclude(attempt=0).count() == 0
     assert {j.state for j in Job.objects.filter(id__in=[o.id for o in others])} == {"failed"}
@@ -87,7 +86,8 @@ def test_bulk_retry_over_a_filter_of_100000_failed_jobs(
 
 
 def test_bulk_move_priority_cancel_and_discard_over_a_search(
-    login: Callable[[User], Page], superuser: User
+    login: Callable[[User], Page],  # noqa: F811 (the fixtures of test_admin.py)
+    superuser: User,  # noqa: F811
 ) -> None:
     mail = [make_job(kind="send_mail", queue="slow") for _ in range(3)]
     other = make_job(kind="resize", queue="slow")
@@ -123,7 +123,8 @@ def test_bulk_move_priority_cancel_and_discard_over_a_search(
 
 
 def test_bulk_operations_are_offered_and_allowed_by_permission(
-    login: Callable[[User], Page], viewer: User
+    login: Callable[[User], Page],  # noqa: F811
+    viewer: User,  # noqa: F811
 ) -> None:
     job = failed_job(queue="perm")
     page = login(viewer)

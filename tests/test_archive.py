@@ -224,7 +224,10 @@ def test_a_filter_on_live_states_skips_the_finished_rows_table():
     for state in JobState.LIVE:
         assert "awa_job_done" not in plan(Job.objects.filter(state=state)), state
     assert "awa_job_done" in plan(Job.objects.filter(state=JobState.FAILED))
-    with connection.cursor() as cursor, pytest.raises(IntegrityError, match="awa_job_done_finished"):
+    with (
+        connection.cursor() as cursor,
+        pytest.raises(IntegrityError, match="awa_job_done_finished"),
+    ):
         cursor.execute(
             "INSERT INTO awa_job_done (id, kind, queue, args, state) "
             "VALUES (-1, 'x', 'default', '{}', 'available')"

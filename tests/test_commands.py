@@ -120,7 +120,7 @@ def test_show_one_job_and_a_missing_one():
 
 
 def test_retry_cancel_and_discard_by_id_and_by_filter():
-    one, two = failed(queue="billing"), failed(queue="billing")
+    one, _ = failed(queue="billing"), failed(queue="billing")
     other = failed(queue="email")
     running = make_job(queue="billing", state=JobState.AVAILABLE)
 

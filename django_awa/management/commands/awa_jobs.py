@@ -80,9 +80,7 @@ class Command(OperatorCommand):
             ("move", "move jobs waiting to run to another queue"),
             ("priority", "change the priority of jobs waiting to run"),
         ):
-            op = sub.add_parser(
-                name, help=f"{text}: the ids given, or every job the filters match"
-            )
+            op = sub.add_parser(name, help=f"{text}: the ids given, or every job the filters match")
             if name == "move":
                 op.add_argument("--to", required=True, metavar="QUEUE", help="the target queue")
             if name == "priority":
@@ -92,7 +90,9 @@ class Command(OperatorCommand):
             op.add_argument("job_ids", type=int, nargs="*", metavar="ID")
             filters(op)
             op.add_argument(
-                "--dry-run", action="store_true", help="count the jobs a filter matches; change none"
+                "--dry-run",
+                action="store_true",
+                help="count the jobs a filter matches; change none",
             )
             op.add_argument(
                 "--batch-size",
