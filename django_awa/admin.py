@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlencode
@@ -47,7 +47,7 @@ from django.utils.safestring import SafeString
 from django.utils.text import Truncator
 from django.utils.translation import ngettext
 
-from . import control, sql
+from . import bulk, control, sql
 from . import schedules as schedule_steering
 from .bulk_admin import BulkOperationsMixin
 from .codec import check_text
@@ -1119,28 +1119,15 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         return HttpResponseRedirect(reverse("admin:django_awa_job_change", args=[object_id]))
 
     def _operate(self, request: HttpRequest, queryset: QuerySet[Job], operation: str) -> None:
-        """Retry or cancel each job of ``queryset``, one transaction each; report counts."""
-        alias = _alias()
-        if operation == "retry":
-            states: Iterable[str] = JobState.RETRIABLE
-            done_state = JobState.AVAILABLE
-            verb, past = "retry", "Retried"
-
-            def apply(job_id: int) -> Job:
-                return control.retry(job_id, using=alias)
-        else:
-            states = JobState.LIVE
-            done_state = JobState.CANCELLED
-            verb, past = "cancel", "Cancelled"
-            reason = f"cancelled in admin by {request.user.get_username()}"
-
-            def apply(job_id: int) -> Job:
-                return control.cancel(job_id, reason, using=alias)
-
-        skipped = queryset.exclude(state__in=list(states)).count()
-        changed, unchanged, failed = self._each(
-            queryset.filter(state__in=list(states)), apply, done_state, verb
-        )
+        """Retry or cancel the jobs of ``queryset`` in batches (``bulk.run``); report counts."""
+        op = bulk.Operation(operation)
+        verb = op.value
+        past = bulk.PAST[op].capitalize()
+        reason = f"cancelled in admin by {request.user.get_username()}"
+        skipped = queryset.exclude(state__in=list(bulk.ALLOWED[op])).count()
+        found = bulk.preview(queryset, op)
+        result = bulk.run(queryset, op, up_to=found.up_to, reason=reason)
+        changed, unchanged, failed = result.changed, result.unchanged, result.failed
         # A job may have moved on between the SELECT and its UPDATE: unchanged.
         skipped += unchanged
         if changed or not (skipped or failed):
@@ -1168,39 +1155,6 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
                 f"… and {len(failed) - 10} more jobs could not be {past.lower()}.",
                 messages.ERROR,
             )
-
-    def _each(
-        self,
-        queryset: QuerySet[Job],
-        apply: Callable[[int], Job],
-        done_state: str,
-        verb: str,
-    ) -> tuple[int, int, list[tuple[int, str]]]:
-        """Apply to each job id in turn: (changed, unchanged, [(id, error), ...])."""
-        changed = unchanged = 0
-        failed: list[tuple[int, str]] = []
-        for job_id in queryset.order_by("id").values_list("id", flat=True).iterator(chunk_size=500):
-            try:
-                job = apply(job_id)
-            # An operator's batch goes on past one job whose follow-up function
-            # (user code, any exception) or unique key refused it; that job's
-            # own transaction rolled back and the error is shown.
-            except Exception as exc:
-                logger.warning(
-                    "admin %s of job %s failed: %s job_id=%s",
-                    verb,
-                    job_id,
-                    exc,
-                    job_id,
-                    exc_info=True,
-                )
-                failed.append((job_id, Truncator(str(exc) or type(exc).__name__).chars(200)))
-                continue
-            if job.state == done_state:
-                changed += 1
-            else:
-                unchanged += 1
-        return changed, unchanged, failed
 
 
 @admin.register(Queue)
