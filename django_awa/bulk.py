@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.db import IntegrityError, connections, transaction
 from django.db.models import Max, QuerySet
@@ -207,7 +208,7 @@ class _Args:
     reason: str
 
 
-def _params(ids: Sequence[int], operation: Operation) -> dict[str, object]:
+def _params(ids: Sequence[int], operation: Operation) -> dict[str, Any]:
     return {"ids": list(ids), "states": [str(s) for s in ALLOWED[operation]]}
 
 

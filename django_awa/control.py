@@ -69,7 +69,7 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
     ``UniqueConflict`` if another job now holds its unique key.
     """
     alias = database_alias(using)
-    params = {"ids": [job_id], "states": list(JobState.RETRIABLE)}
+    params: dict[str, Any] = {"ids": [job_id], "states": list(JobState.RETRIABLE)}
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
             # A finished row in awa_job_done comes back into awa_job first.
