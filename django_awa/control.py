@@ -44,8 +44,8 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:
             cursor.execute(
-                sql.CANCEL_JOB,
-                {"id": job_id, "error": context.error_entry, "states": list(JobState.LIVE)},
+                sql.CANCEL_JOBS,
+                {"ids": [job_id], "error": context.error_entry, "states": list(JobState.LIVE)},
             )
             row = cursor.fetchone()
             if row is None:

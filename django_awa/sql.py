@@ -959,25 +959,6 @@ COUNTED_QUEUE_STATS = "SELECT queue, state, count FROM awa_job_count"
 
 # ==== Operator controls (control.py) ====
 
-# -- CANCEL_JOB --
-# Cancel one job that has not finished (awa.cancel). Locks the row; returns its
-# previous state, so a running attempt can be told through NOTIFY awa_cancel.
-CANCEL_JOB = f"""
-WITH old AS (
-    SELECT id, state FROM ONLY awa_job
-    WHERE id = %(id)s AND state = ANY(%(states)s::text[])
-    FOR UPDATE
-)
-UPDATE ONLY awa_job AS j
-SET state = 'cancelled', finalized_at = now(),
-    errors = {_errors_plus("j.", "%(error)s::text")},
-    {_ATTEMPT_CLEARED}
-FROM old
-WHERE j.id = old.id
-RETURNING old.state, {J_JOB_COLUMNS}
-"""
-
-
 # -- REVIVE_DONE --
 # Before a retry: move the finished rows among these ids (in these states)
 # from awa_job_done back into awa_job, so the UPDATE that follows reads ONLY
@@ -1014,7 +995,8 @@ RETURNING {JOB_COLUMNS}
 # held for the batch's statements (tens of milliseconds), never a table lock.
 
 # -- CANCEL_JOBS --
-# Cancel a batch of jobs that have not finished. Locks the rows in id order
+# Cancel jobs that have not finished (awa.cancel: one; a bulk cancel: a
+# batch). Locks the rows in id order
 # (two batches never wait on each other in a cycle); returns each one's
 # previous state, so running attempts can be told through NOTIFY awa_cancel.
 CANCEL_JOBS = f"""
