@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.contrib.admin.views.main import ChangeList
+from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import connections
@@ -805,7 +805,23 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
             "awa_bulk_links": self.bulk_links(request),  # bulk_admin.py
             **(extra_context or {}),
         }
+        if ORDER_VAR in request.GET and not self._sortable(request):
+            # Sorting a large table by another column sorts every row for
+            # each page: the list stays newest first.
+            request.GET = request.GET.copy()
+            del request.GET[ORDER_VAR]
         return super().changelist_view(request, extra_context=context)
+
+    def _sortable(self, request: HttpRequest) -> bool:
+        """Whether the list sorts by columns other than id: only on a small table."""
+        sortable = getattr(request, "_awa_sortable", None)
+        if sortable is None:
+            sortable = _is_small(_alias())
+            request._awa_sortable = sortable  # type: ignore[attr-defined]
+        return sortable
+
+    def get_sortable_by(self, request: HttpRequest) -> Sequence[str]:
+        return super().get_sortable_by(request) if self._sortable(request) else ()
 
     def _links(self, request: HttpRequest) -> dict[str, str]:
         """Shortcuts to the other awa pages the user may open."""

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 # Ids per batch (per transaction). Each batch locks this many rows at most,
 # for the few statements of its transaction.
-BATCH_SIZE = 2000
+BATCH_SIZE = 1000
 
 
 class Operation(enum.StrEnum):

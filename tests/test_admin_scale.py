@@ -94,3 +94,22 @@ def test_the_queue_overview_of_a_large_table_reads_the_leaders_count(
     # Not the count over every row (sql.QUEUE_STATS).
     assert not [q for q in queries.captured_queries if "GROUP BY queue, state" in q["sql"]]
     assert Job.objects.filter(queue="billing").count() == 4
+
+
+def test_a_large_table_lists_newest_first_whatever_the_sort_asked(
+    client: Any,
+    superuser: User,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    jobs = [make_job(kind=kind) for kind in ("b_kind", "a_kind", "c_kind")]
+    client.force_login(superuser)
+    by_kind = client.get(JOBS_URL, {"o": "2"})  # small table: sorted by kind
+    assert [j.kind for j in by_kind.context["cl"].result_list] == ["a_kind", "b_kind", "c_kind"]
+
+    monkeypatch.setattr(awa_admin, "SMALL_TABLE_BYTES", -1)
+    response = client.get(JOBS_URL, {"o": "2"})
+    assert response.status_code == 200
+    assert [j.id for j in response.context["cl"].result_list] == sorted(
+        (j.id for j in jobs), reverse=True
+    )
+    assert 'class="sortable' not in response.content.decode()
