@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 LINKS_KEPT = 10_000
 
 _UNRESOLVED = object()
+# Attempts finished per (kind, queue, outcome) in this process: awa.jobs.finished.
+_FINISHED: dict[tuple[str, str, str], int] = {}
+_FINISHED_LOCK = threading.Lock()
 _instrumentation: Any = _UNRESOLVED
 _lock = threading.Lock()
 
@@ -131,8 +134,11 @@ class Instrumentation:
         # Counted here and reported when the reader collects (an observable
         # counter): a synchronous counter's add() costs the SDK an attribute
         # hashing per attempt, a dict increment costs next to nothing.
-        self._finished: dict[tuple[str, str, str], int] = {}
-        self._finished_lock = threading.Lock()
+        # Module-level, not per instance: the SDK keeps the first observable
+        # counter of a name, whose callback must see the counts of a later
+        # Instrumentation (made again when AWA settings change).
+        self._finished = _FINISHED
+        self._finished_lock = _FINISHED_LOCK
         meter.create_observable_counter(
             "awa.jobs.finished",
             callbacks=[self._observe_finished],
