@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlencode
@@ -808,8 +808,9 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         if ORDER_VAR in request.GET and not self._sortable(request):
             # Sorting a large table by another column sorts every row for
             # each page: the list stays newest first.
-            request.GET = request.GET.copy()
-            del request.GET[ORDER_VAR]
+            query = request.GET.copy()
+            del query[ORDER_VAR]
+            request.GET = query  # type: ignore[assignment]
         return super().changelist_view(request, extra_context=context)
 
     def _sortable(self, request: HttpRequest) -> bool:
@@ -820,7 +821,7 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
             request._awa_sortable = sortable  # type: ignore[attr-defined]
         return sortable
 
-    def get_sortable_by(self, request: HttpRequest) -> Sequence[str]:
+    def get_sortable_by(self, request: HttpRequest) -> Any:
         return super().get_sortable_by(request) if self._sortable(request) else ()
 
     def _links(self, request: HttpRequest) -> dict[str, str]:
