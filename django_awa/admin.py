@@ -16,18 +16,18 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.contrib.admin.views.main import ChangeList
+from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import JSONField, Model, Q, QuerySet, TextField
+from django.db.models import JSONField, Min, Model, Q, QuerySet, TextField
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 from django.http import (
@@ -47,14 +47,23 @@ from django.utils.safestring import SafeString
 from django.utils.text import Truncator
 from django.utils.translation import ngettext
 
-from . import control, sql
+from . import bulk, control, sql
 from . import schedules as schedule_steering
+from .bulk_admin import BulkOperationsMixin
 from .codec import check_text
 from .conf import awa_settings
 from .exceptions import AwaError, ValidationError
 from .fleet_admin import running_worker
 from .kinds import registry
-from .models import Job, JobQuerySet, JobState, PendingFollowup, PeriodicSchedule, Queue
+from .models import (
+    Job,
+    JobCount,
+    JobQuerySet,
+    JobState,
+    PendingFollowup,
+    PeriodicSchedule,
+    Queue,
+)
 from .producer import held_back, queue_limits
 from .schedules import schedules
 from .workflows import workflow_status
@@ -82,6 +91,12 @@ FOLLOWUPS_SHOWN = 50
 MAX_FILTER_CHOICES = 200
 # Above this many rows (pg_class estimate) the unfiltered list shows an estimate.
 ESTIMATE_ABOVE = 100_000
+# A filtered list counts at most this many matching rows exactly; past it, the
+# planner's estimate ("about N").
+COUNT_CAP = 10_000
+# Text search (not a job id) looks at the newest this many jobs by id: without
+# an index on kind, queue or tags, a word matching nothing would read every row.
+SEARCH_WINDOW = 100_000
 # Below this heap size a sequential scan of awa_job is cheap.
 SMALL_TABLE_BYTES = 64 * 1024 * 1024
 # JSON nested deeper than this is shown compact, not pretty-printed: indenting
@@ -478,21 +493,36 @@ def _with_raw_json(queryset: QuerySet[Job]) -> Job | None:
 
 
 class EstimatedCountPaginator(_JobPaginator):
-    """Counts exactly, except the unfiltered list of a large table: the planner's estimate.
+    """Counts exactly up to ``COUNT_CAP`` rows; past it, the planner's estimate.
 
-    ``count(*)`` over millions of rows reads them all on every page view.
+    ``count(*)`` over millions of rows reads them all on every page view. The
+    unfiltered list takes the catalog's estimate of the tables' rows; a
+    filtered one counts at most ``COUNT_CAP + 1`` matching rows, and past that
+    asks the planner (EXPLAIN, no rows read). ``estimated`` says which: the
+    page then shows "about N".
     """
+
+    estimated = False
 
     @cached_property
     def count(self) -> int:
         queryset = self.object_list
-        if isinstance(queryset, QuerySet) and not queryset.query.where:
+        if not isinstance(queryset, QuerySet):
+            return super().count
+        if not queryset.query.where:
             with connections[queryset.db].cursor() as cursor:
                 cursor.execute(sql.ESTIMATED_ROWS)
                 row = cursor.fetchone()
             if row is not None and row[0] >= ESTIMATE_ABOVE:
+                self.estimated = True
                 return int(row[0])
-        return super().count
+            return super().count
+        counted = queryset.order_by()[: COUNT_CAP + 1].count()
+        if counted <= COUNT_CAP:
+            return counted
+        self.estimated = True
+        plan = json.loads(queryset.order_by().explain(format="json"))
+        return max(int(plan[0]["Plan"]["Plan Rows"]), counted)
 
 
 def _is_small(alias: str) -> bool:
@@ -602,7 +632,7 @@ class TriggerFilter(admin.SimpleListFilter):
 
 
 @admin.register(Job)
-class JobAdmin(AwaModelAdmin[Job]):
+class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     list_display = (
         "id",
         "kind",
@@ -617,7 +647,10 @@ class JobAdmin(AwaModelAdmin[Job]):
     list_display_links = ("id", "kind")
     list_filter = ("state", QueueFilter, KindFilter, TriggerFilter)
     search_fields = ("kind", "queue")  # the search itself is get_search_results
-    search_help_text = "A job id, or text in the kind or queue, or an exact tag."
+    search_help_text = (
+        f"A job id; or text in the kind or queue, or an exact tag, among the newest "
+        f"{SEARCH_WINDOW:,} jobs."
+    )
     ordering = ("-id",)
     list_per_page = 50
     show_full_result_count = False
@@ -722,8 +755,12 @@ class JobAdmin(AwaModelAdmin[Job]):
         self, request: HttpRequest, queryset: QuerySet[Job], search_term: str
     ) -> tuple[QuerySet[Job], bool]:
         """Each word must match: a number (or ``#number``) is a job id, found by
-        primary key; other text is part of the kind, the queue name, or a tag."""
-        for word in search_term.split():
+        primary key; other text is part of the kind, the queue name, or a tag,
+        among the newest ``SEARCH_WINDOW`` jobs (a range of the primary key:
+        no column but id is indexed for every row; the filters reach all)."""
+        words = search_term.split()
+        texts = [w for w in words if job_id(w.removeprefix("#")) is None]
+        for word in words:
             number = job_id(word.removeprefix("#"))
             if number is not None:
                 queryset = queryset.filter(id=number)
@@ -731,6 +768,11 @@ class JobAdmin(AwaModelAdmin[Job]):
                 queryset = queryset.filter(
                     Q(kind__icontains=word) | Q(queue=word) | Q(tags__contains=[word])
                 )
+        if texts:
+            newest = Job.objects.using(queryset.db).order_by("-id").values_list("id", flat=True)
+            last = newest.first()
+            if last is not None and last > SEARCH_WINDOW:
+                queryset = queryset.filter(id__gt=last - SEARCH_WINDOW)
         return queryset, False
 
     def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
@@ -757,8 +799,30 @@ class JobAdmin(AwaModelAdmin[Job]):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        context = {"title": "Jobs", **self._links(request), **(extra_context or {})}
+        context = {
+            "title": "Jobs",
+            **self._links(request),
+            "awa_bulk_links": self.bulk_links(request),  # bulk_admin.py
+            **(extra_context or {}),
+        }
+        if ORDER_VAR in request.GET and not self._sortable(request):
+            # Sorting a large table by another column sorts every row for
+            # each page: the list stays newest first.
+            query = request.GET.copy()
+            del query[ORDER_VAR]
+            request.GET = query  # type: ignore[assignment]
         return super().changelist_view(request, extra_context=context)
+
+    def _sortable(self, request: HttpRequest) -> bool:
+        """Whether the list sorts by columns other than id: only on a small table."""
+        sortable = getattr(request, "_awa_sortable", None)
+        if sortable is None:
+            sortable = _is_small(_alias())
+            request._awa_sortable = sortable  # type: ignore[attr-defined]
+        return sortable
+
+    def get_sortable_by(self, request: HttpRequest) -> Any:
+        return super().get_sortable_by(request) if self._sortable(request) else ()
 
     def _links(self, request: HttpRequest) -> dict[str, str]:
         """Shortcuts to the other awa pages the user may open."""
@@ -954,6 +1018,7 @@ class JobAdmin(AwaModelAdmin[Job]):
                 self.admin_site.admin_view(self.workflow_operation_view),
                 name="django_awa_job_workflow_operation",
             ),
+            *self.get_bulk_urls(),  # bulk_admin.py
             path(
                 "<path:object_id>/retry/",
                 self.admin_site.admin_view(self.retry_view),
@@ -1071,28 +1136,15 @@ class JobAdmin(AwaModelAdmin[Job]):
         return HttpResponseRedirect(reverse("admin:django_awa_job_change", args=[object_id]))
 
     def _operate(self, request: HttpRequest, queryset: QuerySet[Job], operation: str) -> None:
-        """Retry or cancel each job of ``queryset``, one transaction each; report counts."""
-        alias = _alias()
-        if operation == "retry":
-            states: Iterable[str] = JobState.RETRIABLE
-            done_state = JobState.AVAILABLE
-            verb, past = "retry", "Retried"
-
-            def apply(job_id: int) -> Job:
-                return control.retry(job_id, using=alias)
-        else:
-            states = JobState.LIVE
-            done_state = JobState.CANCELLED
-            verb, past = "cancel", "Cancelled"
-            reason = f"cancelled in admin by {request.user.get_username()}"
-
-            def apply(job_id: int) -> Job:
-                return control.cancel(job_id, reason, using=alias)
-
-        skipped = queryset.exclude(state__in=list(states)).count()
-        changed, unchanged, failed = self._each(
-            queryset.filter(state__in=list(states)), apply, done_state, verb
-        )
+        """Retry or cancel the jobs of ``queryset`` in batches (``bulk.run``); report counts."""
+        op = bulk.Operation(operation)
+        verb = op.value
+        past = bulk.PAST[op].capitalize()
+        reason = f"cancelled in admin by {request.user.get_username()}"
+        skipped = queryset.exclude(state__in=list(bulk.ALLOWED[op])).count()
+        found = bulk.preview(queryset, op)
+        result = bulk.run(queryset, op, up_to=found.up_to, reason=reason)
+        changed, unchanged, failed = result.changed, result.unchanged, result.failed
         # A job may have moved on between the SELECT and its UPDATE: unchanged.
         skipped += unchanged
         if changed or not (skipped or failed):
@@ -1120,39 +1172,6 @@ class JobAdmin(AwaModelAdmin[Job]):
                 f"… and {len(failed) - 10} more jobs could not be {past.lower()}.",
                 messages.ERROR,
             )
-
-    def _each(
-        self,
-        queryset: QuerySet[Job],
-        apply: Callable[[int], Job],
-        done_state: str,
-        verb: str,
-    ) -> tuple[int, int, list[tuple[int, str]]]:
-        """Apply to each job id in turn: (changed, unchanged, [(id, error), ...])."""
-        changed = unchanged = 0
-        failed: list[tuple[int, str]] = []
-        for job_id in queryset.order_by("id").values_list("id", flat=True).iterator(chunk_size=500):
-            try:
-                job = apply(job_id)
-            # An operator's batch goes on past one job whose follow-up function
-            # (user code, any exception) or unique key refused it; that job's
-            # own transaction rolled back and the error is shown.
-            except Exception as exc:
-                logger.warning(
-                    "admin %s of job %s failed: %s job_id=%s",
-                    verb,
-                    job_id,
-                    exc,
-                    job_id,
-                    exc_info=True,
-                )
-                failed.append((job_id, Truncator(str(exc) or type(exc).__name__).chars(200)))
-                continue
-            if job.state == done_state:
-                changed += 1
-            else:
-                unchanged += 1
-        return changed, unchanged, failed
 
 
 @admin.register(Queue)
@@ -1198,7 +1217,11 @@ class QueueAdmin(AwaModelAdmin[Queue]):
                 return self._set_limits(request)
             return self._pause_or_resume(request)
         alias = _alias()
-        stats = control.queue_stats(using=alias)
+        # On a large table, the maintenance leader's count (awa_job_count):
+        # live jobs exact as of its last tick; finished ones it does not see
+        # once moved to awa_job_done, so those columns are not counted here.
+        counted = not _is_small(alias)
+        stats = control.queue_stats(using=alias, counted=counted)
         for name in awa_settings().queues:
             stats.setdefault(name, control.empty_queue_stats())
         jobs_url = reverse("admin:django_awa_job_changelist")
@@ -1212,11 +1235,15 @@ class QueueAdmin(AwaModelAdmin[Queue]):
                     "paused": entry["paused"],
                     **flow[name],
                     "url": f"{jobs_url}?{urlencode({'queue': name})}",
-                    "total": sum(entry[state] for state in JobState.values),
+                    "total": sum(
+                        entry[state]
+                        for state in JobState.values
+                        if not (counted and state in JobState.FINAL)
+                    ),
                     "counts": [
                         {
                             "state": state,
-                            "count": entry[state],
+                            "count": "…" if counted and state in JobState.FINAL else entry[state],
                             "url": jobs_url
                             + "?"
                             + urlencode({"queue": name, "state__exact": state}),
@@ -1233,6 +1260,10 @@ class QueueAdmin(AwaModelAdmin[Queue]):
             "rows": rows,
             "can_change": self.has_change_permission(request),
             "failed_url": f"{jobs_url}?{urlencode({'state__exact': JobState.FAILED})}",
+            "counted": counted,
+            "counted_at": JobCount.objects.using(alias).aggregate(at=Min("counted_at"))["at"]
+            if counted
+            else None,
         }
         return TemplateResponse(request, "admin/django_awa/queue/overview.html", context)
 

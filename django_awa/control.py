@@ -45,8 +45,8 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:
             cursor.execute(
-                sql.CANCEL_JOB,
-                {"id": job_id, "error": context.error_entry, "states": list(JobState.LIVE)},
+                sql.CANCEL_JOBS,
+                {"ids": [job_id], "error": context.error_entry, "states": list(JobState.LIVE)},
             )
             row = cursor.fetchone()
             if row is None:
@@ -71,18 +71,22 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
     ``UniqueConflict`` if another job now holds its unique key.
     """
     alias = database_alias(using)
+    params: dict[str, Any] = {"ids": [job_id], "states": list(JobState.RETRIABLE)}
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-            cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(JobState.RETRIABLE)})
+            # A finished row in awa_job_done comes back into awa_job first.
+            cursor.execute(sql.REVIVE_DONE, params)
+            cursor.execute(sql.RETRY_JOBS, params)
             row = cursor.fetchone()
             if row is None:
                 job = _get(job_id, alias)
                 if job.state not in JobState.RETRIABLE:
                     return job
-                # Maintenance moved the row into awa_job_done while this
-                # UPDATE waited for it: the copy there was not yet committed
-                # when the statement began. The next statement sees it.
-                cursor.execute(sql.RETRY_JOB, {"id": job_id, "states": list(JobState.RETRIABLE)})
+                # Maintenance moved the row into awa_job_done while these
+                # statements waited for it: the copy there was not yet
+                # committed when they began. The next statements see it.
+                cursor.execute(sql.REVIVE_DONE, params)
+                cursor.execute(sql.RETRY_JOBS, params)
                 row = cursor.fetchone()
                 if row is None:
                     return _get(job_id, alias)
@@ -183,8 +187,13 @@ def empty_queue_stats() -> dict[str, Any]:
     return {state: 0 for state in JobState.values} | {"paused": False}
 
 
-def queue_stats(*, using: str | None = None) -> dict[str, dict[str, Any]]:
-    """``{queue: {state: count for every state, "paused": bool}}`` for every known queue."""
+def queue_stats(*, using: str | None = None, counted: bool = False) -> dict[str, dict[str, Any]]:
+    """``{queue: {state: count for every state, "paused": bool}}`` for every known queue.
+
+    ``counted=True`` reads the maintenance leader's last count (``awa_job_count``)
+    instead of counting every row: live jobs as of its last tick, and only the
+    finished ones not yet moved to ``awa_job_done``.
+    """
     alias = database_alias(using)
     stats: dict[str, dict[str, Any]] = {}
 
@@ -194,7 +203,7 @@ def queue_stats(*, using: str | None = None) -> dict[str, dict[str, Any]]:
         return stats[name]
 
     with connections[alias].cursor() as cursor:
-        cursor.execute(sql.QUEUE_STATS)
+        cursor.execute(sql.COUNTED_QUEUE_STATS if counted else sql.QUEUE_STATS)
         for queue, state, count in cursor.fetchall():
             entry(queue)[state] = count
     for queue in Queue.objects.using(alias).all():

@@ -329,23 +329,32 @@ def reopen(job: Job, alias: str) -> None:
     A retried job that has dependencies goes back to ``blocked`` and is
     settled at once: promoted if they are met, cancelled again if one failed.
     """
+    reopen_all([job.id], alias)
+
+
+def reopen_all(job_ids: Sequence[int], alias: str) -> None:
+    """``reopen`` for a batch of retried jobs, set-based (a bulk retry's batch)."""
+    if not job_ids:
+        return
     with transaction.atomic(using=alias), db.cursor(alias) as cursor:
         reopened: list[int] = []
-        frontier = [job.id]
+        frontier = list(job_ids)
         for _ in range(MAX_ROUNDS):
             if not frontier:
                 break
+            cursor.execute(sql.REVIVE_CASCADED, {"ids": frontier})
             cursor.execute(sql.REOPEN_CASCADED, {"ids": frontier})
             frontier = [row[0] for row in cursor.fetchall()]
             reopened.extend(frontier)
-        cursor.execute(sql.HAS_DEPENDENCIES, {"ids": [job.id]})
-        if cursor.fetchall():
-            cursor.execute(sql.BLOCK_AGAIN, {"ids": [job.id]})
-            reopened.insert(0, job.id)
+        cursor.execute(sql.HAS_DEPENDENCIES, {"ids": list(job_ids)})
+        waiting = [row[0] for row in cursor.fetchall()]
+        if waiting:
+            cursor.execute(sql.BLOCK_AGAIN, {"ids": waiting})
+            reopened[:0] = waiting
         if reopened:
             logger.info(
-                "job %s retried: %s job(s) wait for their dependencies again",
-                job.id,
+                "%s retried job(s): %s job(s) wait for their dependencies again",
+                len(job_ids),
                 len(reopened),
             )
             settle(reopened, alias)

@@ -156,6 +156,11 @@ class Job(models.Model):
     class Meta:
         db_table = "awa_job"
         ordering = ("-id",)
+        # save() of a finished row in awa_job_done made live (state changed):
+        # its BEFORE UPDATE trigger moves the row into awa_job and skips the
+        # update there, so the UPDATE counts 0 rows; Django then checks the row
+        # exists rather than INSERT it a second time.
+        select_on_save = True
         indexes = [
             # The claim: an index scan in (priority, run_at, id) order over the
             # available rows of one queue, however many finished rows the table holds.

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 LINKS_KEPT = 10_000
 
 _UNRESOLVED = object()
+# Attempts finished per (kind, queue, outcome) in this process: awa.jobs.finished.
+_FINISHED: dict[tuple[str, str, str], int] = {}
+_FINISHED_LOCK = threading.Lock()
 _instrumentation: Any = _UNRESOLVED
 _lock = threading.Lock()
 
@@ -128,8 +131,19 @@ class Instrumentation:
         self.propagator = TraceContextTextMapPropagator()
         self.tracer = trace.get_tracer("django_awa", __version__)
         meter = metrics.get_meter("django_awa", __version__)
-        self.finished = meter.create_counter(
-            "awa.jobs.finished", unit="{job}", description="Attempts finished, by outcome"
+        # Counted here and reported when the reader collects (an observable
+        # counter): a synchronous counter's add() costs the SDK an attribute
+        # hashing per attempt, a dict increment costs next to nothing.
+        # Module-level, not per instance: the SDK keeps the first observable
+        # counter of a name, whose callback must see the counts of a later
+        # Instrumentation (made again when AWA settings change).
+        self._finished = _FINISHED
+        self._finished_lock = _FINISHED_LOCK
+        meter.create_observable_counter(
+            "awa.jobs.finished",
+            callbacks=[self._observe_finished],
+            unit="{job}",
+            description="Attempts finished, by outcome",
         )
         self.duration = meter.create_histogram(
             "awa.job.attempt.duration", unit="s", description="How long an attempt's handler ran"
@@ -138,7 +152,13 @@ class Instrumentation:
             "awa.job.wait", unit="s", description="From a job's run_at to its attempt's start"
         )
         self.meter = meter
-        self._links: OrderedDict[int, dict[str, str]] = OrderedDict()
+        from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+        self._link, self._consumer = Link, SpanKind.CONSUMER
+        self._status, self._error = Status, StatusCode.ERROR
+        # The attempt spans' contexts; their W3C headers are made when a
+        # follow-up asks (attempt_link), not for every attempt.
+        self._links: OrderedDict[int, Any] = OrderedDict()
         self._links_lock = threading.Lock()
         self._gauges: set[str] = set()
 
@@ -163,13 +183,35 @@ class Instrumentation:
 
     def attempt_link(self, job_id: int) -> dict[str, str] | None:
         with self._links_lock:
-            return self._links.get(job_id)
+            span_context = self._links.get(job_id)
+        if span_context is None:
+            return None
+        carrier: dict[str, str] = {}
+        span = self.trace.NonRecordingSpan(span_context)
+        self.propagator.inject(carrier, context=self.trace.set_span_in_context(span))
+        return carrier
+
+    def _observe_finished(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        with self._finished_lock:
+            counts = list(self._finished.items())
+        return [
+            Observation(
+                count,
+                {
+                    "awa.job.kind": kind,
+                    "messaging.destination.name": queue,
+                    "awa.job.outcome": outcome,
+                },
+            )
+            for (kind, queue, outcome), count in counts
+        ]
 
     def _keep_link(self, job_id: int, span: Any) -> None:
-        carrier: dict[str, str] = {}
-        self.propagator.inject(carrier, context=self.trace.set_span_in_context(span))
+        span_context = span.get_span_context()
         with self._links_lock:
-            self._links[job_id] = carrier
+            self._links[job_id] = span_context
             self._links.move_to_end(job_id)
             while len(self._links) > LINKS_KEPT:
                 self._links.popitem(last=False)
@@ -179,8 +221,7 @@ class Instrumentation:
     @contextmanager
     def attempt(self, job: Job, worker: str) -> Iterator[Callable[[AttemptResult | None], None]]:
         """Run the block as the attempt's span; call what it yields with the result."""
-        from opentelemetry.trace import Link, SpanKind, Status, StatusCode
-
+        Link = self._link
         metadata = job.metadata if isinstance(job.metadata, dict) else {}
         trace_entry = metadata.get("awa_trace")
         enqueued = self._span_context(trace_entry)
@@ -211,7 +252,7 @@ class Instrumentation:
         span = self.tracer.start_span(
             f"awa.job {job.kind}",
             context=parent,
-            kind=SpanKind.CONSUMER,
+            kind=self._consumer,
             attributes=attributes,
             links=links,
         )
@@ -230,7 +271,7 @@ class Instrumentation:
             outcome["state"] = str(result.state)
             span.set_attribute("awa.job.outcome", outcome["state"])
             if result.error:
-                span.set_status(Status(StatusCode.ERROR, result.error[:1000]))
+                span.set_status(self._status(self._error, result.error[:1000]))
 
         started = time.perf_counter()
         try:
@@ -240,9 +281,10 @@ class Instrumentation:
             elapsed = time.perf_counter() - started
             span.end()
             self._keep_link(job.id, span)
-            done = {**labels, "awa.job.outcome": outcome["state"]}
-            self.finished.add(1, done)
-            self.duration.record(elapsed, done)
+            key = (job.kind, job.queue, outcome["state"])
+            with self._finished_lock:
+                self._finished[key] = self._finished.get(key, 0) + 1
+            self.duration.record(elapsed, {**labels, "awa.job.outcome": outcome["state"]})
 
     # -- gauges ------------------------------------------------------------------
 

@@ -445,16 +445,29 @@ DELETE FROM awa_attempt_start WHERE id IN (
 # For the admin: attempts of each queue started in the last minute. Limited
 # queues log their starts (awa_attempt_start); for the others the rows tell
 # (attempted_at of live rows, and of rows finished within the minute: one
-# start per row, so a job retried within the minute counts once).
+# start per row, so a job retried within the minute counts once). Live rows
+# are read from ONLY awa_job; finished ones, one final state at a time,
+# through awa_job_finalized_idx (state, finalized_at) in both tables (with the
+# three states at once the planner would read the whole index): a million
+# finished rows in awa_job_done are not walked.
+_FINISHED_WITHIN_A_MINUTE = "\n    UNION ALL".join(
+    f"""
+    SELECT queue FROM awa_job
+    WHERE state = '{state}' AND finalized_at > now() - interval '60 seconds'
+      AND attempted_at > now() - interval '60 seconds'"""
+    for state in JobState.FINAL
+)
 ACHIEVED_RATE = f"""
 SELECT substr(scope, 3), count(*) FROM awa_attempt_start
 WHERE scope LIKE 'q:%%' AND started_at > now() - interval '60 seconds'
 GROUP BY scope
 UNION ALL
-SELECT queue, count(*) FROM awa_job
-WHERE attempted_at > now() - interval '60 seconds'
-  AND (state NOT IN {_FINAL} OR finalized_at > now() - interval '60 seconds')
-  AND queue <> ALL(%(limited)s::text[])
+SELECT queue, count(*) FROM (
+    SELECT queue FROM ONLY awa_job
+    WHERE state NOT IN {_FINAL} AND attempted_at > now() - interval '60 seconds'
+    UNION ALL{_FINISHED_WITHIN_A_MINUTE}
+) AS started
+WHERE queue <> ALL(%(limited)s::text[])
 GROUP BY queue
 """
 
@@ -1140,15 +1153,59 @@ SELECT queue, state, count(*) FROM awa_job GROUP BY queue, state
 """
 
 
+# -- COUNTED_QUEUE_STATS --
+# The same from the maintenance leader's last count (awa_job_count, a few rows),
+# for the admin's queue overview on a large table: no job row is read.
+COUNTED_QUEUE_STATS = "SELECT queue, state, count FROM awa_job_count"
+
+
 # ==== Operator controls (control.py) ====
 
-# -- CANCEL_JOB --
-# Cancel one job that has not finished (awa.cancel). Locks the row; returns its
-# previous state, so a running attempt can be told through NOTIFY awa_cancel.
-CANCEL_JOB = f"""
+# -- REVIVE_DONE --
+# Before a retry: move the finished rows among these ids (in these states)
+# from awa_job_done back into awa_job, so the UPDATE that follows reads ONLY
+# awa_job and returns them (awa_job_done's CHECK holds finished rows only;
+# its BEFORE trigger would move a row and skip the update, returning
+# nothing). The DELETE locks each moved row. Index: awa_job_done's primary key.
+REVIVE_DONE = """
+WITH moved AS (
+    DELETE FROM ONLY awa_job_done
+    WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
+    RETURNING *
+)
+INSERT INTO awa_job SELECT * FROM moved
+"""
+
+# -- RETRY_JOBS --
+# Make failed, cancelled or retryable jobs available now, attempts reset
+# (awa.retry, and a bulk retry's batch). Run REVIVE_DONE for the ids first.
+# Locks each row it changes. Index: awa_job's primary key.
+RETRY_JOBS = f"""
+UPDATE ONLY awa_job
+SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
+    metadata = metadata - 'awa_cancelled_by',
+    {_ATTEMPT_CLEARED}
+WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
+RETURNING {JOB_COLUMNS}
+"""
+
+
+# ==== Bulk operations over a filter (bulk.py) ====
+#
+# Each batch is one transaction over at most a few thousand ids, picked by
+# keyset over id from the operator's filter: row locks on that batch only,
+# held for the batch's statements (tens of milliseconds), never a table lock.
+
+# -- CANCEL_JOBS --
+# Cancel jobs that have not finished (awa.cancel: one; a bulk cancel: a
+# batch). Locks the rows in id order
+# (two batches never wait on each other in a cycle); returns each one's
+# previous state, so running attempts can be told through NOTIFY awa_cancel.
+CANCEL_JOBS = f"""
 WITH old AS (
     SELECT id, state FROM ONLY awa_job
-    WHERE id = %(id)s AND state = ANY(%(states)s::text[])
+    WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
+    ORDER BY id
     FOR UPDATE
 )
 UPDATE ONLY awa_job AS j
@@ -1160,16 +1217,28 @@ WHERE j.id = old.id
 RETURNING old.state, {J_JOB_COLUMNS}
 """
 
+# -- MOVE_JOBS --
+# Move a batch of jobs that wait to run (not running, not finished) to another
+# queue. Index: awa_job's primary key.
+MOVE_JOBS = """
+UPDATE ONLY awa_job SET queue = %(queue)s
+WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
+"""
 
-# -- RETRY_JOB --
-# Make a failed, cancelled or retryable job available now, attempts reset (awa.retry).
-RETRY_JOB = f"""
-UPDATE awa_job
-SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
-    metadata = metadata - 'awa_cancelled_by',
-    {_ATTEMPT_CLEARED}
-WHERE id = %(id)s AND state = ANY(%(states)s::text[])
-RETURNING {JOB_COLUMNS}
+# -- PRIORITIZE_JOBS --
+# Set the priority of a batch of jobs that wait to run; the priority aging
+# kept (awa_original_priority) is dropped, so the new value is where aging
+# starts from. Index: awa_job's primary key.
+PRIORITIZE_JOBS = """
+UPDATE ONLY awa_job SET priority = %(priority)s, metadata = metadata - 'awa_original_priority'
+WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
+"""
+
+# -- DISCARD_JOBS --
+# Delete a batch of jobs, finished ones in awa_job_done too. A running job's
+# worker then finds no row for its (id, run_lease) and writes nothing.
+DISCARD_JOBS = """
+DELETE FROM awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
 """
 
 
@@ -1523,11 +1592,29 @@ WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'blocked'
 RETURNING j.id, j.state, j.queue
 """
 
+# -- REVIVE_CASCADED --
+# Before REOPEN_CASCADED: the dependents it will reopen that maintenance moved
+# to awa_job_done come back into awa_job (see REVIVE_DONE), locked by the
+# DELETE. Index: awa_dependency_dependents_idx, then awa_job_done's primary key.
+REVIVE_CASCADED = """
+WITH moved AS (
+    DELETE FROM ONLY awa_job_done AS d
+    USING awa_job_dependency AS e
+    WHERE e.depends_on_id = ANY(%(ids)s::bigint[])
+      AND d.id = e.job_id
+      AND d.state = 'cancelled'
+      AND jsonb_typeof(d.metadata -> 'awa_cancelled_by') = 'number'
+      AND (d.metadata ->> 'awa_cancelled_by')::bigint = ANY(%(ids)s::bigint[])
+    RETURNING d.*
+)
+INSERT INTO awa_job SELECT * FROM moved
+"""
+
 # -- REOPEN_CASCADED --
 # A retried job's dependents that its failure or cancellation cancelled
 # (metadata.awa_cancelled_by) are blocked again, attempts reset, to wait for
-# it as before. They may have moved to awa_job_done (awa_job_done_reopen
-# brings them back). Index: awa_dependency_dependents_idx.
+# it as before (REVIVE_CASCADED brought those in awa_job_done back first).
+# Index: awa_dependency_dependents_idx.
 # The dependents are found first (MATERIALIZED): the planner would otherwise
 # walk every cancelled job.
 REOPEN_CASCADED = """
@@ -1535,7 +1622,7 @@ WITH dependents AS MATERIALIZED (
     SELECT DISTINCT e.job_id FROM awa_job_dependency AS e
     WHERE e.depends_on_id = ANY(%(ids)s::bigint[])
 )
-UPDATE awa_job AS j
+UPDATE ONLY awa_job AS j
 SET state = 'blocked', finalized_at = NULL, attempt = 0, snoozed = false,
     metadata = j.metadata - 'awa_cancelled_by'
 FROM dependents

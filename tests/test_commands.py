@@ -120,17 +120,20 @@ def test_show_one_job_and_a_missing_one():
 
 
 def test_retry_cancel_and_discard_by_id_and_by_filter():
-    one, two = failed(queue="billing"), failed(queue="billing")
+    one, _ = failed(queue="billing"), failed(queue="billing")
     other = failed(queue="email")
     running = make_job(queue="billing", state=JobState.AVAILABLE)
 
     out, code = run("awa_jobs", "retry", "--queue", "billing", "--json")
     assert code == 0
     assert json.loads(out) == {
-        "retried": [one.id, two.id],
-        "unchanged": [],
-        "not_found": [],
+        "operation": "retry",
+        "matched": 2,
+        "retried": 2,
+        "unchanged": 0,
         "failed": [],
+        "batches": 1,
+        "longest_batch_seconds": json.loads(out)["longest_batch_seconds"],
     }
     assert (
         Job.objects.get(id=one.id).state == "available"
@@ -154,7 +157,7 @@ def test_retry_cancel_and_discard_by_id_and_by_filter():
     out, code = run("awa_jobs", "discard", "--queue", "email")
     assert code == 2 and Job.objects.filter(id=other.id).exists()  # needs --yes
     out, code = run("awa_jobs", "discard", "--queue", "email", "--yes")
-    assert code == 0 and out.startswith("discarded 1 job(s)")
+    assert code == 0 and out.startswith("discarded 1 of 1 matching job(s)")
     assert not Job.objects.filter(id=other.id).exists()
     assert run("awa_jobs", "retry", "--queue", "email")[1] == 1  # nothing left to match
 

@@ -1,7 +1,11 @@
-"""``manage.py awa_jobs list|show|retry|cancel|discard``: jobs for operators (SPEC §15).
+"""``manage.py awa_jobs list|show|retry|cancel|discard|move|priority``: jobs for
+operators (SPEC §15).
 
-Exit codes: see ``django_awa.management.operator`` (0 done, 1 nothing matched
-or not found, 2 usage error).
+``retry``, ``cancel`` and ``discard`` take job ids, or filters (``--state
+--queue --kind``) that select every matching job; ``move`` and ``priority``
+take either too. Over a filter the work is done in batches (``django_awa.bulk``)
+and ``--dry-run`` only counts. Exit codes: see ``django_awa.management.operator``
+(0 done, 1 nothing matched or not found or some refused, 2 usage error).
 """
 
 from __future__ import annotations
@@ -11,16 +15,15 @@ from typing import Any
 from django.core.management.base import CommandParser
 from django.db.models import QuerySet
 
-from django_awa import control
+from django_awa import bulk, control
 from django_awa.conf import awa_settings
+from django_awa.exceptions import ValidationError
 from django_awa.management.operator import OperatorCommand, nothing, table, usage
 from django_awa.models import Job, JobState
 
 LIST_LIMIT = 50
-# The most jobs one retry, cancel or discard over a filter touches; run it again for more.
-OPERATION_LIMIT = 1000
 
-# What each operation may change: other states are left as they are.
+# What each operation may change by id: other states are left as they are.
 ALLOWED = {
     "retry": JobState.RETRIABLE,
     "cancel": JobState.LIVE,
@@ -51,7 +54,7 @@ def _summary(job: Job) -> dict[str, Any]:
 
 
 class Command(OperatorCommand):
-    help = "List, show, retry, cancel or discard jobs."
+    help = "List, show, retry, cancel, discard, move or reprioritize jobs."
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = self.subcommands(parser)
@@ -74,11 +77,29 @@ class Command(OperatorCommand):
             ("retry", "make failed, cancelled or retryable jobs available now"),
             ("cancel", "cancel jobs that have not finished"),
             ("discard", "delete jobs"),
+            ("move", "move jobs waiting to run to another queue"),
+            ("priority", "change the priority of jobs waiting to run"),
         ):
-            op = sub.add_parser(name, help=f"{text}: the ids given, or those the filters match")
+            op = sub.add_parser(name, help=f"{text}: the ids given, or every job the filters match")
+            if name == "move":
+                op.add_argument("--to", required=True, metavar="QUEUE", help="the target queue")
+            if name == "priority":
+                op.add_argument(
+                    "--set", required=True, type=int, metavar="N", help="1 (highest) to 4"
+                )
             op.add_argument("job_ids", type=int, nargs="*", metavar="ID")
             filters(op)
-            op.add_argument("--limit", type=int, default=OPERATION_LIMIT)
+            op.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="count the jobs a filter matches; change none",
+            )
+            op.add_argument(
+                "--batch-size",
+                type=int,
+                default=bulk.BATCH_SIZE,
+                help=f"jobs per transaction over a filter (default {bulk.BATCH_SIZE})",
+            )
             if name == "cancel":
                 op.add_argument("--reason", default="", help="recorded in the job's errors")
             if name == "discard":
@@ -103,7 +124,7 @@ class Command(OperatorCommand):
         bad = [s for s in options["state"] if s not in JobState.values]
         if bad:
             raise usage(f"unknown state {bad[0]!r}; states: {', '.join(JobState.values)}")
-        if options["limit"] < 1:
+        if options.get("limit", 1) < 1:
             raise usage(f"--limit must be at least 1, got {options['limit']}")
         jobs = Job.objects.using(self.alias).all()
         if options["state"]:
@@ -179,26 +200,87 @@ class Command(OperatorCommand):
             raise usage(f"{action}: give job ids or filters (--state/--queue/--kind), not both")
         if not ids and not filtering:
             raise usage(f"{action}: name the jobs: job ids, or filters (--state/--queue/--kind)")
-        if action == "discard" and filtering and not options["yes"]:
-            raise usage("discard over a filter deletes every job it matches: add --yes")
-        allowed = [str(s) for s in ALLOWED[action]]
-        not_found: list[int] = []
-        skipped: list[int] = []
-        if ids:
-            states = dict(
-                Job.objects.using(self.alias).filter(id__in=ids).values_list("id", "state")
-            )
-            not_found = [i for i in ids if i not in states]
-            named = [i for i in dict.fromkeys(ids) if i in states]
-            targets = [i for i in named if states[i] in allowed]
-            skipped = [i for i in named if states[i] not in allowed]
+        if options["batch_size"] < 1:
+            raise usage(f"--batch-size must be at least 1, got {options['batch_size']}")
+        operation = bulk.Operation(action)
+        try:
+            bulk.check_arguments(operation, queue=options.get("to"), priority=options.get("set"))
+        except ValidationError as exc:
+            raise usage(str(exc)) from exc
+        if ids and options["dry_run"]:
+            raise usage(f"{action}: --dry-run counts what filters match; give filters, not ids")
+        if ids and action in PAST:
+            self.operate_on_ids(action, ids, options)
+        elif ids:
+            self.operate_over(operation, Job.objects.using(self.alias).filter(id__in=ids), options)
         else:
-            targets = list(
-                self.filtered(options)
-                .filter(state__in=allowed)
-                .order_by("id")
-                .values_list("id", flat=True)[: options["limit"]]
+            if action == "discard" and not options["yes"] and not options["dry_run"]:
+                raise usage("discard over a filter deletes every job it matches: add --yes")
+            self.operate_over(operation, self.filtered(options), options)
+
+    def operate_over(
+        self, operation: bulk.Operation, jobs: QuerySet[Job], options: dict[str, Any]
+    ) -> None:
+        """Every job of ``jobs`` in the states the operation applies to, in batches."""
+        past = bulk.PAST[operation]
+        found = bulk.preview(jobs, operation)
+        states = ", ".join(bulk.ALLOWED[operation])
+        if options["dry_run"]:
+            document = {"operation": str(operation), "dry_run": True, "matched": found.count}
+            self.emit(
+                options,
+                document,
+                f"would {operation} {found.count:,} job(s) (those in states: {states})",
             )
+            if not found.count:
+                raise nothing(f"nothing to {operation}")
+            return
+        verbose = options["verbosity"] > 1 and not options["json"]
+
+        def progress(result: bulk.Result) -> None:
+            done = result.changed + result.unchanged + len(result.failed)
+            self.stderr.write(f"{done:,}/{found.count:,} …")
+
+        result = bulk.run(
+            jobs,
+            operation,
+            up_to=found.up_to,
+            queue=options.get("to"),
+            priority=options.get("set"),
+            reason=options.get("reason") or "cancelled with manage.py awa_jobs",
+            batch_size=options["batch_size"],
+            on_batch=progress if verbose else None,
+        )
+        document = {"matched": found.count, **result.as_dict()}
+        lines = [f"{past} {result.changed:,} of {found.count:,} matching job(s)"]
+        if result.unchanged:
+            lines.append(
+                f"left {result.unchanged:,} job(s) as they were (they had moved on to a state "
+                "that does not allow it)"
+            )
+        lines += [f"could not {operation} job {i}: {e}" for i, e in result.failed[:20]]
+        if len(result.failed) > 20:
+            lines.append(f"… and {len(result.failed) - 20:,} more refused")
+        if result.batch_seconds:
+            lines.append(
+                f"{len(result.batch_seconds):,} batch(es) of up to {options['batch_size']:,}, "
+                f"longest {max(result.batch_seconds):.3f} s"
+            )
+        self.emit(options, document, "\n".join(lines))
+        if not result.changed or result.failed:
+            raise nothing(
+                f"{operation}: {len(result.failed)} refused"
+                if result.failed
+                else f"nothing to {operation}"
+            )
+
+    def operate_on_ids(self, action: str, ids: list[int], options: dict[str, Any]) -> None:
+        allowed = [str(s) for s in ALLOWED[action]]
+        states = dict(Job.objects.using(self.alias).filter(id__in=ids).values_list("id", "state"))
+        not_found = [i for i in ids if i not in states]
+        named = [i for i in dict.fromkeys(ids) if i in states]
+        targets = [i for i in named if states[i] in allowed]
+        skipped = [i for i in named if states[i] not in allowed]
         changed, unchanged, failed = self.apply(action, targets, options)
         unchanged = sorted([*skipped, *unchanged])
         document = {

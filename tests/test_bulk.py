@@ -1,0 +1,164 @@
+"""Bulk operations over a filter (django_awa.bulk), through ``manage.py awa_jobs``:
+batches, the workflow rules, follow-ups, output and exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+import django_awa as awa
+from django_awa import bulk
+from django_awa.maintenance import Maintenance
+from django_awa.models import Job, JobState
+from tests.conftest import make_job
+from tests.test_commands import run, shell
+from tests.testapp.jobs import Act, Node
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def table_of(job_id: int) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tableoid::regclass::text FROM awa_job WHERE id = %s", [job_id])
+        return str(cursor.fetchone()[0])
+
+
+def states(jobs: list[Job]) -> list[str]:
+    found = dict(Job.objects.filter(id__in=[j.id for j in jobs]).values_list("id", "state"))
+    return [found[j.id] for j in jobs]
+
+
+def test_cancel_over_a_filter_in_batches_cascades_and_inserts_on_cancelled_followups():
+    acts = [awa.enqueue(Act(action="ok"), queue="bulkq") for _ in range(5)]
+    dependent = awa.enqueue(Node(name="after"), after=[acts[0]])
+    other = awa.enqueue(Act(action="ok"), queue="elsewhere")
+
+    out, code = run(
+        "awa_jobs", "cancel", "--queue", "bulkq", "--batch-size", "2", "--reason", "drained",
+        "--json",
+    )  # fmt: skip
+    assert code == 0, out
+    document = json.loads(out)
+    assert document["matched"] == 5 and document["cancelled"] == 5
+    assert document["batches"] == 3 and document["failed"] == []
+    assert states(acts) == ["cancelled"] * 5 and states([other]) == ["available"]
+    # The dependency cascade of awa.cancel: the dependent is cancelled by acts[0].
+    row = Job.objects.get(id=dependent.id)
+    assert row.state == "cancelled" and row.metadata["awa_cancelled_by"] == acts[0].id
+    # on_cancelled follow-ups, one per cancelled job (and the dependent's own).
+    notes = sorted(
+        Job.objects.filter(kind="echo", metadata__awa_trigger__outcome="cancelled").values_list(
+            "metadata__awa_trigger__job_id", flat=True
+        )
+    )
+    assert notes == sorted([a.id for a in acts] + [dependent.id])
+    assert Job.objects.get(id=acts[1].id).errors[-1]["error"].endswith("drained")
+
+
+def test_retry_over_a_filter_brings_archived_rows_back_and_reopens_their_dependents():
+    acts = [awa.enqueue(Act(action="ok"), queue="bulkq") for _ in range(4)]
+    dependent = awa.enqueue(Node(name="after"), after=[acts[0]])
+    assert run("awa_jobs", "cancel", "--queue", "bulkq")[1] == 0
+    Job.objects.filter(id__in=[a.id for a in acts]).update(
+        state=JobState.FAILED, finalized_at=timezone.now() - timezone.timedelta(hours=1)
+    )
+    Maintenance().archive()
+    assert {table_of(a.id) for a in acts} == {"awa_job_done"}
+
+    out, code = run(
+        "awa_jobs", "retry", "--queue", "bulkq", "--state", "failed", "--batch-size", "3"
+    )
+    assert code == 0, out
+    assert out.splitlines()[0] == "retried 4 of 4 matching job(s)"
+    assert "2 batch(es) of up to 3" in out
+    assert states(acts) == ["available"] * 4
+    assert {table_of(a.id) for a in acts} == {"awa_job"}
+    assert all(j.attempt == 0 for j in Job.objects.filter(id__in=[a.id for a in acts]))
+    # The dependent its cancellation cancelled waits for it again (awa.retry's rule).
+    assert Job.objects.get(id=dependent.id).state == "blocked"
+    # Nothing left to retry: exit 1.
+    assert run("awa_jobs", "retry", "--queue", "bulkq", "--state", "failed")[1] == 1
+
+
+def test_move_and_priority_over_a_filter_with_a_dry_run_first():
+    waiting = [make_job(queue="from", priority=2) for _ in range(3)]
+    running = make_job(queue="from", state=JobState.RUNNING, heartbeat_at=timezone.now())
+    done = make_job(queue="from", state=JobState.COMPLETED, finalized_at=timezone.now())
+
+    out, code = run("awa_jobs", "move", "--queue", "from", "--to", "into", "--dry-run")
+    assert code == 0 and out.startswith("would move 3 job(s)")
+    assert Job.objects.filter(queue="into").count() == 0
+
+    out, code = run("awa_jobs", "move", "--queue", "from", "--to", "into", "--json")
+    assert code == 0 and json.loads(out)["moved"] == 3
+    assert sorted(Job.objects.filter(queue="into").values_list("id", flat=True)) == sorted(
+        j.id for j in waiting
+    )
+    # A running attempt and a finished job keep their queue.
+    assert Job.objects.get(id=running.id).queue == "from" == Job.objects.get(id=done.id).queue
+
+    Job.objects.filter(id=waiting[0].id).update(metadata={"awa_original_priority": 4})
+    out, code = run("awa_jobs", "priority", "--set", "1", "--queue", "into")
+    assert code == 0 and out.startswith("reprioritized 3 of 3 matching job(s)"), out
+    rows = Job.objects.filter(id__in=[j.id for j in waiting])
+    assert {j.priority for j in rows} == {1}
+    assert all("awa_original_priority" not in j.metadata for j in rows)
+
+    # By id, too; an id that is not waiting is left alone.
+    out, code = run("awa_jobs", "priority", "--set", "3", str(waiting[1].id), str(running.id))
+    assert code == 0 and out.startswith("reprioritized 1 of 1 matching job(s)")
+    assert Job.objects.get(id=running.id).priority != 3
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("awa_jobs", "move", "--queue", "a"),  # no --to
+        ("awa_jobs", "move", "--queue", "a", "--to", "bad queue"),
+        ("awa_jobs", "priority", "--set", "9", "--queue", "a"),
+        ("awa_jobs", "priority", "--set", "one", "--queue", "a"),
+        ("awa_jobs", "retry", "--queue", "a", "--batch-size", "0"),
+        ("awa_jobs", "retry", "12", "--dry-run"),
+        ("awa_jobs", "discard", "--queue", "a"),  # needs --yes
+    ],
+)
+def test_bad_bulk_arguments_are_exit_2_and_change_nothing(args: tuple[str, ...]):
+    job = make_job(queue="a", state=JobState.FAILED, finalized_at=timezone.now())
+    assert run(*args)[1] == 2
+    row = Job.objects.get(id=job.id)
+    assert (row.queue, row.state, row.priority) == ("a", "failed", job.priority)
+
+
+def test_a_bad_argument_is_named_in_a_real_process():
+    result = shell("awa_jobs", "move", "--queue", "a", "--to", "bad queue")
+    assert result.returncode == 2 and "target queue" in result.stderr
+    result = shell("awa_jobs", "priority", "--set", "7", "--queue", "a", "--dry-run")
+    assert result.returncode == 2 and "priority must be 1 (highest) to 4" in result.stderr
+
+
+def test_only_jobs_up_to_the_previewed_id_are_touched():
+    before = [make_job(queue="q", state=JobState.FAILED, finalized_at=timezone.now())]
+    found = bulk.preview(Job.objects.filter(queue="q"), bulk.Operation.RETRY)
+    later = make_job(queue="q", state=JobState.FAILED, finalized_at=timezone.now())
+    result = bulk.run(Job.objects.filter(queue="q"), bulk.Operation.RETRY, up_to=found.up_to)
+    assert (found.count, result.changed) == (1, 1)
+    assert states(before) == ["available"] and states([later]) == ["failed"]
+
+
+def test_a_retry_batch_one_job_spoils_is_redone_one_by_one():
+    # Two failed jobs with one unique key: only one may be live again.
+    unique = awa.Unique(by_args=True, states=("available", "scheduled", "running", "retryable"))
+    first = awa.enqueue(Act(action="same"), queue="uq", unique=unique)
+    Job.objects.filter(id=first.id).update(state=JobState.FAILED, finalized_at=timezone.now())
+    second = awa.enqueue(Act(action="same"), queue="uq", unique=unique)
+    Job.objects.filter(id=second.id).update(state=JobState.FAILED, finalized_at=timezone.now())
+
+    out, code = run("awa_jobs", "retry", "--queue", "uq", "--json")
+    document = json.loads(out)
+    assert code == 1  # one refused
+    assert document["retried"] == 1 and [f["id"] for f in document["failed"]] == [second.id]
+    assert "unique key" in document["failed"][0]["error"]
+    assert states([first, second]) == ["available", "failed"]
