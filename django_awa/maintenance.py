@@ -25,7 +25,7 @@ from . import db, fleet, sql
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
-from .dependencies import after_outcomes
+from .dependencies import after_outcomes, settle
 from .followups import (
     FollowupError,
     Outcome,
@@ -213,6 +213,7 @@ class Maintenance:
             self._duty("prune_workers", self.prune_workers)
             self._duty("count_jobs", self.count_jobs)
             self._duty("prune_attempt_starts", self.prune_attempt_starts)
+            self._duty("settle_orphans", self.settle_orphans)
             if now - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = now
                 self._duty("prune", self.prune)
@@ -250,6 +251,7 @@ class Maintenance:
         self.count_jobs()
         self.prune()
         self.prune_attempt_starts()
+        self.settle_orphans()
 
     # -- duties ------------------------------------------------------------------------
 
@@ -468,6 +470,37 @@ class Maintenance:
             if deleted < ARCHIVE_BATCH:
                 break
         return total
+
+    def settle_orphans(self) -> int:
+        """Settle blocked jobs one of whose dependencies no longer exists; returns how
+        many left ``blocked``.
+
+        The safety net of the deletion rule (``dependencies.deleting``): a row
+        deleted where no settling ran (raw SQL) leaves its dependents waiting
+        for it. Judged now as the rule says: cancelled for a
+        ``requires="completed"`` edge, promoted once the rest is met for
+        ``requires="finished"``. In id order, a batch per transaction; a job
+        still blocked (it waits for others too) is passed over.
+        """
+        after, changed = 0, 0
+        while True:
+            with self._transaction(), connections[self.alias].cursor() as cursor:
+                cursor.execute(sql.ORPHANED_BLOCKED, {"after": after, "limit": BATCH})
+                found = [row[0] for row in cursor.fetchall()]
+                if found:
+                    settle(found, self.alias)
+                    cursor.execute(sql.STILL_BLOCKED, {"ids": found})
+                    changed += len(found) - cursor.fetchone()[0]
+            if len(found) < BATCH:
+                break
+            after = found[-1]
+        if changed:
+            logger.warning(
+                "%s blocked job(s) waited for a dependency deleted without settling them; "
+                "settled now (cancelled, or promoted for requires='finished')",
+                changed,
+            )
+        return changed
 
     def prune(self) -> int:
         """Delete finished rows past retention, in batches; returns how many."""
