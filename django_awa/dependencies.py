@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -38,6 +39,23 @@ logger = logging.getLogger(__name__)
 # A cascade goes one level of dependents per round: a bound far above any
 # real graph's depth, so a corrupt edge table cannot loop for ever.
 MAX_ROUNDS = 100_000
+
+# The queues this thread's settlings made jobs available in, since the last
+# ``take_promoted_queues()``: the completer wakes its own producers for them
+# as soon as the batch commits, without waiting for its NOTIFY to come back
+# through the listener (each hop of a chain of steps pays that wait).
+_promoted = threading.local()
+
+
+def take_promoted_queues() -> set[str]:
+    """The queues this thread promoted jobs into since the last call (then forgotten).
+
+    A hint for waking producers early: a rolled-back settling may be among
+    them (a claim then finds nothing), and NOTIFY still wakes every worker.
+    """
+    queues: set[str] = getattr(_promoted, "queues", set())
+    _promoted.queues = set()
+    return queues
 
 
 def enqueue_with_dependencies(prepared: PreparedJob, alias: str) -> Job:
@@ -229,6 +247,7 @@ def _settle_rounds(
             queues = sorted({q for _, state, q in promoted if state == JobState.AVAILABLE})
             if queues:
                 cursor.execute(sql.NOTIFY_QUEUES, {"queues": queues})
+                _promoted.queues = getattr(_promoted, "queues", set()) | set(queues)
             for job_id, state, _queue in promoted:
                 logger.info("job %s -> %s: its dependencies are met", job_id, state)
         for job, reason in zip(cancelled_rows, reasons, strict=True):
