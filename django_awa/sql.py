@@ -1313,7 +1313,11 @@ FOR UPDATE
 # A requires='completed' dependency whose row is gone was deleted before it
 # finished (admin discard, ORM or raw DELETE; a completed one's edges to
 # blocked jobs go with it, MEET_BY_DELETION, PRUNE_FINISHED): it counts as
-# cancelled, its state given as 'deleted', whatever %(finished)s says.
+# cancelled, its state given as 'deleted', when %(finished)s is NULL (the
+# deleting transaction, maintenance's settle_orphans). An outcome's
+# transaction looks at its own outcomes only (a fan-in callback's 10,000
+# edges are not read for each batch): PROMOTE_READY leaves such a job
+# blocked, and maintenance cancels it.
 # The errors entry names the first such dependency in `after` order, and
 # metadata.awa_cancelled_by keeps its id (a retry of it reopens this job).
 # Index: the primary key (job_id, depends_on_id) of awa_job_dependency, then
@@ -1326,9 +1330,10 @@ WITH culprit AS (
     FROM awa_job_dependency AS e
     LEFT JOIN awa_job AS d ON d.id = e.depends_on_id
     WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.requires = 'completed'
-      AND ((d.id IS NULL)
-           OR ((%(finished)s::bigint[] IS NULL OR e.depends_on_id = ANY(%(finished)s::bigint[]))
-               AND d.state IN ('failed', 'cancelled')))
+      AND CASE WHEN %(finished)s::bigint[] IS NULL THEN d.id IS NULL
+                                                    OR d.state IN ('failed', 'cancelled')
+               ELSE e.depends_on_id = ANY(%(finished)s::bigint[])
+                    AND d.state IN ('failed', 'cancelled') END
     ORDER BY e.job_id, e.position
 )
 UPDATE ONLY awa_job AS j
