@@ -264,6 +264,8 @@ def plans() -> None:
         ),
         "PROMOTE_READY": (sql.PROMOTE_READY, {"ids": dependents}),
         "REOPEN_CASCADED": (sql.REOPEN_CASCADED, {"ids": finished}),
+        "MEET_BY_DELETION": (sql.MEET_BY_DELETION, {"completed": finished}),
+        "ORPHANED_BLOCKED": (sql.ORPHANED_BLOCKED, {"after": 0, "limit": 1000}),
         "Job.dependencies()": (
             "SELECT * FROM awa_job_dependency WHERE job_id = %(id)s",
             {"id": 100001},

@@ -187,7 +187,14 @@ def settle(job_ids: Sequence[int], alias: str) -> None:
 def _settle(
     alias: str, *, finished: list[int] | None, candidates: list[int] | None, shared: bool
 ) -> None:
-    with transaction.atomic(using=alias), db.cursor(alias) as cursor, planned_by_index(cursor):
+    # No savepoint of its own: an error here is raised to the caller, whose
+    # transaction (the outcome's) rolls back; a savepoint would only cost two
+    # round trips per batch of outcomes.
+    with (
+        transaction.atomic(using=alias, savepoint=False),
+        db.cursor(alias) as cursor,
+        planned_by_index(cursor),
+    ):
         _settle_rounds(cursor, alias, finished=finished, candidates=candidates, shared=shared)
 
 
