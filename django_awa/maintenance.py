@@ -25,7 +25,7 @@ from . import db, fleet, sql
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
-from .dependencies import after_outcomes, settle
+from .dependencies import after_outcomes, planned_by_index, settle
 from .followups import (
     FollowupError,
     Outcome,
@@ -213,10 +213,10 @@ class Maintenance:
             self._duty("prune_workers", self.prune_workers)
             self._duty("count_jobs", self.count_jobs)
             self._duty("prune_attempt_starts", self.prune_attempt_starts)
-            self._duty("settle_orphans", self.settle_orphans)
             if now - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = now
                 self._duty("prune", self.prune)
+                self._duty("settle_orphans", self.settle_orphans)
         if wake and woken:
             wake(woken)
 
@@ -484,7 +484,11 @@ class Maintenance:
         """
         after, changed = 0, 0
         while True:
-            with self._transaction(), connections[self.alias].cursor() as cursor:
+            with (
+                self._transaction(),
+                connections[self.alias].cursor() as cursor,
+                planned_by_index(cursor),
+            ):
                 cursor.execute(sql.ORPHANED_BLOCKED, {"after": after, "limit": BATCH})
                 found = [row[0] for row in cursor.fetchall()]
                 if found:

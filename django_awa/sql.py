@@ -1402,9 +1402,11 @@ WHERE e.depends_on_id = ANY(%(completed)s::bigint[])
 # Maintenance, the safety net of deletion: blocked jobs one of whose
 # dependencies no longer exists (deleted by raw SQL, say, where no settling
 # ran), from %(after)s on in id order, a batch at a time; settled then
-# (dependencies.settle). Index: awa_job_finalized_idx (state, ...) for the
-# blocked jobs, the primary key of awa_job_dependency, primary key lookups of
-# the dependencies.
+# (dependencies.settle). No index holds the blocked jobs alone: the primary
+# key from %(after)s, over awa_job's live rows (finished ones move to
+# awa_job_done), which is why maintenance runs it once a minute, with prune;
+# then the primary key of awa_job_dependency and primary key lookups of the
+# dependencies.
 ORPHANED_BLOCKED = """
 SELECT b.id FROM ONLY awa_job AS b
 WHERE b.state = 'blocked' AND b.id > %(after)s
