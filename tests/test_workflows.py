@@ -624,3 +624,24 @@ def test_a_dependency_deleted_by_raw_sql_is_settled_by_maintenance():
         f"cancelled: dependency {gone.id} deleted"
     )
     assert Maintenance("default").settle_orphans() == 0
+
+
+# -- planning ----------------------------------------------------------------------
+
+
+def _setting(name: str) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting(%s)", [name])
+        return cursor.fetchone()[0]
+
+
+@db
+def test_settling_plans_by_index_and_gives_the_callers_transaction_its_settings_back():
+    dep = awa.enqueue(Node(name="dep"))
+    awa.enqueue(Node(name="after"), after=[dep])
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL jit = off")  # the caller's own choice, kept
+    before = (_setting("enable_seqscan"), _setting("jit"))
+    assert before == ("on", "off")
+    awa.cancel(dep.id)  # settles its dependent in this transaction
+    assert (_setting("enable_seqscan"), _setting("jit")) == before
