@@ -486,7 +486,7 @@ class Maintenance:
         while True:
             with (
                 self._transaction(),
-                connections[self.alias].cursor() as cursor,
+                db.cursor(self.alias) as cursor,
                 planned_by_index(cursor),
             ):
                 cursor.execute(sql.ORPHANED_BLOCKED, {"after": after, "limit": BATCH})
@@ -494,7 +494,8 @@ class Maintenance:
                 if found:
                     settle(found, self.alias)
                     cursor.execute(sql.STILL_BLOCKED, {"ids": found})
-                    changed += len(found) - cursor.fetchone()[0]
+                    row = cursor.fetchone()
+                    changed += len(found) - (row[0] if row else 0)
             if len(found) < BATCH:
                 break
             after = found[-1]
