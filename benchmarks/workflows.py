@@ -274,6 +274,8 @@ def plans() -> None:
     with connection.cursor() as cursor:
         for name, (statement, params) in cases.items():
             cursor.execute("BEGIN")
+            # As the engine runs them: planned by index (dependencies.planned_by_index).
+            cursor.execute(sql.PLAN_BY_INDEX)
             cursor.execute(
                 "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY ON) " + statement, params
             )
