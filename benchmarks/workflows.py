@@ -18,6 +18,12 @@ Any Python with this repository's dependencies works (the repository's own
   (its ``finalized_at``, stamped in the transaction that commits it) the
   callback started (``attempted_at``), both by the database clock.
 
+``--workers N`` starts N worker processes instead of one. During every
+drain a thread samples ``pg_stat_activity`` every 10 ms: how many of the
+benchmark database's sessions waited for a lock (``wait_event_type = 'Lock'``),
+printed as ``lock_waits`` (samples taken, samples with a waiter, the most
+waiters at once, and the lock types waited for): a lock convoy shows there.
+
 The figures are printed as JSON lines. On a shared machine they are
 indicative only.
 """
@@ -29,7 +35,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +106,66 @@ def _enqueue(workload: str, n: int, members: int) -> None:
             flow.enqueue()
 
 
-def _drain(expected: int, timeout: float) -> float:
-    """Start a worker, wait until ``expected`` jobs completed; seconds from the first start."""
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "django", "awa_worker", "--queue", "bench"],
-        env=_env(),
-        cwd=BENCH,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+class LockWaits:
+    """Samples pg_stat_activity every ``every`` seconds in a thread, until ``stop``."""
+
+    def __init__(self, every: float = 0.01) -> None:
+        self.every = every
+        self.samples = 0
+        self.waiting_samples = 0
+        self.most = 0
+        self.types: Counter[str] = Counter()
+        self.halt = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        import psycopg
+
+        with psycopg.connect(host="127.0.0.1", user="postgres", dbname=DB, autocommit=True) as conn:
+            while not self.halt.wait(self.every):
+                rows = conn.execute(
+                    "SELECT wait_event FROM pg_stat_activity "
+                    "WHERE datname = %s AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()",
+                    (DB,),
+                ).fetchall()
+                self.samples += 1
+                if rows:
+                    self.waiting_samples += 1
+                    self.most = max(self.most, len(rows))
+                    self.types.update(row[0] for row in rows)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> dict[str, Any]:
+        self.halt.set()
+        self.thread.join(10)
+        return {
+            "samples": self.samples,
+            "with_waiter": self.waiting_samples,
+            "most_waiters": self.most,
+            "types": dict(self.types),
+        }
+
+
+def _drain(expected: int, timeout: float, workers: int) -> tuple[float, dict[str, Any]]:
+    """Start ``workers`` worker processes, wait until ``expected`` jobs completed.
+
+    Returns the seconds from the first start to the last outcome (database
+    clock), and the lock waits sampled meanwhile.
+    """
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "django", "awa_worker", "--queue", "bench"],
+            env=_env(),
+            cwd=BENCH,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(workers)
+    ]
+    waits = LockWaits()
+    waits.start()
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -120,15 +179,21 @@ def _drain(expected: int, timeout: float) -> float:
         else:
             raise SystemExit(f"timed out: {done} of {expected} completed")
     finally:
-        worker.terminate()
-        worker.wait(30)
+        lock_waits = waits.stop()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
     # By the database clock: first claim to last outcome.
-    return float(
+    seconds = float(
         _psql("SELECT extract(epoch FROM max(finalized_at) - min(attempted_at)) FROM awa_job")
     )
+    return seconds, lock_waits
 
 
-def run_workload(workload: str, n: int, members: int, timeout: float) -> dict[str, Any]:
+def run_workload(
+    workload: str, n: int, members: int, timeout: float, workers: int = 1
+) -> dict[str, Any]:
     _fresh_database()
     subprocess.run(
         [sys.executable, __file__, "--enqueue", workload, "-n", str(n), "--members", str(members)],
@@ -136,8 +201,13 @@ def run_workload(workload: str, n: int, members: int, timeout: float) -> dict[st
         env=_env(),
     )
     total = members + 1 if workload == "fanin" else n
-    seconds = _drain(total, timeout)
-    figures: dict[str, Any] = {"workload": workload, "jobs": total, "seconds": round(seconds, 3)}
+    seconds, lock_waits = _drain(total, timeout, workers)
+    figures: dict[str, Any] = {
+        "workload": workload,
+        "workers": workers,
+        "jobs": total,
+        "seconds": round(seconds, 3),
+    }
     figures["jobs_per_s"] = round(total / seconds, 1) if seconds else None
     if workload == "fanin":
         row = _psql(
@@ -148,6 +218,8 @@ def run_workload(workload: str, n: int, members: int, timeout: float) -> dict[st
         ).split("|")
         figures["members_per_s"] = round(members / float(row[0]), 1)
         figures["callback_after_last_member_ms"] = round(float(row[1]), 1)
+    figures["lock_waits"] = lock_waits
+    figures["load_average"] = [round(x, 2) for x in os.getloadavg()]
     _psql(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", "postgres")
     return figures
 
@@ -192,6 +264,8 @@ def plans() -> None:
         ),
         "PROMOTE_READY": (sql.PROMOTE_READY, {"ids": dependents}),
         "REOPEN_CASCADED": (sql.REOPEN_CASCADED, {"ids": finished}),
+        "MEET_BY_DELETION": (sql.MEET_BY_DELETION, {"completed": finished}),
+        "ORPHANED_BLOCKED": (sql.ORPHANED_BLOCKED, {"after": 0, "limit": 1000}),
         "Job.dependencies()": (
             "SELECT * FROM awa_job_dependency WHERE job_id = %(id)s",
             {"id": 100001},
@@ -200,6 +274,8 @@ def plans() -> None:
     with connection.cursor() as cursor:
         for name, (statement, params) in cases.items():
             cursor.execute("BEGIN")
+            # As the engine runs them: planned by index (dependencies.planned_by_index).
+            cursor.execute(sql.PLAN_BY_INDEX)
             cursor.execute(
                 "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY ON) " + statement, params
             )
@@ -218,6 +294,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=20_000, help="jobs of the drains")
     parser.add_argument("--members", type=int, default=10_000, help="members of the fan-in")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--workers", type=int, default=1, help="worker processes of each drain")
     parser.add_argument("--enqueue", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.enqueue:
@@ -228,7 +305,8 @@ def main() -> None:
         return
     n, members = (2000, 1000) if args.small else (args.n, args.members)
     for workload in args.workloads.split(","):
-        print(json.dumps(run_workload(workload, n, members, args.timeout)), flush=True)
+        figures = run_workload(workload, n, members, args.timeout, args.workers)
+        print(json.dumps(figures), flush=True)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from django.utils.text import Truncator
 
 from . import control, sql
 from .conf import QUEUE_NAME_RE
-from .dependencies import after_outcomes, reopen_all
+from .dependencies import after_outcomes, deleting, reopen_all, settle
 from .exceptions import ValidationError
 from .followups import Cancelled, FollowupError, dispatch, send_signal
 from .kinds import check_priority
@@ -261,12 +261,16 @@ def _cancel(ids: list[int], alias: str, result: Result, args: _Args) -> None:
 def _discard(ids: list[int], alias: str, result: Result, args: _Args) -> None:
     params = _params(ids, Operation.DISCARD)
     with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+        # The deletion rule of workflows, as JobQuerySet.delete keeps it: the
+        # discarded jobs' dependents are settled in this batch's transaction.
+        dependents = deleting(ids, alias)
         cursor.execute(sql.DISCARD_JOBS, params)
         deleted = cursor.rowcount
         # A finished row maintenance moved into awa_job_done while the DELETE
         # waited for it was not visible to that statement: the next one sees it.
         cursor.execute(sql.DISCARD_JOBS, params)
         deleted += cursor.rowcount
+        settle(dependents, alias)
     result.changed += deleted
     result.unchanged += len(ids) - deleted
 

@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Iterable
 
 from . import db, sql
+from .dependencies import take_promoted_queues
 from .execute import AttemptResult, errored
 from .finalize import finalize
 from .models import JobState
@@ -164,6 +165,11 @@ class Completer:
     def write(self, batch: list[AttemptResult], deferred: list[AttemptResult]) -> None:
         """Write ``batch``, forget its attempts; add those whose row was locked to ``deferred``."""
         self.write_batch(first_of_each_attempt(batch))
+        promoted = take_promoted_queues()
+        if promoted:
+            # Dependents this batch made available: this worker's producers
+            # claim them now, not when the NOTIFY comes back (the others do then).
+            self.state.wake(promoted)
         notify_freed(self.state, (result for result in batch if not result.locked))
         forget = self.state.forget
         for result in batch:

@@ -18,9 +18,11 @@ workflow's step joins the workflow.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from django.db import DatabaseError, transaction
 
@@ -37,6 +39,23 @@ logger = logging.getLogger(__name__)
 # A cascade goes one level of dependents per round: a bound far above any
 # real graph's depth, so a corrupt edge table cannot loop for ever.
 MAX_ROUNDS = 100_000
+
+# The queues this thread's settlings made jobs available in, since the last
+# ``take_promoted_queues()``: the completer wakes its own producers for them
+# as soon as the batch commits, without waiting for its NOTIFY to come back
+# through the listener (each hop of a chain of steps pays that wait).
+_promoted = threading.local()
+
+
+def take_promoted_queues() -> set[str]:
+    """The queues this thread promoted jobs into since the last call (then forgotten).
+
+    A hint for waking producers early: a rolled-back settling may be among
+    them (a claim then finds nothing), and NOTIFY still wakes every worker.
+    """
+    queues: set[str] = getattr(_promoted, "queues", set())
+    _promoted.queues = set()
+    return queues
 
 
 def enqueue_with_dependencies(prepared: PreparedJob, alias: str) -> Job:
@@ -168,42 +187,82 @@ def settle(job_ids: Sequence[int], alias: str) -> None:
 def _settle(
     alias: str, *, finished: list[int] | None, candidates: list[int] | None, shared: bool
 ) -> None:
-    with transaction.atomic(using=alias), db.cursor(alias) as cursor:
-        for _ in range(MAX_ROUNDS):
-            if candidates is None:
-                if not finished:
-                    return
-                locked = _lock_to_judge(cursor, finished, alias, shared=shared)
-            else:
-                cursor.execute(sql.LOCK_BLOCKED, {"ids": candidates})
-                locked = [row[0] for row in cursor.fetchall()]
-            if not locked:
+    # No savepoint of its own: an error here is raised to the caller, whose
+    # transaction (the outcome's) rolls back; a savepoint would only cost two
+    # round trips per batch of outcomes.
+    with (
+        transaction.atomic(using=alias, savepoint=False),
+        db.cursor(alias) as cursor,
+        planned_by_index(cursor),
+    ):
+        _settle_rounds(cursor, alias, finished=finished, candidates=candidates, shared=shared)
+
+
+@contextlib.contextmanager
+def planned_by_index(cursor: db.Cursor) -> Iterator[None]:
+    """Plan the block's statements by index, whatever the statistics (``sql.PLAN_BY_INDEX``).
+
+    Use it inside the transaction (or savepoint) of the block: the settings
+    are put back when the block ends normally; when it raises, the
+    transaction or savepoint the caller rolls back takes them back too.
+    """
+    cursor.execute(sql.PLAN_BY_INDEX)
+    row = cursor.fetchone()
+    seqscan, jit = (row[0], row[1]) if row else ("on", "on")
+    yield
+    cursor.execute(sql.PLAN_AS_BEFORE, {"seqscan": seqscan, "jit": jit})
+
+
+def _settle_rounds(
+    cursor: db.Cursor,
+    alias: str,
+    *,
+    finished: list[int] | None,
+    candidates: list[int] | None,
+    shared: bool,
+) -> None:
+    """``_settle``'s rounds: one level of dependents each, until none is left to judge."""
+    for _ in range(MAX_ROUNDS):
+        if candidates is None:
+            if not finished:
                 return
-            # A later statement than the lock: its snapshot sees every outcome
-            # committed before the lock was granted.
-            cursor.execute(
-                sql.CANCEL_BY_DEPENDENCY,
-                {"ids": locked, "finished": finished, "prefix": "cancelled: dependency "},
-            )
-            returned = cursor.fetchall()
-            cancelled_rows = jobs_from_rows([row[3:] for row in returned], alias)
-            reasons = [f"dependency {row[0]} ({row[1]}) {row[2]}" for row in returned]
-            cancelled = {job.id for job in cancelled_rows}
-            rest = [i for i in locked if i not in cancelled]
-            if rest:
-                cursor.execute(sql.PROMOTE_READY, {"ids": rest})
-                promoted = cursor.fetchall()
-                queues = sorted({q for _, state, q in promoted if state == JobState.AVAILABLE})
-                if queues:
-                    cursor.execute(sql.NOTIFY_QUEUES, {"queues": queues})
-                for job_id, state, _queue in promoted:
-                    logger.info("job %s -> %s: its dependencies are met", job_id, state)
-            for job, reason in zip(cancelled_rows, reasons, strict=True):
-                _cancelled(job, reason, alias)
-            finished = [job.id for job in cancelled_rows if job.has_dependents]
-            candidates = None
-            shared = False  # cancelled here: they were blocked, not running
-        raise RuntimeError(f"dependency cascade deeper than {MAX_ROUNDS} levels")
+            locked = _lock_to_judge(cursor, finished, alias, shared=shared)
+        else:
+            cursor.execute(sql.LOCK_BLOCKED, {"ids": candidates})
+            locked = [row[0] for row in cursor.fetchall()]
+        if not locked:
+            return
+        # A later statement than the lock: its snapshot sees every outcome
+        # committed before the lock was granted.
+        cursor.execute(
+            sql.CANCEL_BY_DEPENDENCY,
+            {"ids": locked, "finished": finished, "prefix": "cancelled: dependency "},
+        )
+        returned = cursor.fetchall()
+        cancelled_rows = jobs_from_rows([row[3:] for row in returned], alias)
+        reasons = [
+            f"dependency {row[0]} ({row[1]}) {row[2]}"
+            if row[1]
+            else f"dependency {row[0]} {row[2]}"
+            for row in returned
+        ]
+        cancelled = {job.id for job in cancelled_rows}
+        rest = [i for i in locked if i not in cancelled]
+        if rest:
+            cursor.execute(sql.PROMOTE_READY, {"ids": rest})
+            promoted = cursor.fetchall()
+            queues = sorted({q for _, state, q in promoted if state == JobState.AVAILABLE})
+            if queues:
+                cursor.execute(sql.NOTIFY_QUEUES, {"queues": queues})
+                _promoted.queues = getattr(_promoted, "queues", set()) | set(queues)
+            for job_id, state, _queue in promoted:
+                logger.info("job %s -> %s: its dependencies are met", job_id, state)
+        for job, reason in zip(cancelled_rows, reasons, strict=True):
+            _cancelled(job, reason, alias)
+        finished = [job.id for job in cancelled_rows if job.has_dependents]
+        candidates = None
+        shared = False  # cancelled here: they were blocked, not running
+    raise RuntimeError(f"dependency cascade deeper than {MAX_ROUNDS} levels")
 
 
 # Rounds of sorting dependents into shared and exclusive locks before all are
@@ -322,6 +381,35 @@ def _cancelled(job: Job, reason: str, alias: str) -> None:
     send_signal(job, context, alias)
 
 
+def deleting(ids: Sequence[int], alias: str) -> list[int]:
+    """Before jobs ``ids`` are deleted, in the deleting transaction: get their
+    dependents ready for it; return those to ``settle`` once the rows are gone.
+
+    The rule (README, *Results and workflows*): a deleted dependency that
+    completed stays met (``sql.MEET_BY_DELETION`` removes the edges to it);
+    any other counts as cancelled for ``requires="completed"`` dependents
+    (they are cancelled, with their ``on_cancelled`` follow-ups, and the
+    cascade goes on) and as finished for ``requires="finished"`` ones.
+    Locks the deleted jobs, then their blocked dependents, as an outcome does.
+    """
+    if not ids:
+        return []
+    with db.cursor(alias) as cursor, planned_by_index(cursor):
+        cursor.execute(sql.DELETING_DEPENDENCIES, {"ids": sorted(ids)})
+        rows = cursor.fetchall()
+        if not rows:
+            return []
+        cursor.execute(sql.DEPENDENTS_OF, {"ids": [row[0] for row in rows]})
+        dependents = [row[0] for row in cursor.fetchall()]
+        if dependents:
+            cursor.execute(sql.LOCK_BLOCKED, {"ids": dependents})
+            dependents = [row[0] for row in cursor.fetchall()]
+        completed = [job_id for job_id, state in rows if state == JobState.COMPLETED]
+        if completed and dependents:
+            cursor.execute(sql.MEET_BY_DELETION, {"completed": completed})
+    return dependents
+
+
 def reopen(job: Job, alias: str) -> None:
     """After ``job`` was retried: wait for its dependencies again, and reopen the
     dependents its failure or cancellation cancelled (transitively), blocked again.
@@ -336,7 +424,7 @@ def reopen_all(job_ids: Sequence[int], alias: str) -> None:
     """``reopen`` for a batch of retried jobs, set-based (a bulk retry's batch)."""
     if not job_ids:
         return
-    with transaction.atomic(using=alias), db.cursor(alias) as cursor:
+    with transaction.atomic(using=alias), db.cursor(alias) as cursor, planned_by_index(cursor):
         reopened: list[int] = []
         frontier = list(job_ids)
         for _ in range(MAX_ROUNDS):

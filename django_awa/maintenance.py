@@ -25,7 +25,7 @@ from . import db, fleet, sequences, sql
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
-from .dependencies import after_outcomes
+from .dependencies import after_outcomes, planned_by_index, settle
 from .followups import (
     FollowupError,
     Outcome,
@@ -217,6 +217,7 @@ class Maintenance:
             if now - self._last_prune >= PRUNE_EVERY:
                 self._last_prune = now
                 self._duty("prune", self.prune)
+                self._duty("settle_orphans", self.settle_orphans)
         if wake and woken:
             wake(woken)
 
@@ -252,6 +253,7 @@ class Maintenance:
         self.prune()
         self.prune_attempt_starts()
         self.restore_parked()
+        self.settle_orphans()
 
     # -- duties ------------------------------------------------------------------------
 
@@ -476,6 +478,42 @@ class Maintenance:
         member before them cancelled, discarded by rescue, deleted); returns their queues."""
         with self._transaction():
             return sequences.restore_parked(self.alias)
+
+    def settle_orphans(self) -> int:
+        """Settle blocked jobs one of whose dependencies no longer exists; returns how
+        many left ``blocked``.
+
+        The safety net of the deletion rule (``dependencies.deleting``): a row
+        deleted where no settling ran (raw SQL) leaves its dependents waiting
+        for it. Judged now as the rule says: cancelled for a
+        ``requires="completed"`` edge, promoted once the rest is met for
+        ``requires="finished"``. In id order, a batch per transaction; a job
+        still blocked (it waits for others too) is passed over.
+        """
+        after, changed = 0, 0
+        while True:
+            with (
+                self._transaction(),
+                db.cursor(self.alias) as cursor,
+                planned_by_index(cursor),
+            ):
+                cursor.execute(sql.ORPHANED_BLOCKED, {"after": after, "limit": BATCH})
+                found = [row[0] for row in cursor.fetchall()]
+                if found:
+                    settle(found, self.alias)
+                    cursor.execute(sql.STILL_BLOCKED, {"ids": found})
+                    row = cursor.fetchone()
+                    changed += len(found) - (row[0] if row else 0)
+            if len(found) < BATCH:
+                break
+            after = found[-1]
+        if changed:
+            logger.warning(
+                "%s blocked job(s) waited for a dependency deleted without settling them; "
+                "settled now (cancelled, or promoted for requires='finished')",
+                changed,
+            )
+        return changed
 
     def prune(self) -> int:
         """Delete finished rows past retention, in batches; returns how many."""

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from django.db import models
+from django.db import models, transaction
 from django.db.models import F, Q
 from django.db.models.base import ModelState
 from django.db.models.fields.json import KT
@@ -82,7 +82,25 @@ def _in_range(column: str) -> models.CheckConstraint:
 
 
 class JobQuerySet(models.QuerySet["Job"]):
-    """The filters of the admin's job list and of ``Job.followups()``."""
+    """The filters of the admin's job list and of ``Job.followups()``; deletion."""
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        """Delete the jobs, and settle the dependents of those others depend on.
+
+        In one transaction (the caller's, if any): a deleted dependency that
+        had not completed cancels its ``requires="completed"`` dependents and
+        counts as finished for ``requires="finished"`` ones
+        (``dependencies.deleting``). ``Job.delete()`` comes here too.
+        """
+        from .dependencies import deleting, settle
+
+        alias = self.db
+        with transaction.atomic(using=alias):
+            ids = list(self.filter(has_dependents=True).values_list("id", flat=True))
+            dependents = deleting(ids, alias)
+            deleted = super().delete()
+            settle(dependents, alias)
+        return deleted
 
     def in_queue(self, queue: str) -> JobQuerySet:
         return self.filter(queue=queue)
@@ -232,6 +250,13 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.id} ({self.state})"
+
+    def delete(
+        self, using: str | None = None, keep_parents: bool = False
+    ) -> tuple[int, dict[str, int]]:
+        """Delete this job as ``JobQuerySet.delete`` does: its dependents are settled."""
+        alias = using or self._state.db or "default"
+        return Job.objects.using(alias).filter(id=self.id).delete()
 
     @property
     def trigger_id(self) -> int | None:

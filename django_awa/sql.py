@@ -1002,8 +1002,11 @@ WHERE id IN (
 # Index: awa_job_finalized_idx (state, finalized_at).
 # The pruned jobs' own dependency edges go with them (primary key of
 # awa_job_dependency); edges naming them as a dependency stay until their
-# dependent is pruned (a dependency that no longer exists counts as met).
-# Returns how many jobs it deleted.
+# dependent is pruned, but for a blocked dependent of a pruned completed job
+# (one that waits for another dependency still): that edge goes, as the
+# dependency was met (a requires='completed' dependency whose row is gone
+# otherwise counts as deleted before it finished, see MEET_BY_DELETION).
+# Index: awa_dependency_dependents_idx. Returns how many jobs it deleted.
 PRUNE_FINISHED = """
 WITH gone AS (
     DELETE FROM awa_job WHERE id IN (
@@ -1013,10 +1016,16 @@ WITH gone AS (
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     )
-    RETURNING id
+    RETURNING id, state, has_dependents
 ),
 edges AS (
     DELETE FROM awa_job_dependency WHERE job_id IN (SELECT id FROM gone)
+),
+met AS (
+    DELETE FROM awa_job_dependency AS e
+    USING gone AS g, ONLY awa_job AS b
+    WHERE g.has_dependents AND g.state = 'completed' AND e.depends_on_id = g.id
+      AND b.id = e.job_id AND b.state = 'blocked'
 )
 SELECT count(*) FROM gone
 """
@@ -1473,6 +1482,29 @@ SELECT coalesce(max(reltuples), -1)::bigint FROM pg_class WHERE oid = to_regclas
 # outcome is being written was 'running' in everyone's snapshot, so two
 # outcomes written at once never leave the dependent to each other.
 
+# -- PLAN_BY_INDEX --
+# Before the dependency statements of one settling (dependencies._settle):
+# plan them by index whatever the statistics say, for this transaction only
+# (set_config(..., true) is SET LOCAL), and return the settings as they were
+# (PLAN_AS_BEFORE puts them back). Every statement here reaches its rows
+# through an index on awa_job_dependency or a primary key; but a workflow
+# enqueued in a burst is drained before autoanalyze has seen its edges (or
+# with autovacuum off), and without statistics the planner takes the
+# per-dependent subqueries for a few pages' seq scan each: 16,200 dependents
+# promoted at once took 30 s instead of 0.25 s (benchmarks/workflows.py).
+# JIT off too: compiling a big promotion costs more than running it.
+PLAN_BY_INDEX = """
+SELECT current_setting('enable_seqscan'), current_setting('jit'),
+       set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)
+"""
+
+# -- PLAN_AS_BEFORE --
+# After the dependency statements: the settings PLAN_BY_INDEX returned, back,
+# for the rest of the caller's transaction.
+PLAN_AS_BEFORE = """
+SELECT set_config('enable_seqscan', %(seqscan)s, true), set_config('jit', %(jit)s, true)
+"""
+
 # -- FLAG_DEPENDENCIES --
 # At enqueue of jobs with `after`: mark the named existing jobs as having
 # dependents and read their states. The UPDATE holds each row's lock until the
@@ -1546,20 +1578,30 @@ FOR UPDATE
 # Cancel the locked blocked jobs one of whose requires='completed'
 # dependencies failed or was cancelled: among %(finished)s (the outcomes this
 # transaction wrote), or among all of them when NULL (new or retried jobs).
+# A requires='completed' dependency whose row is gone was deleted before it
+# finished (admin discard, ORM or raw DELETE; a completed one's edges to
+# blocked jobs go with it, MEET_BY_DELETION, PRUNE_FINISHED): it counts as
+# cancelled, its state given as 'deleted', when %(finished)s is NULL (the
+# deleting transaction, maintenance's settle_orphans). An outcome's
+# transaction looks at its own outcomes only (a fan-in callback's 10,000
+# edges are not read for each batch): PROMOTE_READY leaves such a job
+# blocked, and maintenance cancels it.
 # The errors entry names the first such dependency in `after` order, and
 # metadata.awa_cancelled_by keeps its id (a retry of it reopens this job).
 # Index: the primary key (job_id, depends_on_id) of awa_job_dependency, then
 # primary key lookups of the dependencies in awa_job and awa_job_done.
-_CULPRIT = "%(prefix)s || c.dep_id || ' (' || c.dep_kind || ') ' || c.dep_state"
+_CULPRIT = "%(prefix)s || c.dep_id || coalesce(' (' || c.dep_kind || ') ', ' ') || c.dep_state"
 CANCEL_BY_DEPENDENCY = f"""
 WITH culprit AS (
-    SELECT DISTINCT ON (e.job_id) e.job_id, d.id AS dep_id, d.kind AS dep_kind,
-           d.state AS dep_state
+    SELECT DISTINCT ON (e.job_id) e.job_id, e.depends_on_id AS dep_id, d.kind AS dep_kind,
+           coalesce(d.state, 'deleted') AS dep_state
     FROM awa_job_dependency AS e
-    JOIN awa_job AS d ON d.id = e.depends_on_id
+    LEFT JOIN awa_job AS d ON d.id = e.depends_on_id
     WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.requires = 'completed'
-      AND (%(finished)s::bigint[] IS NULL OR e.depends_on_id = ANY(%(finished)s::bigint[]))
-      AND d.state IN ('failed', 'cancelled')
+      AND CASE WHEN %(finished)s::bigint[] IS NULL THEN d.id IS NULL
+                                                    OR d.state IN ('failed', 'cancelled')
+               ELSE e.depends_on_id = ANY(%(finished)s::bigint[])
+                    AND d.state IN ('failed', 'cancelled') END
     ORDER BY e.job_id, e.position
 )
 UPDATE ONLY awa_job AS j
@@ -1574,20 +1616,27 @@ RETURNING c.dep_id, c.dep_kind, c.dep_state, {J_JOB_COLUMNS}
 # -- PROMOTE_READY --
 # Of the locked blocked jobs, make those whose every dependency reached what
 # it requires available (or scheduled, while their run_at is ahead). A
-# dependency's row that no longer exists (pruned long after it finished)
-# counts as met. Index: the primary key of awa_job_dependency (job_id, ...),
-# stopping at the first unmet dependency; primary key lookups of the
-# dependencies.
+# dependency's row that no longer exists counts as finished, not completed:
+# it was deleted (before it finished, or pruned after; a completed one's
+# edges to blocked jobs go with it). Index: the primary key of
+# awa_job_dependency (job_id, ...), the newest dependencies first (in a
+# fan-in, those still running), stopping at the first unmet one; primary key
+# lookups of the dependencies. The order is kept in a subquery: PostgreSQL
+# drops ORDER BY and LIMIT written directly in an EXISTS, and the members
+# finishing last in a fan-in of 10,000 would each read ~10,000 finished
+# dependencies (60-100 ms at load 14) before the running ones, while they hold
+# the callback FOR UPDATE; 16-20 ms in this order.
 PROMOTE_READY = f"""
 UPDATE ONLY awa_job AS j
 SET state = CASE WHEN j.run_at > now() THEN 'scheduled' ELSE 'available' END
 WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'blocked'
   AND NOT EXISTS (
-      SELECT 1 FROM awa_job_dependency AS e
-      JOIN awa_job AS d ON d.id = e.depends_on_id
-      WHERE e.job_id = j.id
-        AND d.state <> 'completed'
-        AND (e.requires = 'completed' OR d.state NOT IN {_FINAL})
+      SELECT 1 FROM (SELECT e.depends_on_id, e.requires FROM awa_job_dependency AS e
+                     WHERE e.job_id = j.id ORDER BY e.depends_on_id DESC) AS e
+      LEFT JOIN awa_job AS d ON d.id = e.depends_on_id
+      WHERE CASE WHEN d.id IS NULL THEN e.requires = 'completed'
+                 ELSE d.state <> 'completed'
+                      AND (e.requires = 'completed' OR d.state NOT IN {_FINAL}) END
   )
 RETURNING j.id, j.state, j.queue
 """
@@ -1608,6 +1657,58 @@ WITH moved AS (
     RETURNING d.*
 )
 INSERT INTO awa_job SELECT * FROM moved
+"""
+
+# -- DELETING_DEPENDENCIES --
+# Before an ORM delete of jobs (JobQuerySet.delete, the admin's discard):
+# those of them that others depend on, locked in id order as an outcome's
+# write locks them (then their dependents), so no outcome is written for them
+# meanwhile and no enqueue names them without seeing the delete. Returns each
+# one's id and state. Primary key lookups of awa_job and awa_job_done.
+DELETING_DEPENDENCIES = """
+SELECT id, state FROM awa_job
+WHERE id = ANY(%(ids)s::bigint[]) AND has_dependents
+ORDER BY id
+FOR UPDATE
+"""
+
+# -- MEET_BY_DELETION --
+# In the deleting transaction, before the DELETE: the edges from blocked
+# jobs to the completed ones among the jobs being deleted go, as those
+# dependencies were met; every other edge to them stays and, its row gone,
+# counts as a cancelled dependency for requires='completed' (the dependent is
+# cancelled, CANCEL_BY_DEPENDENCY) and as a finished one for
+# requires='finished' (PROMOTE_READY). Index: awa_dependency_dependents_idx.
+MEET_BY_DELETION = """
+DELETE FROM awa_job_dependency AS e
+USING ONLY awa_job AS b
+WHERE e.depends_on_id = ANY(%(completed)s::bigint[])
+  AND b.id = e.job_id AND b.state = 'blocked'
+"""
+
+# -- ORPHANED_BLOCKED --
+# Maintenance, the safety net of deletion: blocked jobs one of whose
+# dependencies no longer exists (deleted by raw SQL, say, where no settling
+# ran), from %(after)s on in id order, a batch at a time; settled then
+# (dependencies.settle). No index holds the blocked jobs alone: the primary
+# key from %(after)s, over awa_job's live rows (finished ones move to
+# awa_job_done), which is why maintenance runs it once a minute, with prune;
+# then the primary key of awa_job_dependency and primary key lookups of the
+# dependencies.
+ORPHANED_BLOCKED = """
+SELECT b.id FROM ONLY awa_job AS b
+WHERE b.state = 'blocked' AND b.id > %(after)s
+  AND EXISTS (SELECT 1 FROM awa_job_dependency AS e
+              WHERE e.job_id = b.id
+                AND NOT EXISTS (SELECT 1 FROM awa_job AS d WHERE d.id = e.depends_on_id))
+ORDER BY b.id
+LIMIT %(limit)s
+"""
+
+# -- STILL_BLOCKED --
+# How many of these jobs are still blocked (after settling them). Primary key lookups.
+STILL_BLOCKED = """
+SELECT count(*) FROM ONLY awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = 'blocked'
 """
 
 # -- REOPEN_CASCADED --
@@ -1692,15 +1793,21 @@ WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.depends_on_id = ANY(%(finished)s::
 # No lock taken. The newest dependencies first (ORDER BY ... DESC): in a
 # fan-in they are the ones not yet claimed, so the scan stops at once. Index:
 # the primary key of awa_job_dependency, backwards.
+# Only the newest PENDING_SCAN dependencies are looked at: past them the job
+# is taken for one this transaction may have to judge (FOR UPDATE), which is
+# always correct, only less concurrent; so the last members of a fan-in of
+# 10,000 do not each read the callback's 10,000 edges twice (here, then
+# PROMOTE_READY, which stops at the first running one).
+PENDING_SCAN = 200
+_NEWEST_EDGES = f"""(SELECT e.depends_on_id FROM awa_job_dependency AS e
+     WHERE e.job_id = {{job}} ORDER BY e.depends_on_id DESC LIMIT {PENDING_SCAN})"""
 PENDING_OF = f"""
 SELECT c.id FROM unnest(%(ids)s::bigint[]) AS c(id)
 WHERE EXISTS (
-    SELECT 1 FROM awa_job_dependency AS e
+    SELECT 1 FROM {_NEWEST_EDGES.format(job="c.id")} AS e
     JOIN awa_job AS d ON d.id = e.depends_on_id
-    WHERE e.job_id = c.id AND d.state NOT IN {_FINAL} AND d.state <> 'running'
+    WHERE d.state NOT IN {_FINAL} AND d.state <> 'running'
       AND d.id <> ALL(%(mine)s::bigint[])
-    ORDER BY e.depends_on_id DESC
-    LIMIT 1
 )
 """
 
@@ -1723,11 +1830,10 @@ SELECT j.id,
        EXISTS (SELECT 1 FROM awa_job_dependency AS e JOIN awa_job AS d ON d.id = e.depends_on_id
                WHERE e.job_id = j.id AND e.depends_on_id = ANY(%(ids)s::bigint[])
                  AND e.requires = 'completed' AND d.state IN ('failed', 'cancelled')),
-       EXISTS (SELECT 1 FROM awa_job_dependency AS e JOIN awa_job AS d ON d.id = e.depends_on_id
-               WHERE e.job_id = j.id AND d.state NOT IN {_FINAL} AND d.state <> 'running'
-                 AND d.id <> ALL(%(ids)s::bigint[])
-               ORDER BY e.depends_on_id DESC
-               LIMIT 1)
+       EXISTS (SELECT 1 FROM {_NEWEST_EDGES.format(job="j.id")} AS e
+               JOIN awa_job AS d ON d.id = e.depends_on_id
+               WHERE d.state NOT IN {_FINAL} AND d.state <> 'running'
+                 AND d.id <> ALL(%(ids)s::bigint[]))
 FROM ONLY awa_job AS j
 WHERE j.id IN (SELECT e.job_id FROM awa_job_dependency AS e
                WHERE e.depends_on_id = ANY(%(ids)s::bigint[]))

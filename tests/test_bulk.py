@@ -162,3 +162,21 @@ def test_a_retry_batch_one_job_spoils_is_redone_one_by_one():
     assert document["retried"] == 1 and [f["id"] for f in document["failed"]] == [second.id]
     assert "unique key" in document["failed"][0]["error"]
     assert states([first, second]) == ["available", "failed"]
+
+
+def test_discard_over_a_filter_settles_the_dependents_of_discarded_jobs_in_its_batch():
+    # The deletion rule of workflows holds for a bulk discard as for an ORM delete:
+    # a discarded unfinished dependency cancels its requires="completed"
+    # dependents and counts as finished for requires="finished" ones, at once.
+    doomed = awa.enqueue(Act(action="ok"), queue="bulkq")
+    child = awa.enqueue(Node(name="child"), after=[doomed])
+    report = awa.enqueue(Node(name="report"), after=[doomed], requires="finished")
+
+    out, code = run("awa_jobs", "discard", "--queue", "bulkq", "--yes", "--json")
+    assert code == 0, out
+    assert json.loads(out)["discarded"] == 1
+    assert not Job.objects.filter(id=doomed.id).exists()
+    row = Job.objects.get(id=child.id)
+    assert row.state == JobState.CANCELLED
+    assert row.errors[-1]["error"] == f"cancelled: dependency {doomed.id} deleted"
+    assert states([report]) == [JobState.AVAILABLE]

@@ -154,3 +154,26 @@ def test_a_later_result_of_an_attempt_whose_first_waits_for_its_row_is_not_writt
         completer.join(10)
     row = Job.objects.get(id=job_id)
     assert row.state == JobState.RETRYABLE and row.errors[-1]["error"].startswith("timed out")
+
+
+@pytest.mark.django_db
+def test_a_batch_that_promotes_dependents_wakes_their_queue_in_this_worker_as_it_commits():
+    import django_awa as awa
+    from tests.testapp.jobs import Echo
+
+    first = awa.enqueue(Echo(n=1))
+    second = awa.enqueue(Echo(n=2), after=[first], queue="other")
+    state = WorkerState.create({"echo": 1, "other": 1})
+    Producer(state, state.queues["echo"]).run_once()
+    pool = HandlerPool(state)
+    while pool.run_once(state.queues["echo"], timeout=0):
+        pass
+    for runner in state.queues.values():
+        runner.wake.clear()
+
+    assert Completer(state).run_once() == []
+
+    assert Job.objects.get(id=second.id).state == JobState.AVAILABLE
+    # The queue the dependent went to is woken now, not when its NOTIFY comes back.
+    assert state.queues["other"].wake.is_set()
+    assert not state.queues["echo"].wake.is_set()

@@ -7,6 +7,7 @@ import os
 
 import pytest
 from django.db import connection
+from django.db.models import Count
 
 import django_awa as awa
 from django_awa.models import Job, JobState
@@ -26,25 +27,33 @@ def _value(query: str, *params: object) -> object:
         return cursor.fetchone()[0]
 
 
-def test_a_fan_in_of_a_thousand_on_three_workers_runs_its_callback_once_after_all(
-    start_worker,
+@pytest.mark.parametrize(
+    ("size", "per_worker", "timeout"),
+    [
+        pytest.param(1000, 4, 120, id="1000"),
+        pytest.param(10_000, 8, 600, marks=pytest.mark.slow, id="10000"),
+    ],
+)
+def test_a_fan_in_on_three_workers_runs_its_callback_once_after_all(
+    start_worker, size, per_worker, timeout
 ):
     flow = awa.Workflow("fan-in")
-    members = [flow.add(Node(name=f"m{i}")) for i in range(1000)]
+    members = [flow.add(Node(name=f"m{i}")) for i in range(size)]
     callback = flow.add(Node(name="callback"), after=members)
     jobs = flow.enqueue()
     # No rescue on a loaded machine: every member runs exactly once.
     for _ in range(3):
-        start_worker("--queue", "flow=4", env=CALM)
-    done = wait_for_state(jobs[-1].id, JobState.COMPLETED, timeout=120)
+        start_worker("--queue", f"flow={per_worker}", env=CALM)
+    done = wait_for_state(jobs[-1].id, JobState.COMPLETED, timeout=timeout)
     assert Ledger.objects.filter(job_id=callback.job.id).count() == 1
-    assert Ledger.objects.filter(job_id__in=[j.id for j in jobs[:-1]]).count() == 1000
+    assert Ledger.objects.filter(job_id__in=[j.id for j in jobs[:-1]]).count() == size
+    assert _value("SELECT count(*) FROM awa_worker") == 3  # all three alive throughout
     # It started after the last member finished, by the database clock.
     last_member = _value(
         "SELECT max(finalized_at) FROM awa_job WHERE id = ANY(%s)", [j.id for j in jobs[:-1]]
     )
     assert done.attempted_at >= last_member
-    assert done.result["after"] == [{"name": f"m{i}", "after": []} for i in range(1000)]
+    assert done.result["after"] == [{"name": f"m{i}", "after": []} for i in range(size)]
 
 
 def test_a_fan_out_on_two_workers(start_worker):
@@ -62,6 +71,26 @@ def test_a_fan_out_on_two_workers(start_worker):
     root_done = Job.objects.get(id=root.id).finalized_at
     assert _value("SELECT min(attempted_at) FROM awa_job WHERE id = ANY(%s)", leaves) >= root_done
     assert Ledger.objects.filter(job_id__in=leaves).count() == 300
+
+
+@pytest.mark.slow
+def test_a_fan_out_of_ten_thousand_on_three_workers_runs_each_once_after_its_root(start_worker):
+    flow = awa.Workflow("fan-out")
+    root = flow.add(Node(name="root"))
+    leaves = [flow.add(Node(name=f"leaf{i}"), after=[root]) for i in range(10_000)]
+    flow.enqueue()
+    ids = [leaf.job.id for leaf in leaves]
+    for _ in range(3):
+        start_worker("--queue", "flow=8", env=CALM)
+    wait_for(
+        lambda: Job.objects.filter(id__in=ids, state=JobState.COMPLETED).count() == 10_000,
+        timeout=600,
+        message=lambda: str(Job.objects.filter(id__in=ids).values("state").annotate(n=Count("id"))),
+    )
+    root_done = Job.objects.get(id=root.job.id).finalized_at
+    assert _value("SELECT min(attempted_at) FROM awa_job WHERE id = ANY(%s)", ids) >= root_done
+    assert Ledger.objects.filter(job_id__in=ids).count() == 10_000
+    assert _value("SELECT count(*) FROM awa_worker") == 3
 
 
 def test_a_dependency_rescued_after_its_worker_was_killed_releases_its_dependent(start_worker):

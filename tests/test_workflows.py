@@ -544,3 +544,104 @@ def test_pruning_a_finished_job_removes_its_own_dependency_edges():
     Job.objects.filter(id__in=[first.id, second.id]).update(finalized_at=long_ago)
     assert Maintenance("default").prune() == 2
     assert Dependency.objects.count() == 0
+
+
+# -- deleting a dependency ---------------------------------------------------------
+
+
+@db
+def test_deleting_an_unfinished_dependency_cancels_its_completed_dependents_in_that_transaction():
+    flow = awa.Workflow()
+    doomed = flow.add(Node(name="doomed"))
+    other = flow.add(Node(name="other"))
+    child = flow.add(Node(name="child"), after=[doomed])
+    grandchild = flow.add(Node(name="grandchild"), after=[child])
+    batch = flow.add(Node(name="batch"), after=[doomed, other], requires="finished")
+    jobs = flow.enqueue()
+    deleted, _ = Job.objects.filter(id=doomed.job.id).delete()
+    assert deleted == 1
+    # requires="completed": cancelled (and its dependents with it), with the
+    # on_cancelled follow-ups; requires="finished": the deletion counts as finished.
+    c, g = Job.objects.get(id=child.job.id), Job.objects.get(id=grandchild.job.id)
+    assert (c.state, g.state) == (JobState.CANCELLED, JobState.CANCELLED)
+    assert c.errors[-1]["error"] == f"cancelled: dependency {jobs[0].id} deleted"
+    assert g.errors[-1]["error"] == f"cancelled: dependency {jobs[2].id} (node) cancelled"
+    notes = sorted(e.args["note"] for e in Job.objects.filter(kind="echo"))
+    assert notes == [
+        f"node-cancelled:child:dependency {jobs[0].id} deleted",
+        f"node-cancelled:grandchild:dependency {jobs[2].id} (node) cancelled",
+    ]
+    assert state(batch.job) == JobState.BLOCKED  # it waits for "other" still
+    assert run_all() == [other.job.id, batch.job.id]
+    assert awa.workflow_status(flow.id).finished
+
+
+@db
+def test_a_job_deleted_alone_settles_its_dependents_too():
+    first = awa.enqueue(Node(name="first"))
+    report = awa.enqueue(Node(name="report"), after=[first], requires="finished")
+    Job.objects.get(id=first.id).delete()
+    assert state(report) == JobState.AVAILABLE
+
+
+@db
+def test_a_deleted_or_pruned_completed_dependency_stays_met():
+    done = awa.enqueue(Node(name="done"))
+    pruned = awa.enqueue(Node(name="pruned"))
+    run_all()
+    slow = awa.enqueue(Node(name="slow"))
+    after = awa.enqueue(Node(name="after"), after=[done, pruned, slow])
+    Job.objects.filter(id=done.id).delete()
+    Job.objects.filter(id=pruned.id).update(finalized_at=timezone.now() - dt.timedelta(days=3650))
+    assert Maintenance("default").prune() == 1
+    assert state(after) == JobState.BLOCKED
+    assert [d.id for d in Job.objects.get(id=after.id).dependencies()] == [slow.id]
+    assert run_all() == [slow.id, after.id]
+
+
+@db
+def test_a_dependency_deleted_by_raw_sql_is_settled_by_maintenance():
+    gone = awa.enqueue(Node(name="gone"))
+    waiting = awa.enqueue(Node(name="waiting"), after=[gone])
+    finished = awa.enqueue(Node(name="finished"), after=[gone], requires="finished")
+    other = awa.enqueue(Node(name="other"))
+    both = awa.enqueue(Node(name="both"), after=[gone, other])
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM awa_job WHERE id = %s", [gone.id])
+    # Left waiting for a row that will never finish...
+    assert {state(waiting), state(finished), state(both)} == {JobState.BLOCKED}
+    # ...which another dependency's outcome does not take for met...
+    assert run_all() == [other.id]
+    assert state(both) == JobState.BLOCKED
+    # ...and maintenance settles them by the rule.
+    assert Maintenance("default").settle_orphans() == 3
+    assert (state(waiting), state(finished), state(both)) == (
+        JobState.CANCELLED,
+        JobState.AVAILABLE,
+        JobState.CANCELLED,
+    )
+    assert Job.objects.get(id=both.id).errors[-1]["error"] == (
+        f"cancelled: dependency {gone.id} deleted"
+    )
+    assert Maintenance("default").settle_orphans() == 0
+
+
+# -- planning ----------------------------------------------------------------------
+
+
+def _setting(name: str) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting(%s)", [name])
+        return cursor.fetchone()[0]
+
+
+@db
+def test_settling_plans_by_index_and_gives_the_callers_transaction_its_settings_back():
+    dep = awa.enqueue(Node(name="dep"))
+    awa.enqueue(Node(name="after"), after=[dep])
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL jit = off")  # the caller's own choice, kept
+    before = (_setting("enable_seqscan"), _setting("jit"))
+    assert before == ("on", "off")
+    awa.cancel(dep.id)  # settles its dependent in this transaction
+    assert (_setting("enable_seqscan"), _setting("jit")) == before
