@@ -1,5 +1,6 @@
-"""The Django admin (SPEC §8): jobs, queues, periodic schedules and dead letters
-(the live workers: ``fleet_admin.py``).
+"""The Django admin (SPEC §8): jobs, queues, periodic schedules and pending follow-ups
+(the live workers: ``fleet_admin.py``; the dashboard and dead letters, failed jobs
+grouped: ``ops_admin.py``).
 
 Job list pages stay cheap on tables of millions of rows: no full count, no
 facet counts, an estimated count for the unfiltered list, no per-row queries,
@@ -55,6 +56,7 @@ from .exceptions import AwaError, ValidationError
 from .fleet_admin import running_worker
 from .kinds import registry
 from .models import Job, JobQuerySet, JobState, PendingFollowup, PeriodicSchedule, Queue
+from .ops_admin import ErrorFilter  # registers the Dashboard and Dead letters pages too
 from .producer import held_back, queue_limits
 from .schedules import schedules
 from .workflows import workflow_status
@@ -615,7 +617,7 @@ class JobAdmin(AwaModelAdmin[Job]):
         "last_error",
     )
     list_display_links = ("id", "kind")
-    list_filter = ("state", QueueFilter, KindFilter, TriggerFilter)
+    list_filter = ("state", QueueFilter, KindFilter, TriggerFilter, ErrorFilter)
     search_fields = ("kind", "queue")  # the search itself is get_search_results
     search_help_text = "A job id, or text in the kind or queue, or an exact tag."
     ordering = ("-id",)
@@ -770,6 +772,9 @@ class JobAdmin(AwaModelAdmin[Job]):
         user = request.user
         if user.has_perm("django_awa.view_job") or user.has_perm("django_awa.view_queue"):
             links["awa_queues_url"] = reverse("admin:django_awa_queue_changelist")
+        if user.has_perm("django_awa.view_job") or user.has_perm("django_awa.change_job"):
+            links["awa_dead_letters_url"] = reverse("admin:django_awa_deadletter_changelist")
+            links["awa_dashboard_url"] = reverse("admin:django_awa_dashboard_changelist")
         if user.has_perm("django_awa.view_pendingfollowup"):
             links["awa_pending_url"] = reverse("admin:django_awa_pendingfollowup_changelist")
         if user.has_perm("django_awa.view_periodicschedule"):
@@ -1399,7 +1404,10 @@ class PeriodicScheduleAdmin(ReadOnlyAdmin[PeriodicSchedule]):
 
 @admin.register(PendingFollowup)
 class PendingFollowupAdmin(ReadOnlyAdmin[PendingFollowup]):
-    """Dead letters: committed outcomes whose follow-ups maintenance keeps retrying."""
+    """Pending follow-ups: committed outcomes whose follow-ups maintenance keeps retrying.
+
+    (Failed jobs, what users call dead letters, have their own page: ``ops_admin.py``.)
+    """
 
     list_display = (
         "id",

@@ -446,7 +446,7 @@ def test_dead_letters_and_periodic_schedules_are_listed_read_only(
     page = login(superuser)
 
     page.goto(JOBS_URL)
-    submit(page, page.locator(".object-tools").get_by_text("Dead letters"))
+    submit(page, page.locator(".object-tools").get_by_text("Pending follow-ups"))
     row = page.locator("#result_list tbody tr")
     assert row.count() == 1
     assert "rescued follow-up exploded" in row.inner_text()
