@@ -6,13 +6,14 @@ import os
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import Permission, User
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_awa.models import JobState
+from django_awa.models import Job, JobState
 from tests.conftest import make_job
-from tests.test_admin import JOBS_URL, browser, login, superuser  # noqa: F401 (fixtures)
+from tests.test_admin import JOBS_URL, browser, login, submit, superuser  # noqa: F401 (fixtures)
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -47,3 +48,128 @@ def test_the_failed_list_shows_each_jobs_last_error_without_reading_the_errors_c
     listing = [q["sql"] for q in queries if "LIMIT" in q["sql"] and "awa_job" in q["sql"]]
     assert listing and all('"awa_job"."errors",' not in q for q in listing), listing
     assert failed.id
+
+
+DEAD_LETTERS_URL = "/admin/django_awa/deadletter/"
+
+
+def _failed(queue: str, kind: str, error: str, n: int = 1) -> list[Any]:
+    now = timezone.now()
+    return [
+        make_job(
+            queue=queue,
+            kind=kind,
+            state=JobState.FAILED,
+            attempt=3,
+            max_attempts=3,
+            finalized_at=now,
+            errors=[
+                {"attempt": 1, "at": now.isoformat(), "error": "first try", "traceback": ""},
+                {"attempt": 3, "at": now.isoformat(), "error": error, "traceback": "tb"},
+            ],
+        )  # fmt: skip
+        for _ in range(n)
+    ]
+
+
+def test_dead_letters_group_failed_jobs_link_to_them_and_retry_or_purge_a_group(
+    login: Any,  # noqa: F811
+    superuser: Any,  # noqa: F811
+    settings: Any,
+):
+    settings.AWA = {**settings.AWA, "FAILED_RETENTION": 3 * 86400}
+    boom = _failed("default", "act", "ValueError: boom\n  at line 3", n=3)
+    boom += _failed("default", "act", "ValueError: boom")  # the same first line: one group
+    slow = _failed("default", "act", "TimeoutError: slow")
+    keyed = _failed("echo", "echo", "KeyError: 'x'", n=2)
+    make_job(state=JobState.COMPLETED, finalized_at=timezone.now())  # not a dead letter
+    page = login(superuser)
+    page.goto("/admin/")
+    submit(page, page.get_by_role("link", name="Dead letters (failed jobs)").first)
+    assert "3 days after they failed" in page.locator("#awa-retention").inner_text()
+    rows = page.locator("#awa-dead-letters tbody tr")
+    assert rows.count() == 3
+    first = rows.nth(0)
+    assert first.locator("td.error").inner_text() == "ValueError: boom"
+    assert first.locator("td.count").inner_text() == "4"
+    assert rows.nth(1).locator("td.count").inner_text() == "2"  # echo: most jobs first
+
+    submit(page, first.locator("td.count a"))  # the job list, filtered to the group
+    listed = page.locator("#result_list tbody tr")
+    assert listed.count() == 4
+    ids = {int(t) for t in listed.locator("th.field-id a, td.field-id a").all_inner_texts()}
+    assert ids == {job.id for job in boom}
+    assert slow[0].id not in ids
+
+    page.goto(DEAD_LETTERS_URL)
+    group = page.locator("#awa-dead-letters tbody tr", has_text="ValueError: boom")
+    submit(page, group.get_by_role("button", name="Retry all"))
+    assert "Retried 4 failed job(s)" in page.locator(".messagelist").inner_text()
+    for job in boom:
+        job.refresh_from_db()
+        assert job.state == JobState.AVAILABLE and job.attempt == 0
+    slow[0].refresh_from_db()
+    assert slow[0].state == JobState.FAILED  # another group: untouched
+
+    group = page.locator("#awa-dead-letters tbody tr", has_text="KeyError")
+    submit(page, group.get_by_role("button", name="Purge all"))
+    assert "Purged 2 failed job(s)" in page.locator(".messagelist").inner_text()
+    assert not Job.objects.filter(id__in=[j.id for j in keyed]).exists()
+    assert page.locator("#awa-dead-letters tbody tr").count() == 1  # only the slow one left
+
+
+def test_dead_letter_retry_needs_change_job_and_purge_needs_delete_job(client: Any):
+    jobs = _failed("default", "act", "ValueError: boom", n=2)
+    form = {"queue": "default", "kind": "act", "error": "ValueError: boom"}
+    user = User.objects.create_user("looker", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_job"))
+    client.force_login(user)
+    page = client.get(DEAD_LETTERS_URL).content.decode()
+    assert (
+        "ValueError: boom" in page
+        and 'value="Retry all"' not in page
+        and 'value="Purge all"' not in page
+    )
+    assert client.post(DEAD_LETTERS_URL, {**form, "operation": "retry"}).status_code == 403
+    assert client.post(DEAD_LETTERS_URL, {**form, "operation": "purge"}).status_code == 403
+
+    user.user_permissions.add(Permission.objects.get(codename="change_job"))
+    client.force_login(User.objects.get(id=user.id))
+    page = client.get(DEAD_LETTERS_URL).content.decode()
+    assert 'value="Retry all"' in page and 'value="Purge all"' not in page
+    assert client.post(DEAD_LETTERS_URL, {**form, "operation": "purge"}).status_code == 403
+    assert Job.objects.filter(id__in=[j.id for j in jobs]).count() == 2
+    bad = client.post(DEAD_LETTERS_URL, {**form, "operation": "explode"})
+    assert bad.status_code == 400 and b"retry or purge" in bad.content
+    assert client.post(DEAD_LETTERS_URL, {"operation": "retry"}).status_code == 400
+    assert client.post(DEAD_LETTERS_URL, {**form, "operation": "retry"}).status_code == 302
+    assert set(Job.objects.filter(id__in=[j.id for j in jobs]).values_list("state", flat=True)) == {
+        JobState.AVAILABLE
+    }
+
+    user.user_permissions.add(Permission.objects.get(codename="delete_job"))
+    client.force_login(User.objects.get(id=user.id))
+    again = _failed("default", "act", "ValueError: boom", n=3)
+    assert client.post(DEAD_LETTERS_URL, {**form, "operation": "purge"}).status_code == 302
+    assert not Job.objects.filter(id__in=[j.id for j in again]).exists()
+    assert Job.objects.filter(id__in=[j.id for j in jobs]).count() == 2  # retried: not failed
+
+
+def test_dead_letters_read_only_the_newest_failed_rows_through_the_finalized_index(
+    client: Any,
+    superuser: Any,  # noqa: F811
+):
+    _failed("default", "act", "ValueError: boom", n=5)
+    client.force_login(superuser)
+    with CaptureQueriesContext(connection) as queries:
+        page = client.get(DEAD_LETTERS_URL).content.decode()
+    assert "7 days after they failed" in page  # the default FAILED_RETENTION
+    grouping = [q["sql"] for q in queries if "GROUP BY f.queue" in q["sql"]]
+    assert len(grouping) == 1 and "LIMIT 10000" in grouping[0]
+    with connection.cursor() as cursor:
+        cursor.execute("SET enable_seqscan = off")  # as with a million rows
+        cursor.execute("EXPLAIN " + grouping[0])
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+        cursor.execute("RESET enable_seqscan")
+    assert "awa_job_finalized_idx" in plan or "finalized" in plan, plan
+    assert "Seq Scan" not in plan, plan
