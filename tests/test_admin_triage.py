@@ -55,21 +55,12 @@ DEAD_LETTERS_URL = "/admin/django_awa/deadletter/"
 
 def _failed(queue: str, kind: str, error: str, n: int = 1) -> list[Any]:
     now = timezone.now()
-    return [
-        make_job(
-            queue=queue,
-            kind=kind,
-            state=JobState.FAILED,
-            attempt=3,
-            max_attempts=3,
-            finalized_at=now,
-            errors=[
-                {"attempt": 1, "at": now.isoformat(), "error": "first try", "traceback": ""},
-                {"attempt": 3, "at": now.isoformat(), "error": error, "traceback": "tb"},
-            ],
-        )  # fmt: skip
-        for _ in range(n)
+    errors = [
+        {"attempt": 1, "at": now.isoformat(), "error": "first try", "traceback": ""},
+        {"attempt": 3, "at": now.isoformat(), "error": error, "traceback": "tb"},
     ]
+    fields = {"state": JobState.FAILED, "attempt": 3, "max_attempts": 3, "finalized_at": now}
+    return [make_job(queue=queue, kind=kind, errors=errors, **fields) for _ in range(n)]
 
 
 def test_dead_letters_group_failed_jobs_link_to_them_and_retry_or_purge_a_group(
