@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
+import uuid
 from typing import Any
 
 import pytest
@@ -11,9 +13,19 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_awa.models import Job, JobState
+import django_awa as awa
+from django_awa.maintenance import Maintenance
+from django_awa.models import Job, JobState, Worker
 from tests.conftest import make_job
-from tests.test_admin import JOBS_URL, browser, login, submit, superuser  # noqa: F401 (fixtures)
+from tests.test_admin import (  # noqa: F401 (fixtures)
+    JOBS_URL,
+    QUEUES_URL,
+    browser,
+    change_url,
+    login,
+    submit,
+    superuser,
+)
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -164,3 +176,69 @@ def test_dead_letters_read_only_the_newest_failed_rows_through_the_finalized_ind
         cursor.execute("RESET enable_seqscan")
     assert "awa_job_finalized_idx" in plan or "finalized" in plan, plan
     assert "Seq Scan" not in plan, plan
+
+
+def test_the_job_page_shows_times_to_the_second_the_wait_the_run_and_a_stale_attempt(
+    login: Any,  # noqa: F811
+    superuser: Any,  # noqa: F811
+):
+    due = dt.datetime(2026, 3, 4, 10, 0, 5, tzinfo=dt.UTC)
+    done = make_job(
+        state=JobState.COMPLETED, attempt=1, run_at=due, created_at=due,
+        attempted_at=due + dt.timedelta(seconds=42), finalized_at=due + dt.timedelta(seconds=47.5),
+    )  # fmt: skip
+    now = timezone.now()
+    stale = make_job(
+        state=JobState.RUNNING, attempt=1, run_at=now - dt.timedelta(minutes=20),
+        attempted_at=now - dt.timedelta(minutes=16), heartbeat_at=now - dt.timedelta(minutes=15),
+        deadline_at=now - dt.timedelta(minutes=1),
+    )  # fmt: skip
+    page = login(superuser)
+    page.goto(change_url(done))
+
+    def field(name: str) -> str:
+        return page.locator(f".fieldBox.field-{name} .readonly").inner_text()
+
+    assert field("run_at_s") == "2026-03-04 10:00:05 UTC"
+    assert field("attempted_at_s") == "2026-03-04 10:00:47 UTC"
+    assert field("waited") == "42s"
+    assert field("ran") == "5.50s"
+
+    page.goto(change_url(stale))
+    assert "not held: deadline passed" in field("state_badge"), field("state_badge")
+    assert field("waited") == "4m 00s"
+    assert field("ran").startswith("16m ")
+    page.goto(f"{JOBS_URL}?state__exact=running")
+    row = page.locator("#result_list tbody tr")
+    assert "not held" in row.locator("td.field-state_badge").inner_text()
+    assert row.locator("td.field-run_at_short").inner_text() == (
+        timezone.localtime(stale.run_at).strftime("%Y-%m-%d %H:%M:%S")
+    )
+
+
+def test_the_queue_page_shows_oldest_due_paused_since_live_workers_and_separators(
+    login: Any,  # noqa: F811
+    superuser: Any,  # noqa: F811
+):
+    Job.objects.bulk_create(
+        [Job(kind="act", queue="bulk", args={}, state=JobState.COMPLETED) for _ in range(1234)]
+    )
+    make_job(queue="default", run_at=timezone.now() - dt.timedelta(minutes=5))
+    Maintenance().count_jobs()  # what the oldest due age is read from
+    awa.pause_queue("bulk")
+    Worker.objects.create(
+        id=uuid.uuid4(), name="h:1", host="h", pid=1, queues={"default": 4}, concurrency=4
+    )
+    page = login(superuser)
+    page.goto(QUEUES_URL)
+    default = page.locator('tr[data-queue="default"]')
+    bulk = page.locator('tr[data-queue="bulk"]')
+    assert bulk.locator('td[data-state="completed"]').inner_text() == "1,234"
+    assert bulk.locator("td.total").inner_text() == "1,234"
+    assert default.locator("td.status").inner_text() == "running"  # a live worker serves it
+    assert bulk.locator("td.status .paused-since").inner_text().startswith("since 20")
+    assert default.locator("td.oldest-due").inner_text().startswith("5m ")
+    assert bulk.locator("td.oldest-due").inner_text() == "-"
+    Worker.objects.update(last_seen_at=timezone.now() - dt.timedelta(minutes=5))
+    page.reload()
+    assert default.locator("td.status").inner_text() == "no live worker"
