@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db import connections, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models import QuerySet
 from django.http import (
     HttpRequest,
@@ -35,8 +35,17 @@ from django.urls import URLPattern, path, reverse
 
 from . import control, dashboard, sql
 from .conf import awa_settings
+from .dependencies import reopen
 from .exceptions import AwaError
-from .models import ERROR_LINE_CHARS, Dashboard, DeadLetter, Job, JobQuerySet, JobState
+from .models import (
+    ERROR_LINE_CHARS,
+    Dashboard,
+    DeadLetter,
+    Job,
+    JobQuerySet,
+    JobState,
+    jobs_from_rows,
+)
 
 if TYPE_CHECKING:
     from django.contrib.admin import ModelAdmin as _ModelAdmin
@@ -176,10 +185,41 @@ def group_jobs(alias: str, queue: str, kind: str, error: str) -> JobQuerySet:
     )
 
 
+def retry_batch(alias: str, ids: list[int]) -> tuple[int, list[str]]:
+    """Retry the failed jobs ``ids`` as ``awa.retry`` does (available now, attempts
+    reset, dependents and dependencies reopened) in one transaction: one UPDATE,
+    then ``dependencies.reopen`` for those few that have any. Returns how many,
+    and why some could not be (another job holds their unique key: those are
+    then retried one by one, the others still are)."""
+    try:
+        with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+            cursor.execute(sql.RETRY_FAILED_JOBS, {"ids": ids})
+            jobs = jobs_from_rows(cursor.fetchall(), alias)
+            if not jobs:
+                return 0, []
+            cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted({j.queue for j in jobs})})
+            cursor.execute(sql.HAS_DEPENDENCIES, {"ids": [j.id for j in jobs]})
+            waiting = {row[0] for row in cursor.fetchall()}
+            for job in jobs:
+                if job.has_dependents or job.id in waiting:
+                    reopen(job, alias)
+            return len(jobs), []
+    except IntegrityError:
+        pass  # a unique key another job holds now: each on its own, to name it
+    retried, problems = 0, []
+    for job_id in ids:
+        try:
+            job = control.retry(job_id, using=alias)
+        except AwaError as exc:
+            problems.append(str(exc))
+            continue
+        retried += job.state != JobState.FAILED
+    return retried, problems
+
+
 def retry_group(alias: str, queue: str, kind: str, error: str) -> tuple[int, list[str]]:
-    """Retry every failed job of a group (``awa.retry``: available now, attempts reset,
-    dependents reopened), ``GROUP_BATCH`` per transaction; returns how many and the
-    errors of those that could not be (another job holds their unique key)."""
+    """Retry every failed job of a group, ``GROUP_BATCH`` per transaction
+    (``retry_batch``); returns how many, and the errors of those that could not be."""
     retried, problems = 0, []
     seen: set[int] = set()
     for _ in range(10_000):  # bounded: each pass takes jobs no pass took before
@@ -192,15 +232,9 @@ def retry_group(alias: str, queue: str, kind: str, error: str) -> tuple[int, lis
         if not ids:
             break
         seen.update(ids)
-        with transaction.atomic(using=alias):
-            for job_id in ids:
-                try:
-                    with transaction.atomic(using=alias):
-                        job = control.retry(job_id, using=alias)
-                except AwaError as exc:
-                    problems.append(str(exc))
-                    continue
-                retried += job.state != JobState.FAILED
+        done, failed = retry_batch(alias, ids)
+        retried += done
+        problems += failed
     return retried, problems
 
 

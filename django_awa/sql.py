@@ -974,12 +974,22 @@ RETURNING old.state, {J_JOB_COLUMNS}
 
 # -- RETRY_JOB --
 # Make a failed, cancelled or retryable job available now, attempts reset (awa.retry).
-RETRY_JOB = f"""
+_RETRIED = f"""
 UPDATE awa_job
 SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
     metadata = metadata - 'awa_cancelled_by',
-    {_ATTEMPT_CLEARED}
+    {_ATTEMPT_CLEARED}"""
+RETRY_JOB = f"""{_RETRIED}
 WHERE id = %(id)s AND state = ANY(%(states)s::text[])
+RETURNING {JOB_COLUMNS}
+"""
+
+# -- RETRY_FAILED_JOBS --
+# The dead-letter view's group retry: RETRY_JOB for a batch of failed jobs in
+# one statement; only rows still failed change. Primary key lookups on
+# awa_job and awa_job_done; the batch's rows stay locked until its commit.
+RETRY_FAILED_JOBS = f"""{_RETRIED}
+WHERE id = ANY(%(ids)s::bigint[]) AND state = 'failed'
 RETURNING {JOB_COLUMNS}
 """
 

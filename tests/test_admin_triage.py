@@ -26,6 +26,7 @@ from tests.test_admin import (  # noqa: F401 (fixtures)
     submit,
     superuser,
 )
+from tests.testapp.jobs import Act
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -242,3 +243,43 @@ def test_the_queue_page_shows_oldest_due_paused_since_live_workers_and_separator
     Worker.objects.update(last_seen_at=timezone.now() - dt.timedelta(minutes=5))
     page.reload()
     assert default.locator("td.status").inner_text() == "no live worker"
+
+
+def test_a_group_retry_reopens_the_dependents_a_failure_cancelled_and_names_unique_conflicts(
+    client: Any,
+    superuser: Any,  # noqa: F811
+):
+    from django.db import transaction
+
+    from django_awa.testing import run_jobs
+
+    with transaction.atomic():
+        flow = awa.Workflow("dead-letter-retry")
+        first = flow.add(Act(action="terminal"))
+        flow.add(Act(action="ok"), after=[first])
+        first_job, then_job = flow.enqueue()
+    run_jobs(queue="default")
+    first_job.refresh_from_db()
+    then_job.refresh_from_db()
+    assert (first_job.state, then_job.state) == (JobState.FAILED, JobState.CANCELLED)
+    error = first_job.errors[-1]["error"].split("\n")[0]
+    # Two failed jobs with one unique key: the second cannot be retried while the
+    # first holds it again, and the page says so; the rest of the group is retried.
+    keyed = _failed("default", "act", error, n=2)
+    Job.objects.filter(id__in=[j.id for j in keyed]).update(
+        unique_key="k", unique_states=["available", "running", "scheduled", "retryable"]
+    )
+    client.force_login(superuser)
+    form = {"queue": "default", "kind": "act", "error": error, "operation": "retry"}
+    response = client.post(DEAD_LETTERS_URL, form, follow=True)
+    text = response.content.decode()
+    assert "Retried 2 failed job(s)" in text, text
+    assert "unique key" in text
+    first_job.refresh_from_db()
+    then_job.refresh_from_db()
+    assert first_job.state == JobState.AVAILABLE and first_job.attempt == 0
+    assert then_job.state == JobState.BLOCKED  # waits for it again
+    states = sorted(
+        Job.objects.filter(id__in=[j.id for j in keyed]).values_list("state", flat=True)
+    )
+    assert states == [JobState.AVAILABLE, JobState.FAILED]
