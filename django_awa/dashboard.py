@@ -13,7 +13,7 @@ How the history is kept, without a counter row every finalize would lock:
    and adds it into ``awa_stat_minute`` (one row per queue and minute, the
    leader its only writer), stores each queue's oldest due job's age from the
    counts it already keeps (``awa_job_count``), and prunes minutes older than
-   ``KEEP_SECONDS`` (``roll_up``).
+   ``KEEP_SECONDS`` (``fold``, ``record_oldest_due_and_prune``).
 4. The dashboard page and its JSON endpoint read only ``awa_stat_minute``
    (at most a row per queue and minute of the window) and ``awa_job_count``.
 
@@ -51,6 +51,10 @@ WAIT_BOUNDS: tuple[float, ...] = (
 BUCKETS = len(WAIT_BOUNDS) + 1
 # The rollup keeps a day and an hour of minutes; the day chart reads a day.
 KEEP_SECONDS = 25 * 3600
+# Delta rows the leader folds per transaction, and transactions per pass at most:
+# a pass is bounded however long no leader ran.
+FOLD_BATCH = 5000
+FOLD_ROUNDS = 20
 # The two windows the dashboard draws: (seconds shown, seconds per point).
 WINDOWS: dict[str, tuple[int, int]] = {"hour": (3600, 60), "day": (86400, 900)}
 
@@ -188,16 +192,16 @@ class Tally:
         return len(queues)
 
 
-def roll_up(alias: str) -> int:
-    """Fold every flushed delta into ``awa_stat_minute``, record each queue's oldest
-    due job's age, prune old minutes; returns how many delta rows were taken.
+def fold(alias: str, limit: int) -> int:
+    """Fold up to ``limit`` flushed deltas into ``awa_stat_minute``; returns how many
+    were taken.
 
     The maintenance leader's duty, inside its fenced transaction: it is the
     rollup's only writer, so reading the rows it adds to and writing the
     sums back races with no one.
     """
     with connections[alias].cursor() as cursor:
-        cursor.execute(sql.TAKE_STAT_DELTAS)
+        cursor.execute(sql.TAKE_STAT_DELTAS, {"limit": limit})
         taken = cursor.fetchall()
         sums: dict[tuple[str, datetime], Counts] = {}
         for queue, minute, completed, failed, retried, wait in taken:
@@ -222,9 +226,15 @@ def roll_up(alias: str) -> int:
                     "wait": [json.dumps(sums[k].wait) for k in keys],
                 },
             )
+    return len(taken)
+
+
+def record_oldest_due_and_prune(alias: str) -> None:
+    """Store each queue's oldest due job's age in this minute's rollup row (from the
+    leader's ``awa_job_count``), and delete minutes older than ``KEEP_SECONDS``."""
+    with connections[alias].cursor() as cursor:
         cursor.execute(sql.RECORD_OLDEST_DUE)
         cursor.execute(sql.PRUNE_STAT_MINUTES, {"keep": KEEP_SECONDS})
-    return len(taken)
 
 
 def percentile(hist: list[int], fraction: float) -> float | None:

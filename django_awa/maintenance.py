@@ -456,10 +456,19 @@ class Maintenance:
             cursor.execute(sql.COUNT_JOBS)
 
     def roll_up_stats(self) -> int:
-        """Fold the outcome counts workers flushed into the dashboard's per-minute rollup
-        (``dashboard.roll_up``); returns how many flushed rows were taken."""
+        """Fold the outcome counts workers flushed into the dashboard's per-minute rollup,
+        record each queue's oldest due job, prune old minutes (``dashboard.py``);
+        returns how many flushed rows were taken."""
+        total = 0
+        for _ in range(dashboard.FOLD_ROUNDS):
+            with self._transaction():
+                taken = dashboard.fold(self.alias, dashboard.FOLD_BATCH)
+            total += taken
+            if taken < dashboard.FOLD_BATCH:
+                break
         with self._transaction():
-            return dashboard.roll_up(self.alias)
+            dashboard.record_oldest_due_and_prune(self.alias)
+        return total
 
     def prune_attempt_starts(self) -> int:
         """Forget attempt starts no rate window reads any more (``awa_attempt_start``)."""

@@ -1215,10 +1215,14 @@ FROM unnest(%(queue)s::text[], %(completed)s::bigint[], %(failed)s::bigint[],
 """
 
 # -- TAKE_STAT_DELTAS --
-# The leader takes every flushed row (deleted in its fenced transaction, so a
-# lost lease puts them back). Rows flushed meanwhile wait for the next pass.
+# The leader takes up to %(limit)s flushed rows, oldest first (deleted in its
+# fenced transaction, so a lost lease puts them back). Rows flushed meanwhile
+# wait for the next pass. Index: the primary key.
 TAKE_STAT_DELTAS = """
-DELETE FROM awa_stat_delta RETURNING queue, minute, completed, failed, retried, wait
+DELETE FROM awa_stat_delta WHERE id IN (
+    SELECT id FROM awa_stat_delta ORDER BY id LIMIT %(limit)s
+)
+RETURNING queue, minute, completed, failed, retried, wait
 """
 
 # -- READ_STAT_MINUTES --

@@ -89,6 +89,19 @@ def test_a_tally_flushed_by_two_workers_adds_up_in_one_rollup_row_per_queue_and_
     assert day["series"]["*"]["totals"]["completed"] == 5
 
 
+def test_the_leader_folds_deltas_in_bounded_batches(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(dashboard, "FOLD_BATCH", 2)
+    monkeypatch.setattr(dashboard, "FOLD_ROUNDS", 2)
+    for n in range(5):
+        tally = dashboard.Tally()
+        tally.count("default", JobState.COMPLETED)
+        tally.flush("default", f"w{n}")
+    assert Maintenance().roll_up_stats() == 4  # two rounds of two
+    assert StatDelta.objects.count() == 1  # the next pass takes it
+    assert Maintenance().roll_up_stats() == 1
+    assert StatMinute.objects.get(queue="default").completed == 5
+
+
 def test_maintenance_prunes_minutes_older_than_a_day_and_records_the_oldest_due_job():
     old = StatMinute.objects.create(
         queue="default", minute=dt.datetime(2020, 1, 1, tzinfo=dt.UTC), completed=7
