@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections
@@ -70,13 +71,15 @@ def _hist(value: Any) -> list[int]:
     """A histogram read by a raw cursor: Django's connection hands jsonb over as text."""
     if isinstance(value, str):
         value = json.loads(value)
-    return [int(n) for n in value] if isinstance(value, list) else []
+    return value if isinstance(value, list) else []
 
 
-def _add_hist(into: list[int], other: Iterable[int]) -> None:
-    for index, count in enumerate(other):
-        if index < len(into):
-            into[index] += int(count)
+def _add_hist(into: list[int], other: list[int]) -> None:
+    if len(other) == len(into):
+        into[:] = map(operator.add, into, other)
+    else:  # a histogram of another length (none, or another release's): what fits
+        for index, count in enumerate(other[: len(into)]):
+            into[index] += count
 
 
 @dataclass(slots=True)
@@ -307,22 +310,24 @@ def snapshot(alias: str, window: str) -> dict[str, Any]:
         raise ValueError(f"unknown dashboard window {window!r}: use one of {sorted(WINDOWS)}")
     span, step = WINDOWS[window]
     with connections[alias].cursor() as cursor:
-        cursor.execute(sql.DASHBOARD_MINUTES, {"window": span})
+        cursor.execute(sql.DASHBOARD_WINDOW, {"window": span})
+        now, start = cursor.fetchone()
+        cursor.execute(sql.DASHBOARD_MINUTES, {"start": start, "step": step})
         rows = cursor.fetchall()
-    now: datetime = rows[0][0]
-    end = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
-    start = end - timedelta(seconds=span)
     points = span // step
-    series: dict[str, _Series] = {OVERALL: _Series(points)}
-    for _, queue, minute, completed, failed, retried, wait, oldest_due in rows:
-        if queue is None:
-            continue
-        index = int((minute - start).total_seconds() // step)
+    series: dict[str, _Series] = {}
+    for queue, index, completed, failed, retried, wait, oldest_due in rows:
         if not 0 <= index < points:
             continue
-        counts = Counts(completed, failed, retried, _hist(wait))
-        series.setdefault(queue, _Series(points)).add(index, counts, oldest_due)
-        series[OVERALL].add(index, counts, oldest_due)
+        if queue not in series:
+            series[queue] = _Series(points)
+        series[queue].add(index, Counts(completed, failed, retried, _hist(wait)), oldest_due)
+    # All queues together: the queues' points added, not every minute again.
+    overall = _Series(points)
+    for each in series.values():
+        for index in range(points):
+            overall.add(index, each.counts[index], each.oldest_due[index])
+    series[OVERALL] = overall
     current: dict[str, float] = {}
     for row in JobCount.objects.using(alias).filter(
         state=JobState.AVAILABLE, oldest_run_at__isnull=False

@@ -1268,16 +1268,21 @@ PRUNE_STAT_MINUTES = """
 DELETE FROM awa_stat_minute WHERE minute < now() - make_interval(secs => %(keep)s)
 """
 
+# -- DASHBOARD_WINDOW --
+# The database clock and the start of a window of %(window)s seconds ending
+# with the current minute: the charts' edges.
+DASHBOARD_WINDOW = """
+SELECT now(), date_trunc('minute', now()) + interval '1 minute' - make_interval(secs => %(window)s)
+"""
+
 # -- DASHBOARD_MINUTES --
-# The rollup rows of the last %(window)s seconds, oldest first, with the
-# database clock (the charts' right edge). Index: awa_stat_minute_uniq (minute
-# leads); at most one row per queue and minute.
+# The rollup rows from %(start)s on, each with the chart point it falls in
+# (%(step)s seconds a point). Index: awa_stat_minute_uniq (minute leads); at
+# most a row per queue and minute.
 DASHBOARD_MINUTES = """
-SELECT now(), m.queue, m.minute, m.completed, m.failed, m.retried, m.wait, m.oldest_due
-FROM (SELECT now()) AS n
-LEFT JOIN awa_stat_minute AS m
-  ON m.minute >= date_trunc('minute', now()) - make_interval(secs => %(window)s)
-ORDER BY m.minute, m.queue
+SELECT queue, (extract(epoch FROM minute - %(start)s)::bigint / %(step)s)::int,
+       completed, failed, retried, wait, oldest_due
+FROM awa_stat_minute WHERE minute >= %(start)s
 """
 
 # -- DEAD_LETTER_GROUPS --
