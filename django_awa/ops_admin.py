@@ -327,6 +327,10 @@ class DeadLetterAdmin(_PageAdmin[DeadLetter]):
         missing = [f for f in ("queue", "kind", "error") if f not in request.POST]
         if missing:
             return HttpResponseBadRequest(f"missing field(s): {', '.join(missing)}")
+        if operation == "purge" and request.POST.get("confirm") != "yes":
+            return HttpResponseBadRequest(
+                "purging deletes the jobs: tick 'delete them' (confirm=yes)"
+            )
         queue, kind, error = (request.POST[f] for f in ("queue", "kind", "error"))
         label = f"{kind} on {queue} ({error or 'no error text'})"
         if operation == "retry":

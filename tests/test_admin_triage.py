@@ -116,6 +116,9 @@ def test_dead_letters_group_failed_jobs_link_to_them_and_retry_or_purge_a_group(
     assert slow[0].state == JobState.FAILED  # another group: untouched
 
     group = page.locator("#awa-dead-letters tbody tr", has_text="KeyError")
+    group.get_by_role("button", name="Purge all").click()  # not sent: "delete them" is unticked
+    assert Job.objects.filter(id__in=[j.id for j in keyed]).count() == 2
+    group.get_by_label("delete them").check()
     submit(page, group.get_by_role("button", name="Purge all"))
     assert "Purged 2 failed job(s)" in page.locator(".messagelist").inner_text()
     assert not Job.objects.filter(id__in=[j.id for j in keyed]).exists()
@@ -154,7 +157,11 @@ def test_dead_letter_retry_needs_change_job_and_purge_needs_delete_job(client: A
     user.user_permissions.add(Permission.objects.get(codename="delete_job"))
     client.force_login(User.objects.get(id=user.id))
     again = _failed("default", "act", "ValueError: boom", n=3)
-    assert client.post(DEAD_LETTERS_URL, {**form, "operation": "purge"}).status_code == 302
+    unconfirmed = client.post(DEAD_LETTERS_URL, {**form, "operation": "purge"})
+    assert unconfirmed.status_code == 400 and b"confirm" in unconfirmed.content
+    assert Job.objects.filter(id__in=[j.id for j in again]).count() == 3
+    purge = {**form, "operation": "purge", "confirm": "yes"}
+    assert client.post(DEAD_LETTERS_URL, purge).status_code == 302
     assert not Job.objects.filter(id__in=[j.id for j in again]).exists()
     assert Job.objects.filter(id__in=[j.id for j in jobs]).count() == 2  # retried: not failed
 

@@ -95,11 +95,16 @@
       var stretch = [];
       var drawn = 0;
       function flush() {
-        if (stretch.length) {
+        if (stretch.length === 1) {
+          // A lone point (data in one minute only): a dot, as a line of one point shows nothing.
+          var xy = stretch[0].split(",");
+          var dot = node("circle", { cx: xy[0], cy: xy[1], r: 3, class: "awa-dot-" + line.name }, svg);
+          dot.setAttribute("data-series", line.name);
+        } else if (stretch.length) {
           var el = node("polyline", { points: stretch.join(" "), class: "awa-line-" + line.name }, svg);
           el.setAttribute("data-series", line.name);
-          drawn += stretch.length;
         }
+        drawn += stretch.length;
         stretch = [];
       }
       line.values.forEach(function (v, i) {
