@@ -264,6 +264,7 @@ class Worker:
             result.started = attempt.started
         try:
             written = finalize(results, self.state.alias)
+            self.state.tally.record(written)  # flushed at the end of the drain
             logger.warning(
                 "gave back %s %s job(s) at shutdown: %s",
                 len(written),
