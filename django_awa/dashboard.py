@@ -100,6 +100,16 @@ class Counts:
         return bool(self.completed or self.failed or self.retried or any(self.wait))
 
 
+def _count_outcome(entry: Counts, state: str) -> None:
+    """Count outcome ``state`` (completed, failed, retried; others are not counted)."""
+    if state == JobState.COMPLETED:
+        entry.completed += 1
+    elif state == JobState.FAILED:
+        entry.failed += 1
+    elif state == JobState.RETRYABLE:
+        entry.retried += 1
+
+
 class Tally:
     """A worker's outcome counts per queue since its last flush (thread-safe)."""
 
@@ -120,12 +130,7 @@ class Tally:
 
     def _add(self, queue: str, state: str, wait: float | None) -> None:
         entry = self._entry(queue)
-        if state == JobState.COMPLETED:
-            entry.completed += 1
-        elif state == JobState.FAILED:
-            entry.failed += 1
-        elif state == JobState.RETRYABLE:
-            entry.retried += 1
+        _count_outcome(entry, state)
         if wait is not None:
             entry.wait[_bucket(wait)] += 1
 
@@ -151,13 +156,7 @@ class Tally:
                     queue = job.queue
                     entry = self._entry(queue)
                 if not result.snoozed:
-                    state = result.state
-                    if state == JobState.COMPLETED:
-                        entry.completed += 1
-                    elif state == JobState.FAILED:
-                        entry.failed += 1
-                    elif state == JobState.RETRYABLE:
-                        entry.retried += 1
+                    _count_outcome(entry, result.state)
                 started = result.started
                 claimed_at, due = job.heartbeat_at, job.run_at
                 if started is None or claimed_at is None or due is None:
