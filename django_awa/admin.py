@@ -1,5 +1,6 @@
-"""The Django admin (SPEC §8): jobs, queues, periodic schedules and dead letters
-(the live workers: ``fleet_admin.py``).
+"""The Django admin (SPEC §8): jobs, queues, periodic schedules and pending follow-ups
+(the live workers: ``fleet_admin.py``; the dashboard and dead letters, failed jobs
+grouped: ``ops_admin.py``).
 
 Job list pages stay cheap on tables of millions of rows: no full count, no
 facet counts, an estimated count for the unfiltered list, no per-row queries,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlencode
@@ -53,6 +54,7 @@ from .bulk_admin import BulkOperationsMixin
 from .codec import check_text
 from .conf import awa_settings
 from .exceptions import AwaError, ValidationError
+from .fleet import live
 from .fleet_admin import running_worker
 from .kinds import registry
 from .models import (
@@ -64,6 +66,7 @@ from .models import (
     PeriodicSchedule,
     Queue,
 )
+from .ops_admin import ErrorFilter  # registers the Dashboard and Dead letters pages too
 from .producer import held_back, queue_limits
 from .schedules import schedules
 from .workflows import workflow_status
@@ -276,7 +279,7 @@ def _to_datetime(value: datetime | str | None) -> datetime | None:
 
 
 def _short_time(value: datetime | None) -> SafeString | str:
-    """``2026-01-31 13:05`` in the current time zone, seconds in the tooltip."""
+    """``2026-01-31 13:05:09`` in the current time zone, the zone in the tooltip."""
     moment = _to_datetime(value)
     if moment is None:
         return "-"
@@ -284,7 +287,7 @@ def _short_time(value: datetime | None) -> SafeString | str:
         '<time datetime="{}" title="{}">{}</time>',
         moment.isoformat(),
         moment.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        moment.strftime("%Y-%m-%d %H:%M"),
+        moment.strftime("%Y-%m-%d %H:%M:%S"),
     )
 
 
@@ -296,6 +299,63 @@ def _long_time(value: Any) -> str:
     if moment is None:
         return str(value or "")
     return moment.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+
+
+def _timestamp(name: str, label: str) -> Callable[[Any, Job], str]:
+    """A job page field showing timestamp column ``name`` to the second."""
+
+    @admin.display(description=label)
+    def show(model_admin: Any, obj: Job) -> str:
+        return _long_time(getattr(obj, name)) or "-"
+
+    return show
+
+
+def _span(seconds: float) -> str:
+    """``0.25s``, ``42s``, ``3m 05s``, ``2h 04m``, ``3d 1h``."""
+    if seconds < 10:
+        return f"{seconds:.2f}s"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m {whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h {whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d {whole % 86400 // 3600}h"
+
+
+def _attempt_ended(job: Job) -> datetime | None:
+    """When the job's latest attempt ended: finalized_at, or its errors entry's time."""
+    if job.finalized_at is not None:
+        return job.finalized_at
+    last = job.errors[-1] if job.errors else None
+    if isinstance(last, dict) and last.get("attempt") == job.attempt:
+        return _to_datetime(last.get("at"))
+    return None
+
+
+def wait_text(job: Job) -> str:
+    """How long the latest attempt waited from due (run_at) to its start (attempted_at)."""
+    if job.attempted_at is None or job.run_at is None:
+        return "-" if job.attempted_at is None else ""
+    if job.run_at > job.attempted_at:
+        # run_at moved on (a retry's backoff, a snooze): the next run's due time.
+        return "- (run at is the next run's due time)"
+    return _span((job.attempted_at - job.run_at).total_seconds())
+
+
+def duration_text(job: Job) -> str:
+    """How long the latest attempt ran: to its outcome, or so far while running."""
+    if job.attempted_at is None:
+        return "-"
+    if job.state == JobState.RUNNING:
+        # For display only: the attempt's end is not recorded yet.
+        return f"{_span(max(0.0, (timezone.now() - job.attempted_at).total_seconds()))} so far"
+    ended = _attempt_ended(job)
+    if ended is None or ended < job.attempted_at:
+        return "-"
+    return _span((ended - job.attempted_at).total_seconds())
 
 
 def _job_link(job_id: int, label: str) -> SafeString:
@@ -645,7 +705,7 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         "last_error",
     )
     list_display_links = ("id", "kind")
-    list_filter = ("state", QueueFilter, KindFilter, TriggerFilter)
+    list_filter = ("state", QueueFilter, KindFilter, TriggerFilter, ErrorFilter)
     search_fields = ("kind", "queue")  # the search itself is get_search_results
     search_help_text = (
         f"A job id; or text in the kind or queue, or an exact tag, among the newest "
@@ -659,6 +719,13 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     unlisted_json = JOB_UNLISTED_JSON
     actions = ("retry_jobs", "cancel_jobs", "discard_jobs")
     running_worker = running_worker  # the job page's link to its worker (fleet_admin.py)
+    # The job page's times, to the second (the admin's default format drops seconds).
+    run_at_s = _timestamp("run_at", "run at")
+    created_at_s = _timestamp("created_at", "created at")
+    attempted_at_s = _timestamp("attempted_at", "attempted at")
+    heartbeat_at_s = _timestamp("heartbeat_at", "heartbeat at")
+    deadline_at_s = _timestamp("deadline_at", "deadline at")
+    finalized_at_s = _timestamp("finalized_at", "finalized at")
     readonly_fields = (
         "id",
         "kind",
@@ -667,12 +734,14 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         "priority",
         "attempts",
         "tag_list",
-        "run_at",
-        "created_at",
-        "attempted_at",
-        "heartbeat_at",
-        "deadline_at",
-        "finalized_at",
+        "run_at_s",
+        "created_at_s",
+        "attempted_at_s",
+        "heartbeat_at_s",
+        "deadline_at_s",
+        "finalized_at_s",
+        "waited",
+        "ran",
         "running_worker",
         "args_json",
         "error_list",
@@ -698,8 +767,9 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
             "Timing",
             {
                 "fields": (
-                    ("run_at", "created_at", "attempted_at"),
-                    ("heartbeat_at", "deadline_at", "finalized_at"),
+                    ("run_at_s", "created_at_s", "attempted_at_s"),
+                    ("heartbeat_at_s", "deadline_at_s", "finalized_at_s"),
+                    ("waited", "ran"),
                     ("running_worker",),
                 )
             },
@@ -834,6 +904,9 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         user = request.user
         if user.has_perm("django_awa.view_job") or user.has_perm("django_awa.view_queue"):
             links["awa_queues_url"] = reverse("admin:django_awa_queue_changelist")
+        if user.has_perm("django_awa.view_job") or user.has_perm("django_awa.change_job"):
+            links["awa_dead_letters_url"] = reverse("admin:django_awa_deadletter_changelist")
+            links["awa_dashboard_url"] = reverse("admin:django_awa_dashboard_changelist")
         if user.has_perm("django_awa.view_pendingfollowup"):
             links["awa_pending_url"] = reverse("admin:django_awa_pendingfollowup_changelist")
         if user.has_perm("django_awa.view_periodicschedule"):
@@ -869,6 +942,14 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         return super().has_change_permission(request)
 
     @admin.display(description="tags")
+    @admin.display(description="waited (due to start)")
+    def waited(self, obj: Job) -> str:
+        return wait_text(obj)
+
+    @admin.display(description="ran (latest attempt)")
+    def ran(self, obj: Job) -> str:
+        return duration_text(obj)
+
     def tag_list(self, obj: Job) -> str:
         tags = obj.tags if isinstance(obj.tags, list) else [obj.tags]
         return ", ".join(short_text(tag) for tag in tags if tag is not None) or "(none)"
@@ -1226,24 +1307,29 @@ class QueueAdmin(AwaModelAdmin[Queue]):
             stats.setdefault(name, control.empty_queue_stats())
         jobs_url = reverse("admin:django_awa_job_changelist")
         flow = _flow_control(sorted(stats), alias)
+        triage = queue_triage(alias)
         rows = []
         for name in sorted(stats):
             entry = stats[name]
+            total = sum(
+                entry[state]
+                for state in JobState.values
+                if not (counted and state in JobState.FINAL)
+            )
             rows.append(
                 {
                     "name": name,
                     "paused": entry["paused"],
                     **flow[name],
+                    **triage.row(name),
                     "url": f"{jobs_url}?{urlencode({'queue': name})}",
-                    "total": sum(
-                        entry[state]
-                        for state in JobState.values
-                        if not (counted and state in JobState.FINAL)
-                    ),
+                    "total": f"{total:,}",
                     "counts": [
                         {
                             "state": state,
-                            "count": "…" if counted and state in JobState.FINAL else entry[state],
+                            "count": "…"
+                            if counted and state in JobState.FINAL
+                            else (f"{entry[state]:,}" if entry[state] else 0),
                             "url": jobs_url
                             + "?"
                             + urlencode({"queue": name, "state__exact": state}),
@@ -1319,6 +1405,42 @@ class QueueAdmin(AwaModelAdmin[Queue]):
         self.message_user(request, f"Changed the limits of queue {name} for every worker.")
         logger.info("queue %s limits changed in admin by %s", name, request.user.get_username())
         return changelist
+
+
+class _QueueTriage:
+    """What the queue page says of each queue besides its counts: its oldest due job's
+    age (from the leader's last count, ``awa_job_count``), since when it is paused,
+    and whether a live worker serves it (the worker registry). Small tables only."""
+
+    def __init__(self, alias: str) -> None:
+        conf = awa_settings()
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.DATABASE_NOW)
+            self.now: datetime = cursor.fetchone()[0]
+        self.oldest = dict(
+            JobCount.objects.using(alias)
+            .filter(state=JobState.AVAILABLE, oldest_run_at__isnull=False)
+            .values_list("queue", "oldest_run_at")
+        )
+        self.paused_at = dict(
+            Queue.objects.using(alias).filter(paused=True).values_list("name", "paused_at")
+        )
+        self.served: set[str] = set()
+        for queues in live(alias, conf.stale_after).values_list("queues", flat=True):
+            self.served.update(queues or {})
+
+    def row(self, name: str) -> dict[str, Any]:
+        oldest = self.oldest.get(name)
+        paused_at = self.paused_at.get(name)
+        return {
+            "oldest_due": "-" if oldest is None else _span((self.now - oldest).total_seconds()),
+            "paused_since": _long_time(paused_at) if paused_at else "",
+            "served": name in self.served,
+        }
+
+
+def queue_triage(alias: str) -> _QueueTriage:
+    return _QueueTriage(alias)
 
 
 def _flow_control(names: list[str], alias: str) -> dict[str, dict[str, Any]]:
@@ -1430,7 +1552,10 @@ class PeriodicScheduleAdmin(ReadOnlyAdmin[PeriodicSchedule]):
 
 @admin.register(PendingFollowup)
 class PendingFollowupAdmin(ReadOnlyAdmin[PendingFollowup]):
-    """Dead letters: committed outcomes whose follow-ups maintenance keeps retrying."""
+    """Pending follow-ups: committed outcomes whose follow-ups maintenance keeps retrying.
+
+    (Failed jobs, what users call dead letters, have their own page: ``ops_admin.py``.)
+    """
 
     list_display = (
         "id",

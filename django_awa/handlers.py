@@ -463,6 +463,7 @@ class HandlerPool:
             written = run_atomic_attempt(attempt, spec, args)
             if written is not None:
                 notify_freed(self.state, [written])
+                self.state.tally.record([written], self.state.running)
         except DB_ERRORS as exc:
             # The transaction rolled back, or its commit's acknowledgement was
             # lost: the completer records the attempt as failed. Its write is

@@ -83,6 +83,7 @@ class Heartbeat:
             self.last_beat = time.monotonic()
             self.heartbeat(attempts)
             fleet.beat(state)  # the worker's own row, with the jobs it runs
+            state.tally.flush(state.alias, state.name)  # outcomes, for the dashboard
 
     def mark_started(self, attempts: list[Attempt]) -> None:
         """Store when the handlers running ``MARK_STARTED_AFTER`` or longer began."""

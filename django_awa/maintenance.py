@@ -3,8 +3,8 @@
 Duties: promote due scheduled and retryable jobs and move finished rows into
 ``awa_job_done`` (every tick), and every ``MAINTENANCE_INTERVAL``: rescue
 stale, overdue and timed-out jobs, insert pending follow-ups, age priorities,
-fire periodic jobs, forget dead workers, count jobs for the metrics, prune
-finished rows.
+fire periodic jobs, forget dead workers, count jobs for the metrics, roll up
+the dashboard's outcome counts, prune finished rows.
 Each duty is a method tests can call directly; ``run_once()`` runs them all.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from django.db import DatabaseError, connections, transaction
 from django.db.models.functions import Now
 
-from . import db, fleet, sequences, sql
+from . import dashboard, db, fleet, sequences, sql
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
@@ -212,6 +212,7 @@ class Maintenance:
             self._duty("fire_periodic", self.fire_periodic)
             self._duty("prune_workers", self.prune_workers)
             self._duty("count_jobs", self.count_jobs)
+            self._duty("roll_up_stats", self.roll_up_stats)
             self._duty("prune_attempt_starts", self.prune_attempt_starts)
             woken |= self._duty("restore_parked", self.restore_parked) or set()
             if now - self._last_prune >= PRUNE_EVERY:
@@ -250,6 +251,7 @@ class Maintenance:
         self.fire_periodic(now)
         self.prune_workers()
         self.count_jobs()
+        self.roll_up_stats()
         self.prune()
         self.prune_attempt_starts()
         self.restore_parked()
@@ -344,6 +346,11 @@ class Maintenance:
             # A job failed for good by the rescue settles its dependents in
             # the rescue's transaction; one made retryable is no outcome yet.
             after_outcomes(jobs, self.alias)
+            if jobs:  # counted for the dashboard, committed with the rescue
+                tally = dashboard.Tally()
+                for job in jobs:
+                    tally.count(job.queue, job.state)
+                tally.flush(self.alias, f"maintenance:{self.holder or 'run_once'}")
         if rescued:
             reasons = Counter(row[0] for row in rescued)
             logger.warning(
@@ -451,6 +458,21 @@ class Maintenance:
         with self._transaction(), connections[self.alias].cursor() as cursor:
             cursor.execute(sql.CLEAR_JOB_COUNTS)
             cursor.execute(sql.COUNT_JOBS)
+
+    def roll_up_stats(self) -> int:
+        """Fold the outcome counts workers flushed into the dashboard's per-minute rollup,
+        record each queue's oldest due job, prune old minutes (``dashboard.py``);
+        returns how many flushed rows were taken."""
+        total = 0
+        for _ in range(dashboard.FOLD_ROUNDS):
+            with self._transaction():
+                taken = dashboard.fold(self.alias, dashboard.FOLD_BATCH)
+            total += taken
+            if taken < dashboard.FOLD_BATCH:
+                break
+        with self._transaction():
+            dashboard.record_oldest_due_and_prune(self.alias)
+        return total
 
     def prune_attempt_starts(self) -> int:
         """Forget attempt starts no rate window reads any more (``awa_attempt_start``)."""

@@ -81,6 +81,11 @@ def _in_range(column: str) -> models.CheckConstraint:
     )
 
 
+# The dead-letter view groups failed jobs by their last error's first line, cut
+# at this many characters (sql.DEAD_LETTER_GROUPS says the same).
+ERROR_LINE_CHARS = 200
+
+
 class JobQuerySet(models.QuerySet["Job"]):
     """The filters of the admin's job list and of ``Job.followups()``; deletion."""
 
@@ -107,6 +112,21 @@ class JobQuerySet(models.QuerySet["Job"]):
 
     def of_kind(self, kind: str) -> JobQuerySet:
         return self.filter(kind=kind)
+
+    def with_error(self, first_line: str) -> JobQuerySet:
+        """Jobs whose last error's first line is ``first_line`` (as the dead-letter view
+        groups them: cut at ``ERROR_LINE_CHARS``; ``""``: no error text)."""
+        last = "errors__-1__error"
+        if not first_line:
+            return self.filter(
+                Q(**{f"{last}__isnull": True})
+                | Q(**{last: ""})
+                | Q(**{f"{last}__startswith": "\n"})
+            )
+        match = Q(**{last: first_line}) | Q(**{f"{last}__startswith": first_line + "\n"})
+        if len(first_line) >= ERROR_LINE_CHARS:
+            match |= Q(**{f"{last}__startswith": first_line})
+        return self.filter(match)
 
     def followups_of(self, job_id: int) -> JobQuerySet:
         """Jobs enqueued by follow-ups of job ``job_id`` (uses ``awa_job_trigger_idx``)."""
@@ -413,7 +433,7 @@ class PendingFollowup(models.Model):
         db_table = "awa_pending_followup"
         ordering = ("next_attempt_at", "id")
         verbose_name = "pending follow-up"
-        verbose_name_plural = "pending follow-ups (dead letters)"
+        verbose_name_plural = "pending follow-ups"
         indexes = [models.Index(fields=["next_attempt_at"], name="awa_pending_due_idx")]
 
     def __str__(self) -> str:
@@ -612,3 +632,76 @@ class JobCount(models.Model):
 
     def __str__(self) -> str:
         return f"{self.queue}/{self.state}: {self.count}"
+
+
+class StatDelta(models.Model):
+    """Outcomes one worker counted since its last heartbeat (``dashboard.Tally``).
+
+    Insert-only: each heartbeat adds rows of its own (one per queue with
+    news), the maintenance leader takes them all and folds them into
+    ``StatMinute``. No row is shared between workers, so no finalize waits
+    on another's counter.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    worker = models.CharField(max_length=300)
+    queue = models.CharField(max_length=128)
+    minute = models.DateTimeField()  # the database clock's minute of the flush
+    completed = models.BigIntegerField(default=0)
+    failed = models.BigIntegerField(default=0)
+    retried = models.BigIntegerField(default=0)
+    # Attempts started, counted per wait bucket (dashboard.WAIT_BOUNDS).
+    wait = models.JSONField(default=list)
+
+    class Meta:
+        db_table = "awa_stat_delta"
+
+    def __str__(self) -> str:
+        return f"{self.worker} {self.queue} {self.minute:%H:%M}"
+
+
+class StatMinute(models.Model):
+    """One queue's outcomes in one minute, written by the maintenance leader only.
+
+    What the admin dashboard draws. Kept for a day and an hour
+    (``dashboard.KEEP_SECONDS``), pruned by maintenance: at most one row per
+    queue and minute.
+    """
+
+    queue = models.CharField(max_length=128)
+    minute = models.DateTimeField()
+    completed = models.BigIntegerField(default=0)
+    failed = models.BigIntegerField(default=0)
+    retried = models.BigIntegerField(default=0)
+    wait = models.JSONField(default=list)
+    # Seconds the queue's oldest available job had been due, the most seen in
+    # this minute by the leader's count (None: none was due).
+    oldest_due = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        db_table = "awa_stat_minute"
+        constraints = [
+            models.UniqueConstraint(fields=["minute", "queue"], name="awa_stat_minute_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.queue} {self.minute:%Y-%m-%d %H:%M}"
+
+
+class Dashboard(Job):
+    """The admin's live dashboard (``dashboard.py``): a proxy of ``Job`` only so the
+    admin lists it; it has no rows of its own."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "dashboard"
+        verbose_name_plural = "dashboard"
+
+
+class DeadLetter(Job):
+    """Failed jobs (attempts exhausted), as the admin's dead-letter view groups them."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "dead letter (failed job)"
+        verbose_name_plural = "dead letters (failed jobs)"

@@ -230,6 +230,8 @@ class Worker:
         for thread in state.threads:
             thread.join(timeout=max(0.0, until - time.monotonic()))
         try:
+            # The outcomes counted since the last heartbeat, for the dashboard.
+            state.tally.flush(state.alias, state.name)
             fleet.deregister(state)
         except DB_ERRORS as exc:
             logger.warning("could not deregister worker %s (%s); it ages out", state.name, exc)
@@ -262,6 +264,7 @@ class Worker:
             result.started = attempt.started
         try:
             written = finalize(results, self.state.alias)
+            self.state.tally.record(written)  # flushed at the end of the drain
             logger.warning(
                 "gave back %s %s job(s) at shutdown: %s",
                 len(written),

@@ -1250,7 +1250,6 @@ DISCARD_JOBS = """
 DELETE FROM awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
 """
 
-
 # ==== External callbacks (callbacks.py) ====
 
 # -- LOCK_BY_CALLBACK --
@@ -1459,6 +1458,114 @@ FROM ONLY awa_job GROUP BY queue, state
 # -1 before it was first analyzed or vacuumed), for <prefix>/metrics.
 DONE_ROWS_ESTIMATE = """
 SELECT coalesce(max(reltuples), -1)::bigint FROM pg_class WHERE oid = to_regclass('awa_job_done')
+"""
+
+# ==== Dashboard and dead letters (dashboard.py, dead_letters.py) ====
+#
+# The admin dashboard draws awa_stat_minute, never awa_job: each worker's
+# heartbeat inserts the outcomes it counted into rows of its own
+# (awa_stat_delta), and the maintenance leader, the rollup's only writer,
+# folds them in each maintenance interval. No counter row is locked by
+# finalize or shared between workers.
+
+# -- FLUSH_TALLY --
+# A worker's outcome counts since its last heartbeat, one row per queue, at
+# the database clock's minute. Insert-only: no lock another worker waits on.
+FLUSH_TALLY = """
+INSERT INTO awa_stat_delta (worker, queue, minute, completed, failed, retried, wait)
+SELECT %(worker)s, t.queue, date_trunc('minute', now()), t.completed, t.failed, t.retried,
+       t.wait::jsonb
+FROM unnest(%(queue)s::text[], %(completed)s::bigint[], %(failed)s::bigint[],
+            %(retried)s::bigint[], %(wait)s::text[])
+     AS t(queue, completed, failed, retried, wait)
+"""
+
+# -- TAKE_STAT_DELTAS --
+# The leader takes up to %(limit)s flushed rows, oldest first (deleted in its
+# fenced transaction, so a lost lease puts them back). Rows flushed meanwhile
+# wait for the next pass. Index: the primary key.
+TAKE_STAT_DELTAS = """
+DELETE FROM awa_stat_delta WHERE id IN (
+    SELECT id FROM awa_stat_delta ORDER BY id LIMIT %(limit)s
+)
+RETURNING queue, minute, completed, failed, retried, wait
+"""
+
+# -- READ_STAT_MINUTES --
+# The rollup rows the taken deltas add to, locked until the leader rewrites
+# them. Index: awa_stat_minute_uniq (minute, queue).
+READ_STAT_MINUTES = """
+SELECT m.queue, m.minute, m.completed, m.failed, m.retried, m.wait
+FROM awa_stat_minute AS m
+JOIN unnest(%(queue)s::text[], %(minute)s::timestamptz[]) AS k(queue, minute)
+  ON m.queue = k.queue AND m.minute = k.minute
+FOR UPDATE OF m
+"""
+
+# -- WRITE_STAT_MINUTES --
+# Store the sums the leader computed (old row plus the taken deltas).
+WRITE_STAT_MINUTES = """
+INSERT INTO awa_stat_minute (queue, minute, completed, failed, retried, wait)
+SELECT t.queue, t.minute, t.completed, t.failed, t.retried, t.wait::jsonb
+FROM unnest(%(queue)s::text[], %(minute)s::timestamptz[], %(completed)s::bigint[],
+            %(failed)s::bigint[], %(retried)s::bigint[], %(wait)s::text[])
+     AS t(queue, minute, completed, failed, retried, wait)
+ON CONFLICT (minute, queue) DO UPDATE SET
+    completed = excluded.completed, failed = excluded.failed,
+    retried = excluded.retried, wait = excluded.wait
+"""
+
+# -- RECORD_OLDEST_DUE --
+# Each queue's oldest available job's age in this minute, from the counts the
+# leader just wrote (awa_job_count: no scan of awa_job); the most in a minute
+# is kept. Queues with nothing due get no row here.
+RECORD_OLDEST_DUE = """
+INSERT INTO awa_stat_minute (queue, minute, completed, failed, retried, wait, oldest_due)
+SELECT queue, date_trunc('minute', counted_at), 0, 0, 0, '[]'::jsonb,
+       greatest(extract(epoch FROM counted_at - oldest_run_at), 0)::float8
+FROM awa_job_count WHERE state = 'available' AND oldest_run_at IS NOT NULL
+ON CONFLICT (minute, queue) DO UPDATE SET
+    oldest_due = greatest(awa_stat_minute.oldest_due, excluded.oldest_due)
+"""
+
+# -- PRUNE_STAT_MINUTES --
+# Forget rollup minutes older than the dashboard draws. Index: awa_stat_minute_uniq.
+PRUNE_STAT_MINUTES = """
+DELETE FROM awa_stat_minute WHERE minute < now() - make_interval(secs => %(keep)s)
+"""
+
+# -- DASHBOARD_WINDOW --
+# The database clock and the start of a window of %(window)s seconds ending
+# with the current minute: the charts' edges.
+DASHBOARD_WINDOW = """
+SELECT now(), date_trunc('minute', now()) + interval '1 minute' - make_interval(secs => %(window)s)
+"""
+
+# -- DASHBOARD_MINUTES --
+# The rollup rows from %(start)s on, each with the chart point it falls in
+# (%(step)s seconds a point). Index: awa_stat_minute_uniq (minute leads); at
+# most a row per queue and minute.
+DASHBOARD_MINUTES = """
+SELECT queue, (extract(epoch FROM minute - %(start)s)::bigint / %(step)s)::int,
+       completed, failed, retried, wait, oldest_due
+FROM awa_stat_minute WHERE minute >= %(start)s
+"""
+
+# -- DEAD_LETTER_GROUPS --
+# Failed (exhausted) jobs grouped by queue, kind and the first line of their
+# last error, over the newest %(cap)s failed rows only, so the page costs the
+# same with a million of them. Index: awa_job_finalized_idx (state,
+# finalized_at) on awa_job and awa_job_done, read backwards (a merge append).
+DEAD_LETTER_GROUPS = """
+SELECT f.queue, f.kind, f.error, count(*), min(f.finalized_at), max(f.finalized_at)
+FROM (
+    SELECT queue, kind, finalized_at,
+           left(split_part(coalesce(errors -> -1 ->> 'error', ''), E'\\n', 1), 200) AS error
+    FROM awa_job WHERE state = 'failed'
+    ORDER BY finalized_at DESC LIMIT %(cap)s
+) AS f
+GROUP BY f.queue, f.kind, f.error
+ORDER BY count(*) DESC, max(f.finalized_at) DESC
 """
 
 # ==== Dependencies and workflows (dependencies.py) ====

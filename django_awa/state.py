@@ -25,6 +25,7 @@ import psycopg
 from django.db import DatabaseError, InterfaceError, connections
 
 from .conf import AwaSettings, awa_settings
+from .dashboard import Tally
 from .db import ConnectionNeed, connection_need
 from .logs import log_context, set_worker
 
@@ -228,6 +229,8 @@ class WorkerState:
     running_lock: threading.Lock = field(default_factory=threading.Lock)
     threads: list[threading.Thread] = field(default_factory=list)
     processed: int = 0  # attempts finished, for the log at exit
+    # Outcomes counted since the last heartbeat, for the admin dashboard (dashboard.py).
+    tally: Tally = field(default_factory=Tally)
     # Results waiting for the completer: past this, producers stop claiming,
     # so claimed-but-unrecorded jobs stay bounded when the database is slow.
     backlog_limit: int = 1000
