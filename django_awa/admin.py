@@ -50,6 +50,7 @@ from django.utils.translation import ngettext
 
 from . import bulk, control, sql
 from . import schedules as schedule_steering
+from .admin_base import ModelAdmin as _ModelAdmin
 from .bulk_admin import BulkOperationsMixin
 from .codec import check_text
 from .conf import awa_settings
@@ -72,18 +73,10 @@ from .schedules import schedules
 from .workflows import workflow_status
 
 if TYPE_CHECKING:
-    from django.contrib.admin import ModelAdmin as _ModelAdmin
-
     _JobPaginator = Paginator[Job]
 else:
-    # django-stubs makes ModelAdmin and Paginator generic, which is how
-    # ModelAdmin[Job] types an admin's querysets and objects; Django's own
-    # classes take no subscript.
+    # django-stubs makes Paginator generic; Django's own class takes no subscript.
     _JobPaginator = Paginator
-
-    class _ModelAdmin(admin.ModelAdmin):
-        def __class_getitem__(cls, params):
-            return cls
 
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ it counted. Kept apart from ``admin.py``: ``JobAdmin`` mixes it in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from django.contrib import admin, messages
+from django.contrib import messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
@@ -29,18 +29,10 @@ from django.urls import URLPattern, path, reverse
 from django.utils.decorators import method_decorator
 
 from . import bulk
+from .admin_base import ModelAdmin as _ModelAdmin
 from .exceptions import ValidationError
 from .kinds import PRIORITY_MAX, PRIORITY_MIN
 from .models import Job
-
-if TYPE_CHECKING:
-    from django.contrib.admin import ModelAdmin as _ModelAdmin
-else:
-
-    class _ModelAdmin(admin.ModelAdmin):
-        def __class_getitem__(cls, params):
-            return cls
-
 
 # Jobs listed on the confirmation page as a sample of what will be touched.
 SAMPLE_SHOWN = 20

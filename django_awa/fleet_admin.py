@@ -7,7 +7,7 @@ this module and shows ``running_worker`` on a job's page.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.contrib import admin
 from django.db.models import QuerySet
@@ -18,17 +18,9 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from . import fleet
+from .admin_base import ModelAdmin as _ModelAdmin
 from .conf import awa_settings
 from .models import Job, JobState, Worker
-
-if TYPE_CHECKING:
-    from django.contrib.admin import ModelAdmin as _ModelAdmin
-else:
-
-    class _ModelAdmin(admin.ModelAdmin):
-        def __class_getitem__(cls, params):
-            return cls
-
 
 # Running jobs listed on a worker's page.
 RUNNING_SHOWN = 100

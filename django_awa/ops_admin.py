@@ -16,7 +16,7 @@ pages) and lists ``ErrorFilter`` among the job list's filters.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
@@ -34,6 +34,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 
 from . import bulk, dashboard, sql
+from .admin_base import ModelAdmin as _ModelAdmin
 from .conf import awa_settings
 from .models import (
     ERROR_LINE_CHARS,
@@ -43,15 +44,6 @@ from .models import (
     JobQuerySet,
     JobState,
 )
-
-if TYPE_CHECKING:
-    from django.contrib.admin import ModelAdmin as _ModelAdmin
-else:
-
-    class _ModelAdmin(admin.ModelAdmin):
-        def __class_getitem__(cls, params):
-            return cls
-
 
 logger = logging.getLogger(__name__)
 
