@@ -18,7 +18,7 @@ exactly when its charge is ``completed`` and its receipt is enqueued.
 ``ShipOrder`` books the parcel with a carrier and parks on an external callback;
 the carrier (``awa_demo`` plays it) answers with a tracking number.
 
-Some orders are placed as a workflow instead (``place_order_workflow``):
+Some orders are placed as a workflow instead (``order_workflow``):
 charge, then ``PackOrder`` and ``InvoiceOrder`` in parallel, then ship, then an
 ``OrderReport`` that runs however the others ended (``requires="finished"``).
 """
@@ -186,15 +186,16 @@ def order_report(job: awa.JobContext):
     return {"order": order.reference, "status": order.status, "steps": steps}
 
 
-def place_order_workflow(order: Order, *, using: str | None = None) -> list[awa.JobArgs]:
-    """Enqueue an order's jobs as one workflow, in the caller's transaction."""
+def order_workflow(order: Order) -> awa.Workflow:
+    """An order's jobs as one workflow, not yet enqueued: charge, then pack and invoice
+    in parallel, then ship, then a report however shipping ended."""
     flow = awa.Workflow(f"order {order.reference}")
     charge = flow.add(ChargeCard(order_id=order.id, amount_cents=order.amount_cents))
     pack = flow.add(PackOrder(order_id=order.id), after=[charge])
     invoice = flow.add(InvoiceOrder(order_id=order.id), after=[charge])
     ship = flow.add(ShipOrder(order_id=order.id), after=[pack, invoice])
     flow.add(OrderReport(order_id=order.id), after=[ship], requires="finished")
-    return flow.enqueue(using=using)
+    return flow
 
 
 @awa.worker(ResizeImage)
