@@ -1,10 +1,11 @@
 """The moving parts of ``manage.py awa_demo``: worker processes, and threads of its own:
 
 * the workers: ``manage.py awa_worker`` subprocesses (``WorkerProcesses``);
-* the producers: create orders at a steady rate, each tick's ``Order`` rows and
-  their ``ChargeCard`` jobs in one transaction, plus a stream of cheap jobs, and
-  with ``--preset burst`` a bulk ``enqueue_many`` now and then (``Burst``);
-  threads of a child process of their own (``ProducerProcess``);
+* the producers: create orders at a steady rate and a stream of cheap jobs, each
+  tick's ``Order`` rows, their ``ChargeCard`` jobs or workflows and the cheap jobs
+  in one transaction of a few statements (``Workflow.enqueue_many``,
+  ``enqueue_many``), and with ``--preset burst`` a bulk ``enqueue_many`` now and
+  then (``Burst``); threads of a child process of their own (``ProducerProcess``);
 * the carrier: answers parked ``ShipOrder`` jobs after a short delay, by a
   signed ``POST`` to the callback receiver (``http``) or by calling
   ``awa.complete_external`` (``direct``);
