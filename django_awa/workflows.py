@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,8 @@ class Step:
         return jobs[self.index] if jobs is not None else None
 
     def __repr__(self) -> str:
-        label = self.name or getattr(self.item, "kind", None) or type(self.item).__name__
+        item = self.item.args if isinstance(self.item, EnqueueRequest) else self.item
+        label = self.name or getattr(item, "kind", None) or type(item).__name__
         return f"<Step {self.index} {label!r} of {self.workflow!r}>"
 
 
@@ -120,24 +121,7 @@ class Workflow:
         written) or ``UniqueConflict`` (a step's unique key is held; nothing
         written, the caller's transaction stays usable).
         """
-        if self.jobs is not None:
-            raise ValidationError(f"{self!r} is already enqueued")
-        if not self.steps:
-            raise ValidationError(f"{self!r} has no steps")
-        alias = database_alias(using)
-        prepared = self._prepare(alias)
-        with transaction.atomic(using=alias):
-            inserted = insert_with_dependencies(prepared, alias, ids=True)
-            if inserted.skipped:
-                step = self.steps[inserted.skipped[0]]
-                # Leaving the block by raising rolls back every step.
-                raise UniqueConflict(
-                    f"{step!r}: a job of kind {prepared[step.index].kind!r} with the same "
-                    f"unique key is already held; nothing of {self!r} was enqueued"
-                )
-        rows = {job.id: job for job in Job.objects.using(alias).filter(id__in=inserted.ids)}
-        self.jobs = [rows[job_id] for job_id in inserted.ids]
-        return self.jobs
+        return Workflow.enqueue_many([self], using=using)[0]
 
     async def aenqueue(self, *, using: str | None = None) -> list[Job]:
         """``enqueue`` for async code: runs in the thread that holds the async caller's
@@ -145,8 +129,86 @@ class Workflow:
         transaction opened there."""
         return await sync_to_async(self.enqueue, thread_sensitive=True)(using=using)
 
+    @staticmethod
+    def enqueue_many(workflows: Iterable[Workflow], *, using: str | None = None) -> list[list[Job]]:
+        """Enqueue several workflows at once, in the caller's transaction on ``using``.
+
+        The same as calling ``enqueue`` on each, in one savepoint and a handful
+        of statements whatever their number: ids for every step drawn in one
+        statement, the steps in one ``INSERT``, the edges in another, the new
+        blocked steps judged together. Returns each workflow's ``Job`` rows in
+        ``add()`` order, in the order the workflows were given.
+
+        Every workflow is validated before anything is written: an item that is
+        not a ``Workflow``, one given twice, already enqueued or without steps,
+        or any of the errors ``enqueue`` names raise ``ValidationError`` with
+        nothing written. A step's unique key already held raises
+        ``UniqueConflict`` naming the step; none of the workflows is written
+        and the caller's transaction stays usable.
+        """
+        if isinstance(workflows, (str, bytes, Workflow)) or not isinstance(workflows, Iterable):
+            raise ValidationError(
+                f"Workflow.enqueue_many takes a list of workflows, got {workflows!r}"
+            )
+        flows = list(workflows)
+        seen: set[int] = set()
+        for flow in flows:
+            if not isinstance(flow, Workflow):
+                raise ValidationError(
+                    f"Workflow.enqueue_many takes Workflow objects, got "
+                    f"{type(flow).__name__}: {flow!r}; nothing was enqueued"
+                )
+            if id(flow) in seen:
+                raise ValidationError(f"{flow!r} is given twice; nothing was enqueued")
+            seen.add(id(flow))
+            if flow.jobs is not None:
+                raise ValidationError(f"{flow!r} is already enqueued")
+            if not flow.steps:
+                raise ValidationError(f"{flow!r} has no steps")
+        if not flows:
+            return []
+        alias = database_alias(using)
+        graphs = [flow._prepare(alias) for flow in flows]
+        prepared = [job for graph in graphs for job in graph]
+        # The ids of every new step, drawn in one statement.
+        ids = iter(_reserve(alias, len(prepared)))
+        for flow, graph in zip(flows, graphs, strict=True):
+            flow._number(graph, [next(ids) for _ in graph])
+        with transaction.atomic(using=alias):
+            inserted = insert_with_dependencies(prepared, alias, ids=True)
+            if inserted.skipped:
+                flow, step = _step_at(flows, inserted.skipped[0])
+                # Leaving the block by raising rolls back every workflow.
+                raise UniqueConflict(
+                    f"{step!r}: a job of kind {prepared[inserted.skipped[0]].kind!r} with the "
+                    f"same unique key is already held; nothing of {flow!r}"
+                    + (
+                        f" nor of the {others} other workflow{'s' if others > 1 else ''}"
+                        if (others := len(flows) - 1)
+                        else ""
+                    )
+                    + " was enqueued"
+                )
+        rows = {job.id: job for job in Job.objects.using(alias).filter(id__in=inserted.ids)}
+        position = 0
+        for flow in flows:
+            flow.jobs = [
+                rows[job_id] for job_id in inserted.ids[position : position + len(flow.steps)]
+            ]
+            position += len(flow.steps)
+        return [flow.jobs for flow in flows if flow.jobs is not None]
+
+    @staticmethod
+    async def aenqueue_many(
+        workflows: Iterable[Workflow], *, using: str | None = None
+    ) -> list[list[Job]]:
+        """``enqueue_many`` for async code, on the connection ``aenqueue`` uses."""
+        return await sync_to_async(Workflow.enqueue_many, thread_sensitive=True)(
+            list(workflows), using=using
+        )
+
     def _prepare(self, alias: str) -> list[PreparedJob]:
-        """Every step validated and its dependencies resolved to ids to be drawn."""
+        """Every step validated, the graph checked acyclic; ids drawn later (``_number``)."""
         by_name = {step.name: step for step in self.steps if step.name is not None}
         edges: dict[int, list[int]] = {}
         prepared: list[PreparedJob] = []
@@ -189,9 +251,12 @@ class Workflow:
             edges[step.index] = list(dict.fromkeys(steps_before))
             prepared.append(job)
         _check_acyclic(self, edges)
-        # The ids of new steps are drawn in one statement; each step's after
-        # lists its dependencies in the order given: earlier steps, then jobs.
-        ids = _reserve(alias, len(prepared))
+        return prepared
+
+    def _number(self, prepared: list[PreparedJob], ids: list[int]) -> None:
+        """Give each prepared step its drawn id; each step's ``after`` lists its
+        dependencies in the order given: earlier steps, then jobs."""
+        by_name = {step.name: step for step in self.steps if step.name is not None}
         for step, job in zip(self.steps, prepared, strict=True):
             job.id = ids[step.index]
             order = []
@@ -203,7 +268,15 @@ class Workflow:
                 else:
                     order.append(ref.id if isinstance(ref, Job) else ref)
             job.after = list(dict.fromkeys(order))
-        return prepared
+
+
+def _step_at(flows: list[Workflow], position: int) -> tuple[Workflow, Step]:
+    """The workflow and step at ``position`` of the steps of ``flows``, concatenated."""
+    for flow in flows:
+        if position < len(flow.steps):
+            return flow, flow.steps[position]
+        position -= len(flow.steps)
+    raise IndexError(position)
 
 
 def _metadata_json(metadata: dict[str, Any], step: Step) -> str:

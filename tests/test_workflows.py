@@ -421,6 +421,129 @@ def test_a_unique_clash_in_a_workflow_writes_none_of_it():
     assert _counts() == before
 
 
+def _order_flow(n: int, *, before: Job | None = None) -> awa.Workflow:
+    """A diamond: ``charge``, then ``pack`` and ``invoice``, then ``ship`` (after
+    ``before`` too, when given)."""
+    flow = awa.Workflow(f"order {n}")
+    charge = flow.add(Node(name=f"charge{n}"))
+    pack = flow.add(Node(name=f"pack{n}"), after=[charge])
+    invoice = flow.add(Node(name=f"invoice{n}"), after=[charge])
+    flow.add(Node(name=f"ship{n}"), after=[pack, invoice, *([before] if before else [])])
+    return flow
+
+
+@db
+def test_enqueue_many_writes_each_workflow_as_enqueue_does_and_runs_them():
+    existing = awa.enqueue(Node(name="existing"))
+    flows = [_order_flow(0), _order_flow(1, before=existing), awa.Workflow("single")]
+    flows[2].add(Node(name="alone"), requires="finished")
+    rows = awa.Workflow.enqueue_many(iter(flows))
+    # Each workflow's rows in add() order, in the order the workflows came.
+    assert [[j.args["name"] for j in jobs] for jobs in rows] == [
+        ["charge0", "pack0", "invoice0", "ship0"],
+        ["charge1", "pack1", "invoice1", "ship1"],
+        ["alone"],
+    ]
+    for flow, jobs in zip(flows, rows, strict=True):
+        assert flow.jobs == jobs and [s.job for s in flow.steps] == jobs
+        assert {j.workflow_id for j in jobs} == {flow.id}
+        assert all(j.metadata["awa_workflow"]["name"] == flow.name for j in jobs)
+    assert [j.state for j in rows[0]] == ["available", "blocked", "blocked", "blocked"]
+    assert [j.state for j in rows[2]] == ["available"]
+    ship1 = rows[1][3]
+    assert [d.id for d in ship1.dependencies()] == [rows[1][1].id, rows[1][2].id, existing.id]
+    assert Job.objects.get(id=existing.id).has_dependents
+
+    order = run_all()
+    assert len(order) == 10 and all(runs(j) == 1 for jobs in rows for j in jobs)
+    position = {job_id: n for n, job_id in enumerate(order)}
+    for jobs in rows[:2]:
+        charge, pack, invoice, ship = (position[j.id] for j in jobs)
+        assert charge < pack < ship and charge < invoice < ship
+    assert position[existing.id] < position[ship1.id]
+    assert all(awa.workflow_status(flow.id).state == "completed" for flow in flows)
+    assert awa.Workflow.enqueue_many([]) == []
+
+
+@db
+def test_enqueue_many_costs_the_same_statements_for_two_workflows_as_for_fifty():
+    from django.test.utils import CaptureQueriesContext
+
+    def statements(n: int) -> int:
+        flows = [_order_flow(i) for i in range(n)]
+        with CaptureQueriesContext(connection) as queries:
+            awa.Workflow.enqueue_many(flows)
+        assert Job.objects.filter(workflow_id__in=[f.id for f in flows]).count() == 4 * n
+        return len(queries)
+
+    few, many = statements(2), statements(50)
+    assert few == many, (few, many)
+    assert many <= 20, many
+
+
+@db
+def test_enqueue_many_refuses_bad_input_with_nothing_written():
+    unique = awa.Unique(by_args=True)
+    awa.enqueue(Node(name="held"), unique=unique)
+    done = awa.Workflow("done")
+    done.add(Node(name="done"))
+    done.enqueue()
+    before = _counts()
+
+    good = _order_flow(0)
+    cyclic = awa.Workflow("loop")
+    cyclic.add(Node(name="a"), after=["b"], name="a")
+    cyclic.add(Node(name="b"), after=["a"], name="b")
+    empty = awa.Workflow("empty")
+    clash = awa.Workflow("clash")
+    clash.add(Node(name="fresh"))
+    clash.add(awa.EnqueueRequest(Node(name="held"), unique=unique))
+    unknown = awa.Workflow("unknown")
+    unknown.add(Node(name="x"), after=[987654321])
+    cases: list[tuple[Any, type[Exception], str]] = [
+        ([good, cyclic], awa.ValidationError, r"<Workflow loop .*has a cycle"),
+        ([good, empty], awa.ValidationError, "has no steps"),
+        ([good, done], awa.ValidationError, "is already enqueued"),
+        ([good, good], awa.ValidationError, "is given twice; nothing was enqueued"),
+        ([good, "order 1"], awa.ValidationError, "takes Workflow objects, got str"),
+        (good, awa.ValidationError, "takes a list of workflows"),
+        ("flows", awa.ValidationError, "takes a list of workflows"),
+        ([good, unknown], awa.ValidationError, "job id 987654321, which does not exist"),
+        (
+            [good, clash],
+            awa.UniqueConflict,
+            r"<Step 1 'node' of <Workflow clash.* nor of the 1 other workflow was",
+        ),
+    ]
+    for flows, error, message in cases:
+        with pytest.raises(error, match=message):
+            awa.Workflow.enqueue_many(flows)
+        # Nothing written, and the caller's transaction is still usable.
+        assert _counts() == before, message
+        assert good.jobs is None
+    # The good workflow, refused with the others, is enqueued later as it is.
+    assert [j.args["name"] for j in awa.Workflow.enqueue_many([good])[0]] == [
+        "charge0", "pack0", "invoice0", "ship0",
+    ]  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_aenqueue_many_joins_the_transaction_of_its_caller():
+    from asgiref.sync import async_to_sync
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), transaction.atomic():
+        rows = async_to_sync(awa.Workflow.aenqueue_many)([_order_flow(0), _order_flow(1)])
+        assert [len(jobs) for jobs in rows] == [4, 4]
+        raise Boom
+    assert _counts() == (0, 0)
+    with transaction.atomic():
+        kept = async_to_sync(awa.Workflow.aenqueue_many)([_order_flow(2)])
+    assert Job.objects.filter(id__in=[j.id for j in kept[0]]).count() == 4
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_rolled_back_workflow_leaves_no_job_and_no_edge():
     class Boom(Exception):

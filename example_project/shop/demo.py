@@ -1,10 +1,11 @@
 """The moving parts of ``manage.py awa_demo``: worker processes, and threads of its own:
 
 * the workers: ``manage.py awa_worker`` subprocesses (``WorkerProcesses``);
-* the producers: create orders at a steady rate, each tick's ``Order`` rows and
-  their ``ChargeCard`` jobs in one transaction, plus a stream of cheap jobs, and
-  with ``--preset burst`` a bulk ``enqueue_many`` now and then (``Burst``);
-  threads of a child process of their own (``ProducerProcess``);
+* the producers: create orders at a steady rate and a stream of cheap jobs, each
+  tick's ``Order`` rows, their ``ChargeCard`` jobs or workflows and the cheap jobs
+  in one transaction of a few statements (``Workflow.enqueue_many``,
+  ``enqueue_many``), and with ``--preset burst`` a bulk ``enqueue_many`` now and
+  then (``Burst``); threads of a child process of their own (``ProducerProcess``);
 * the carrier: answers parked ``ShipOrder`` jobs after a short delay, by a
   signed ``POST`` to the callback receiver (``http``) or by calling
   ``awa.complete_external`` (``direct``);
@@ -61,16 +62,20 @@ from .jobs import (
     SyncInventory,
     is_cancelled,
     is_declined,
-    place_order_workflow,
+    order_workflow,
 )
 from .models import Order
 from .producer_process import produce
 
-# Share of produced jobs that are orders (a ChargeCard each); the rest are cheap kinds.
+# Share of produced jobs that are orders (a ChargeCard each) unless the preset says;
+# the rest are cheap kinds.
 ORDER_SHARE = 0.5
 DECLINED_SHARE = 0.03  # amounts ending in 13: charge exhausts, order refunded
 CANCELLED_SHARE = 0.05  # amounts ending in 7: customer cancels
 TICK = 0.05  # the producer enqueues every TICK seconds
+# At most this many seconds' worth of jobs in one batch: a producer stalled
+# longer (the database gone a while) drops the rest rather than bursting.
+MAX_CATCH_UP = 1.0
 WORKFLOW_SHARE = 0.3  # of orders: placed as a workflow (charge, pack + invoice, ship, report)
 STATES = (
     JobState.BLOCKED,
@@ -149,63 +154,75 @@ class Service(threading.Thread):
 
 
 class Producer(Service):
-    """Enqueues ``rate`` jobs a second: orders and cheap kinds, half and half.
+    """Enqueues ``rate`` jobs a second: orders (``order_share`` of them) and cheap kinds.
 
-    The demo runs several, like concurrent web requests. Each tick's orders are
-    placed in one transaction, every ``Order`` row with its ``ChargeCard`` job
-    (both commit or neither exists): at the default rate that is one or two
-    orders a transaction, at thousands a second a batch, as an import would.
+    The demo runs several, like concurrent web requests. Each tick's jobs are
+    placed in one transaction, every ``Order`` row with its ``ChargeCard`` job or
+    its workflow (both commit or neither exists): at the default rate that is a
+    few jobs a transaction, at thousands a second a batch, as an import would,
+    in the same few statements (``Workflow.enqueue_many``, ``enqueue_many``).
     """
 
-    def __init__(self, rate: float, alias: str, err: TextIO, name: str = "demo-producer") -> None:
+    def __init__(
+        self,
+        rate: float,
+        alias: str,
+        err: TextIO,
+        name: str = "demo-producer",
+        order_share: float = ORDER_SHARE,
+    ) -> None:
         super().__init__(name, err)
         self.rate = rate
+        self.order_share = order_share
         self.alias = alias
         self.rng = random.Random()  # noqa: S311 - a simulation, not crypto
         self.carry = 0.0
-        self.next_at = 0.0
+        self.last_at = 0.0
         self.orders = 0
         self.others = 0
         self.showcase: list[int] = []  # amounts to place first
 
     def step(self) -> None:
-        if not self.next_at:
-            self.next_at = time.monotonic()
-        self.carry += self.rate * TICK
+        # What is due is counted from the clock, not from the ticks done: a
+        # tick that waited on the database makes the next batch bigger, so
+        # the rate holds while the batches' round trips are what lags.
+        now = time.monotonic()
+        if not self.last_at:
+            self.last_at = now - TICK
+        self.carry += self.rate * min(now - self.last_at, MAX_CATCH_UP)
+        self.last_at = now
         count = int(self.carry)
         self.carry -= count
-        orders = sum(self.rng.random() < ORDER_SHARE for _ in range(count))
-        if orders:
-            self.place_orders(orders)
-        others = [self.cheap_job() for _ in range(count - orders)]
-        if others:
-            awa.enqueue_many(others, using=self.alias)
-            self.others += len(others)
-        self.next_at += TICK
-        behind = time.monotonic() - self.next_at
-        if behind > 1.0:  # the database is slower than the rate: don't burst to catch up
-            self.next_at = time.monotonic()
-        self.stopping.wait(max(0.0, -behind))
+        if count:
+            self.place(count)
+        self.stopping.wait(max(0.0, self.last_at + TICK - time.monotonic()))
 
-    def place_orders(self, count: int) -> None:
+    def place(self, count: int) -> None:
+        """One tick's jobs in one transaction and a few statements, however many."""
+        orders = sum(self.rng.random() < self.order_share for _ in range(count))
         amounts = [
-            self.showcase.pop(0) if self.showcase else pick_amount(self.rng) for _ in range(count)
+            self.showcase.pop(0) if self.showcase else pick_amount(self.rng) for _ in range(orders)
         ]
+        others = [self.cheap_job() for _ in range(count - orders)]
         # The orders and their charges commit together, or none exists.
         with transaction.atomic(using=self.alias):
             placed = Order.objects.using(self.alias).bulk_create(
                 Order(reference=f"ORD-{uuid.uuid4().hex[:10].upper()}", amount_cents=amount)
                 for amount in amounts
             )
-            plain = []
+            flows: list[awa.Workflow] = []
+            plain: list[awa.JobArgs] = []
             for order in placed:
                 if self.rng.random() < WORKFLOW_SHARE:
-                    place_order_workflow(order, using=self.alias)
+                    flows.append(order_workflow(order))
                 else:
                     plain.append(ChargeCard(order_id=order.id, amount_cents=order.amount_cents))
-            if plain:
-                awa.enqueue_many(plain, using=self.alias)
-        self.orders += count
+            if flows:
+                awa.Workflow.enqueue_many(flows, using=self.alias)
+            if plain or others:
+                awa.enqueue_many(plain + others, using=self.alias)
+        self.orders += orders
+        self.others += len(others)
 
     def cheap_job(self) -> awa.JobArgs:
         if self.rng.random() < 0.5:
@@ -482,10 +499,12 @@ class Producers:
         err: TextIO,
         count: int = 4,
         burst: tuple[int, float] | None = None,
+        order_share: float = ORDER_SHARE,
     ) -> None:
         self.members: list[Service] = []
         self.producers = [
-            Producer(rate / count, alias, err, name=f"demo-producer-{i}") for i in range(count)
+            Producer(rate / count, alias, err, name=f"demo-producer-{i}", order_share=order_share)
+            for i in range(count)
         ]
         # Every run shows each path early, however short: a declined card
         # (exhausted, then refunded) and a customer who cancels.
@@ -524,15 +543,16 @@ class Producers:
         return self.orders + self.others
 
 
-# Orders a producer thread places a second, about: each order placed as a
-# workflow costs several round trips (ids, rows, edges, a savepoint), and a
-# thread waits for each, so higher rates get more threads (and connections).
-ORDERS_PER_THREAD = 125
+# Jobs a producer thread places a second, about: a tick's orders, workflows and
+# other jobs go in one transaction of a few statements whatever their number
+# (``Producer.place``), so a thread waits for a few round trips per tick and
+# higher rates make each tick's batch bigger, not the threads more.
+JOBS_PER_THREAD = 1000
 
 
 def producer_threads(rate: float) -> int:
-    """How many producer threads share ``rate`` (jobs a second, half of them orders)."""
-    return min(16, max(4, math.ceil(rate * ORDER_SHARE / ORDERS_PER_THREAD)))
+    """How many producer threads share ``rate`` (jobs a second)."""
+    return min(8, max(2, math.ceil(rate / JOBS_PER_THREAD)))
 
 
 class ProducerProcess:
@@ -551,6 +571,7 @@ class ProducerProcess:
         alias: str,
         count: int | None = None,
         burst: tuple[int, float] | None = None,
+        order_share: float = ORDER_SHARE,
     ) -> None:
         if count is None:
             count = producer_threads(rate)
@@ -567,6 +588,7 @@ class ProducerProcess:
                 alias,
                 count,
                 burst,
+                order_share,
                 self._counts,
                 self._ready,
                 self._go,
@@ -861,7 +883,7 @@ CHECKS: list[tuple[str, bool, str]] = [
                  AND f.metadata #>> '{awa_trigger,job_id}' = j.id::text) <> 1
         """,
     ),
-    # Order workflows (shop.jobs.place_order_workflow). Edges are looked up by
+    # Order workflows (shop.jobs.order_workflow). Edges are looked up by
     # awa_dependency_dependents_idx and the primary key (job_id, depends_on_id).
     (
         "every workflow step (a shipped order's too) started after its dependencies completed",

@@ -18,7 +18,7 @@ exactly when its charge is ``completed`` and its receipt is enqueued.
 ``ShipOrder`` books the parcel with a carrier and parks on an external callback;
 the carrier (``awa_demo`` plays it) answers with a tracking number.
 
-Some orders are placed as a workflow instead (``place_order_workflow``):
+Some orders are placed as a workflow instead (``order_workflow``):
 charge, then ``PackOrder`` and ``InvoiceOrder`` in parallel, then ship, then an
 ``OrderReport`` that runs however the others ended (``requires="finished"``).
 """
@@ -139,7 +139,12 @@ def charge_card(job: awa.JobContext):
 @awa.worker(SendReceipt, queue="email")
 def send_receipt(job: awa.JobContext):
     order = Order.objects.get(id=job.args.order_id)
-    Receipt.objects.get_or_create(order=order, defaults={"amount_cents": order.amount_cents})
+    # One INSERT ... ON CONFLICT DO NOTHING: a second run finds the receipt's
+    # unique order and adds nothing (get_or_create costs a SELECT, and an
+    # INSERT in a transaction of its own, on top).
+    Receipt.objects.bulk_create(
+        [Receipt(order=order, amount_cents=order.amount_cents)], ignore_conflicts=True
+    )
 
 
 @awa.worker(RefundOrder, queue="billing", priority=1, atomic=True)
@@ -152,7 +157,11 @@ def refund_order(job: awa.JobContext):
 
 @awa.worker(NotifyCustomer, queue="email")
 def notify_customer(job: awa.JobContext):
-    Notice.objects.get_or_create(order_id=job.args.order_id, message=job.args.message[:200])
+    # Once per order and message (shop_notice_once), in one statement.
+    Notice.objects.bulk_create(
+        [Notice(order_id=job.args.order_id, message=job.args.message[:200])],
+        ignore_conflicts=True,
+    )
 
 
 @awa.worker(ShipOrder)
@@ -186,15 +195,16 @@ def order_report(job: awa.JobContext):
     return {"order": order.reference, "status": order.status, "steps": steps}
 
 
-def place_order_workflow(order: Order, *, using: str | None = None) -> list[awa.JobArgs]:
-    """Enqueue an order's jobs as one workflow, in the caller's transaction."""
+def order_workflow(order: Order) -> awa.Workflow:
+    """An order's jobs as one workflow, not yet enqueued: charge, then pack and invoice
+    in parallel, then ship, then a report however shipping ended."""
     flow = awa.Workflow(f"order {order.reference}")
     charge = flow.add(ChargeCard(order_id=order.id, amount_cents=order.amount_cents))
     pack = flow.add(PackOrder(order_id=order.id), after=[charge])
     invoice = flow.add(InvoiceOrder(order_id=order.id), after=[charge])
     ship = flow.add(ShipOrder(order_id=order.id), after=[pack, invoice])
     flow.add(OrderReport(order_id=order.id), after=[ship], requires="finished")
-    return flow.enqueue(using=using)
+    return flow
 
 
 @awa.worker(ResizeImage)

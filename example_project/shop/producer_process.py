@@ -18,6 +18,7 @@ def produce(
     alias: str,
     count: int,
     burst: tuple[int, float] | None,
+    order_share: float,
     counts: Any,
     ready: Any,
     go: Any,
@@ -48,7 +49,9 @@ def produce(
     def orphaned() -> bool:
         return parent is not None and not parent.is_alive()
 
-    producers = Producers(rate, alias, sys.stderr, count=count, burst=burst)
+    producers = Producers(
+        rate, alias, sys.stderr, count=count, burst=burst, order_share=order_share
+    )
     ready.set()
     while not go.wait(0.1):
         if stop.is_set() or orphaned():
