@@ -25,8 +25,10 @@ The bulk retry (``--bulk``) changes the rows: with ``--reuse`` it puts the
 retried jobs back as they were (failed, in ``awa_job_done``) afterwards.
 
 Each page is requested 4 times: the first warms caches and is not counted; the
-table shows the median of the other 3, the number of queries, the slowest
-query's time and the first lines of its plan (EXPLAIN, without ANALYZE).
+table shows the median of the other 3, the number of queries and their total
+time (of the last request), the slowest query's time, its text and the first
+lines of its plan (EXPLAIN, without ANALYZE). A day of the dashboard's rollup
+(``awa_stat_minute``, 5 queues) is written before the pages are timed.
 """
 
 from __future__ import annotations
@@ -106,6 +108,18 @@ WITH failed AS (
     DELETE FROM ONLY awa_job WHERE id IN (SELECT id FROM failed) RETURNING *
 )
 INSERT INTO awa_job_done SELECT * FROM moved
+"""
+
+# A day of the dashboard's rollup, as the maintenance leader writes it: a row per
+# queue and minute, with outcomes, a wait histogram (17 buckets) and the oldest
+# due job's age. Written afresh each run (minutes are relative to now).
+ROLLUP = """
+DELETE FROM awa_stat_minute;
+INSERT INTO awa_stat_minute (queue, minute, completed, failed, retried, wait, oldest_due)
+SELECT 'q' || q, date_trunc('minute', now()) - make_interval(mins => m), 600 + m %% 50, m %% 7,
+       m %% 11, to_jsonb(ARRAY[5, 40, 120, 200, 150, 80, 40, 20, 10, 5, 2, 1, 0, 0, 0, 0, 0]),
+       (m %% 30)::float8
+FROM generate_series(0, 4) AS q, generate_series(0, 1439) AS m
 """
 
 
@@ -271,7 +285,9 @@ def time_pages(ids: dict[str, object], bulk: bool) -> list[dict[str, object]]:
                 "status": response.status_code,
                 "ms": statistics.median(times),
                 "queries": len(captured),
+                "sql_ms": sum(float(q["time"]) for q in captured) * 1000,
                 "slowest_ms": float(slowest["time"]) * 1000 if slowest else 0.0,
+                "slowest_sql": " ".join(slowest["sql"].split())[:70] if slowest else "",
                 "plan": plan,
             }
         )
@@ -337,6 +353,7 @@ def main() -> None:
 
     django.setup()
     from django.core.management import call_command
+    from django.db import connection
 
     import django_awa
 
@@ -347,17 +364,20 @@ def main() -> None:
         call_command("migrate", verbosity=0)
         print(f"migrated in {time.monotonic() - started:.1f} s", flush=True)
         ids = (built() if options.reuse else None) or build()
+        with connection.cursor() as cursor:
+            cursor.execute(ROLLUP)
         results = time_pages(ids, has_bulk)
         print()
         print(
-            f"{'page':<22} {'status':>6} {'ms':>8} {'queries':>7} {'slowest':>8}"
-            + "  plan of the slowest"
+            f"{'page':<22} {'status':>6} {'ms':>8} {'queries':>7} {'SQL ms':>7} {'slowest':>8}"
+            + "  the slowest query; its plan"
         )
         for r in results:
             flag = " !" if float(r["ms"]) > LIMIT_MS else "  "  # type: ignore[arg-type]
             print(
                 f"{r['page']:<22} {r['status']:>6} {r['ms']:>8.1f}{flag}{r['queries']:>6} "
-                f"{r['slowest_ms']:>8.1f}  {str(r['plan'])[:150]}"
+                f"{r['sql_ms']:>7.1f} {r['slowest_ms']:>8.1f}  {r['slowest_sql']}; "
+                f"{str(r['plan'])[:120]}"
             )
         over = [r["page"] for r in results if float(r["ms"]) > LIMIT_MS]  # type: ignore[arg-type]
         print(f"\n{len(over)} of {len(results)} pages over {LIMIT_MS:.0f} ms: {', '.join(over)}")
