@@ -116,9 +116,9 @@ INSERT INTO awa_job_done SELECT * FROM moved
 ROLLUP = """
 DELETE FROM awa_stat_minute;
 INSERT INTO awa_stat_minute (queue, minute, completed, failed, retried, wait, oldest_due)
-SELECT 'q' || q, date_trunc('minute', now()) - make_interval(mins => m), 600 + m %% 50, m %% 7,
-       m %% 11, to_jsonb(ARRAY[5, 40, 120, 200, 150, 80, 40, 20, 10, 5, 2, 1, 0, 0, 0, 0, 0]),
-       (m %% 30)::float8
+SELECT 'q' || q, date_trunc('minute', now()) - make_interval(mins => m), 600 + m % 50, m % 7,
+       m % 11, to_jsonb(ARRAY[5, 40, 120, 200, 150, 80, 40, 20, 10, 5, 2, 1, 0, 0, 0, 0, 0]),
+       (m % 30)::float8
 FROM generate_series(0, 4) AS q, generate_series(0, 1439) AS m
 """
 
