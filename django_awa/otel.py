@@ -25,7 +25,7 @@ import importlib.util
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 # How many attempts' span contexts are kept for their follow-ups to link to.
 LINKS_KEPT = 10_000
+# Histogram values waiting for the completer to hand them to the SDK; past this
+# many (no completer running) the attempt's own thread hands them over.
+PENDING_KEPT = 100_000
 
 _UNRESOLVED = object()
 # Attempts finished per (kind, queue, outcome) in this process: awa.jobs.finished.
@@ -161,6 +164,12 @@ class Instrumentation:
         self._links: OrderedDict[int, Any] = OrderedDict()
         self._links_lock = threading.Lock()
         self._gauges: set[str] = set()
+        # The attempts' histogram values, recorded by one thread (record_pending,
+        # from the completer): the SDK aggregates a histogram under a lock, and
+        # the handler threads recording at once queued on it, each waiting
+        # while the holder waited for the GIL (a fifth of a drain's samples).
+        # deque.append and popleft need no lock of ours.
+        self._pending: deque[tuple[Any, float, dict[str, str]]] = deque()
 
     # -- context -----------------------------------------------------------------
 
@@ -257,11 +266,12 @@ class Instrumentation:
             links=links,
         )
         labels = {"awa.job.kind": job.kind, "messaging.destination.name": job.queue}
+        pending = self._pending
         if job.run_at is not None:
             # The handler begins now (attempted_at is written later, with the
             # outcome); the worker's clock against the database's run_at.
             waited = (datetime.now(UTC) - job.run_at).total_seconds()
-            self.wait.record(max(0.0, waited), labels)
+            pending.append((self.wait, max(0.0, waited), labels))
         outcome = {"state": "error"}
 
         def record(result: AttemptResult | None) -> None:
@@ -284,7 +294,21 @@ class Instrumentation:
             key = (job.kind, job.queue, outcome["state"])
             with self._finished_lock:
                 self._finished[key] = self._finished.get(key, 0) + 1
-            self.duration.record(elapsed, {**labels, "awa.job.outcome": outcome["state"]})
+            duration_labels = {**labels, "awa.job.outcome": outcome["state"]}
+            pending.append((self.duration, elapsed, duration_labels))
+            if len(pending) > PENDING_KEPT:
+                self.record_pending()
+
+    def record_pending(self) -> None:
+        """Hand the attempts' histogram values to the SDK (the completer, after each
+        batch it writes: one thread, so no two wait on the SDK's lock)."""
+        pending = self._pending
+        while pending:
+            try:
+                instrument, value, attributes = pending.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            instrument.record(value, attributes)
 
     # -- gauges ------------------------------------------------------------------
 
