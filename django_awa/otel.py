@@ -164,11 +164,12 @@ class Instrumentation:
         self._links: OrderedDict[int, Any] = OrderedDict()
         self._links_lock = threading.Lock()
         self._gauges: set[str] = set()
-        # The attempts' histogram values, recorded by one thread (record_pending,
-        # from the completer): the SDK aggregates a histogram under a lock, and
-        # the handler threads recording at once queued on it, each waiting
-        # while the holder waited for the GIL (a fifth of a drain's samples).
-        # deque.append and popleft need no lock of ours.
+        # The attempts' histogram values and finished counts, recorded by one
+        # thread (record_pending, from the completer, or a metric collection):
+        # the SDK aggregates a histogram under a lock, and the handler threads
+        # recording at once queued on it (and on the finished counts' lock),
+        # each waiting while the holder waited for the GIL (a fifth of a
+        # drain's samples). deque.append and popleft need no lock of ours.
         self._pending: deque[tuple[Any, float, dict[str, str]]] = deque()
 
     # -- context -----------------------------------------------------------------
@@ -203,6 +204,7 @@ class Instrumentation:
     def _observe_finished(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
+        self.record_pending()  # a collection sees every attempt finished so far
         with self._finished_lock:
             counts = list(self._finished.items())
         return [
@@ -291,24 +293,34 @@ class Instrumentation:
             elapsed = time.perf_counter() - started
             span.end()
             self._keep_link(job.id, span)
-            key = (job.kind, job.queue, outcome["state"])
-            with self._finished_lock:
-                self._finished[key] = self._finished.get(key, 0) + 1
             duration_labels = {**labels, "awa.job.outcome": outcome["state"]}
             pending.append((self.duration, elapsed, duration_labels))
             if len(pending) > PENDING_KEPT:
                 self.record_pending()
 
     def record_pending(self) -> None:
-        """Hand the attempts' histogram values to the SDK (the completer, after each
-        batch it writes: one thread, so no two wait on the SDK's lock)."""
+        """Hand the attempts' histogram values to the SDK and count them finished
+        (the completer, after each batch it writes: one thread, so no two wait on
+        the SDK's lock or ours)."""
         pending = self._pending
+        finished: dict[tuple[str, str, str], int] = {}
         while pending:
             try:
                 instrument, value, attributes = pending.popleft()
             except IndexError:  # another thread took the last one
-                return
+                break
             instrument.record(value, attributes)
+            if instrument is self.duration:  # one per attempt, with its outcome
+                key = (
+                    attributes["awa.job.kind"],
+                    attributes["messaging.destination.name"],
+                    attributes["awa.job.outcome"],
+                )
+                finished[key] = finished.get(key, 0) + 1
+        if finished:
+            with self._finished_lock:
+                for key, count in finished.items():
+                    self._finished[key] = self._finished.get(key, 0) + count
 
     # -- gauges ------------------------------------------------------------------
 
