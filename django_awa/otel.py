@@ -163,6 +163,10 @@ class Instrumentation:
         # follow-up asks (attempt_link), not for every attempt.
         self._links: OrderedDict[int, Any] = OrderedDict()
         self._links_lock = threading.Lock()
+        # Contexts of attempts ended since the last fold (_fold_links): the
+        # handler threads append without a lock; the threads that build
+        # follow-ups (attempt_link) move them into _links under the lock.
+        self._new_links: deque[tuple[int, Any]] = deque()
         self._gauges: set[str] = set()
         # The attempts' histogram values and finished counts, recorded by one
         # thread (record_pending, from the completer, or a metric collection):
@@ -193,6 +197,7 @@ class Instrumentation:
 
     def attempt_link(self, job_id: int) -> dict[str, str] | None:
         with self._links_lock:
+            self._fold_links()
             span_context = self._links.get(job_id)
         if span_context is None:
             return None
@@ -219,13 +224,19 @@ class Instrumentation:
             for (kind, queue, outcome), count in counts
         ]
 
-    def _keep_link(self, job_id: int, span: Any) -> None:
-        span_context = span.get_span_context()
-        with self._links_lock:
-            self._links[job_id] = span_context
-            self._links.move_to_end(job_id)
-            while len(self._links) > LINKS_KEPT:
-                self._links.popitem(last=False)
+    def _fold_links(self) -> None:
+        """Move the attempts' span contexts queued since into ``_links`` (under
+        ``_links_lock``), keeping the newest ``LINKS_KEPT``."""
+        links, new = self._links, self._new_links
+        while new:
+            try:
+                job_id, span_context = new.popleft()
+            except IndexError:
+                break
+            links[job_id] = span_context
+            links.move_to_end(job_id)
+        while len(links) > LINKS_KEPT:
+            links.popitem(last=False)
 
     # -- attempts ----------------------------------------------------------------
 
@@ -292,7 +303,8 @@ class Instrumentation:
         finally:
             elapsed = time.perf_counter() - started
             span.end()
-            self._keep_link(job.id, span)
+            # For its follow-ups to link to (attempt_link): queued, no lock taken here.
+            self._new_links.append((job.id, span.get_span_context()))
             duration_labels = {**labels, "awa.job.outcome": outcome["state"]}
             pending.append((self.duration, elapsed, duration_labels))
             if len(pending) > PENDING_KEPT:
@@ -321,6 +333,9 @@ class Instrumentation:
             with self._finished_lock:
                 for key, count in finished.items():
                     self._finished[key] = self._finished.get(key, 0) + count
+        if len(self._new_links) > LINKS_KEPT:
+            with self._links_lock:
+                self._fold_links()
 
     # -- gauges ------------------------------------------------------------------
 
