@@ -1,14 +1,22 @@
 """The drain rate of one awa_worker with OpenTelemetry off, and on with the SDK
 exporting to memory (issue 21: on should stay at least 0.85x of off).
 
-    .venv/bin/python benchmarks/otel_overhead.py --jobs 20000 --repeats 3
+    flock /tmp/awa-bench.lock .venv/bin/python benchmarks/otel_overhead.py \\
+        --jobs 20000 --repeats 5 [--database NAME]
 
 Runs in the repository's own virtualenv (opentelemetry-sdk is in the dev extra),
-against PostgreSQL on 127.0.0.1:5432 (user postgres, trust), in a database
-``awa_bench_otel`` made fresh for each run and dropped afterwards. Each run
-enqueues the jobs untimed, starts ``awa_worker --queue bench`` (concurrency 10,
-the defaults), and times from the first completed job to the last: jobs per
-second. The modes alternate, so drift on the machine hits both.
+against PostgreSQL on 127.0.0.1:5432 (user postgres, trust). The schema is
+migrated once into ``<database>_tmpl``; each run gets a fresh ``<database>``
+copied from it (no migrate inside the timing loop), enqueues the jobs untimed,
+starts ``awa_worker --queue bench`` (concurrency 10, the defaults) and times
+from the first finished job to the last: jobs per second. Progress is polled
+from the live rows left in ``awa_job`` (completed rows go to ``awa_job_done``),
+a count that shrinks, every 50 ms.
+
+A repeat is a pair of runs, off and sdk back to back, in alternating order, so
+drift on a shared machine hits both; each pair gives a ratio (sdk / off), and
+the result is the median of the ratios, printed with every pair and the load
+average. The databases are dropped at the end.
 """
 
 from __future__ import annotations
@@ -27,82 +35,114 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 DB = "awa_bench_otel"
 DSN = "postgresql://postgres@127.0.0.1:5432/"
+POLL = 0.05
 
 
-def _env(mode: str) -> dict[str, str]:
+def _env(mode: str, db: str) -> dict[str, str]:
     return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "djbench.settings_awa_otel",
-        "BENCH_DB": DB,
+        "BENCH_DB": db,
         "BENCH_OTEL": mode,
         "PYTHONPATH": os.pathsep.join([str(BENCH), str(ROOT)]),
     }
 
 
-def _django(mode: str, *args: str, **kwargs: object) -> subprocess.Popen[bytes]:
+def _django(mode: str, db: str, *args: str, **kwargs: object) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "django", *args], cwd=ROOT, env=_env(mode), **kwargs
+        [sys.executable, "-m", "django", *args], cwd=ROOT, env=_env(mode, db), **kwargs
     )  # type: ignore[call-overload]
 
 
-def one_run(mode: str, jobs: int) -> float:
+def _admin(*statements: str) -> None:
     with psycopg.connect(DSN + "postgres", autocommit=True) as admin:
-        admin.execute(f"DROP DATABASE IF EXISTS {DB}")
-        admin.execute(f"CREATE DATABASE {DB}")
-    try:
-        assert _django(mode, "migrate", "-v0").wait(300) == 0
-        enqueue = (
-            "import django; django.setup(); import django_awa as awa; "
-            "from djbench.awa_app.jobs import Noop; "
-            f"[awa.enqueue_many([Noop(n=i) for i in range(j, min(j + 5000, {jobs}))]) "
-            f"for j in range(0, {jobs}, 5000)]"
-        )
-        assert (
-            subprocess.run(
-                [sys.executable, "-c", enqueue], cwd=ROOT, env=_env(mode), check=False, timeout=600
-            ).returncode
-            == 0
-        )
-        worker = _django(mode, "awa_worker", "--queue", "bench", stdout=subprocess.DEVNULL)
+        for statement in statements:
+            admin.execute(statement)
+
+
+def template(db: str) -> str:
+    """A database with the schema migrated, for each run to copy."""
+    name = f"{db}_tmpl"
+    _admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)", f"CREATE DATABASE {name}")
+    assert _django("off", name, "migrate", "-v0").wait(300) == 0
+    return name
+
+
+def one_run(mode: str, jobs: int, db: str, tmpl: str) -> float:
+    _admin(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)", f"CREATE DATABASE {db} TEMPLATE {tmpl}")
+    enqueue = (
+        "import django; django.setup(); import django_awa as awa; "
+        "from djbench.awa_app.jobs import Noop; "
+        f"[awa.enqueue_many([Noop(n=i) for i in range(j, min(j + 5000, {jobs}))]) "
+        f"for j in range(0, {jobs}, 5000)]"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", enqueue], cwd=ROOT, env=_env(mode, db), check=False, timeout=600
+    )
+    assert done.returncode == 0
+    with psycopg.connect(DSN + db, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE awa_job")
+        worker = _django(mode, db, "awa_worker", "--queue", "bench", stdout=subprocess.DEVNULL)
         try:
             first = last = None
             deadline = time.monotonic() + 600
-            with psycopg.connect(DSN + DB, autocommit=True) as conn:
-                while time.monotonic() < deadline:
-                    done = conn.execute(
-                        "SELECT count(*) FROM awa_job WHERE state = 'completed'"
-                    ).fetchone()[0]
-                    now = time.monotonic()
-                    if done and first is None:
-                        first = (now, done)
-                    if done >= jobs:
-                        last = now
-                        break
-                    time.sleep(0.02)
+            while time.monotonic() < deadline:
+                live = conn.execute(
+                    "SELECT count(*) FROM ONLY awa_job WHERE state <> 'completed'"
+                ).fetchone()[0]
+                now = time.monotonic()
+                finished = jobs - live
+                if finished and first is None:
+                    first = (now, finished)
+                if finished >= jobs:
+                    last = now
+                    break
+                time.sleep(POLL)
             if first is None or last is None:
                 raise RuntimeError(f"{mode}: the drain did not finish in time")
             return (jobs - first[1]) / max(last - first[0], 1e-9)
         finally:
             worker.terminate()
             worker.wait(60)
-    finally:
-        with psycopg.connect(DSN + "postgres", autocommit=True) as admin:
-            admin.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--database", default=DB, help=f"the database (default {DB})")
+    parser.add_argument(
+        "--on",
+        choices=("sdk", "sampled"),
+        default="sdk",
+        help="the SDK's setup when on: every span kept (sdk) or one trace in ten (sampled)",
+    )
     options = parser.parse_args()
-    rates: dict[str, list[float]] = {"off": [], "sdk": []}
-    for repeat in range(options.repeats):
-        for mode in ("off", "sdk") if repeat % 2 == 0 else ("sdk", "off"):
-            rate = one_run(mode, options.jobs)
-            rates[mode].append(rate)
-            print(f"repeat {repeat + 1} {mode:>3}: {rate:,.0f} jobs/s", flush=True)
-    off, sdk = statistics.median(rates["off"]), statistics.median(rates["sdk"])
-    print(f"median: off {off:,.0f} jobs/s, sdk {sdk:,.0f} jobs/s: {sdk / off:.2f}x")
+    db = options.database
+    tmpl = template(db)
+    on = options.on
+    rates: dict[str, list[float]] = {"off": [], on: []}
+    ratios = []
+    try:
+        for repeat in range(options.repeats):
+            pair = {}
+            for mode in ("off", on) if repeat % 2 == 0 else (on, "off"):
+                pair[mode] = one_run(mode, options.jobs, db, tmpl)
+                rates[mode].append(pair[mode])
+            ratios.append(pair[on] / pair["off"])
+            print(
+                f"repeat {repeat + 1}: off {pair['off']:,.0f} jobs/s, {on} {pair[on]:,.0f} "
+                f"jobs/s: {ratios[-1]:.2f}x (load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
+    finally:
+        _admin(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)", f"DROP DATABASE IF EXISTS {tmpl}")
+    off, with_on = statistics.median(rates["off"]), statistics.median(rates[on])
+    print(
+        f"median of the pairs' ratios: {statistics.median(ratios):.2f}x "
+        f"(range {min(ratios):.2f}-{max(ratios):.2f}); median rates: off {off:,.0f} jobs/s, "
+        f"{on} {with_on:,.0f} jobs/s"
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied
-from django.core.paginator import Paginator
+from django.core.paginator import Page, Paginator
 from django.db import connections
 from django.db.models import JSONField, Min, Model, Q, QuerySet, TextField
 from django.db.models.fields.json import KT
@@ -46,7 +46,7 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator
-from django.utils.translation import ngettext
+from django.utils.translation import gettext, ngettext
 
 from . import bulk, control, sql
 from . import schedules as schedule_steering
@@ -90,11 +90,17 @@ ESTIMATE_ABOVE = 100_000
 # A filtered list counts at most this many matching rows exactly; past it, the
 # planner's estimate ("about N").
 COUNT_CAP = 10_000
-# Text search (not a job id) looks at the newest this many jobs by id: without
-# an index on kind, queue or tags, a word matching nothing would read every row.
+# Past an estimated count, the list offers this many pages (COUNT_CAP rows).
+MAX_PAGES = COUNT_CAP // 50
+# A tag search (``tag:name``) looks at the newest this many jobs by id: no index
+# holds the tags, so a tag matching nothing would read every row.
 SEARCH_WINDOW = 100_000
+TAG_PREFIX = "tag:"
 # Below this heap size a sequential scan of awa_job is cheap.
 SMALL_TABLE_BYTES = 64 * 1024 * 1024
+# The job list's columns an index orders with the id on awa_job_done (migration
+# 0013): the only ones it sorts by on a larger table.
+LARGE_TABLE_SORTS = ("id", "kind", "queue")
 # JSON nested deeper than this is shown compact, not pretty-printed: indenting
 # each level makes a page quadratic in the depth.
 PRETTY_DEPTH = 32
@@ -497,6 +503,45 @@ class _UnlistedJSONChangeList(ChangeList):
         return queryset
 
 
+class _JobChangeList(_UnlistedJSONChangeList):
+    """The job list: sorted only by the columns ``get_sortable_by`` offers, ties
+    broken by id in the direction of the first sort column, so one index on (that
+    column, id) reads a page in order (Django breaks ties by ``-pk`` whatever the
+    direction; the job admin's own ordering, ``-id``, comes last too)."""
+
+    def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[Any]:
+        if self.params.get(ORDER_VAR) and self.sortable_by is not None:
+            # A sort by a column the admin does not offer (on a large table, one
+            # no index orders: sorting every row for each page) is left out, of
+            # the query and of the page's links alike.
+            kept = [
+                part
+                for part in str(self.params[ORDER_VAR]).split(".")
+                if (index := part.rpartition("-")[2]).isdigit()
+                and int(index) < len(self.list_display)
+                and self.list_display[int(index)] in self.sortable_by
+            ]
+            if kept:
+                self.params[ORDER_VAR] = ".".join(kept)
+            else:
+                del self.params[ORDER_VAR]
+        ordering = list(super().get_ordering(request, queryset))
+        first = ordering[0] if ordering else None
+        if len(ordering) > 1 and ordering[-1] in ("-pk", "-id") and isinstance(first, str):
+            if not first.startswith("-") and first not in ("pk", "id"):
+                ordering[-1] = "pk"
+        return ordering
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        whole = (self.show_all and self.can_show_all) or not self.multi_page
+        if whole and isinstance(self.result_list, QuerySet):
+            # One page holds every match (at most list_max_show_all): its ids
+            # first here too, as EstimatedCountPaginator.page reads them.
+            ids = self.result_list.values_list("pk", flat=True)[: self.list_max_show_all]
+            self.result_list = self.result_list.filter(pk__in=list(ids))
+
+
 class AwaModelAdmin[M: Model](_ModelAdmin[M]):
     """What every awa admin page does with input no query can answer.
 
@@ -547,12 +592,22 @@ def _with_raw_json(queryset: QuerySet[Job]) -> Job | None:
 
 class EstimatedCountPaginator(_JobPaginator):
     """Counts exactly up to ``COUNT_CAP`` rows; past it, the planner's estimate.
+    Reads a page's ids first, then its rows.
 
     ``count(*)`` over millions of rows reads them all on every page view. The
     unfiltered list takes the catalog's estimate of the tables' rows; a
     filtered one counts at most ``COUNT_CAP + 1`` matching rows, and past that
     asks the planner (EXPLAIN, no rows read). ``estimated`` says which: the
-    page then shows "about N".
+    page then shows "about N", and offers at most ``MAX_PAGES`` pages (a
+    deeper page reads every row before it; sorting the other way shows the
+    oldest first).
+
+    A page's ids come from one query that needs no column but the filtered
+    and sorted ones, so an index on those and ``id`` (migration 0013) answers
+    it without reading a row, in order, however the matching rows lie; the
+    rows of those 50 ids are read by primary key. Read in one query, the
+    planner walks the primary key past every newer row when the matches are
+    all old (a queue whose jobs failed last week).
     """
 
     estimated = False
@@ -570,12 +625,35 @@ class EstimatedCountPaginator(_JobPaginator):
                 self.estimated = True
                 return int(row[0])
             return super().count
-        counted = queryset.order_by()[: COUNT_CAP + 1].count()
+        # Only the ids: an index holding the filtered columns counts them alone.
+        counted = queryset.order_by().values("pk")[: COUNT_CAP + 1].count()
         if counted <= COUNT_CAP:
             return counted
         self.estimated = True
-        plan = json.loads(queryset.order_by().explain(format="json"))
+        plan = json.loads(queryset.order_by().values("pk").explain(format="json"))
         return max(int(plan[0]["Plan"]["Plan Rows"]), counted)
+
+    @cached_property
+    def num_pages(self) -> int:
+        pages = super().num_pages
+        if self.estimated:
+            return min(pages, MAX_PAGES)
+        return pages
+
+    @property
+    def capped(self) -> bool:
+        """Whether pages past ``MAX_PAGES`` are not offered."""
+        return self.estimated and self.num_pages == MAX_PAGES
+
+    def page(self, number: int | str) -> Page[Job]:
+        queryset = self.object_list
+        if not isinstance(queryset, QuerySet):
+            return super().page(number)
+        number = self.validate_number(number)
+        bottom = (number - 1) * self.per_page
+        top = bottom + self.per_page
+        ids = list(queryset.values_list("pk", flat=True)[bottom:top])
+        return Page(queryset.filter(pk__in=ids), number, self)
 
 
 def _is_small(alias: str) -> bool:
@@ -701,8 +779,8 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     list_filter = ("state", QueueFilter, KindFilter, TriggerFilter, ErrorFilter)
     search_fields = ("kind", "queue")  # the search itself is get_search_results
     search_help_text = (
-        f"A job id; or text in the kind or queue, or an exact tag, among the newest "
-        f"{SEARCH_WINDOW:,} jobs."
+        f"A job id; or text in the kind or queue name; or {TAG_PREFIX}name, an exact tag "
+        f"among the newest {SEARCH_WINDOW:,} jobs."
     )
     ordering = ("-id",)
     list_per_page = 50
@@ -793,6 +871,17 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         jobs = super().get_queryset(request).using(_alias())
         return _jobs(jobs.annotate(last_error_text=KT("errors__-1__error")))
 
+    @admin.display(description=getattr(admin.ModelAdmin.action_checkbox, "short_description", ""))
+    def action_checkbox(self, obj: Job) -> SafeString:
+        """Django's row checkbox, written out: rendering the widget's template for
+        each of 50 rows took a sixth of the list's time."""
+        return format_html(
+            '<input type="checkbox" name="{}" value="{}" class="action-select" aria-label="{}">',
+            helpers.ACTION_CHECKBOX_NAME,
+            obj.pk,
+            format_html(gettext("Select this object for an action - {}"), str(obj)),
+        )
+
     @admin.display(description="last error")
     def last_error(self, obj: Job) -> str:
         text = getattr(obj, "last_error_text", None)
@@ -817,21 +906,37 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Job], search_term: str
     ) -> tuple[QuerySet[Job], bool]:
-        """Each word must match: a number (or ``#number``) is a job id, found by
-        primary key; other text is part of the kind, the queue name, or a tag,
-        among the newest ``SEARCH_WINDOW`` jobs (a range of the primary key:
-        no column but id is indexed for every row; the filters reach all)."""
-        words = search_term.split()
-        texts = [w for w in words if job_id(w.removeprefix("#")) is None]
-        for word in words:
+        """Each word must match. A number (or ``#number``) is a job id, found by
+        primary key. ``tag:name`` is an exact tag, among the newest
+        ``SEARCH_WINDOW`` jobs (a range of the primary key: no index holds the
+        tags). Other text is part of a kind or queue name: of the kinds and
+        queues the filters offer (``known_kinds``, ``known_queues``) those that
+        hold it, case aside, or, if none, the word itself; found among all jobs
+        by the indexes on kind and queue (migration 0013)."""
+        tags = False
+        names: tuple[set[str], set[str]] | None = None
+        for word in search_term.split():
             number = job_id(word.removeprefix("#"))
             if number is not None:
                 queryset = queryset.filter(id=number)
+            elif word.startswith(TAG_PREFIX) and len(word) > len(TAG_PREFIX):
+                queryset = queryset.filter(tags__contains=[word.removeprefix(TAG_PREFIX)])
+                tags = True
             else:
-                queryset = queryset.filter(
-                    Q(kind__icontains=word) | Q(queue=word) | Q(tags__contains=[word])
-                )
-        if texts:
+                if names is None:
+                    names = known_kinds(), known_queues()
+                needle = word.casefold()
+                kinds, queues = ({n for n in known if needle in n.casefold()} for known in names)
+                if not (kinds or queues):
+                    # A name the filters do not know (rare on a large table).
+                    kinds = queues = {word}
+                # One name is one index range in id order; an OR of several is
+                # read by bitmap and sorted.
+                match = Q(kind__in=sorted(kinds)) if kinds else Q()
+                if queues:
+                    match |= Q(queue__in=sorted(queues))
+                queryset = queryset.filter(match)
+        if tags:
             newest = Job.objects.using(queryset.db).order_by("-id").values_list("id", flat=True)
             last = newest.first()
             if last is not None and last > SEARCH_WINDOW:
@@ -868,16 +973,10 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
             "awa_bulk_links": self.bulk_links(request),  # bulk_admin.py
             **(extra_context or {}),
         }
-        if ORDER_VAR in request.GET and not self._sortable(request):
-            # Sorting a large table by another column sorts every row for
-            # each page: the list stays newest first.
-            query = request.GET.copy()
-            del query[ORDER_VAR]
-            request.GET = query  # type: ignore[assignment]
         return super().changelist_view(request, extra_context=context)
 
     def _sortable(self, request: HttpRequest) -> bool:
-        """Whether the list sorts by columns other than id: only on a small table."""
+        """Whether the list sorts by every column: only on a small table."""
         sortable = getattr(request, "_awa_sortable", None)
         if sortable is None:
             sortable = _is_small(_alias())
@@ -885,7 +984,12 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         return sortable
 
     def get_sortable_by(self, request: HttpRequest) -> Any:
-        return super().get_sortable_by(request) if self._sortable(request) else ()
+        if self._sortable(request):
+            return super().get_sortable_by(request)
+        return LARGE_TABLE_SORTS
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return _JobChangeList
 
     def _links(self, request: HttpRequest) -> dict[str, str]:
         """Shortcuts to the other awa pages the user may open."""

@@ -25,6 +25,7 @@ from .dependencies import take_promoted_queues
 from .execute import AttemptResult, errored
 from .finalize import finalize
 from .models import JobState
+from .otel import instrumentation
 from .state import DB_ERRORS, WorkerState, log_context, reset_connection
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ class Completer:
                 extra=log_context(result.job, self.state.name),
             )
             self.state.forget(result.job)
+        tracing = instrumentation()
+        if tracing is not None:
+            tracing.record_pending()  # what the last attempts left
 
     def run_once(self) -> list[AttemptResult]:
         """Write the results queued now (one batch, without waiting for any).
@@ -178,6 +182,9 @@ class Completer:
                 deferred.append(result)
             else:
                 forget(result.job)
+        tracing = instrumentation()  # None without the otel extra
+        if tracing is not None:
+            tracing.record_pending()  # the attempts' histogram values (otel.py)
 
     def next_batch(self, timeout: float | None) -> tuple[list[AttemptResult], bool]:
         """Up to ``FINALIZE_BATCH_SIZE`` results, waiting up to ``timeout`` for the first

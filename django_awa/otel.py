@@ -25,7 +25,7 @@ import importlib.util
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 # How many attempts' span contexts are kept for their follow-ups to link to.
 LINKS_KEPT = 10_000
+# Histogram values waiting for the completer to hand them to the SDK; past this
+# many (no completer running) the attempt's own thread hands them over.
+PENDING_KEPT = 100_000
 
 _UNRESOLVED = object()
 # Attempts finished per (kind, queue, outcome) in this process: awa.jobs.finished.
@@ -160,7 +163,18 @@ class Instrumentation:
         # follow-up asks (attempt_link), not for every attempt.
         self._links: OrderedDict[int, Any] = OrderedDict()
         self._links_lock = threading.Lock()
+        # Contexts of attempts ended since the last fold (_fold_links): the
+        # handler threads append without a lock; the threads that build
+        # follow-ups (attempt_link) move them into _links under the lock.
+        self._new_links: deque[tuple[int, Any]] = deque()
         self._gauges: set[str] = set()
+        # The attempts' histogram values and finished counts, recorded by one
+        # thread (record_pending, from the completer, or a metric collection):
+        # the SDK aggregates a histogram under a lock, and the handler threads
+        # recording at once queued on it (and on the finished counts' lock),
+        # each waiting while the holder waited for the GIL (a fifth of a
+        # drain's samples). deque.append and popleft need no lock of ours.
+        self._pending: deque[tuple[Any, float, dict[str, str]]] = deque()
 
     # -- context -----------------------------------------------------------------
 
@@ -183,6 +197,7 @@ class Instrumentation:
 
     def attempt_link(self, job_id: int) -> dict[str, str] | None:
         with self._links_lock:
+            self._fold_links()
             span_context = self._links.get(job_id)
         if span_context is None:
             return None
@@ -194,6 +209,7 @@ class Instrumentation:
     def _observe_finished(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
+        self.record_pending()  # a collection sees every attempt finished so far
         with self._finished_lock:
             counts = list(self._finished.items())
         return [
@@ -208,13 +224,19 @@ class Instrumentation:
             for (kind, queue, outcome), count in counts
         ]
 
-    def _keep_link(self, job_id: int, span: Any) -> None:
-        span_context = span.get_span_context()
-        with self._links_lock:
-            self._links[job_id] = span_context
-            self._links.move_to_end(job_id)
-            while len(self._links) > LINKS_KEPT:
-                self._links.popitem(last=False)
+    def _fold_links(self) -> None:
+        """Move the attempts' span contexts queued since into ``_links`` (under
+        ``_links_lock``), keeping the newest ``LINKS_KEPT``."""
+        links, new = self._links, self._new_links
+        while new:
+            try:
+                job_id, span_context = new.popleft()
+            except IndexError:
+                break
+            links[job_id] = span_context
+            links.move_to_end(job_id)
+        while len(links) > LINKS_KEPT:
+            links.popitem(last=False)
 
     # -- attempts ----------------------------------------------------------------
 
@@ -257,11 +279,12 @@ class Instrumentation:
             links=links,
         )
         labels = {"awa.job.kind": job.kind, "messaging.destination.name": job.queue}
+        pending = self._pending
         if job.run_at is not None:
             # The handler begins now (attempted_at is written later, with the
             # outcome); the worker's clock against the database's run_at.
             waited = (datetime.now(UTC) - job.run_at).total_seconds()
-            self.wait.record(max(0.0, waited), labels)
+            pending.append((self.wait, max(0.0, waited), labels))
         outcome = {"state": "error"}
 
         def record(result: AttemptResult | None) -> None:
@@ -280,11 +303,39 @@ class Instrumentation:
         finally:
             elapsed = time.perf_counter() - started
             span.end()
-            self._keep_link(job.id, span)
-            key = (job.kind, job.queue, outcome["state"])
+            # For its follow-ups to link to (attempt_link): queued, no lock taken here.
+            self._new_links.append((job.id, span.get_span_context()))
+            duration_labels = {**labels, "awa.job.outcome": outcome["state"]}
+            pending.append((self.duration, elapsed, duration_labels))
+            if len(pending) > PENDING_KEPT:
+                self.record_pending()
+
+    def record_pending(self) -> None:
+        """Hand the attempts' histogram values to the SDK and count them finished
+        (the completer, after each batch it writes: one thread, so no two wait on
+        the SDK's lock or ours)."""
+        pending = self._pending
+        finished: dict[tuple[str, str, str], int] = {}
+        while pending:
+            try:
+                instrument, value, attributes = pending.popleft()
+            except IndexError:  # another thread took the last one
+                break
+            instrument.record(value, attributes)
+            if instrument is self.duration:  # one per attempt, with its outcome
+                key = (
+                    attributes["awa.job.kind"],
+                    attributes["messaging.destination.name"],
+                    attributes["awa.job.outcome"],
+                )
+                finished[key] = finished.get(key, 0) + 1
+        if finished:
             with self._finished_lock:
-                self._finished[key] = self._finished.get(key, 0) + 1
-            self.duration.record(elapsed, {**labels, "awa.job.outcome": outcome["state"]})
+                for key, count in finished.items():
+                    self._finished[key] = self._finished.get(key, 0) + count
+        if len(self._new_links) > LINKS_KEPT:
+            with self._links_lock:
+                self._fold_links()
 
     # -- gauges ------------------------------------------------------------------
 

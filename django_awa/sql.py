@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .models import Job, JobState
+from .models import ERROR_LINE_SQL, Job, JobState
 
 JOB_COLUMNS = ", ".join(f'"{f.column}"' for f in Job._meta.concrete_fields)
 J_JOB_COLUMNS = ", ".join(f'j."{f.column}"' for f in Job._meta.concrete_fields)
@@ -1553,14 +1553,14 @@ FROM awa_stat_minute WHERE minute >= %(start)s
 
 # -- DEAD_LETTER_GROUPS --
 # Failed (exhausted) jobs grouped by queue, kind and the first line of their
-# last error, over the newest %(cap)s failed rows only, so the page costs the
-# same with a million of them. Index: awa_job_finalized_idx (state,
+# last error (models.ERROR_LINE_SQL, the key Job.objects.with_error filters
+# by), over the newest %(cap)s failed rows only, so the page costs the same
+# with a million of them. Index: awa_job_finalized_idx (state,
 # finalized_at) on awa_job and awa_job_done, read backwards (a merge append).
-DEAD_LETTER_GROUPS = """
+DEAD_LETTER_GROUPS = f"""
 SELECT f.queue, f.kind, f.error, count(*), min(f.finalized_at), max(f.finalized_at)
 FROM (
-    SELECT queue, kind, finalized_at,
-           left(split_part(coalesce(errors -> -1 ->> 'error', ''), E'\\n', 1), 200) AS error
+    SELECT queue, kind, finalized_at, {ERROR_LINE_SQL} AS error
     FROM awa_job WHERE state = 'failed'
     ORDER BY finalized_at DESC LIMIT %(cap)s
 ) AS f

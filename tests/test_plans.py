@@ -49,3 +49,77 @@ def test_a_jobs_followups_are_found_by_the_trigger_index_not_a_primary_key_walk(
         some.values_list("id", flat=True)
     )
     assert len(some) == 2
+
+
+@pytest.fixture
+def old_failures_under_many_completions() -> None:
+    """As in production after a bad week: FINISHED rows in awa_job_done, the failed
+    ones (queue 'broken') the oldest ids, then ANALYZE (the planner's view of them)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO awa_job_done (id, kind, queue, state, finalized_at, errors)
+            SELECT nextval(pg_get_serial_sequence('awa_job', 'id')),
+                   'kind' || (g %% 10), CASE WHEN g <= %(failed)s THEN 'broken' ELSE 'default' END,
+                   CASE WHEN g <= %(failed)s THEN 'failed' ELSE 'completed' END, now(),
+                   CASE WHEN g <= %(failed)s
+                        THEN '[{"attempt": 3, "error": "ValueError: boom\\nmore"}]'::jsonb
+                        ELSE '[]'::jsonb END
+            FROM generate_series(1, %(total)s) g
+            """,
+            {"failed": FINISHED // 10, "total": FINISHED},
+        )
+        cursor.execute("VACUUM ANALYZE awa_job_done")
+
+
+@pytest.mark.django_db(transaction=True)  # VACUUM: index-only scans need the visibility map
+@pytest.mark.parametrize(
+    ("query", "index"),
+    [
+        ({"state__exact": "failed"}, "awa_job_done_state_idx"),
+        ({"queue": "broken"}, "awa_job_done_queue_idx"),
+        ({"kind": "kind3", "state__exact": "failed"}, "awa_job_done_state_idx"),
+        (
+            {
+                "state__exact": "failed",
+                "queue": "broken",
+                "kind": "kind3",
+                "error": "ValueError: boom",
+            },
+            "awa_job_done_dead_letter_idx",
+        ),
+        ({"o": "2"}, "awa_job_done_kind_idx"),
+    ],
+)
+def test_a_list_page_reads_its_ids_from_an_index_not_a_primary_key_walk(
+    old_failures_under_many_completions: None,
+    admin_client: object,
+    query: dict[str, str],
+    index: str,
+) -> None:
+    """The job list's page of ids (admin.EstimatedCountPaginator) comes from the
+    filtered column's index in id order; the rows of a page by primary key."""
+    from django.test.utils import CaptureQueriesContext
+
+    from django_awa import admin as awa_admin
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(awa_admin, "SMALL_TABLE_BYTES", -1)
+        with CaptureQueriesContext(connection) as queries:
+            response = admin_client.get("/admin/django_awa/job/", query)  # type: ignore[attr-defined]
+    assert response.status_code == 200
+    assert len(response.context["cl"].result_list) == 50
+    page_ids = [
+        q["sql"]
+        for q in queries.captured_queries
+        if q["sql"].startswith('SELECT "awa_job"."id" AS "pk"') and "LIMIT 50" in q["sql"]
+    ]
+    assert len(page_ids) == 1, [q["sql"] for q in queries.captured_queries]
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + page_ids[0])
+        shown = "\n".join(row[0] for row in cursor.fetchall())
+    assert index in shown and "awa_job_done_pkey" not in shown, shown
+    if "error" in query:
+        # The error's first line is one of the index's keys, not a filter on its rows.
+        conditions = [line for line in shown.splitlines() if "Index Cond" in line]
+        assert any("split_part" in line for line in conditions), shown

@@ -1,6 +1,8 @@
 """django-awa for benchmarks/otel_overhead.py: ``BENCH_OTEL=off`` disables OpenTelemetry
 (``AWA["OPENTELEMETRY"] = False``); ``BENCH_OTEL=sdk`` configures the SDK here, spans
-and metrics exported to memory, as a process with tracing on would run."""
+and metrics exported to memory, as a process with tracing on would run;
+``BENCH_OTEL=sampled`` the same with one trace in ten sampled (``ParentBased(
+TraceIdRatioBased(0.1))``), as a busy production process would keep them."""
 
 import os
 
@@ -8,15 +10,17 @@ from djbench.settings_awa import *  # noqa: F403
 
 AWA = {**AWA, "OPENTELEMETRY": os.environ.get("BENCH_OTEL") != "off"}  # noqa: F405
 
-if os.environ.get("BENCH_OTEL") == "sdk":
+if os.environ.get("BENCH_OTEL") in ("sdk", "sampled"):
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-    _provider = TracerProvider()
+    _sampled = os.environ.get("BENCH_OTEL") == "sampled"
+    _provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.1)) if _sampled else None)
     _provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
     trace.set_tracer_provider(_provider)
     metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
