@@ -1588,6 +1588,9 @@ ORDER BY count(*) DESC, max(f.finalized_at) DESC
 # waited for by the FOR UPDATE of the one that judges. A dependency whose
 # outcome is being written was 'running' in everyone's snapshot, so two
 # outcomes written at once never leave the dependent to each other.
+# Outcomes that all completed go first through PROMOTE_MET_BY: a dependent
+# all of whose dependencies are among them has no dependency another
+# transaction could finish, so it is promoted without the lock pass.
 
 # -- PLAN_BY_INDEX --
 # Before the dependency statements of one settling (dependencies._settle):

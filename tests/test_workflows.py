@@ -173,7 +173,9 @@ def test_a_batch_completing_every_dependency_of_a_job_releases_it_and_no_job_wit
     claimed = {job.id: job for job in claim("flow", 3, "default")}
     assert set(claimed) == {a.job.id, b.job.id, c.job.id}
     finalize([completed(claimed[a.job.id]), completed(claimed[b.job.id])], "default")
-    assert [state(j) for j in jobs[4:]] == ["available", "blocked", "blocked", "available"]
+    assert [state(s.job.id) for s in (both, three, pending, finished)] == [
+        "available", "blocked", "blocked", "available",
+    ]  # fmt: skip
     finalize([completed(claimed[c.job.id])], "default")
     assert state(three.job.id) == JobState.AVAILABLE
     assert state(pending.job.id) == JobState.BLOCKED
