@@ -1006,7 +1006,11 @@ WHERE id IN (
 # (one that waits for another dependency still): that edge goes, as the
 # dependency was met (a requires='completed' dependency whose row is gone
 # otherwise counts as deleted before it finished, see MEET_BY_DELETION).
-# Index: awa_dependency_dependents_idx. Returns how many jobs it deleted.
+# Index: the primary key of awa_job_dependency for the pruned jobs' own edges
+# (= ANY(ARRAY(...)): with IN (SELECT ...) the planner hashed the pruned ids
+# and read all 1,000,000 edges of benchmarks/workflows.py --plans),
+# awa_dependency_dependents_idx for their dependents'. Returns how many jobs
+# it deleted.
 PRUNE_FINISHED = """
 WITH gone AS (
     DELETE FROM awa_job WHERE id IN (
@@ -1019,7 +1023,7 @@ WITH gone AS (
     RETURNING id, state, has_dependents
 ),
 edges AS (
-    DELETE FROM awa_job_dependency WHERE job_id IN (SELECT id FROM gone)
+    DELETE FROM awa_job_dependency WHERE job_id = ANY(ARRAY(SELECT id FROM gone))
 ),
 met AS (
     DELETE FROM awa_job_dependency AS e
@@ -1849,20 +1853,25 @@ WHERE e.depends_on_id = ANY(%(completed)s::bigint[])
 """
 
 # -- ORPHANED_BLOCKED --
-# Maintenance, the safety net of deletion: blocked jobs one of whose
+# Maintenance, the safety net of deletion: of the next %(limit)s blocked jobs
+# after %(after)s in id order, each one's id and whether one of its
 # dependencies no longer exists (deleted by raw SQL, say, where no settling
-# ran), from %(after)s on in id order, a batch at a time; settled then
-# (dependencies.settle). No index holds the blocked jobs alone: the primary
-# key from %(after)s, over awa_job's live rows (finished ones move to
-# awa_job_done), which is why maintenance runs it once a minute, with prune;
-# then the primary key of awa_job_dependency and primary key lookups of the
-# dependencies.
+# ran); those are settled then (dependencies.settle), and the next batch
+# starts after the last id returned. No index holds the blocked jobs alone:
+# the primary key from %(after)s, over awa_job's live rows (finished ones
+# move to awa_job_done), which is why maintenance runs it once a minute, with
+# prune. Each job's edges are read by the primary key of awa_job_dependency
+# (job_id, ...) and each dependency looked up by primary key: the question
+# sits in the select list, so it is asked per job and never turned into a
+# join over the whole edge table (with the EXISTS in WHERE, PostgreSQL read
+# all 1,000,000 edges of benchmarks/workflows.py --plans to answer it).
 ORPHANED_BLOCKED = """
-SELECT b.id FROM ONLY awa_job AS b
+SELECT b.id,
+       EXISTS (SELECT 1 FROM awa_job_dependency AS e
+               WHERE e.job_id = b.id
+                 AND NOT EXISTS (SELECT 1 FROM awa_job AS d WHERE d.id = e.depends_on_id))
+FROM ONLY awa_job AS b
 WHERE b.state = 'blocked' AND b.id > %(after)s
-  AND EXISTS (SELECT 1 FROM awa_job_dependency AS e
-              WHERE e.job_id = b.id
-                AND NOT EXISTS (SELECT 1 FROM awa_job AS d WHERE d.id = e.depends_on_id))
 ORDER BY b.id
 LIMIT %(limit)s
 """
@@ -1911,11 +1920,12 @@ UPDATE ONLY awa_job SET state = 'blocked' WHERE id = ANY(%(ids)s::bigint[]) AND 
 
 # -- WORKFLOW_EDGES --
 # Every edge among a workflow's jobs, for its graph. Index: awa_job_workflow_idx,
-# then the primary key of awa_job_dependency.
+# then the primary key of awa_job_dependency (= ANY(ARRAY(...)), not IN: the
+# planner hashed the workflow's ids and read every edge of the table).
 WORKFLOW_EDGES = """
 SELECT e.job_id, e.depends_on_id, e.requires, e.position
 FROM awa_job_dependency AS e
-WHERE e.job_id IN (SELECT id FROM awa_job WHERE workflow_id = %(workflow_id)s)
+WHERE e.job_id = ANY(ARRAY(SELECT id FROM awa_job WHERE workflow_id = %(workflow_id)s))
 ORDER BY e.job_id, e.position
 """
 
