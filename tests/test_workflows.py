@@ -654,6 +654,23 @@ def test_a_dependency_deleted_by_raw_sql_is_settled_by_maintenance():
     assert Maintenance("default").settle_orphans() == 0
 
 
+@db
+def test_maintenance_pages_through_blocked_jobs_past_batches_without_an_orphan(monkeypatch):
+    from django_awa import maintenance
+
+    monkeypatch.setattr(maintenance, "BATCH", 2)
+    live = awa.enqueue(Node(name="live"))
+    waiting = [awa.enqueue(Node(name=f"w{i}"), after=[live]) for i in range(3)]
+    gone = awa.enqueue(Node(name="gone"))
+    orphans = [awa.enqueue(Node(name=f"o{i}"), after=[gone]) for i in range(2)]
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM awa_job WHERE id = %s", [gone.id])
+    # The first batch of two blocked jobs holds no orphan; the next ones do.
+    assert Maintenance("default").settle_orphans() == 2
+    assert [state(j) for j in orphans] == [JobState.CANCELLED] * 2
+    assert [state(j) for j in waiting] == [JobState.BLOCKED] * 3
+
+
 # -- planning ----------------------------------------------------------------------
 
 
