@@ -1862,14 +1862,16 @@ WHERE e.depends_on_id = ANY(%(completed)s::bigint[])
 # move to awa_job_done), which is why maintenance runs it once a minute, with
 # prune. Each job's edges are read by the primary key of awa_job_dependency
 # (job_id, ...) and each dependency looked up by primary key: the question
-# sits in the select list, so it is asked per job and never turned into a
-# join over the whole edge table (with the EXISTS in WHERE, PostgreSQL read
-# all 1,000,000 edges of benchmarks/workflows.py --plans to answer it).
+# is asked per job, never answered for the whole edge table at once. With
+# the EXISTS in WHERE PostgreSQL made it a join, and in the select list a
+# hashed subplan, each reading all 1,000,000 edges of benchmarks/workflows.py
+# --plans; OFFSET 0 keeps it a subquery run per job.
 ORPHANED_BLOCKED = """
 SELECT b.id,
        EXISTS (SELECT 1 FROM awa_job_dependency AS e
                WHERE e.job_id = b.id
-                 AND NOT EXISTS (SELECT 1 FROM awa_job AS d WHERE d.id = e.depends_on_id))
+                 AND NOT EXISTS (SELECT 1 FROM awa_job AS d WHERE d.id = e.depends_on_id)
+               OFFSET 0)
 FROM ONLY awa_job AS b
 WHERE b.state = 'blocked' AND b.id > %(after)s
 ORDER BY b.id
