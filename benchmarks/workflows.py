@@ -6,7 +6,7 @@
 
 Any Python with this repository's dependencies works (the repository's own
 ``.venv`` too). Each workload gets a fresh database ``awa_bench_workflows`` on
-127.0.0.1:5432 (user postgres; the one ``DATABASE_URL`` names, if set), dropped afterwards, and one
+127.0.0.1:5432 (user postgres), dropped afterwards, and one
 ``awa_worker --queue bench`` process with the benchmark's default settings
 (``benchmarks/djbench/settings_awa.py``):
 
@@ -40,13 +40,10 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-# The database named by DATABASE_URL (dropped and made again for each
-# workload), else awa_bench_workflows.
-DB = urlsplit(os.environ.get("DATABASE_URL", "")).path.lstrip("/") or "awa_bench_workflows"
+DB = "awa_bench_workflows"
 PSQL = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-Atq"]
 
 
