@@ -227,17 +227,42 @@ def run_workload(
 # -- plans at 1,000,000 edges -----------------------------------------------------
 
 
+def _reads_every_edge(plan: str) -> bool:
+    """Whether ``plan`` scans awa_job_dependency sequentially, or one of its indexes
+    from end to end (an index scan with no Index Cond reads every edge too)."""
+    lines = plan.splitlines()
+    for n, line in enumerate(lines):
+        if "on awa_job_dependency" not in line:
+            continue
+        if "Seq Scan" in line:
+            return True
+        if "Index Scan" in line or "Index Only Scan" in line:
+            indent = len(line) - len(line.lstrip(" ->"))
+            details = []
+            for following in lines[n + 1 :]:
+                stripped = following.lstrip(" ")
+                if stripped.startswith("->") or len(following) - len(stripped) <= indent:
+                    break
+                details.append(stripped)
+            if not any(d.startswith("Index Cond:") for d in details):
+                return True
+    return False
+
+
 def plans() -> None:
-    """Fill a database with 1,000,000 edges and print the plans of the statements
-    that read them (dependencies.py), with representative parameters."""
+    """Fill a database with 1,000,000 edges and print the plan of every statement
+    that reads or writes them (dependencies.py, maintenance, the admin, the ORM),
+    with representative parameters, each as the engine runs it."""
     _fresh_database()
     _psql("""
         -- 110,000 jobs: 100,000 finished dependencies, 10,000 blocked dependents
-        -- with 100 dependencies each: 1,000,000 edges.
+        -- (in 100 workflows) with 100 dependencies each: 1,000,000 edges.
         INSERT INTO awa_job (id, kind, queue, state, finalized_at, has_dependents)
-        SELECT g, 'noop', 'bench', 'completed', now(), true FROM generate_series(1, 100000) g;
-        INSERT INTO awa_job (id, kind, queue, state)
-        SELECT g, 'noop', 'bench', 'blocked' FROM generate_series(100001, 110000) g;
+        SELECT g, 'noop', 'bench', 'completed', now() - interval '30 days', true
+        FROM generate_series(1, 100000) g;
+        INSERT INTO awa_job (id, kind, queue, state, workflow_id)
+        SELECT g, 'noop', 'bench', 'blocked', md5((g % 100)::text)::uuid
+        FROM generate_series(100001, 110000) g;
         INSERT INTO awa_job_dependency (job_id, depends_on_id, position, requires)
         SELECT 100000 + d, (d * 7919 + k * 104729) % 100000 + 1, k, 'completed'
         FROM generate_series(1, 10000) d, generate_series(0, 99) k
@@ -249,40 +274,85 @@ def plans() -> None:
     from django.db import connection
 
     from django_awa import sql
+    from django_awa.models import Job
 
     edges = _psql("SELECT count(*) FROM awa_job_dependency")
     print(f"-- awa_job_dependency rows: {edges}")
     finished = [1, 2, 3, 50000]
     dependents = [100001, 100002, 105000]
-    cases = {
-        "DEPENDENTS_OF": (sql.DEPENDENTS_OF, {"ids": finished}),
-        "DOOMED_BY": (sql.DOOMED_BY, {"ids": dependents, "finished": finished}),
-        "PENDING_OF": (sql.PENDING_OF, {"ids": dependents, "mine": finished}),
-        "CANCEL_BY_DEPENDENCY": (
+    workflow = _psql("SELECT workflow_id FROM awa_job WHERE id = 100001")
+    # name: (statement, parameters, planned by index as dependencies.planned_by_index
+    # does, or by the statistics alone)
+    cases: dict[str, tuple[str, dict[str, Any], bool]] = {
+        "DEPENDENTS_OF": (sql.DEPENDENTS_OF, {"ids": finished}, True),
+        "DEPENDENTS_TO_JUDGE": (sql.DEPENDENTS_TO_JUDGE, {"ids": finished}, True),
+        "DEPENDENTS_TO_JUDGE_COMPLETED": (
+            sql.DEPENDENTS_TO_JUDGE_COMPLETED,
+            {"ids": finished},
+            True,
+        ),
+        "DOOMED_BY": (sql.DOOMED_BY, {"ids": dependents, "finished": finished}, True),
+        "PENDING_OF": (sql.PENDING_OF, {"ids": dependents, "mine": finished}, True),
+        "LOCK_DEPENDENTS": (sql.LOCK_DEPENDENTS, {"ids": finished}, True),
+        "CANCEL_BY_DEPENDENCY (outcomes)": (
             sql.CANCEL_BY_DEPENDENCY,
             {"ids": dependents, "finished": finished, "prefix": "x"},
+            True,
         ),
-        "PROMOTE_READY": (sql.PROMOTE_READY, {"ids": dependents}),
-        "REOPEN_CASCADED": (sql.REOPEN_CASCADED, {"ids": finished}),
-        "MEET_BY_DELETION": (sql.MEET_BY_DELETION, {"completed": finished}),
-        "ORPHANED_BLOCKED": (sql.ORPHANED_BLOCKED, {"after": 0, "limit": 1000}),
-        "Job.dependencies()": (
-            "SELECT * FROM awa_job_dependency WHERE job_id = %(id)s",
-            {"id": 100001},
+        "CANCEL_BY_DEPENDENCY (new, retried or orphaned jobs)": (
+            sql.CANCEL_BY_DEPENDENCY,
+            {"ids": dependents, "finished": None, "prefix": "x"},
+            True,
         ),
+        "PROMOTE_READY": (sql.PROMOTE_READY, {"ids": dependents}, True),
+        "PROMOTE_MET_BY": (sql.PROMOTE_MET_BY, {"ids": finished}, True),
+        "INSERT_EDGES": (
+            sql.INSERT_EDGES,
+            {
+                "job_id": [100001],
+                "depends_on_id": [99999],
+                "position": [100],
+                "requires": ["completed"],
+            },
+            True,
+        ),
+        "REVIVE_CASCADED": (sql.REVIVE_CASCADED, {"ids": finished}, True),
+        "REOPEN_CASCADED": (sql.REOPEN_CASCADED, {"ids": finished}, True),
+        "HAS_DEPENDENCIES": (sql.HAS_DEPENDENCIES, {"ids": dependents}, True),
+        "MEET_BY_DELETION": (sql.MEET_BY_DELETION, {"completed": finished}, True),
+        "ORPHANED_BLOCKED": (sql.ORPHANED_BLOCKED, {"after": 0, "limit": 1000}, True),
+        "PRUNE_FINISHED": (
+            sql.PRUNE_FINISHED,
+            {"states": ["completed"], "retention": 86400, "limit": 1000},
+            False,
+        ),
+        "WORKFLOW_EDGES (admin graph)": (sql.WORKFLOW_EDGES, {"workflow_id": workflow}, False),
     }
+    # The ORM's reads (Job.dependencies(), Job.dependents()), as Django sent them.
+    from django.test.utils import CaptureQueriesContext
+
+    for name, id_, method in (
+        ("Job.dependencies()", 100001, Job.dependencies),
+        ("Job.dependents()", 1, Job.dependents),
+    ):
+        job = Job.objects.get(id=id_)
+        with CaptureQueriesContext(connection) as captured:
+            method(job)
+        for n, query in enumerate(captured.captured_queries, 1):
+            cases[f"{name}, query {n}"] = (query["sql"].replace("%", "%%"), {}, False)
     with connection.cursor() as cursor:
-        for name, (statement, params) in cases.items():
+        for name, (statement, params, by_index) in cases.items():
             cursor.execute("BEGIN")
-            # As the engine runs them: planned by index (dependencies.planned_by_index).
-            cursor.execute(sql.PLAN_BY_INDEX)
+            if by_index:
+                cursor.execute(sql.PLAN_BY_INDEX)
             cursor.execute(
                 "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY ON) " + statement, params
             )
             plan = "\n".join(row[0] for row in cursor.fetchall())
             cursor.execute("ROLLBACK")
-            seq = "Seq Scan on awa_job_dependency" in plan
-            print(f"\n-- {name}{'  (SEQUENTIAL SCAN)' if seq else ''}\n{plan}")
+            mode = "planned by index" if by_index else "planned by statistics"
+            mark = "  WHOLE EDGE TABLE READ" if _reads_every_edge(plan) else ""
+            print(f"\n-- {name} ({mode}){mark}\n{plan}")
     _psql(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", "postgres")
 
 

@@ -157,7 +157,9 @@ def _flag_existing(cursor: db.Cursor, ids: list[int]) -> dict[int, uuid.UUID | N
     return found
 
 
-def after_outcomes(jobs: Iterable[Job | int], alias: str, *, worker: bool = False) -> None:
+def after_outcomes(
+    jobs: Iterable[Job | int], alias: str, *, worker: bool = False, completed: bool = False
+) -> None:
     """Promote or cancel the dependents of jobs whose outcome this transaction wrote.
 
     Call it in the transaction that writes the outcomes, after writing them,
@@ -166,26 +168,37 @@ def after_outcomes(jobs: Iterable[Job | int], alias: str, *, worker: bool = Fals
     filtered on it). ``worker``: the outcomes are of attempts that were
     running (finalize), which lets dependents that another dependency's
     outcome will settle be locked shared (see ``_lock_to_judge``).
+    ``completed``: every one of these jobs completed (``Job`` rows say so
+    themselves), which lets their dependents be promoted in fewer statements
+    (``sql.PROMOTE_MET_BY``); never pass it for other outcomes.
     """
     finished = []
+    every_completed = True
     for job in jobs:
         if isinstance(job, Job):
             if job.has_dependents and job.state in JobState.FINAL:
                 finished.append(job.id)
+                every_completed = every_completed and job.state == JobState.COMPLETED
         else:
             finished.append(job)
+            every_completed = every_completed and completed
     if finished:
-        _settle(alias, finished=finished, candidates=None, shared=worker)
+        _settle(alias, finished=finished, candidates=None, shared=worker, completed=every_completed)
 
 
 def settle(job_ids: Sequence[int], alias: str) -> None:
     """Judge blocked jobs now (new, or retried ones): promote, cancel, or leave them blocked."""
     if job_ids:
-        _settle(alias, finished=None, candidates=list(job_ids), shared=False)
+        _settle(alias, finished=None, candidates=list(job_ids), shared=False, completed=False)
 
 
 def _settle(
-    alias: str, *, finished: list[int] | None, candidates: list[int] | None, shared: bool
+    alias: str,
+    *,
+    finished: list[int] | None,
+    candidates: list[int] | None,
+    shared: bool,
+    completed: bool,
 ) -> None:
     # No savepoint of its own: an error here is raised to the caller, whose
     # transaction (the outcome's) rolls back; a savepoint would only cost two
@@ -195,7 +208,14 @@ def _settle(
         db.cursor(alias) as cursor,
         planned_by_index(cursor),
     ):
-        _settle_rounds(cursor, alias, finished=finished, candidates=candidates, shared=shared)
+        _settle_rounds(
+            cursor,
+            alias,
+            finished=finished,
+            candidates=candidates,
+            shared=shared,
+            completed=completed,
+        )
 
 
 @contextlib.contextmanager
@@ -220,49 +240,72 @@ def _settle_rounds(
     finished: list[int] | None,
     candidates: list[int] | None,
     shared: bool,
+    completed: bool,
 ) -> None:
-    """``_settle``'s rounds: one level of dependents each, until none is left to judge."""
+    """``_settle``'s rounds: one level of dependents each, until none is left to judge.
+
+    ``completed``: every job of ``finished`` completed (the first round only;
+    the cascade's rounds are of cancelled jobs). Their dependents with no
+    other dependency are promoted at once (``sql.PROMOTE_MET_BY``), and no
+    dependent can be cancelled by them.
+    """
     for _ in range(MAX_ROUNDS):
         if candidates is None:
             if not finished:
                 return
-            locked = _lock_to_judge(cursor, finished, alias, shared=shared)
+            if completed:
+                cursor.execute(sql.PROMOTE_MET_BY, {"ids": finished})
+                rows = cursor.fetchall()
+                _promoted_now(cursor, [row for row in rows if row[0] is not None])
+                if all(row[0] is not None for row in rows):
+                    return  # every dependent promoted: none left to judge
+            locked = _lock_to_judge(cursor, finished, alias, shared=shared, completed=completed)
         else:
             cursor.execute(sql.LOCK_BLOCKED, {"ids": candidates})
             locked = [row[0] for row in cursor.fetchall()]
         if not locked:
             return
-        # A later statement than the lock: its snapshot sees every outcome
-        # committed before the lock was granted.
-        cursor.execute(
-            sql.CANCEL_BY_DEPENDENCY,
-            {"ids": locked, "finished": finished, "prefix": "cancelled: dependency "},
-        )
-        returned = cursor.fetchall()
-        cancelled_rows = jobs_from_rows([row[3:] for row in returned], alias)
-        reasons = [
-            f"dependency {row[0]} ({row[1]}) {row[2]}"
-            if row[1]
-            else f"dependency {row[0]} {row[2]}"
-            for row in returned
-        ]
+        if completed:
+            # Completed dependencies cancel nothing.
+            cancelled_rows, reasons = [], []
+        else:
+            # A later statement than the lock: its snapshot sees every outcome
+            # committed before the lock was granted.
+            cursor.execute(
+                sql.CANCEL_BY_DEPENDENCY,
+                {"ids": locked, "finished": finished, "prefix": "cancelled: dependency "},
+            )
+            returned = cursor.fetchall()
+            cancelled_rows = jobs_from_rows([row[3:] for row in returned], alias)
+            reasons = [
+                f"dependency {row[0]} ({row[1]}) {row[2]}"
+                if row[1]
+                else f"dependency {row[0]} {row[2]}"
+                for row in returned
+            ]
         cancelled = {job.id for job in cancelled_rows}
         rest = [i for i in locked if i not in cancelled]
         if rest:
             cursor.execute(sql.PROMOTE_READY, {"ids": rest})
-            promoted = cursor.fetchall()
-            queues = sorted({q for _, state, q in promoted if state == JobState.AVAILABLE})
-            if queues:
-                cursor.execute(sql.NOTIFY_QUEUES, {"queues": queues})
-                _promoted.queues = getattr(_promoted, "queues", set()) | set(queues)
-            for job_id, state, _queue in promoted:
-                logger.info("job %s -> %s: its dependencies are met", job_id, state)
+            _promoted_now(cursor, cursor.fetchall())
         for job, reason in zip(cancelled_rows, reasons, strict=True):
             _cancelled(job, reason, alias)
         finished = [job.id for job in cancelled_rows if job.has_dependents]
         candidates = None
         shared = False  # cancelled here: they were blocked, not running
+        completed = False
     raise RuntimeError(f"dependency cascade deeper than {MAX_ROUNDS} levels")
+
+
+def _promoted_now(cursor: db.Cursor, promoted: list[tuple[int, str, str]]) -> None:
+    """After a promoting statement: NOTIFY the queues of the jobs it made available,
+    remember them for the completer's local wake-up, log each."""
+    queues = sorted({q for _, state, q in promoted if state == JobState.AVAILABLE})
+    if queues:
+        cursor.execute(sql.NOTIFY_QUEUES, {"queues": queues})
+        _promoted.queues = getattr(_promoted, "queues", set()) | set(queues)
+    for job_id, state, _queue in promoted:
+        logger.info("job %s -> %s: its dependencies are met", job_id, state)
 
 
 # Rounds of sorting dependents into shared and exclusive locks before all are
@@ -271,7 +314,7 @@ SHARE_ROUNDS = 3
 
 
 def _lock_to_judge(
-    cursor: db.Cursor, finished: list[int], alias: str, *, shared: bool
+    cursor: db.Cursor, finished: list[int], alias: str, *, shared: bool, completed: bool = False
 ) -> list[int]:
     """Lock the blocked dependents of ``finished``; return those to judge now.
 
@@ -285,7 +328,8 @@ def _lock_to_judge(
     whatever their mode, so two transactions never wait on each other. A
     dependent found shared whose pending dependency finished meanwhile is
     judged after all: the round's locks are released (savepoint) and taken
-    again.
+    again. ``completed``: every job of ``finished`` completed, so none dooms a
+    dependent (``sql.DEPENDENTS_TO_JUDGE_COMPLETED``).
     """
     if not shared:
         cursor.execute(sql.DEPENDENTS_OF, {"ids": finished})
@@ -294,7 +338,8 @@ def _lock_to_judge(
             return []
         cursor.execute(sql.LOCK_BLOCKED, {"ids": dependents})
         return [row[0] for row in cursor.fetchall()]
-    cursor.execute(sql.DEPENDENTS_TO_JUDGE, {"ids": finished})
+    statement = sql.DEPENDENTS_TO_JUDGE_COMPLETED if completed else sql.DEPENDENTS_TO_JUDGE
+    cursor.execute(statement, {"ids": finished})
     rows = cursor.fetchall()
     if not rows:
         return []

@@ -164,9 +164,14 @@ def _mark_locked(
 def _settle_dependents(applied: Sequence[AttemptResult], alias: str) -> None:
     """Promote or cancel the dependents of the finished jobs among ``applied``
     (inside the transaction that wrote them)."""
-    finished = [r.job.id for r in applied if r.has_dependents and r.state in JobState.FINAL]
+    finished = [r for r in applied if r.has_dependents and r.state in JobState.FINAL]
     if finished:
-        after_outcomes(finished, alias, worker=True)
+        after_outcomes(
+            [r.job.id for r in finished],
+            alias,
+            worker=True,
+            completed=all(r.state == JobState.COMPLETED for r in finished),
+        )
 
 
 def followup_context(result: AttemptResult) -> OutcomeContext:

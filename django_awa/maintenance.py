@@ -520,15 +520,16 @@ class Maintenance:
                 planned_by_index(cursor),
             ):
                 cursor.execute(sql.ORPHANED_BLOCKED, {"after": after, "limit": BATCH})
-                found = [row[0] for row in cursor.fetchall()]
+                examined = cursor.fetchall()
+                found = [job_id for job_id, orphaned in examined if orphaned]
                 if found:
                     settle(found, self.alias)
                     cursor.execute(sql.STILL_BLOCKED, {"ids": found})
                     row = cursor.fetchone()
                     changed += len(found) - (row[0] if row else 0)
-            if len(found) < BATCH:
+            if len(examined) < BATCH:
                 break
-            after = found[-1]
+            after = examined[-1][0]
         if changed:
             logger.warning(
                 "%s blocked job(s) waited for a dependency deleted without settling them; "

@@ -1006,7 +1006,11 @@ WHERE id IN (
 # (one that waits for another dependency still): that edge goes, as the
 # dependency was met (a requires='completed' dependency whose row is gone
 # otherwise counts as deleted before it finished, see MEET_BY_DELETION).
-# Index: awa_dependency_dependents_idx. Returns how many jobs it deleted.
+# Index: the primary key of awa_job_dependency for the pruned jobs' own edges
+# (= ANY(ARRAY(...)): with IN (SELECT ...) the planner hashed the pruned ids
+# and read all 1,000,000 edges of benchmarks/workflows.py --plans),
+# awa_dependency_dependents_idx for their dependents'. Returns how many jobs
+# it deleted.
 PRUNE_FINISHED = """
 WITH gone AS (
     DELETE FROM awa_job WHERE id IN (
@@ -1019,7 +1023,7 @@ WITH gone AS (
     RETURNING id, state, has_dependents
 ),
 edges AS (
-    DELETE FROM awa_job_dependency WHERE job_id IN (SELECT id FROM gone)
+    DELETE FROM awa_job_dependency WHERE job_id = ANY(ARRAY(SELECT id FROM gone))
 ),
 met AS (
     DELETE FROM awa_job_dependency AS e
@@ -1588,6 +1592,9 @@ ORDER BY count(*) DESC, max(f.finalized_at) DESC
 # waited for by the FOR UPDATE of the one that judges. A dependency whose
 # outcome is being written was 'running' in everyone's snapshot, so two
 # outcomes written at once never leave the dependent to each other.
+# Outcomes that all completed go first through PROMOTE_MET_BY: a dependent
+# all of whose dependencies are among them has no dependency another
+# transaction could finish, so it is promoted without the lock pass.
 
 # -- PLAN_BY_INDEX --
 # Before the dependency statements of one settling (dependencies._settle):
@@ -1733,6 +1740,13 @@ RETURNING c.dep_id, c.dep_kind, c.dep_state, {J_JOB_COLUMNS}
 # finishing last in a fan-in of 10,000 would each read ~10,000 finished
 # dependencies (60-100 ms at load 14) before the running ones, while they hold
 # the callback FOR UPDATE; 16-20 ms in this order.
+# Each dependency's state is looked up in awa_job_done first, where a
+# completed job is written at once (and an archived one moves), then in
+# awa_job: one primary key lookup per finished dependency, not two (the
+# parent table's lookup would find nothing first), which halves the check
+# that reads all of a fan-in callback's 10,000 dependencies when its last
+# member finishes. OFFSET 0 keeps the lookup from being inlined into the
+# CASE, where it would run once per mention.
 PROMOTE_READY = f"""
 UPDATE ONLY awa_job AS j
 SET state = CASE WHEN j.run_at > now() THEN 'scheduled' ELSE 'available' END
@@ -1740,12 +1754,57 @@ WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'blocked'
   AND NOT EXISTS (
       SELECT 1 FROM (SELECT e.depends_on_id, e.requires FROM awa_job_dependency AS e
                      WHERE e.job_id = j.id ORDER BY e.depends_on_id DESC) AS e
-      LEFT JOIN awa_job AS d ON d.id = e.depends_on_id
-      WHERE CASE WHEN d.id IS NULL THEN e.requires = 'completed'
+      CROSS JOIN LATERAL (
+          SELECT coalesce(
+              (SELECT f.state FROM ONLY awa_job_done AS f WHERE f.id = e.depends_on_id),
+              (SELECT l.state FROM ONLY awa_job AS l WHERE l.id = e.depends_on_id))
+          OFFSET 0
+      ) AS d(state)
+      WHERE CASE WHEN d.state IS NULL THEN e.requires = 'completed'
                  ELSE d.state <> 'completed'
                       AND (e.requires = 'completed' OR d.state NOT IN {_FINAL}) END
   )
 RETURNING j.id, j.state, j.queue
+"""
+
+# -- PROMOTE_MET_BY --
+# The first statement of a settling whose outcomes all completed (a worker's
+# batch, usually): the blocked jobs every one of whose dependencies is among
+# these jobs become available (or scheduled) at once. No lock before, no
+# judging after: no other transaction can write an outcome of their
+# dependencies (this one holds those rows, having written them), so none
+# races this one to judge them, and all completed (the caller says so). The
+# UPDATE's own row lock and its recheck of state = 'blocked' keep a job
+# cancelled or promoted meanwhile as it is; the rows are taken in id order,
+# as every settling locks them. This is a chain's next step and
+# each job of a fan-out: one statement for the 18,000 dependents a batch of
+# 200 steps promotes in benchmarks/workflows.py, where the general path
+# (DEPENDENTS_TO_JUDGE, LOCK_BLOCKED, PROMOTE_READY) read each dependent three
+# times. Dependents with another dependency are left to that path. Index:
+# awa_dependency_dependents_idx for the dependents, then the primary key of
+# awa_job_dependency, reading at most n + 1 of a dependent's edges (n: its
+# edges to these jobs), and awa_job's primary key. A last row of NULLs says
+# that some dependents were left (so the general path must look for them);
+# without it, the settling is done.
+PROMOTE_MET_BY = """
+WITH mine AS MATERIALIZED (
+    SELECT e.job_id, count(*) AS n FROM awa_job_dependency AS e
+    WHERE e.depends_on_id = ANY(%(ids)s::bigint[])
+    GROUP BY e.job_id
+    ORDER BY e.job_id
+),
+promoted AS (
+    UPDATE ONLY awa_job AS j
+    SET state = CASE WHEN j.run_at > now() THEN 'scheduled' ELSE 'available' END
+    FROM mine
+    WHERE j.id = mine.job_id AND j.state = 'blocked'
+      AND (SELECT count(*) FROM (SELECT 1 FROM awa_job_dependency AS o
+                                 WHERE o.job_id = mine.job_id LIMIT mine.n + 1) AS o) = mine.n
+    RETURNING j.id, j.state, j.queue
+)
+SELECT id, state, queue FROM promoted
+UNION ALL
+SELECT NULL, NULL, NULL WHERE (SELECT count(*) FROM mine) > (SELECT count(*) FROM promoted)
 """
 
 # -- REVIVE_CASCADED --
@@ -1794,20 +1853,27 @@ WHERE e.depends_on_id = ANY(%(completed)s::bigint[])
 """
 
 # -- ORPHANED_BLOCKED --
-# Maintenance, the safety net of deletion: blocked jobs one of whose
+# Maintenance, the safety net of deletion: of the next %(limit)s blocked jobs
+# after %(after)s in id order, each one's id and whether one of its
 # dependencies no longer exists (deleted by raw SQL, say, where no settling
-# ran), from %(after)s on in id order, a batch at a time; settled then
-# (dependencies.settle). No index holds the blocked jobs alone: the primary
-# key from %(after)s, over awa_job's live rows (finished ones move to
-# awa_job_done), which is why maintenance runs it once a minute, with prune;
-# then the primary key of awa_job_dependency and primary key lookups of the
-# dependencies.
+# ran); those are settled then (dependencies.settle), and the next batch
+# starts after the last id returned. No index holds the blocked jobs alone:
+# the primary key from %(after)s, over awa_job's live rows (finished ones
+# move to awa_job_done), which is why maintenance runs it once a minute, with
+# prune. Each job's edges are read by the primary key of awa_job_dependency
+# (job_id, ...) and each dependency looked up by primary key: the question
+# is asked per job, never answered for the whole edge table at once. With
+# the EXISTS in WHERE PostgreSQL made it a join, and in the select list a
+# hashed subplan, each reading all 1,000,000 edges of benchmarks/workflows.py
+# --plans; OFFSET 0 keeps it a subquery run per job.
 ORPHANED_BLOCKED = """
-SELECT b.id FROM ONLY awa_job AS b
+SELECT b.id,
+       EXISTS (SELECT 1 FROM awa_job_dependency AS e
+               WHERE e.job_id = b.id
+                 AND NOT EXISTS (SELECT 1 FROM awa_job AS d WHERE d.id = e.depends_on_id)
+               OFFSET 0)
+FROM ONLY awa_job AS b
 WHERE b.state = 'blocked' AND b.id > %(after)s
-  AND EXISTS (SELECT 1 FROM awa_job_dependency AS e
-              WHERE e.job_id = b.id
-                AND NOT EXISTS (SELECT 1 FROM awa_job AS d WHERE d.id = e.depends_on_id))
 ORDER BY b.id
 LIMIT %(limit)s
 """
@@ -1856,11 +1922,12 @@ UPDATE ONLY awa_job SET state = 'blocked' WHERE id = ANY(%(ids)s::bigint[]) AND 
 
 # -- WORKFLOW_EDGES --
 # Every edge among a workflow's jobs, for its graph. Index: awa_job_workflow_idx,
-# then the primary key of awa_job_dependency.
+# then the primary key of awa_job_dependency (= ANY(ARRAY(...)), not IN: the
+# planner hashed the workflow's ids and read every edge of the table).
 WORKFLOW_EDGES = """
 SELECT e.job_id, e.depends_on_id, e.requires, e.position
 FROM awa_job_dependency AS e
-WHERE e.job_id IN (SELECT id FROM awa_job WHERE workflow_id = %(workflow_id)s)
+WHERE e.job_id = ANY(ARRAY(SELECT id FROM awa_job WHERE workflow_id = %(workflow_id)s))
 ORDER BY e.job_id, e.position
 """
 
@@ -1899,7 +1966,8 @@ WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.depends_on_id = ANY(%(finished)s::
 # for pending (only worker outcomes use this; other paths lock FOR UPDATE).
 # No lock taken. The newest dependencies first (ORDER BY ... DESC): in a
 # fan-in they are the ones not yet claimed, so the scan stops at once. Index:
-# the primary key of awa_job_dependency, backwards.
+# the primary key of awa_job_dependency, backwards, then awa_job's alone (a
+# row of awa_job_done is finished, never pending).
 # Only the newest PENDING_SCAN dependencies are looked at: past them the job
 # is taken for one this transaction may have to judge (FOR UPDATE), which is
 # always correct, only less concurrent; so the last members of a fan-in of
@@ -1912,7 +1980,7 @@ PENDING_OF = f"""
 SELECT c.id FROM unnest(%(ids)s::bigint[]) AS c(id)
 WHERE EXISTS (
     SELECT 1 FROM {_NEWEST_EDGES.format(job="c.id")} AS e
-    JOIN awa_job AS d ON d.id = e.depends_on_id
+    JOIN ONLY awa_job AS d ON d.id = e.depends_on_id
     WHERE d.state NOT IN {_FINAL} AND d.state <> 'running'
       AND d.id <> ALL(%(mine)s::bigint[])
 )
@@ -1928,17 +1996,18 @@ ORDER BY id
 FOR KEY SHARE
 """
 
-# -- DEPENDENTS_TO_JUDGE --
+# -- DEPENDENTS_TO_JUDGE, DEPENDENTS_TO_JUDGE_COMPLETED --
 # DEPENDENTS_OF, with for each dependent whether DOOMED_BY and PENDING_OF
 # hold for it: the first round of finalize's locking in one statement. Same
-# indexes.
-DEPENDENTS_TO_JUDGE = f"""
+# indexes. DEPENDENTS_TO_JUDGE_COMPLETED, when every one of these jobs
+# completed: none can doom a dependent, and the DOOMED_BY lookup (each
+# dependent's edges to these jobs, and their states: a fan-in callback's
+# thousand per batch) is left out.
+_DEPENDENTS_TO_JUDGE = f"""
 SELECT j.id,
-       EXISTS (SELECT 1 FROM awa_job_dependency AS e JOIN awa_job AS d ON d.id = e.depends_on_id
-               WHERE e.job_id = j.id AND e.depends_on_id = ANY(%(ids)s::bigint[])
-                 AND e.requires = 'completed' AND d.state IN ('failed', 'cancelled')),
+       {{doomed}},
        EXISTS (SELECT 1 FROM {_NEWEST_EDGES.format(job="j.id")} AS e
-               JOIN awa_job AS d ON d.id = e.depends_on_id
+               JOIN ONLY awa_job AS d ON d.id = e.depends_on_id
                WHERE d.state NOT IN {_FINAL} AND d.state <> 'running'
                  AND d.id <> ALL(%(ids)s::bigint[]))
 FROM ONLY awa_job AS j
@@ -1947,3 +2016,10 @@ WHERE j.id IN (SELECT e.job_id FROM awa_job_dependency AS e
   AND j.state = 'blocked'
 ORDER BY j.id
 """
+DEPENDENTS_TO_JUDGE = _DEPENDENTS_TO_JUDGE.format(
+    doomed="""EXISTS (SELECT 1 FROM awa_job_dependency AS e
+               JOIN awa_job AS d ON d.id = e.depends_on_id
+               WHERE e.job_id = j.id AND e.depends_on_id = ANY(%(ids)s::bigint[])
+                 AND e.requires = 'completed' AND d.state IN ('failed', 'cancelled'))"""
+)
+DEPENDENTS_TO_JUDGE_COMPLETED = _DEPENDENTS_TO_JUDGE.format(doomed="false")

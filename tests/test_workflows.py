@@ -157,6 +157,34 @@ def test_a_fan_out_releases_every_dependent_in_the_one_transaction():
 
 
 @db
+def test_a_batch_completing_every_dependency_of_a_job_releases_it_and_no_job_with_one_left():
+    """A worker's batch of completed outcomes releases the jobs all of whose
+    dependencies it completed in one statement; a job with a dependency still
+    running (or not yet claimed) stays blocked, whatever the batch held."""
+    from django_awa.execute import completed
+
+    flow = awa.Workflow()
+    a, b, c, d = (flow.add(Node(name=n)) for n in "abcd")
+    both = flow.add(Node(name="both"), after=[a, b])
+    three = flow.add(Node(name="three"), after=[a, b, c])
+    pending = flow.add(Node(name="pending"), after=[d, a])
+    finished = flow.add(Node(name="finished"), after=[a, b], requires="finished")
+    jobs = flow.enqueue()
+    claimed = {job.id: job for job in claim("flow", 3, "default")}
+    assert set(claimed) == {a.job.id, b.job.id, c.job.id}
+    finalize([completed(claimed[a.job.id]), completed(claimed[b.job.id])], "default")
+    assert [state(s.job.id) for s in (both, three, pending, finished)] == [
+        "available", "blocked", "blocked", "available",
+    ]  # fmt: skip
+    finalize([completed(claimed[c.job.id])], "default")
+    assert state(three.job.id) == JobState.AVAILABLE
+    assert state(pending.job.id) == JobState.BLOCKED
+    run_all()
+    # a, b and c were finalized above without running their handler.
+    assert all(runs(j) == 1 for j in jobs[3:]) and state(finished.job.id) == JobState.COMPLETED
+
+
+@db
 def test_a_step_with_a_future_run_at_is_scheduled_when_released():
     later = timezone.now() + dt.timedelta(hours=1)
     flow = awa.Workflow()
@@ -747,6 +775,23 @@ def test_a_dependency_deleted_by_raw_sql_is_settled_by_maintenance():
         f"cancelled: dependency {gone.id} deleted"
     )
     assert Maintenance("default").settle_orphans() == 0
+
+
+@db
+def test_maintenance_pages_through_blocked_jobs_past_batches_without_an_orphan(monkeypatch):
+    from django_awa import maintenance
+
+    monkeypatch.setattr(maintenance, "BATCH", 2)
+    live = awa.enqueue(Node(name="live"))
+    waiting = [awa.enqueue(Node(name=f"w{i}"), after=[live]) for i in range(3)]
+    gone = awa.enqueue(Node(name="gone"))
+    orphans = [awa.enqueue(Node(name=f"o{i}"), after=[gone]) for i in range(2)]
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM awa_job WHERE id = %s", [gone.id])
+    # The first batch of two blocked jobs holds no orphan; the next ones do.
+    assert Maintenance("default").settle_orphans() == 2
+    assert [state(j) for j in orphans] == [JobState.CANCELLED] * 2
+    assert [state(j) for j in waiting] == [JobState.BLOCKED] * 3
 
 
 # -- planning ----------------------------------------------------------------------
