@@ -1,6 +1,6 @@
 """What each statement of the plain path costs PostgreSQL per job.
 
-    python benchmarks/statement_cost.py [--jobs 20000] [--batch 100]
+    python benchmarks/statement_cost.py [--jobs 20000] [--batch 100] [--without-index NAME]
 
 Enqueues --jobs no-op jobs into a fresh database (``awa_bench_cost``, dropped
 afterwards), then runs the worker's statements by hand, batch by batch, as a
@@ -12,7 +12,8 @@ buffers dirtied, and prints them per job, with the tuples written to each
 table (``pg_stat_user_tables``). Works without ``pg_stat_statements`` (the
 machine's server does not preload it). Execution time under EXPLAIN ANALYZE
 includes the instrumentation's own overhead: compare statements, not absolute
-figures across machines. No test asserts a figure.
+figures across machines. ``--without-index`` (repeatable) drops the named index
+after migrating, to show what keeping it costs each job. No test asserts a figure.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=20000)
     parser.add_argument("--batch", type=int, default=100)
     parser.add_argument("--plans", action="store_true", help="print each statement's last plan")
+    parser.add_argument(
+        "--without-index",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="drop this index after migrating (what it costs per job)",
+    )
     args = parser.parse_args()
 
     with psycopg.connect(ADMIN_DSN, autocommit=True) as admin:
@@ -84,6 +92,11 @@ def main() -> None:
         from django.db import transaction
 
         call_command("migrate", verbosity=0)
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            for index in args.without_index:
+                cursor.execute(f'DROP INDEX "{index}"')
         from djbench.awa_app.jobs import Noop
 
         import django_awa as awa

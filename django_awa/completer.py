@@ -175,13 +175,14 @@ class Completer:
             # claim them now, not when the NOTIFY comes back (the others do then).
             self.state.wake(promoted)
         notify_freed(self.state, (result for result in batch if not result.locked))
-        forget = self.state.forget
+        written = []
         for result in batch:
             if result.locked:
                 result.locked = False
                 deferred.append(result)
             else:
-                forget(result.job)
+                written.append(result.job)
+        self.state.forget_all(written)
         tracing = instrumentation()  # None without the otel extra
         if tracing is not None:
             tracing.record_pending()  # the attempts' histogram values (otel.py)

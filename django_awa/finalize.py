@@ -370,8 +370,11 @@ def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult
                 again = _write(flagged, alias, rows=False)
                 _settle_dependents(again, alias)
             applied.extend(again)
+    # Completed jobs are logged at INFO only: whether it is on is asked once a batch.
+    info = logger.isEnabledFor(logging.INFO)
     for result in applied:
-        _log(result)
+        if info or result.state != JobState.COMPLETED:
+            _log(result)
     return applied
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +29,9 @@ JOB_FIELDS = ("job_id", "kind", "queue", "attempt", "worker")
 # Per thread (a new thread starts with an empty context): the worker a
 # service thread belongs to, and the job whose handler runs in this thread.
 _worker: ContextVar[str] = ContextVar("awa_worker", default="")
-_job: ContextVar[dict[str, Any] | None] = ContextVar("awa_job", default=None)
+# The job is kept as it is, and its fields are read only when a record is
+# about it: most attempts log nothing, and building them was per-job work.
+_job: ContextVar[tuple[Job, str | None] | None] = ContextVar("awa_job", default=None)
 
 
 def set_worker(name: str) -> None:
@@ -50,19 +50,32 @@ def log_context(job: Job, worker: str | None = None) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def job_logging(job: Job, worker: str | None = None) -> Iterator[dict[str, Any]]:
-    """While the block runs, this thread's records are about ``job`` (see the filter)."""
-    token = _job.set(log_context(job, worker))
-    try:
-        yield _job.get() or {}
-    finally:
-        _job.reset(token)
+class job_logging:  # lower case: used as a function, ``with job_logging(job):``
+    """While the block runs, this thread's records are about ``job`` (see the filter).
+
+    A class rather than a ``@contextmanager`` generator: the handler threads
+    enter one for every job, and the generator's machinery cost more than the
+    rest of it.
+    """
+
+    __slots__ = ("_token", "job", "worker")
+
+    def __init__(self, job: Job, worker: str | None = None) -> None:
+        self.job = job
+        self.worker = worker
+
+    def __enter__(self) -> dict[str, Any]:
+        self._token = _job.set((self.job, self.worker))
+        return log_context(self.job, self.worker)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _job.reset(self._token)
 
 
 def current_job() -> dict[str, Any] | None:
     """The log context of the job whose handler runs in this thread, if any."""
-    return _job.get()
+    running = _job.get()
+    return None if running is None else log_context(*running)
 
 
 class JobContextFilter(logging.Filter):
@@ -76,7 +89,7 @@ class JobContextFilter(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        context = _job.get()
+        context = current_job()
         for name in JOB_FIELDS:
             if not hasattr(record, name):
                 if context is not None:

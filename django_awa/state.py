@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -271,11 +271,18 @@ class WorkerState:
         may already be claimed again, and that attempt is tracked under the
         same id.
         """
+        self.forget_all((job,))
+
+    def forget_all(self, jobs: Iterable[Job]) -> None:
+        """``forget`` each of ``jobs``, under one hold of ``running_lock`` (a written batch:
+        a hold per job contended with the handler threads for every job)."""
+        running = self.running
         with self.running_lock:
-            tracked = self.running.get(job.id)
-            if tracked is not None and tracked.job.run_lease == job.run_lease:
-                del self.running[job.id]
-            self.processed += 1
+            for job in jobs:
+                tracked = running.get(job.id)
+                if tracked is not None and tracked.job.run_lease == job.run_lease:
+                    del running[job.id]
+                self.processed += 1
 
     def wake(self, names: set[str] | None = None) -> None:
         """Make the producers of queues ``names`` (default: all) claim now."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import os
@@ -94,6 +95,7 @@ class Command(BaseCommand):
                 raise CommandError("--shutdown-timeout cannot be negative")
             conf = dataclasses.replace(conf, shutdown_timeout=options["shutdown_timeout"])
         _configure_logging(options["verbosity"])
+        freeze_startup_objects()
         if processes == 1:
             Worker(queues, alias=alias, conf=conf).run()
             return
@@ -175,6 +177,24 @@ def _child(queues: dict[str, int], alias: str, conf: AwaSettings, processes: int
 
     threading.Thread(target=orphan_watch, name="awa-orphan-watch", daemon=True).start()
     worker.run()
+
+
+def freeze_startup_objects() -> None:
+    """Keep what Django's start-up made out of every later garbage collection.
+
+    A worker allocates several objects per job (its row's ``Job``, the
+    attempt, the result), and those held across a young collection (the
+    prefetched jobs in the inbox, a batch in the completer) age into the
+    oldest generation, whose collection then walks every object of the
+    process: Django's settings, models, URL patterns and imported modules,
+    some seventy thousand objects, each time. In a no-op drain of 60,000 jobs
+    those collections took about a tenth of the worker's CPU. ``gc.freeze()``
+    moves the objects alive now to a permanent generation that collections
+    skip (they are long-lived by nature); what is garbage now is collected
+    first. The forked ``--processes`` children inherit them frozen.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _configure_logging(verbosity: int) -> None:
