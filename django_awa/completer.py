@@ -68,7 +68,6 @@ def notify_freed(state: WorkerState, results: Iterable[AttemptResult]) -> None:
     """
     queues: set[str] = set()
     sequences: set[str] = set()
-    members: set[str] = set()  # the queues of the finished members
     for result in results:
         job = result.job
         runner = state.queues.get(job.queue)
@@ -77,14 +76,11 @@ def notify_freed(state: WorkerState, results: Iterable[AttemptResult]) -> None:
         key = job.metadata.get("awa_sequence") if job.metadata else None
         if key is not None and result.state in JobState.FINAL:
             sequences.add(key)
-            members.add(job.queue)
     if not queues and not sequences:
         return
     # This process's own producers first, without waiting for the round trip
-    # below: the outcomes are committed, so the capacity is free now, and a
-    # sequence's next member is most often on its finished member's queue
-    # (a claim there that finds none costs one statement).
-    state.wake(queues | members)
+    # below: the outcomes are committed, so the capacity is free now.
+    state.wake(queues)
     try:
         with db.cursor(state.alias) as cursor:
             cursor.execute(
