@@ -5,9 +5,10 @@
     python benchmarks/flow_control.py --small             # a quick check that it runs
     python benchmarks/flow_control.py --workloads unlimited,sequence --baseline-repo /tmp/base
 
-Each workload gets a fresh database (``awa_bench_flow``), migrated, its jobs
-enqueued untimed (``awa.enqueue_many``), then ``--processes`` worker processes
-(``awa_worker --queue <q>=<concurrency>``) started; it reports the drain rate
+Each workload gets a fresh database (the one ``DATABASE_URL`` names, else
+``awa_bench_flow``), migrated, its jobs enqueued untimed (``awa.enqueue_many``),
+then ``--processes`` worker processes (``awa_worker --queue <q>=<concurrency>``)
+started; it reports the drain rate
 from the first attempt's start to the last completion (database clock, so no
 start-up time), and the wall time from starting the workers. Handlers are
 no-ops. With ``--baseline-repo`` (e.g. a ``git worktree`` of main) every
@@ -23,6 +24,16 @@ after of a change in one run, each line with the load average when it ended.
   sequence   --sequence jobs of one sequence key
   rate       a queue with ``rate_limit`` --rate per second, for --rate-seconds:
              the starts achieved per second, and the most in any sliding second
+  pause      --jobs on the unlimited queue, then on the global_concurrency one:
+             ``awa.pause_queue`` once a tenth is claimed, and how long after the
+             pause committed the workers' claims stopped (the available count,
+             read every 10 ms, last fell), against POLL_INTERVAL
+
+Each drain also reports how long a job held its place: the mean and median of
+``finalized_at - attempted_at`` (on a limited queue ``attempted_at`` is the
+claim; elsewhere the handler's start), and for the sequence the gap between a
+member's finalize and the next member's start: where a saturated limit's time
+goes.
 
 While the limited workloads run, a sampler reads ``pg_stat_activity`` every 100 ms
 and reports how many sessions waited on an advisory lock (the limited claim's),
@@ -47,7 +58,9 @@ import psycopg
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-DB = "awa_bench_flow"
+# The run's own database, dropped and made again for each workload: the one
+# DATABASE_URL names when it is set (each engineer's own), else awa_bench_flow.
+DB = os.environ.get("DATABASE_URL", "").rsplit("/", 1)[-1].split("?")[0] or "awa_bench_flow"
 SERVER = "postgresql://postgres@127.0.0.1:5432/"
 FLOW_SETTINGS = "djbench.settings_flow"
 PLAIN_SETTINGS = "djbench.settings_awa"
@@ -165,6 +178,15 @@ def drain(
             span = conn.execute(
                 "SELECT extract(epoch FROM max(finalized_at) - min(attempted_at)) FROM awa_job"
             ).fetchone()
+            held = conn.execute(
+                """SELECT 1000 * avg(extract(epoch FROM finalized_at - attempted_at)),
+                          1000 * percentile_cont(0.5) WITHIN GROUP (
+                              ORDER BY extract(epoch FROM finalized_at - attempted_at)),
+                          (SELECT 1000 * percentile_cont(0.5) WITHIN GROUP (ORDER BY gap)
+                           FROM (SELECT extract(epoch FROM attempted_at - lag(finalized_at)
+                                        OVER (ORDER BY id)) AS gap FROM awa_job) AS g)
+                   FROM awa_job"""
+            ).fetchone()
     finally:
         if sampler:
             sampler.stop.set()
@@ -178,6 +200,9 @@ def drain(
                 worker.kill()
     seconds = float(span[0]) if span and span[0] else wall
     result = {"jobs": total, "seconds": seconds, "rate": total / seconds, "wall": wall}
+    if held and held[0] is not None:
+        result["held_ms"] = (float(held[0]), float(held[1]))
+        result["next_start_ms"] = float(held[2]) if held[2] is not None else None
     if sampler:
         result["locks"] = sampler.report()
     return result
@@ -280,6 +305,69 @@ def rate(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
     return result
 
 
+def pause_one(queue: str, args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+    """Drain ``queue`` with the workers, pause it once a tenth is claimed; when claims stopped."""
+    fresh_database(FLOW_SETTINGS, repo)
+    enqueue_noops(queue, args.jobs, repo)
+    enqueue(f"awa.pause_queue({queue!r})\nawa.resume_queue({queue!r})\n", repo=repo)
+    env = django_env(FLOW_SETTINGS, repo)
+    command = [
+        sys.executable,
+        "-m",
+        "django",
+        "awa_worker",
+        "--queue",
+        f"{queue}={args.concurrency}",
+    ]
+    workers = [
+        subprocess.Popen(
+            command, cwd=BENCH_DIR, env=env, stdout=subprocess.DEVNULL, start_new_session=True
+        )
+        for _ in range(args.processes)
+    ]
+    available = "SELECT count(*), clock_timestamp() FROM awa_job WHERE state = 'available'"
+    try:
+        with psycopg.connect(SERVER + DB, autocommit=True) as conn:
+            deadline = time.monotonic() + 120
+            while (row := conn.execute(available).fetchone()) and row[0] > args.jobs * 9 // 10:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"pause: {queue} not started in 120s")
+                time.sleep(0.01)
+            # What awa.pause_queue writes to the row made before the workers
+            # started (a process of its own would start too late); the database
+            # clock read after its commit, an upper bound of when it took effect.
+            conn.execute(
+                "UPDATE awa_queue SET paused = true, paused_at = now(), updated_at = now() "
+                "WHERE name = %s",
+                [queue],
+            )
+            paused_row = conn.execute("SELECT clock_timestamp()").fetchone()
+            paused_at = paused_row[0] if paused_row else None
+            last_count, last_change = None, None
+            watch_until = time.monotonic() + 3.0
+            while time.monotonic() < watch_until:
+                row = conn.execute(available).fetchone()
+                if row and row[0] != last_count:
+                    last_count, last_change = row[0], row[1]
+                time.sleep(0.01)
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            try:
+                worker.wait(60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    after = (last_change - paused_at).total_seconds() if last_change and paused_at else None
+    return {"queue": queue, "claims_stopped_after_s": after, "left_available": last_count}
+
+
+def pause(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+    unlimited_queue = pause_one("bench", args, repo)
+    limited_queue = pause_one("glob", args, repo)
+    return {"rate": 0.0, "wall": 0.0, "pause": [unlimited_queue, limited_queue]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="small sizes: a check that it runs")
@@ -310,6 +398,7 @@ def main() -> None:
                 "keyed": keyed,
                 "sequence": sequence,
                 "rate": rate,
+                "pause": pause,
             }[workload]
             results[workload] = run(args, REPO_ROOT)
             print(f"{workload}: {results[workload]} (load {os.getloadavg()[0]:.1f})", flush=True)
@@ -328,12 +417,25 @@ def main() -> None:
             if own and not name.startswith("unlimited")
             else ""
         )
+        if "pause" in result:
+            for entry in result["pause"]:
+                print(
+                    f"  {name:22} queue {entry['queue']}: claims stopped "
+                    f"{entry['claims_stopped_after_s']}s after the pause committed "
+                    f"({entry['left_available']} left available)"
+                )
+            continue
         line = f"  {name:22} {result['rate']:9.0f} jobs/s{ratio}  wall {result['wall']:.1f}s"
         if "achieved_per_s" in result:
             line += (
                 f"; achieved {result['achieved_per_s']:.1f}/s of {result['limit_per_s']}/s, "
                 f"busiest second {result['busiest_second']}"
             )
+        if "held_ms" in result:
+            mean, median = result["held_ms"]
+            line += f"; a job held its place {mean:.1f} ms (median {median:.1f})"
+            if name.startswith("sequence") and result.get("next_start_ms") is not None:
+                line += f", next member started {result['next_start_ms']:.1f} ms after"
         print(line)
         if "locks" in result:
             print(f"  {'':22} {result['locks']}")
