@@ -191,13 +191,7 @@ def drain(
         if sampler:
             sampler.stop.set()
             sampler.join(5)
-        for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-        for worker in workers:
-            try:
-                worker.wait(60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+        stop_workers(workers)
     seconds = float(span[0]) if span and span[0] else wall
     result = {"jobs": total, "seconds": seconds, "rate": total / seconds, "wall": wall}
     if held and held[0] is not None:
@@ -351,15 +345,20 @@ def pause_one(queue: str, args: argparse.Namespace, repo: Path) -> dict[str, Any
                     last_count, last_change = row[0], row[1]
                 time.sleep(0.01)
     finally:
-        for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-        for worker in workers:
-            try:
-                worker.wait(60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+        stop_workers(workers)
     after = (last_change - paused_at).total_seconds() if last_change and paused_at else None
     return {"queue": queue, "claims_stopped_after_s": after, "left_available": last_count}
+
+
+def stop_workers(workers: list[subprocess.Popen[Any]]) -> None:
+    """SIGTERM the workers this script started, then wait (killing one that outstays 60 s)."""
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    for worker in workers:
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
 
 
 def pause(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
