@@ -67,7 +67,7 @@ def old_failures_under_many_completions() -> None:
                         ELSE '[]'::jsonb END
             FROM generate_series(1, %(total)s) g
             """,
-            {"failed": FINISHED // 10, "total": FINISHED},
+            {"failed": FINISHED // 100, "total": FINISHED},
         )
         cursor.execute("VACUUM ANALYZE awa_job_done")
 
@@ -78,7 +78,12 @@ def old_failures_under_many_completions() -> None:
     [
         ({"state__exact": "failed"}, "awa_job_done_state_idx"),
         ({"queue": "broken"}, "awa_job_done_queue_idx"),
-        ({"kind": "kind3", "state__exact": "failed"}, "awa_job_done_state_idx"),
+        # Either partial index of failed rows answers it (PostgreSQL 18's skip scan
+        # reads the dead-letter one by kind); a walk of the primary key may not.
+        (
+            {"kind": "kind3", "state__exact": "failed"},
+            "awa_job_done_state_idx|awa_job_done_dead_letter_idx",
+        ),
         (
             {
                 "state__exact": "failed",
@@ -118,7 +123,8 @@ def test_a_list_page_reads_its_ids_from_an_index_not_a_primary_key_walk(
     with connection.cursor() as cursor:
         cursor.execute("EXPLAIN " + page_ids[0])
         shown = "\n".join(row[0] for row in cursor.fetchall())
-    assert index in shown and "awa_job_done_pkey" not in shown, shown
+    assert any(name in shown for name in index.split("|")), shown
+    assert "awa_job_done_pkey" not in shown and "Seq Scan on awa_job_done" not in shown, shown
     if "error" in query:
         # The error's first line is one of the index's keys, not a filter on its rows.
         conditions = [line for line in shown.splitlines() if "Index Cond" in line]
