@@ -48,9 +48,11 @@ def test_a_paused_schedule_does_not_fire_and_resuming_skips_what_fell_due_meanwh
 
     row = awa.resume_schedule("sweep")
     assert not row.paused and row.last_fire_at >= start
-    # The ten minutes it was paused are not caught up; the next minute fires.
-    assert fire_due("default", db_now() + dt.timedelta(seconds=1)) == 0
-    assert fire_due("default", db_now() + dt.timedelta(minutes=1, seconds=1)) == 1
+    # The ten minutes it was paused are not caught up; the next minute fires
+    # (the first minute boundary after the resume, whatever second it came at).
+    next_minute = row.last_fire_at.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+    assert fire_due("default", next_minute - dt.timedelta(microseconds=1)) == 0
+    assert fire_due("default", next_minute + dt.timedelta(seconds=1)) == 1
     assert len(sweeps()) == 1
     # Idempotent both ways.
     assert not awa.resume_schedule("sweep").paused
