@@ -157,33 +157,38 @@ def _flag_existing(cursor: db.Cursor, ids: list[int]) -> dict[int, uuid.UUID | N
     return found
 
 
-def after_outcomes(
-    jobs: Iterable[Job | int], alias: str, *, worker: bool = False, completed: bool = False
-) -> None:
+def after_outcomes(jobs: Iterable[Job], alias: str) -> None:
     """Promote or cancel the dependents of jobs whose outcome this transaction wrote.
 
     Call it in the transaction that writes the outcomes, after writing them,
-    with the jobs that reached a final state (completed, failed, cancelled);
-    jobs without ``has_dependents`` may be left out (``Job`` rows are
-    filtered on it). ``worker``: the outcomes are of attempts that were
-    running (finalize), which lets dependents that another dependency's
-    outcome will settle be locked shared (see ``_lock_to_judge``).
-    ``completed``: every one of these jobs completed (``Job`` rows say so
-    themselves), which lets their dependents be promoted in fewer statements
-    (``sql.PROMOTE_MET_BY``); never pass it for other outcomes.
+    with the rows as written (their ``state`` and ``has_dependents``; jobs
+    that are not final or have no dependents are passed over).
     """
-    finished = []
-    every_completed = True
-    for job in jobs:
-        if isinstance(job, Job):
-            if job.has_dependents and job.state in JobState.FINAL:
-                finished.append(job.id)
-                every_completed = every_completed and job.state == JobState.COMPLETED
-        else:
-            finished.append(job)
-            every_completed = every_completed and completed
+    finished = [j for j in jobs if j.has_dependents and j.state in JobState.FINAL]
     if finished:
-        _settle(alias, finished=finished, candidates=None, shared=worker, completed=every_completed)
+        _settle(
+            alias,
+            finished=[j.id for j in finished],
+            candidates=None,
+            shared=False,
+            completed=all(j.state == JobState.COMPLETED for j in finished),
+        )
+
+
+def after_attempts(outcomes: Sequence[tuple[int, str]], alias: str) -> None:
+    """``after_outcomes`` for finalize: (job id, final state written) of attempts that
+    were running, which lets dependents that another dependency's outcome will
+    settle be locked shared (see ``_lock_to_judge``). When every one completed,
+    their dependents are promoted in fewer statements (``sql.PROMOTE_MET_BY``).
+    """
+    if outcomes:
+        _settle(
+            alias,
+            finished=[job_id for job_id, _ in outcomes],
+            candidates=None,
+            shared=True,
+            completed=all(state == JobState.COMPLETED for _, state in outcomes),
+        )
 
 
 def settle(job_ids: Sequence[int], alias: str) -> None:

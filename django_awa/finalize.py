@@ -10,7 +10,7 @@ exactly its follow-ups, and one bad follow-up never rolls back another job's
 outcome.
 
 Jobs that others depend on have their dependents promoted or cancelled in
-the same transaction (``dependencies.after_outcomes``).
+the same transaction (``dependencies.after_attempts``).
 
 ``dispatch()`` is the same follow-up step for callers that change state
 themselves (callback resolution, ``awa.cancel``): it raises to the caller.
@@ -29,7 +29,7 @@ from django.db import DatabaseError, transaction
 from . import db, sql
 from .callbacks import apply_early
 from .compat import savepoint_create
-from .dependencies import after_outcomes
+from .dependencies import after_attempts
 from .enqueueing import PreparedJob, insert
 from .execute import (
     Attempt,
@@ -164,14 +164,10 @@ def _mark_locked(
 def _settle_dependents(applied: Sequence[AttemptResult], alias: str) -> None:
     """Promote or cancel the dependents of the finished jobs among ``applied``
     (inside the transaction that wrote them)."""
-    finished = [r for r in applied if r.has_dependents and r.state in JobState.FINAL]
-    if finished:
-        after_outcomes(
-            [r.job.id for r in finished],
-            alias,
-            worker=True,
-            completed=all(r.state == JobState.COMPLETED for r in finished),
-        )
+    after_attempts(
+        [(r.job.id, r.state) for r in applied if r.has_dependents and r.state in JobState.FINAL],
+        alias,
+    )
 
 
 def followup_context(result: AttemptResult) -> OutcomeContext:
