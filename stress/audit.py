@@ -101,9 +101,18 @@ WHERE j.id = ANY(%(ids)s) AND j.kind = 'parked' AND j.state = 'completed'
         AND f.args ->> 'note' = 'waiting:' || j.callback_id::text)
 """
 
+# A handler run writes one ledger row as it begins (its action as the note). The
+# "sleep" action writes a second, noted "saw-cancel", when it sees its attempt
+# cancelled: the same run, seen twice, e.g. when a worker whose link was cut
+# hears after the link returns that its attempt was rescued meanwhile. Such
+# rows are not runs. Each duplicate names its runs' notes and leases, so a
+# real second run of one attempt (two leases, or one lease run twice) reads
+# from the report.
 _LEDGER_DUPLICATES = """
-SELECT job_id, attempt, count(*) FROM testapp_ledger
-WHERE job_id = ANY(%(ids)s)
+SELECT job_id, attempt, count(*),
+       array_agg(note || '@' || run_lease ORDER BY id) AS runs
+FROM testapp_ledger
+WHERE job_id = ANY(%(ids)s) AND note <> 'saw-cancel'
 GROUP BY 1, 2 HAVING count(*) > 1
 ORDER BY 1, 2
 """
@@ -147,7 +156,8 @@ def outcome_mismatches(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
 
 
 def ledger_duplicates(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
-    """(job_id, attempt, runs) for each attempt whose handler ran more than once."""
+    """(job_id, attempt, runs, ["note@run_lease", ...]) for each attempt whose handler
+    ran more than once."""
     return _rows(cursor, _LEDGER_DUPLICATES, ids)
 
 
