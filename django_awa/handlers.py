@@ -416,8 +416,13 @@ class HandlerPool:
             if tracing is None:
                 self._run_logged(attempt)
                 return
-            with tracing.attempt(attempt.job, self.state.name) as record:
-                record(self._run_logged(attempt))
+            traced = tracing.start(attempt.job, self.state.name)
+            try:
+                result = self._run_logged(attempt)
+            except BaseException as exc:
+                tracing.finish(traced, None, exc)
+                raise
+            tracing.finish(traced, result)
 
     def _run_logged(self, attempt: Attempt) -> AttemptResult | None:
         """Run it; the result handed on or written (None: a stale atomic attempt)."""

@@ -26,8 +26,7 @@ import json
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +44,8 @@ LINKS_KEPT = 10_000
 # Histogram values waiting for the completer to hand them to the SDK; past this
 # many (no completer running) the attempt's own thread hands them over.
 PENDING_KEPT = 100_000
+# (kind, queue, worker) combinations whose span names and attributes are kept.
+STATIC_KEPT = 10_000
 
 _UNRESOLVED = object()
 # Attempts finished per (kind, queue, outcome) in this process: awa.jobs.finished.
@@ -121,6 +122,35 @@ def followup_trace(trigger: Job) -> dict[str, Any] | None:
     return trace or None
 
 
+class _Labels:
+    """A kind on a queue's metric labels, made once: the wait histogram's and,
+    per outcome, the duration histogram's (the SDK copies them as it records)."""
+
+    __slots__ = ("by_outcome", "kind", "queue", "queued")
+
+    def __init__(self, kind: str, queue: str) -> None:
+        self.kind, self.queue = kind, queue
+        self.queued = {"awa.job.kind": kind, "messaging.destination.name": queue}
+        self.by_outcome: dict[str, dict[str, str]] = {}
+
+    def finished(self, outcome: str) -> dict[str, str]:
+        labels = self.by_outcome.get(outcome)
+        if labels is None:
+            labels = self.by_outcome[outcome] = {**self.queued, "awa.job.outcome": outcome}
+        return labels
+
+
+class Traced:
+    """One attempt's span while its handler runs (``Instrumentation.start``/``finish``)."""
+
+    __slots__ = ("job_id", "labels", "span", "started", "token", "waited")
+
+    def __init__(self, job_id: int, span: Any, token: Any, labels: _Labels) -> None:
+        self.job_id, self.span, self.token, self.labels = job_id, span, token, labels
+        self.waited: float | None = None
+        self.started = 0.0
+
+
 class Instrumentation:
     """The tracer, the meter's instruments and the W3C propagator: made once."""
 
@@ -155,9 +185,13 @@ class Instrumentation:
             "awa.job.wait", unit="s", description="From a job's run_at to its attempt's start"
         )
         self.meter = meter
+        from opentelemetry.context import attach, detach
         from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
         self._link, self._consumer = Link, SpanKind.CONSUMER
+        self._attach, self._detach, self._in_context = attach, detach, trace.set_span_in_context
+        # Per (kind, queue, worker): the span's name, fixed attributes and labels.
+        self._static: dict[tuple[str, str, str], tuple[str, dict[str, Any], _Labels]] = {}
         self._status, self._error = Status, StatusCode.ERROR
         # The attempt spans' contexts; their W3C headers are made when a
         # follow-up asks (attempt_link), not for every attempt.
@@ -174,7 +208,7 @@ class Instrumentation:
         # recording at once queued on it (and on the finished counts' lock),
         # each waiting while the holder waited for the GIL (a fifth of a
         # drain's samples). deque.append and popleft need no lock of ours.
-        self._pending: deque[tuple[Any, float, dict[str, str]]] = deque()
+        self._pending: deque[tuple[_Labels, float | None, float, str]] = deque()
 
     # -- context -----------------------------------------------------------------
 
@@ -240,18 +274,104 @@ class Instrumentation:
 
     # -- attempts ----------------------------------------------------------------
 
-    @contextmanager
-    def attempt(self, job: Job, worker: str) -> Iterator[Callable[[AttemptResult | None], None]]:
-        """Run the block as the attempt's span; call what it yields with the result."""
+    def start(self, job: Job, worker: str) -> Traced:
+        """Begin the attempt's span and make it current in this thread (until ``finish``).
+
+        Per attempt this costs one ``start_span`` (its attributes passed in the
+        call), one context attach and the clock; what depends only on the kind,
+        queue and worker (the span's name, most attributes, the metrics'
+        labels) is built once and reused.
+        """
+        kind, queue = job.kind, job.queue
+        static = self._static.get((kind, queue, worker))
+        if static is None:
+            static = self._static_for(kind, queue, worker)
+        name, fixed, labels = static
+        metadata = job.metadata
+        trace_entry = metadata.get("awa_trace") if isinstance(metadata, dict) else None
+        parent = links = None
+        if trace_entry is not None:
+            parent, links = self._parent_and_links(trace_entry, job.attempt)
+        attributes = {
+            **fixed,
+            "messaging.message.id": str(job.id),
+            "awa.job.attempt": job.attempt,
+            "awa.job.max_attempts": job.max_attempts,
+            "awa.job.priority": job.priority,
+        }
+        span = self.tracer.start_span(
+            name, context=parent, kind=self._consumer, attributes=attributes, links=links
+        )
+        traced = Traced(job.id, span, self._attach(self._in_context(span)), labels)
+        if job.run_at is not None:
+            # The handler begins now (attempted_at is written later, with the
+            # outcome); the worker's clock against the database's run_at.
+            traced.waited = max(0.0, (datetime.now(UTC) - job.run_at).total_seconds())
+        traced.started = time.perf_counter()
+        return traced
+
+    def finish(
+        self, traced: Traced, result: AttemptResult | None, error: BaseException | None = None
+    ) -> None:
+        """End the attempt's span with its outcome; queue its metric values for the completer.
+
+        ``result`` None: a stale atomic attempt, or (``error`` given) the
+        attempt raised past the worker's handler boundary.
+        """
+        elapsed = time.perf_counter() - traced.started
+        span = traced.span
+        try:
+            self._detach(traced.token)
+        finally:
+            if error is not None:
+                outcome = "error"
+            elif result is None:
+                outcome = "stale"
+            else:
+                outcome = str(result.state)
+            if span.is_recording():  # a span the sampler dropped takes nothing more
+                if error is not None:
+                    span.record_exception(error)
+                    span.set_status(self._status(self._error, f"{type(error).__name__}: {error}"))
+                elif result is not None:
+                    span.set_attribute("awa.job.outcome", outcome)
+                    if result.error:
+                        span.set_status(self._status(self._error, result.error[:1000]))
+            span.end()
+            # For its follow-ups to link to (attempt_link): queued, no lock taken here.
+            self._new_links.append((traced.job_id, span.get_span_context()))
+            pending = self._pending
+            pending.append((traced.labels, traced.waited, elapsed, outcome))
+            if len(pending) > PENDING_KEPT:
+                self.record_pending()
+
+    def _static_for(self, kind: str, queue: str, worker: str) -> tuple[str, dict[str, Any], Any]:
+        """The span name, the fixed span attributes and the metrics' labels of a
+        kind on a queue in a worker (kept: a worker runs a bounded set of kinds)."""
+        fixed = {
+            "messaging.system": "awa",
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.destination.name": queue,
+            "messaging.client.id": worker,
+            "awa.job.kind": kind,
+        }
+        static = (f"awa.job {kind}", fixed, _Labels(kind, queue))
+        if len(self._static) >= STATIC_KEPT:
+            self._static.clear()
+        self._static[(kind, queue, worker)] = static
+        return static
+
+    def _parent_and_links(self, trace_entry: Any, attempt: int) -> tuple[Any, list[Any] | None]:
+        """From a job's ``awa_trace``: the enqueuing span as parent context
+        (attempt 1) or as a link (later attempts), and the trigger's links."""
         Link = self._link
-        metadata = job.metadata if isinstance(job.metadata, dict) else {}
-        trace_entry = metadata.get("awa_trace")
         enqueued = self._span_context(trace_entry)
         parent = None
         links = []
         if enqueued is not None:
-            if job.attempt <= 1:
-                parent = self.trace.set_span_in_context(self.trace.NonRecordingSpan(enqueued))
+            if attempt <= 1:
+                parent = self._in_context(self.trace.NonRecordingSpan(enqueued))
             else:
                 links.append(Link(enqueued, {"awa.link": "enqueue"}))
         if isinstance(trace_entry, dict):
@@ -259,56 +379,7 @@ class Instrumentation:
                 linked = self._span_context(headers)
                 if linked is not None:
                     links.append(Link(linked, {"awa.link": "trigger"}))
-        attributes: dict[str, Any] = {
-            "messaging.system": "awa",
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "messaging.destination.name": job.queue,
-            "messaging.message.id": str(job.id),
-            "messaging.client.id": worker,
-            "awa.job.kind": job.kind,
-            "awa.job.attempt": job.attempt,
-            "awa.job.max_attempts": job.max_attempts,
-            "awa.job.priority": job.priority,
-        }
-        span = self.tracer.start_span(
-            f"awa.job {job.kind}",
-            context=parent,
-            kind=self._consumer,
-            attributes=attributes,
-            links=links,
-        )
-        labels = {"awa.job.kind": job.kind, "messaging.destination.name": job.queue}
-        pending = self._pending
-        if job.run_at is not None:
-            # The handler begins now (attempted_at is written later, with the
-            # outcome); the worker's clock against the database's run_at.
-            waited = (datetime.now(UTC) - job.run_at).total_seconds()
-            pending.append((self.wait, max(0.0, waited), labels))
-        outcome = {"state": "error"}
-
-        def record(result: AttemptResult | None) -> None:
-            if result is None:
-                outcome["state"] = "stale"
-                return
-            outcome["state"] = str(result.state)
-            span.set_attribute("awa.job.outcome", outcome["state"])
-            if result.error:
-                span.set_status(self._status(self._error, result.error[:1000]))
-
-        started = time.perf_counter()
-        try:
-            with self.trace.use_span(span, end_on_exit=False, record_exception=True):
-                yield record
-        finally:
-            elapsed = time.perf_counter() - started
-            span.end()
-            # For its follow-ups to link to (attempt_link): queued, no lock taken here.
-            self._new_links.append((job.id, span.get_span_context()))
-            duration_labels = {**labels, "awa.job.outcome": outcome["state"]}
-            pending.append((self.duration, elapsed, duration_labels))
-            if len(pending) > PENDING_KEPT:
-                self.record_pending()
+        return parent, links or None
 
     def record_pending(self) -> None:
         """Hand the attempts' histogram values to the SDK and count them finished
@@ -316,19 +387,17 @@ class Instrumentation:
         the SDK's lock or ours)."""
         pending = self._pending
         finished: dict[tuple[str, str, str], int] = {}
+        wait, duration = self.wait.record, self.duration.record
         while pending:
             try:
-                instrument, value, attributes = pending.popleft()
+                labels, waited, elapsed, outcome = pending.popleft()
             except IndexError:  # another thread took the last one
                 break
-            instrument.record(value, attributes)
-            if instrument is self.duration:  # one per attempt, with its outcome
-                key = (
-                    attributes["awa.job.kind"],
-                    attributes["messaging.destination.name"],
-                    attributes["awa.job.outcome"],
-                )
-                finished[key] = finished.get(key, 0) + 1
+            if waited is not None:
+                wait(waited, labels.queued)
+            duration(elapsed, labels.finished(outcome))
+            key = (labels.kind, labels.queue, outcome)
+            finished[key] = finished.get(key, 0) + 1
         if finished:
             with self._finished_lock:
                 for key, count in finished.items():
