@@ -376,11 +376,11 @@ class Producer:
         within half a second. A database error is raised, the room given back.
         """
         state, runner = self.state, self.runner
-        cap = None
+        cap = None  # the most the process may hold: its usable slots
         if self.limits is None or self.limits.leased:
             with self._turn():
-                free = self.slot_room(self.current_limits())
-            cap = None if free is None else free + runner.held
+                if self.slot_room(self.current_limits()) is not None and self.slots is not None:
+                    cap = self.slots.usable
         # No prefetch while limited: a job claimed ahead would hold a fleet-wide slot.
         want = self.reserve(self.busy, prefetch=not (self.limits and self.limits.limited), cap=cap)
         if not want:

@@ -108,8 +108,11 @@ class Slots:
                 cursor.execute(sql.TAKE_SLOTS, {**params, "want": wanted})
                 taken = [r[0] for r in cursor.fetchall()]
             self.held = sorted(self.held + taken)
-        self.short = not over and len(self.held) < fair
-        self.usable = 0 if over else sum(1 for s in self.held if s <= conc)
+        # Slots still to give back are held but not used: the handlers using them
+        # finish, and the next rebalance (soon: ``short``) gives them back.
+        valid = sum(1 for s in self.held if s <= conc)
+        self.usable = 0 if over else min(valid, keep)
+        self.short = len(self.held) < fair or len(self.held) > keep
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "queue %s: holds slots %s of %s (fair share %s; took %s, gave back %s)",

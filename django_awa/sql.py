@@ -255,11 +255,13 @@ WHERE s.queue = %(queue)s AND NOT EXISTS (
 # takes at the same moment is skipped (ON CONFLICT on the unique (queue,
 # slot): the insert waits for that transaction only if it inserted the same
 # number). Takes none while any slot above %(conc)s is held (a lowered limit:
-# they are given back as their handlers finish), and no more than the limit
-# less what is running: attempts started before the queue was limited (or
-# under a higher limit) hold their places until they end. Only a worker whose
-# own row is live takes any. Index: awa_queue_slot_unique; the running rows
-# of the queue (awa_job_running_idx's rows, a few dozen).
+# they are given back as their handlers finish). The first slots of a queue
+# whose slots are all free are no more than the limit less the attempts
+# running: those started before the queue was limited hold their places until
+# they end. Later takes count the slots only (a row stays running a few
+# milliseconds, under a burst longer, after its handler returned and its slot
+# went to the next job). Only a worker whose own row is live takes any.
+# Index: awa_queue_slot_unique; the queue's running rows (awa_job_running_idx).
 TAKE_SLOTS = """
 WITH n AS (
     SELECT count(*) AS leased, count(*) FILTER (WHERE slot > %(conc)s) AS over
@@ -276,8 +278,8 @@ WHERE NOT EXISTS (SELECT 1 FROM awa_queue_slot AS x WHERE x.queue = %(queue)s AN
               AND w.last_seen_at >= now() - make_interval(secs => %(stale_after)s))
 ORDER BY g.s
 LIMIT (SELECT CASE WHEN n.over > 0 THEN 0
-                   ELSE greatest(0, least(%(want)s::int,
-                                          %(conc)s::int - greatest(n.leased, r.running))) END
+                   ELSE greatest(0, least(%(want)s::int, %(conc)s::int
+                        - CASE WHEN n.leased = 0 THEN r.running ELSE n.leased END)) END
        FROM n, r)
 ON CONFLICT DO NOTHING
 RETURNING slot
