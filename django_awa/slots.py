@@ -112,7 +112,9 @@ class Slots:
         # finish, and the next rebalance (soon: ``short``) gives them back.
         valid = sum(1 for s in self.held if s <= conc)
         self.usable = 0 if over else min(valid, keep)
-        self.short = len(self.held) < fair or len(self.held) > keep
+        # Soon again while it wants more than it has (not while idle: a fleet of more
+        # processes than places would poll for them all the time), or gives back.
+        self.short = (busy and len(self.held) < fair) or len(self.held) > keep
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "queue %s: holds slots %s of %s (fair share %s; took %s, gave back %s)",
