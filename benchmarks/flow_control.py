@@ -30,8 +30,9 @@ after of a change in one run, each line with the load average when it ended.
              read every 10 ms, last fell), against POLL_INTERVAL
 
 Each drain also reports how long a job held its place: the mean and median of
-``finalized_at - attempted_at`` (on a limited queue ``attempted_at`` is the
-claim; elsewhere the handler's start), and for the sequence the gap between a
+``finalized_at - attempted_at`` (on a queue claimed under the limits' lock, a rate
+or a kind limit, ``attempted_at`` is the claim; elsewhere, ``global_concurrency`` kept
+by slot leases too, the handler's start), and for the sequence the gap between a
 member's finalize and the next member's start: where a saturated limit's time
 goes.
 

@@ -1547,7 +1547,7 @@ def _flow_control(names: list[str], alias: str) -> dict[str, dict[str, Any]]:
     runtime = {
         q.name: q.limits for q in Queue.objects.using(alias).filter(name__in=names) if q.limits
     }
-    limited = [name for name, lim in limits.items() if lim.limited]
+    limited = [name for name, lim in limits.items() if lim.locked]  # starts logged
     with connections[alias].cursor() as cursor:
         cursor.execute(sql.ACHIEVED_RATE, {"limited": limited})
         started = dict(cursor.fetchall())

@@ -415,6 +415,34 @@ class AttemptStart(models.Model):
         return f"{self.scope} {self.key} {self.started_at}"
 
 
+class QueueSlot(models.Model):
+    """A place of a ``global_concurrency`` queue leased by one worker process (SPEC 12).
+
+    Slot numbers run from 1 to the queue's ``global_concurrency``; the unique
+    ``(queue, slot)`` is what keeps the fleet to N places. A worker runs at most
+    as many handlers of the queue as it holds slots (``slots.py``). A lease lasts
+    while its worker's row in ``awa_worker`` is live: a worker that stopped deletes
+    its slots, one that died stops renewing that row and its slots are taken over
+    once it is ``STALE_AFTER`` old, when its attempts are rescued.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    queue = models.CharField(max_length=255)
+    slot = models.IntegerField()
+    worker_id = models.UUIDField()
+    taken_at = models.DateTimeField(default=timezone.now, db_default=Now())
+
+    class Meta:
+        db_table = "awa_queue_slot"
+        constraints = [
+            models.UniqueConstraint(fields=["queue", "slot"], name="awa_queue_slot_unique")
+        ]
+        indexes = [models.Index(fields=["worker_id"], name="awa_queue_slot_worker_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.queue} #{self.slot} ({self.worker_id})"
+
+
 class PendingFollowup(models.Model):
     """A committed outcome whose follow-ups are not inserted yet.
 

@@ -7,12 +7,14 @@ While handlers are quick it claims ahead what they will start within
 handlers get no prefetch. Claimed attempts go to the queue's inbox, where its
 handler threads (``handlers.py``) take them.
 
-A queue under limits (SPEC 12: its ``rate_limit`` or ``global_concurrency``,
-set in ``AWA["QUEUES"]`` or at runtime, or kinds with an ``awa.Limit``) claims
-with ``sql.CLAIM_LIMITED`` after ``sql.LOCK_LIMITS``, without prefetch (a job
-claimed ahead would hold a fleet-wide slot while it waits); every other queue
-keeps the plain ``sql.CLAIM``. Which one applies is read again once per poll
-interval, so limits set at runtime reach every worker within one.
+A queue under limits (SPEC 12, set in ``AWA["QUEUES"]`` or at runtime) claims
+without prefetch (a job claimed ahead would hold a fleet-wide place while it
+waits). Its ``global_concurrency`` is kept by slot leases (``slots.py``): the
+producer claims at most as many jobs as its process holds slots free, with the
+plain ``sql.CLAIM``. A ``rate_limit``, or kinds with an ``awa.Limit``, claim
+with ``sql.CLAIM_LIMITED`` after ``sql.LOCK_LIMITS``; every other queue keeps
+``sql.CLAIM``. Which one applies is read again once per poll interval, so
+limits set at runtime reach every worker within one.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .conf import AwaSettings, Rate, awa_settings
 from .execute import Attempt
 from .kinds import registry
 from .models import Job, jobs_from_rows
+from .slots import Slots
 from .state import DB_ERRORS, QueueRunner, WorkerState, log_context
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,17 @@ class QueueLimits:
         )
 
     @property
+    def leased(self) -> bool:
+        """Its ``global_concurrency`` is kept by slot leases (``slots.py``)."""
+        return self.global_concurrency is not None
+
+    @property
+    def locked(self) -> bool:
+        """It claims with ``sql.CLAIM_LIMITED`` under the queue's lock (a rate, kind limits),
+        which logs each start in ``awa_attempt_start``."""
+        return self.rate_limit is not None or self.kinds != "{}"
+
+    @property
     def rate_wait(self) -> float | None:
         """How soon a claim that was held back by a rate should try again."""
         periods = [self.rate_limit.period / self.rate_limit.count] if self.rate_limit else []
@@ -83,11 +97,13 @@ class QueueLimits:
         # One lock per queue: a limited kind's jobs run on its declared queue only.
         return [f"q:{self.queue}"]
 
-    def params(self, limit: int, scan: int) -> dict[str, Any]:
+    def params(self, limit: int, scan: int, *, leased: bool = False) -> dict[str, Any]:
         """The parameters of ``sql.CLAIM_LIMITED`` (and ``HELD_BACK``) but the deadlines.
 
         The settings' limits go in; ``awa_queue.limits`` overrides them in the
         statement itself, so a change made at runtime applies to the next claim.
+        With ``leased`` the claimer's slot leases keep the global concurrency:
+        the statement leaves it out.
         """
         rate = self.rate_limit
         return {
@@ -95,6 +111,7 @@ class QueueLimits:
             "scope": f"q:{self.queue}",
             "kinds": self.kinds,
             "q_conc": self.global_concurrency,
+            "leased": leased,
             "q_rate_count": None if rate is None else rate.count,
             "q_rate_period": None if rate is None else rate.period,
             "limit": limit,
@@ -161,13 +178,17 @@ def claim_sequenced(queue: str, limit: int, alias: str) -> list[Job]:
     return _run_claim(sql.CLAIM_SEQUENCED, params, alias)
 
 
-def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job] | None:
+def claim_limited(
+    limits: QueueLimits, limit: int, alias: str, *, leased: bool = False
+) -> list[Job] | None:
     """Claim up to ``limit`` jobs of a limited queue, as many as its limits allow now.
 
     One transaction: the advisory lock of the queue (``sql.LOCK_LIMITS``), then
     the one claim statement, whose snapshot sees every attempt the previous
     lock holder started. Commits before returning. Returns ``None``, claiming
     nothing, when another claimer holds the lock: it is claiming what is free.
+    With ``leased``, the caller's slot leases keep the global concurrency
+    (``limit`` is within its free slots) and the statement counts only the rest.
     """
     # Without kind limits every candidate fits (the sequence check is made in the
     # scan): the batch itself is enough. With them, a key's second job does not.
@@ -178,7 +199,7 @@ def claim_limited(limits: QueueLimits, limit: int, alias: str) -> list[Job] | No
             locked = cursor.fetchone()
         if not (locked and locked[0]):
             return None
-        return _run_claim(sql.CLAIM_LIMITED, limits.params(limit, scan), alias)
+        return _run_claim(sql.CLAIM_LIMITED, limits.params(limit, scan, leased=leased), alias)
 
 
 def held_back(limits: QueueLimits, alias: str) -> int:
@@ -271,6 +292,7 @@ class Producer:
         self.held_back = False  # the last limited claim took less than it asked for
         self.sequenced = False  # a claim of this queue has met a sequence member
         self.skipped = False  # the last limited claim found the queue's lock held
+        self.slots: Slots | None = None  # its process's slots of a global_concurrency queue
 
     def _turn(self) -> contextlib.AbstractContextManager[Any]:
         """Hold the shared connection (a no-op without one)."""
@@ -320,8 +342,32 @@ class Producer:
         if self.limits is None or now - self.limits_read >= self.state.conf.poll_interval:
             self.limits = queue_limits(self.runner.name, self.state.alias, self.state.conf)
             self.limits_read = now
-            self.runner.limited = self.limits.limited
+            # The completer wakes the fleet's claimers of a queue claimed under its
+            # lock; slot leases need no wake-up from another process.
+            self.runner.limited = self.limits.locked
         return self.limits
+
+    def slot_room(self, limits: QueueLimits, reserved: int = 0) -> int | None:
+        """How many more jobs the process's slots let it claim (``None``: no
+        ``global_concurrency``), ``reserved`` of ``runner.held`` not claimed yet.
+
+        Rebalances the slots when due (``Slots.due``); gives them all back once
+        the queue is no longer limited. Called holding the shared connection.
+        """
+        runner, state = self.runner, self.state
+        if limits.global_concurrency is None:
+            if self.slots is not None:
+                self.slots.give_back_all()
+                self.slots = None
+            return None
+        if self.slots is None:
+            self.slots = Slots(runner.name, state.id, state.alias, state.conf.stale_after)
+        in_use = runner.held - reserved
+        if self.slots.due(state.conf.poll_interval):
+            self.slots.rebalance(
+                limits.global_concurrency, runner.concurrency, in_use, busy=self.busy
+            )
+        return max(0, self.slots.usable - in_use)
 
     def run_once(self) -> list[Job] | None:
         """Claim one batch, as much as the queue has room for, and put it in the inbox.
@@ -330,8 +376,13 @@ class Producer:
         within half a second. A database error is raised, the room given back.
         """
         state, runner = self.state, self.runner
+        cap = None  # the most the process may hold: its usable slots
+        if self.limits is None or self.limits.leased:
+            with self._turn():
+                if self.slot_room(self.current_limits()) is not None and self.slots is not None:
+                    cap = self.slots.usable
         # No prefetch while limited: a job claimed ahead would hold a fleet-wide slot.
-        want = self.reserve(self.busy, prefetch=not (self.limits and self.limits.limited))
+        want = self.reserve(self.busy, prefetch=not (self.limits and self.limits.limited), cap=cap)
         if not want:
             return None
         runner.wake.clear()
@@ -339,9 +390,15 @@ class Producer:
             with self._turn():
                 # Read after the wait for room, which may have outlasted a poll interval.
                 limits = self.current_limits()
+                free = self.slot_room(limits, want)
+                if free is not None and free < want:
+                    self.unreserve(want - free)
+                    want = free
                 skipped = False
-                if limits.limited:
-                    taken = claim_limited(limits, want, state.alias)
+                if not want:
+                    jobs = []
+                elif limits.locked:
+                    taken = claim_limited(limits, want, state.alias, leased=limits.leased)
                     skipped = taken is None
                     jobs = taken or []
                 elif limits.sequenced or self.sequenced:
@@ -357,8 +414,8 @@ class Producer:
         except BaseException:
             self.unreserve(want)
             raise
-        self.busy = len(jobs) == want
-        self.held_back = limits.limited and not self.busy
+        self.busy = len(jobs) == want > 0 or (not want and self.busy)
+        self.held_back = limits.locked and not self.busy
         self.skipped = skipped
         if runner.shared is not None:
             runner.shared.busy(runner.name, self.busy)
@@ -368,7 +425,7 @@ class Producer:
             logger.debug("queue %s: claimed nothing: another worker is claiming", runner.name)
         elif debug and not jobs:
             with self._turn():
-                reason = why_held_back(limits, state.alias) if limits.limited else "none is due"
+                reason = why_held_back(limits, state.alias) if limits.locked else "none is due"
             logger.debug("queue %s: claimed nothing: %s", runner.name, reason)
         alias, running, waiting, lock, inbox = (
             state.alias, state.running, state.waiting, state.running_lock, runner.inbox
@@ -389,7 +446,7 @@ class Producer:
             inbox.put(attempt)
         return jobs
 
-    def reserve(self, busy: bool, *, prefetch: bool = True) -> int:
+    def reserve(self, busy: bool, *, prefetch: bool = True, cap: int | None = None) -> int:
         """Wait for room on the queue and reserve it; return how many jobs to claim.
 
         Room is the concurrency plus the prefetch. While a queue is busy,
@@ -397,12 +454,15 @@ class Producer:
         would mean one claim statement (and one commit) per job. Waiting up to
         ``GATHER_SECONDS`` for half the room keeps batches large; an idle queue
         (not busy) claims at once, so pickup latency does not suffer. Without
-        ``prefetch`` (a limited queue) room is the concurrency alone.
+        ``prefetch`` (a limited queue) room is the concurrency alone; ``cap``
+        bounds it further (the places the process's slot leases allow).
         """
         runner = self.runner
         most = self.state.conf.claim_batch_size
         ahead = runner.prefetch(self.state.conf.prefetch_window, most) if prefetch else 0
         capacity = runner.concurrency + ahead
+        if cap is not None:
+            capacity = min(capacity, cap)
         with runner.room:
             if runner.held >= capacity and not runner.room.wait(0.5):
                 return 0

@@ -229,11 +229,90 @@ SELECT coalesce(bool_and(pg_try_advisory_xact_lock({LIMIT_LOCK_NAMESPACE}, s.h))
 FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest(%(keys)s::text[]) AS k ORDER BY 1) AS s
 """
 
+# ---- Slot leases of global_concurrency queues (slots.py) ----
+# A queue's N places are rows of awa_queue_slot numbered 1..N, unique per
+# (queue, slot): a worker process runs at most as many of the queue's handlers
+# as it holds, and claims with the plain CLAIM (no advisory lock, no count of
+# running rows per claim). Taken and given back by each worker's producer a
+# few times per poll interval, never by a claim or a finalize, so no row is
+# locked in turn at the pace of jobs. A slot is held while its worker's row in
+# awa_worker is live: a dead worker's slots are taken over at STALE_AFTER, the
+# age at which its attempts are rescued.
+
+# -- FREE_STALE_SLOTS --
+# The slots of %(queue)s whose worker's row is gone or STALE_AFTER old.
+# Index: awa_queue_slot_unique (a queue's few rows); awa_worker by primary key.
+FREE_STALE_SLOTS = """
+DELETE FROM awa_queue_slot AS s
+WHERE s.queue = %(queue)s AND NOT EXISTS (
+    SELECT 1 FROM awa_worker AS w
+    WHERE w.id = s.worker_id AND w.last_seen_at >= now() - make_interval(secs => %(stale_after)s))
+"""
+
+# -- TAKE_SLOTS --
+# Take up to %(want)s free slots of %(queue)s numbered 1..%(conc)s for worker
+# %(worker)s, lowest first; returns the numbers taken. A slot another worker
+# takes at the same moment is skipped (ON CONFLICT on the unique (queue,
+# slot): the insert waits for that transaction only if it inserted the same
+# number). Takes none while any slot above %(conc)s is held (a lowered limit:
+# they are given back as their handlers finish). The first slots of a queue
+# whose slots are all free are no more than the limit less the attempts
+# running: those started before the queue was limited hold their places until
+# they end. Later takes count the slots only (a row stays running a few
+# milliseconds, under a burst longer, after its handler returned and its slot
+# went to the next job). Only a worker whose own row is live takes any.
+# Index: awa_queue_slot_unique; the queue's running rows (awa_job_running_idx).
+TAKE_SLOTS = """
+WITH n AS (
+    SELECT count(*) AS leased, count(*) FILTER (WHERE slot > %(conc)s) AS over
+    FROM awa_queue_slot WHERE queue = %(queue)s
+),
+r AS (
+    SELECT count(*) AS running FROM ONLY awa_job WHERE state = 'running' AND queue = %(queue)s
+)
+INSERT INTO awa_queue_slot (queue, slot, worker_id, taken_at)
+SELECT %(queue)s, g.s, %(worker)s, now()
+FROM generate_series(1, %(conc)s::int) AS g(s)
+WHERE NOT EXISTS (SELECT 1 FROM awa_queue_slot AS x WHERE x.queue = %(queue)s AND x.slot = g.s)
+  AND EXISTS (SELECT 1 FROM awa_worker AS w WHERE w.id = %(worker)s
+              AND w.last_seen_at >= now() - make_interval(secs => %(stale_after)s))
+ORDER BY g.s
+LIMIT (SELECT CASE WHEN n.over > 0 THEN 0
+                   ELSE greatest(0, least(%(want)s::int, %(conc)s::int
+                        - CASE WHEN n.leased = 0 THEN r.running ELSE n.leased END)) END
+       FROM n, r)
+ON CONFLICT DO NOTHING
+RETURNING slot
+"""
+
+# -- SLOT_STATE --
+# What worker %(worker)s holds of %(queue)s's slots (its numbers), how many
+# slots the fleet holds, whether any is above %(conc)s, and how many live
+# workers serve the queue (for a fair share). awa_worker: one row per process.
+SLOT_STATE = """
+SELECT (SELECT coalesce(array_agg(slot ORDER BY slot), '{}') FROM awa_queue_slot
+        WHERE queue = %(queue)s AND worker_id = %(worker)s),
+       (SELECT count(*) FROM awa_queue_slot WHERE queue = %(queue)s),
+       EXISTS (SELECT 1 FROM awa_queue_slot WHERE queue = %(queue)s AND slot > %(conc)s),
+       (SELECT count(*) FROM awa_worker
+        WHERE queues ? %(queue)s
+          AND last_seen_at >= now() - make_interval(secs => %(stale_after)s))
+"""
+
+# -- GIVE_SLOTS --
+# Worker %(worker)s gives back slots %(slots)s of %(queue)s (none of them in use).
+GIVE_SLOTS = """
+DELETE FROM awa_queue_slot
+WHERE queue = %(queue)s AND worker_id = %(worker)s AND slot = ANY(%(slots)s::int[])
+"""
+
 # The limited claim's parts, shared with HELD_BACK. Parameters: %(queue)s;
 # %(scope)s ("q:<queue>"); %(kinds)s, the kind limits as registry.limits_json()
 # gives them; %(q_conc)s, %(q_rate_count)s, %(q_rate_period)s, the queue's
 # limits in AWA["QUEUES"] (NULL: none), which awa_queue.limits overrides key
-# by key; %(limit)s, the most to take; %(scan)s, the most candidates to rank.
+# by key; %(leased)s, true when the worker's slot leases keep the queue's
+# global_concurrency (its claims then leave it to them); %(limit)s, the most
+# to take; %(scan)s, the most candidates to rank.
 #   t: the clock after LOCK_LIMITS (now() is the transaction's start, before
 #      the lock wait); starts are stamped with it.
 #   room: what the queue may start: its free global slots and what its rate
@@ -250,7 +329,8 @@ _LIMITED_PARTS = f"""
 WITH t AS MATERIALIZED (SELECT clock_timestamp() AS now),
 kl AS MATERIALIZED (SELECT key AS kind, value AS v FROM jsonb_each(%(kinds)s::jsonb)),
 q AS MATERIALIZED (
-    SELECT CASE WHEN o.limits ? 'global_concurrency'
+    SELECT CASE WHEN %(leased)s::bool THEN NULL
+                WHEN o.limits ? 'global_concurrency'
                 THEN (o.limits ->> 'global_concurrency')::int ELSE %(q_conc)s::int END AS conc,
            CASE WHEN o.limits ? 'rate_limit'
                 THEN (o.limits ->> 'rate_count')::int ELSE %(q_rate_count)s::int END AS rate_count,
@@ -1416,8 +1496,12 @@ SET last_seen_at = now(), running_ids = EXCLUDED.running_ids, running = EXCLUDED
 """
 
 # -- DEREGISTER_WORKER --
-# A worker that stopped takes its row away. By primary key.
-DEREGISTER_WORKER = "DELETE FROM awa_worker WHERE id = %(id)s"
+# A worker that stopped takes its row away, and gives back the slots it leased
+# (its handlers are done). By primary key; awa_queue_slot_worker_idx.
+DEREGISTER_WORKER = """
+WITH slots AS (DELETE FROM awa_queue_slot WHERE worker_id = %(id)s)
+DELETE FROM awa_worker WHERE id = %(id)s
+"""
 
 # -- MARK_MAINTAINED --
 # The maintenance leader ran a tick: what <prefix>/health judges. By primary key.

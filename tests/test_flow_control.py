@@ -540,7 +540,7 @@ def test_set_queue_limits_validates_and_keeps_what_it_is_not_given() -> None:
 def test_a_claim_held_back_says_why_in_the_debug_log(caplog) -> None:
     from django_awa.state import WorkerState
 
-    awa.set_queue_limits("why", global_concurrency=1)
+    awa.set_queue_limits("why", rate_limit="1/h")
     awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="why") for i in range(3)])
     state = WorkerState.create({"why": 5})
     runner = state.queues["why"]
@@ -548,8 +548,52 @@ def test_a_claim_held_back_says_why_in_the_debug_log(caplog) -> None:
         assert len(producer.Producer(state, runner).run_once() or []) == 1
         assert producer.Producer(state, runner).run_once() == []
     assert "queue why: claimed nothing: 2 due job(s) held back" in caplog.text
-    assert "global_concurrency=1" in caplog.text
+    assert "rate_limit=1/h" in caplog.text
     assert runner.limited
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_global_concurrency_queue_claims_within_the_slots_its_worker_leased(caplog) -> None:
+    from django_awa import fleet
+    from django_awa.models import QueueSlot
+    from django_awa.state import WorkerState
+
+    awa.set_queue_limits("leased", global_concurrency=2)
+    ids = awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="leased") for i in range(5)])
+    state = WorkerState.create({"leased": 5})
+    runner = state.queues["leased"]
+    # Not registered in awa_worker: no slot is taken, nothing is claimed.
+    assert producer.Producer(state, runner).run_once() is None
+    assert not QueueSlot.objects.exists()
+    fleet.beat(state)
+    with caplog.at_level(logging.DEBUG, logger="django_awa.slots"):
+        first = producer.Producer(state, runner).run_once()
+    assert [j.id for j in first or []] == ids[:2]
+    assert sorted(QueueSlot.objects.values_list("slot", flat=True)) == [1, 2]
+    assert "queue leased: holds slots [1, 2] of 2" in caplog.text
+    # Both slots in use: the next claim waits for room and takes nothing.
+    assert producer.Producer(state, runner).run_once() is None
+    held = Job.objects.filter(id__in=ids[2:])
+    assert {(j.state, j.attempt) for j in held} == {(JobState.AVAILABLE, 0)}
+    # Another worker serving the queue finds no slot free.
+    other = WorkerState.create({"leased": 5})
+    fleet.beat(other)
+    theirs = other.queues["leased"]
+    assert producer.Producer(other, theirs).run_once() is None
+    # A handler returns. Two live workers: a fair share is one slot each, so the
+    # first gives back the one no handler uses, and the other takes it.
+    runner.finished()
+    Job.objects.filter(id=ids[0]).update(state=JobState.COMPLETED)  # its outcome
+    assert producer.Producer(state, runner).run_once() is None
+    assert list(QueueSlot.objects.filter(worker_id=state.id).values_list("slot", flat=True)) == [1]
+    assert [j.id for j in producer.Producer(other, theirs).run_once() or []] == [ids[2]]
+    # The first worker stops (its handler done): its slot goes with its row; the
+    # other one takes it.
+    Job.objects.filter(id__in=ids[1:3]).update(state=JobState.COMPLETED)
+    fleet.deregister(state)
+    assert not QueueSlot.objects.filter(worker_id=state.id).exists()
+    assert [j.id for j in producer.Producer(other, theirs).run_once() or []] == [ids[3]]
+    assert QueueSlot.objects.filter(worker_id=other.id).count() == 2
 
 
 # ==== The advisory lock ==========================================================

@@ -1,0 +1,132 @@
+"""Slot leases: how a ``global_concurrency`` queue's N places are shared by the fleet.
+
+The places are rows of ``awa_queue_slot`` numbered 1..N, unique per queue
+(``sql.TAKE_SLOTS``). Each worker process's producer of the queue holds some of
+them and runs at most that many of the queue's handlers at once; it claims
+with the plain ``sql.CLAIM``, as many jobs as it has slots free, and starts the
+next job as soon as a handler returns: no advisory lock and no count of
+running rows per claim, no wake-up from another process between two jobs.
+
+Shares (``Slots.rebalance``, about once per poll interval, more often while a
+producer holds less than its share): each process keeps a fair share,
+``ceil(N / live workers serving the queue)`` (at most its own concurrency),
+and borrows free slots beyond it while its queue is busy. Borrowed slots go
+back when the process's queue is idle, and, when the fleet holds every slot,
+as soon as they are not in use, so a process below its share gets them.
+A slot is given back only while no handler of the process uses it.
+
+Crashes: a lease lasts while its worker's row in ``awa_worker`` is live. A
+SIGKILLed worker stops renewing it; once it is ``STALE_AFTER`` old (when its
+attempts are rescued) its slots are free to take (``sql.FREE_STALE_SLOTS``).
+A worker that stops deletes its slots with its row (``sql.DEREGISTER_WORKER``).
+
+What the limit counts: attempts whose handler runs. An attempt's row stays
+``running`` until its outcome commits, a few milliseconds after its handler
+returned and the next job of that slot began, so the database may show a few
+more than N running rows at an instant; never more than N handlers run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from . import db, sql
+
+logger = logging.getLogger(__name__)
+
+# How often a producer that holds less than its fair share (or less than it
+# could use, while slots are free) tries to take more: seconds.
+SHORT_RETRY = 0.1
+
+
+@dataclass(slots=True)
+class Slots:
+    """The slots of one queue held by this worker process (its producer's thread only)."""
+
+    queue: str
+    worker: uuid.UUID
+    alias: str
+    stale_after: float
+    held: list[int] = field(default_factory=list)  # slot numbers, ascending
+    usable: int = 0  # how many handlers may run now: held slots <= N, 0 while any is above
+    short: bool = False  # the last rebalance left it below what it wanted
+    checked: float = 0.0  # time.monotonic() of the last rebalance
+
+    def due(self, interval: float) -> bool:
+        """Whether a rebalance is due: ``interval`` passed, or ``SHORT_RETRY`` while short."""
+        since = time.monotonic() - self.checked
+        return since >= interval or (self.short and since >= SHORT_RETRY)
+
+    def rebalance(self, conc: int, concurrency: int, in_use: int, *, busy: bool) -> int:
+        """Take or give back slots of a queue limited to ``conc``; return ``usable``.
+
+        ``concurrency``: the process's places on the queue; ``in_use``: how
+        many it holds now (claimed, running), which only falls while this runs
+        (the caller is the only thread that claims); ``busy``: its last claim
+        took all it asked for.
+        """
+        self.checked = time.monotonic()
+        params = {
+            "queue": self.queue,
+            "worker": self.worker,
+            "conc": conc,
+            "stale_after": self.stale_after,
+        }
+        with db.cursor(self.alias) as cursor:
+            cursor.execute(sql.FREE_STALE_SLOTS, params)
+            cursor.execute(sql.SLOT_STATE, params)
+            row = cursor.fetchone()
+        mine, leased, over, live = row if row else ([], 0, False, 0)
+        self.held = sorted(mine)
+        fair = min(concurrency, math.ceil(conc / max(1, live)))
+        target = concurrency if busy else max(fair, 0)
+        # Slots above the limit (it was lowered) go back first, then what is
+        # beyond the target, then borrowed ones while the fleet holds every slot.
+        keep = target
+        if over:
+            keep = min(keep, sum(1 for s in self.held if s <= conc))
+        elif busy and leased >= conc:
+            keep = min(keep, fair)
+        spare = [s for s in reversed(self.held) if s > conc] + [
+            s for s in reversed(self.held) if s <= conc
+        ]
+        give = spare[: max(0, min(len(self.held) - keep, len(self.held) - in_use))]
+        if give:
+            # Fewer usable before the rows go: the caller claims no more meanwhile.
+            self.held = sorted(set(self.held) - set(give))
+            self.usable = min(self.usable, len(self.held))
+            with db.cursor(self.alias) as cursor:
+                cursor.execute(sql.GIVE_SLOTS, {**params, "slots": sorted(give)})
+        wanted = target - len(self.held)
+        taken: list[int] = []
+        if wanted > 0 and not over and not give:
+            with db.cursor(self.alias) as cursor:
+                cursor.execute(sql.TAKE_SLOTS, {**params, "want": wanted})
+                taken = [r[0] for r in cursor.fetchall()]
+            self.held = sorted(self.held + taken)
+        # Slots still to give back are held but not used: the handlers using them
+        # finish, and the next rebalance (soon: ``short``) gives them back.
+        valid = sum(1 for s in self.held if s <= conc)
+        self.usable = 0 if over else min(valid, keep)
+        # Soon again while it wants more than it has (not while idle: a fleet of more
+        # processes than places would poll for them all the time), or gives back.
+        self.short = (busy and len(self.held) < fair) or len(self.held) > keep
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "queue %s: holds slots %s of %s (fair share %s; took %s, gave back %s)",
+                self.queue, self.held, conc, fair, taken, sorted(give),
+            )  # fmt: skip
+        return self.usable
+
+    def give_back_all(self) -> None:
+        """Give back every slot (the queue is no longer limited); none may be in use."""
+        if self.held:
+            with db.cursor(self.alias) as cursor:
+                cursor.execute(
+                    sql.GIVE_SLOTS, {"queue": self.queue, "worker": self.worker, "slots": self.held}
+                )
+        self.held, self.usable, self.short = [], 0, False
