@@ -98,6 +98,19 @@ def test_demo_runs_orders_through_every_follow_up(example_database: str) -> None
     assert "summary after" in output, output
     assert "FAILED" not in output and "not yet" not in output, output
 
+    # The live line counts this run's jobs from what changed since the line
+    # before (no count of every row each second): once all is finished, its
+    # counts are the summary's, which counts the run's rows in SQL.
+    last = [line for line in output.splitlines() if line.endswith("[draining: 0 unfinished]")]
+    assert last, output
+    live = dict(re.findall(r"([a-z_-]+)=(\d+)", last[-1]))
+    summary = re.search(r"^completed: (\d+) jobs of this run", output, re.M)
+    followups = re.search(r"follow-up jobs=(\d+)", output)
+    assert summary and followups, output
+    assert int(live["completed"]) == int(summary.group(1)), (last[-1], output)
+    assert int(live["follow-ups"]) == int(followups.group(1)), (last[-1], output)
+    assert live["available"] == live["running"] == "0", last[-1]
+
     # Everything settled.
     states = dict(rows(url, "SELECT state, count(*) FROM awa_job GROUP BY state"))
     assert set(states) <= {"completed", "failed", "cancelled"}, (states, output)

@@ -320,34 +320,59 @@ class Carrier(Service):
         try:
             while not self.stopping.is_set():
                 try:
-                    callback_id = self.outbox.get(timeout=0.2)
+                    batch = [self.outbox.get(timeout=0.2)]
                 except queue.Empty:
                     continue
+                while len(batch) < self.BATCH:
+                    try:
+                        batch.append(self.outbox.get_nowait())
+                    except queue.Empty:
+                        break
                 try:
-                    self.deliver(callback_id)
+                    self.deliver_many(batch)
                 except DatabaseError as exc:
                     self.errors += 1
-                    self.err.write(f"carrier: {exc} for callback {callback_id}\n")
+                    self.err.write(f"carrier: {exc} for callbacks {batch[0]}...\n")
                     connections.close_all()
                 finally:
                     with self.lock:
-                        self.in_flight.discard(callback_id)
+                        self.in_flight.difference_update(batch)
         finally:
             connections.close_all()
+
+    # Answers one courier delivers in one transaction. Each resolution commits
+    # with a NOTIFY (its follow-up and the workflow's next step wake the
+    # workers), and PostgreSQL queues the commits of notifying transactions
+    # one after the other: a hundred transactions of one answer a second kept
+    # every other notifying commit (enqueues, outcomes) waiting in that line.
+    BATCH = 50
+
+    def deliver_many(self, callback_ids: list[uuid.UUID]) -> None:
+        """Resolve ``callback_ids`` in one transaction, each in a savepoint of its own.
+
+        A callback resolved meanwhile rolls back its savepoint alone; a database
+        error rolls back the batch, whose jobs still wait: a later poll finds them.
+        """
+        answered = gone = 0
+        with transaction.atomic(using=self.alias):
+            for callback_id in callback_ids:
+                try:
+                    with transaction.atomic(using=self.alias):
+                        awa.complete_external(
+                            callback_id, self.payload(callback_id), using=self.alias
+                        )
+                    answered += 1
+                except awa.CallbackNotFound:
+                    gone += 1
+        self.answered += answered
+        self.gone += gone
 
     @staticmethod
     def payload(callback_id: uuid.UUID) -> dict[str, Any]:
         return {"tracking": f"1Z{callback_id.hex[:12].upper()}", "carrier": "demo-express"}
 
-    def deliver(self, callback_id: uuid.UUID) -> None:
-        try:
-            awa.complete_external(callback_id, self.payload(callback_id), using=self.alias)
-            self.answered += 1
-        except awa.CallbackNotFound:
-            self.gone += 1
-
     def describe(self) -> str:
-        return "calls awa.complete_external() in-process"
+        return f"calls awa.complete_external() in-process, up to {self.BATCH} in a transaction"
 
 
 class HttpCarrier(Carrier):
@@ -360,6 +385,11 @@ class HttpCarrier(Carrier):
         super().__init__(delay, alias, err)
         self.base_url = base_url
         self.secret = secret
+
+    def deliver_many(self, callback_ids: list[uuid.UUID]) -> None:
+        """One signed POST per callback: each is a request of the carrier's own."""
+        for callback_id in callback_ids:
+            self.deliver(callback_id)
 
     def deliver(self, callback_id: uuid.UUID) -> None:
         path = reverse(
@@ -395,6 +425,56 @@ class HttpCarrier(Carrier):
         zero = uuid.UUID(int=0)
         path = reverse("django_awa:callback", kwargs={"callback_id": zero, "action": "complete"})
         return f"signed POSTs to {self.base_url}{path.replace(str(zero), '<id>')}"
+
+
+class Vacuum(Service):
+    """``VACUUM awa_job`` every ``every`` seconds, on a server whose autovacuum is off.
+
+    Every job leaves dead row versions in awa_job (its claim, its outcome, its
+    move to awa_job_done), thousands a second here. Its storage settings ask
+    autovacuum to clean it after a thousand (migration 0001); on a server
+    where autovacuum is off, claims, counts and the move would read a table
+    growing by a hundred thousand dead rows a minute, and slow down as it does.
+    Does nothing where autovacuum is on.
+    """
+
+    def __init__(self, alias: str, err: TextIO, every: float = 10.0) -> None:
+        super().__init__("demo-vacuum", err)
+        self.alias = alias
+        self.every = every
+        self.statement: str | None = None
+        self.runs = 0
+
+    def prepare(self) -> None:
+        """Before the workers start: whether to vacuum, and a first VACUUM that also
+        gives back the empty pages earlier runs left (no claim to stall yet)."""
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('autovacuum') = 'off',"
+                " current_setting('server_version_num')::int"
+            )
+            off, version = cursor.fetchone()
+            if not off:
+                return
+            # PostgreSQL 18 vacuums a table's inheritance children too, unless
+            # ONLY (awa_job_done gets only inserts: nothing to clean).
+            table = "ONLY awa_job" if version >= 180000 else "awa_job"
+            cursor.execute(f"VACUUM (ANALYZE) {table}")
+            # Nor does anything keep the statistics of awa_job_done, which
+            # every run adds thousands of rows to, up to date.
+            cursor.execute("ANALYZE awa_job_done")
+        # While the workers run, TRUNCATE false: no exclusive lock to give
+        # empty pages back, which would stall the claims.
+        # Every 2 s with ANALYZE, it kept a backend busy two thirds of the time.
+        self.statement = f"VACUUM (TRUNCATE false) {table}"
+
+    def step(self) -> None:
+        if self.statement is None or self.stopping.wait(self.every):
+            self.stopping.set()
+            return
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(self.statement)
+        self.runs += 1
 
 
 def http_carrier_problem() -> str | None:
@@ -477,16 +557,17 @@ class Marks:
 
     job: int
     order: int
+    at: Any = None  # the database's clock then
 
     @classmethod
     def now(cls, alias: str) -> Marks:
         with connections[alias].cursor() as cursor:
             cursor.execute(
                 "SELECT (SELECT coalesce(max(id), 0) FROM awa_job),"
-                " (SELECT coalesce(max(id), 0) FROM shop_order)"
+                " (SELECT coalesce(max(id), 0) FROM shop_order), statement_timestamp()"
             )
-            job, order = cursor.fetchone()
-        return cls(job=job, order=order)
+            job, order, at = cursor.fetchone()
+        return cls(job=job, order=order, at=at)
 
 
 class Producers:
@@ -738,11 +819,54 @@ def demo_superuser(alias: str) -> tuple[str, str] | None:
     return DEMO_USER, password
 
 
+# The once-a-second line's queries, cheap whatever the table holds: the run's
+# jobs already finished sit in awa_job_done (inherited, so plain ``awa_job``
+# reads both), where counting them every second would read every row of every
+# run (a second of the server's time a line after a few runs). Live jobs are
+# counted in the hot table alone (a sequential scan of a few thousand rows);
+# finished jobs and follow-ups by what is new since the previous line.
+LIVE_COUNTS = "SELECT state, count(*) FROM ONLY awa_job GROUP BY state"
+# Jobs finished since ``since`` (awa_job_finalized_idx, and its copy on
+# awa_job_done), and of them those before ``cut``, LAG seconds ago: counted
+# for good, the next line starts from there. The rest are counted again by the
+# next line: an outcome's transaction stamps finalized_at when it begins and
+# commits a little later (an atomic handler's transaction, the carrier's batch
+# of callbacks: more than a second when the machine is short of CPU), so a row
+# may appear after a line counted its time; the last line counts all again.
+FINISHED_SINCE = """
+SELECT c.cut, f.state, f.before_cut, f.seen
+FROM (SELECT statement_timestamp() - make_interval(secs => %(lag)s) AS cut) AS c
+LEFT JOIN LATERAL (
+    SELECT state, count(*) FILTER (WHERE finalized_at < c.cut) AS before_cut, count(*) AS seen
+    FROM awa_job
+    WHERE state IN ('completed', 'failed', 'cancelled') AND finalized_at >= %(since)s
+    GROUP BY state
+) AS f ON true
+"""
+# Follow-ups among the jobs above id ``since`` (the primary key's range), of
+# them those up to ``upto`` (the highest id the previous line saw: counted for
+# good, as above), and the highest id now.
+# The follow-up test is a FILTER, not in WHERE: there the planner would read
+# the follow-ups' index (awa_job_trigger_idx), every follow-up of every run.
+FOLLOWUPS_SINCE = """
+SELECT count(*) FILTER (WHERE metadata ? 'awa_trigger' AND id <= %(upto)s),
+       count(*) FILTER (WHERE metadata ? 'awa_trigger'),
+       (SELECT coalesce(max(id), 0) FROM awa_job)
+FROM awa_job WHERE id > %(since)s
+"""
+LAG = 5.0
+
+
 @dataclass(slots=True)
 class Ticker:
-    """The once-a-second line: throughput, counts per state, follow-ups."""
+    """The once-a-second line: throughput, counts per state, follow-ups.
+
+    Counts this run's jobs: live ones as they are now, finished ones and
+    follow-ups by what is new since the line before (``FINISHED_SINCE``).
+    """
 
     alias: str
+    marks: Marks
     produced: Callable[[], int] = lambda: 0  # jobs the producers enqueued so far
     started: float = field(default_factory=time.monotonic)
     last_completed: int | None = None
@@ -752,27 +876,57 @@ class Ticker:
     # second line on (the first follows the workers' start).
     backlog: list[int] = field(default_factory=list)
     lines: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finished before ``cut``
+    cut: Any = None  # the database time up to which ``finished`` counts
+    followups: int = 0  # follow-ups with ids up to ``upto``
+    upto: int = 0
+    seen: int = 0  # the highest id the last line saw
+    totals_followups: int = 0  # this run's follow-ups, as the last line counted them
+
+    def __post_init__(self) -> None:
+        self.upto = self.seen = self.marks.job
 
     def prime(self) -> None:
         """Take the first sample, so that the first line has a rate."""
         self.last_completed, self.last_at = self.totals()[JobState.COMPLETED], time.monotonic()
         self.last_produced = self.produced()
 
-    def totals(self) -> dict[str, int]:
+    def totals(self, *, recount: bool = False) -> dict[str, int]:
+        """Jobs per state, the finished ones of this run only; and ``followups``.
+
+        ``recount``: count the run's finished jobs and follow-ups from its start,
+        also those whose transaction committed after a line counted their time.
+        """
+        if recount:
+            self.finished, self.cut, self.followups = {}, None, 0
+            self.upto = self.seen = self.marks.job
         totals = dict.fromkeys(STATES, 0)
-        for counts in awa.queue_stats(using=self.alias).values():
-            for state in STATES:
-                totals[state] += counts.get(state, 0)
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(LIVE_COUNTS)
+            for state, count in cursor.fetchall():
+                if state not in JobState.FINAL:
+                    totals[state] += count
+            cursor.execute(FINISHED_SINCE, {"since": self.cut or self.marks.at, "lag": LAG})
+            rows = cursor.fetchall()
+            cursor.execute(FOLLOWUPS_SINCE, {"since": self.upto, "upto": self.seen})
+            before, seen, highest = cursor.fetchone()
+        for state, count in self.finished.items():
+            totals[state] += count
+        for cut, state, before_cut, count in rows:
+            self.cut = cut
+            if state is not None:
+                totals[state] += count
+                self.finished[state] = self.finished.get(state, 0) + before_cut
+        self.totals_followups = self.followups + seen
+        self.followups += before
+        self.upto, self.seen = self.seen, max(highest, self.seen)
         return totals
 
-    def line(self, note: str = "", *, producing: bool = True) -> str:
-        totals = self.totals()
+    def line(self, note: str = "", *, producing: bool = True, recount: bool = False) -> str:
+        totals = self.totals(recount=recount)
         self.lines += 1
         if producing and self.lines > 1:
             self.backlog.append(totals[JobState.AVAILABLE])
-        with connections[self.alias].cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM awa_job WHERE metadata ? 'awa_trigger'")
-            (followups,) = cursor.fetchone()
         now = time.monotonic()
         completed, produced = totals[JobState.COMPLETED], self.produced()
         rate = enqueued = 0.0
@@ -785,14 +939,22 @@ class Ticker:
             f"{now - self.started:6.1f}s {enqueued:6.0f} produced/s {rate:6.0f} completed/s"
             f" | {states}"
         )
-        text += f" | follow-ups={followups}"
+        text += f" | follow-ups={self.totals_followups}"
         return f"{text}  {note}" if note else text
 
 
+UNFINISHED = """
+SELECT count(*) FROM ONLY awa_job
+WHERE id > %(job)s AND state NOT IN ('completed', 'failed', 'cancelled')
+"""
+
+
 def unfinished(alias: str, marks: Marks) -> int:
-    return (
-        Job.objects.using(alias).filter(id__gt=marks.job).exclude(state__in=JobState.FINAL).count()
-    )
+    """The run's jobs not yet finished: all in awa_job itself, never in awa_job_done."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(UNFINISHED, {"job": marks.job})
+        (count,) = cursor.fetchone()
+    return int(count)
 
 
 # -- the summary -------------------------------------------------------------------

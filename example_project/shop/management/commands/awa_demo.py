@@ -39,6 +39,7 @@ from example_project.shop.demo import (
     ProducerProcess,
     Summary,
     Ticker,
+    Vacuum,
     WorkerProcesses,
     demo_superuser,
     http_carrier_problem,
@@ -236,6 +237,7 @@ class Command(BaseCommand):
         drain: float,
     ) -> None:
         write = write_line(self.stdout)
+        vacuum = Vacuum(alias, self.stderr)
         marks = Marks.now(alias)
         worker = WorkerProcesses(queues, workers, worker_log)
         producer = ProducerProcess(rate, alias, burst=burst, order_share=orders)
@@ -290,9 +292,10 @@ class Command(BaseCommand):
         drain_until = 0.0
         stopped_early = False
         produced_for = 0.0
-        ticker = Ticker(alias, produced=lambda: producer.produced)
+        ticker = Ticker(alias, marks, produced=lambda: producer.produced)
         ticker.prime()
         try:
+            vacuum.prepare()
             worker.start()
             producer.start()
             server.start()
@@ -310,6 +313,7 @@ class Command(BaseCommand):
             ticker.started = time.monotonic()
             ticker.prime()
             carrier.start()
+            vacuum.start()
             producer.go()
             next_tick = ticker.started
             while True:
@@ -338,7 +342,10 @@ class Command(BaseCommand):
                 left = unfinished(alias, marks) if draining else 0
                 write(
                     ticker.line(
-                        f"[draining: {left} unfinished]" if draining else "", producing=not draining
+                        f"[draining: {left} unfinished]" if draining else "",
+                        producing=not draining,
+                        # The last line: what the run did, all of it.
+                        recount=draining and left == 0,
                     )
                 )
                 if draining and (left == 0 or time.monotonic() >= drain_until):
@@ -346,11 +353,13 @@ class Command(BaseCommand):
         finally:
             producer.stop()
             carrier.stop()
+            vacuum.stop()
             worker.stop()
             if stopped_early:
                 worker.stop()  # a second stop() skips the in-flight wait
             producer.join(10)
             carrier.join(10)
+            vacuum.join(10)
             code = worker.join(conf.shutdown_timeout + 10)
             server.stop()
             if handle_sigint:
