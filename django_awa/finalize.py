@@ -61,6 +61,7 @@ from .sequences import (
     claim_params,
     finished_keys,
     hand_off,
+    places_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def _complete_handing_on(
     Results left out are flagged as ``sql.COMPLETE_STANDALONE``'s are: locked,
     or (``has_dependents``) to be written again in a transaction.
     """
-    places = {q: n for q, n in (hand_on.places.items() if hand_on else ()) if n > 0}
+    keys = finished_keys(results)
     by_id = {r.job.id: r for r in results}
     with db.cursor(alias) as cursor:
         cursor.execute(
@@ -188,8 +189,8 @@ def _complete_handing_on(
                 "id": db.int_array(r.job.id for r in results),
                 "run_lease": db.int_array(r.job.run_lease for r in results),
                 "started_ago": db.float_array(r.started_ago() for r in results),
-                "place_queues": list(places),
-                "place_counts": list(places.values()),
+                "keys": [key for key, _ in keys],
+                "places": places_of(keys, hand_on),
                 **claim_params(),
             },
         )

@@ -62,6 +62,20 @@ class HandOn:
         self.claimed.extend(claimed)
 
 
+def places_of(keys: list[tuple[str, str]], hand_on: HandOn | None) -> list[str | None]:
+    """For each of ``keys`` ((key, queue)), the queue of a place of ``hand_on`` its next
+    member may be claimed into, or ``None``: one place per key, while they last."""
+    free = dict(hand_on.places) if hand_on else {}
+    places: list[str | None] = []
+    for _, queue in keys:
+        if free.get(queue, 0) > 0:
+            free[queue] -= 1
+            places.append(queue)
+        else:
+            places.append(None)
+    return places
+
+
 def hand_off(
     keys: list[tuple[str, str]], alias: str, hand_on: HandOn | None = None
 ) -> tuple[list[str], list[Job]]:
@@ -78,14 +92,7 @@ def hand_off(
     """
     if not keys:
         return [], []
-    free = dict(hand_on.places) if hand_on else {}
-    places: list[str | None] = []
-    for _, queue in keys:
-        if free.get(queue, 0) > 0:
-            free[queue] -= 1
-            places.append(queue)
-        else:
-            places.append(None)
+    places = places_of(keys, hand_on)
     with db.cursor(alias) as cursor:
         if not any(places):
             cursor.execute(sql.HAND_OFF, {"keys": [key for key, _ in keys]})

@@ -870,8 +870,9 @@ FINALIZE_STANDALONE = _FINALIZE.format(dependents=_STANDALONE) + "RETURNING j.id
 # COMPLETE_STANDALONE and HAND_ON in one statement (autocommit, one round
 # trip): for a batch of completions holding sequence members, the outcomes
 # are written and each of their sequences handed on to its next member,
-# claimed into a place this worker reserved (%(place_queues)s, how many on
-# each: %(place_counts)s) or restored, in one transaction. Its snapshot still
+# claimed into a place this worker reserved or restored (%(keys)s and
+# %(places)s as HAND_ON's; a key whose member was left out is skipped), in one
+# transaction. Its snapshot still
 # sees the members it completes as running, so the next member of a key is
 # its first unfinished one but those (the members before them are finished:
 # each was running). The rows with dependents are left out, as standalone.
@@ -880,36 +881,29 @@ FINALIZE_STANDALONE = _FINALIZE.format(dependents=_STANDALONE) + "RETURNING j.id
 # (claimed true). Index: as COMPLETE and HAND_ON.
 COMPLETE_HAND_ON = _COMPLETE.format(
     dependents=_STANDALONE,
-    returning_j="j.id, j.has_dependents, j.queue, j.metadata ->> 'awa_sequence' AS seq",
-    returning="id, has_dependents, queue, metadata ->> 'awa_sequence'",
+    returning_j="j.id, j.has_dependents, j.metadata ->> 'awa_sequence' AS seq",
+    returning="id, has_dependents, metadata ->> 'awa_sequence'",
 ).replace(
     "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n",
     f"""
 , done AS (SELECT * FROM kept UNION ALL SELECT * FROM moved),
-fin AS (
-    SELECT f.seq, f.queue,
-           row_number() OVER (PARTITION BY f.queue ORDER BY f.seq) <= coalesce(p.n, 0) AS placed
-    FROM (SELECT DISTINCT ON (seq) seq, queue FROM done WHERE seq IS NOT NULL
-          ORDER BY seq, id) AS f
-    LEFT JOIN unnest(%(place_queues)s::text[], %(place_counts)s::int[]) AS p(queue, n)
-      ON p.queue = f.queue
-),
 nxt AS MATERIALIZED (
-    SELECT j.id, {_TAKE.format(place="CASE WHEN f.placed THEN f.queue END")} AS take
-    FROM fin AS f
+    SELECT j.id, {_TAKE.format(place="k.place")} AS take
+    FROM unnest(%(keys)s::text[], %(places)s::text[]) AS k(key, place)
     CROSS JOIN LATERAL (
         SELECT s.id FROM ONLY awa_job AS s
-        WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = f.seq
+        WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k.key
           AND s.state NOT IN {_FINAL} AND s.id <> ALL(ARRAY(SELECT id FROM done))
         ORDER BY s.id LIMIT 1) AS h
     JOIN ONLY awa_job AS j ON j.id = h.id
+    WHERE k.key = ANY(ARRAY(SELECT seq FROM done))
     FOR UPDATE OF j
 ),{_TOOK_RESTORED}
 SELECT true AS claimed, took.* FROM took
 UNION ALL SELECT false, {_null_row_but("d", ("id", "has_dependents"))} FROM done AS d
 """,
 )
-if "fin AS" not in COMPLETE_HAND_ON:  # pragma: no cover - _COMPLETE's last line changed
+if "done AS" not in COMPLETE_HAND_ON:  # pragma: no cover - _COMPLETE's last line changed
     raise RuntimeError("COMPLETE_HAND_ON: _COMPLETE no longer ends as it is replaced")
 
 # -- STILL_HELD --
@@ -1493,11 +1487,10 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 # HEARTBEAT, SET_PROGRESS, MARK_STARTED). Their generic plan does not know the array's length, and
 # with the statistics of a quiet table it scanned every running row for each
 # batch instead of looking ids up by primary key, so they are planned on each
-# run. HAND_ON is listed: its arrays (the keys) are only looked up one by one
-# (LATERAL, LIMIT 1) and its rows found by = ANY of ids, a plan any length keeps.
+# run. So are HAND_ON and COMPLETE_HAND_ON (a generic plan of the latter read
+# awa_job_deadline_idx for the running rows and scanned awa_job for the next ones).
 PREPARED = frozenset(
     {
-        HAND_ON,
         INSERT_ONE,
         INSERT_ONE_UNIQUE,
         RESERVE_IDS,
