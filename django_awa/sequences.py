@@ -4,7 +4,10 @@ A claim of a queue with sequence members parks the members that must wait for
 an earlier one (``sql.CLAIM_SEQUENCED``): they stay ``available``, but no claim
 reads them again. The transaction that finishes a member restores the next one
 of its key (``hand_off``, called by ``finalize``), so it is claimable the moment
-that commits; the completer then wakes its queue (``completer.notify_freed``).
+that commits; the completer then wakes its queue (``completer.notify_freed``). Where
+the finishing worker reserved a place on the next member's queue (``HandOn``), that
+transaction claims the next member for it instead (``sql.HAND_ON``,
+``sql.COMPLETE_HAND_ON``): the completer hands it to a handler thread after the commit.
 ``awa.cancel`` and a callback's resolution hand on too (``after_finishing``). A
 member finished another way (discarded by rescue, cancelled by its dependency,
 deleted) leaves the next one to maintenance (``restore_parked``), within one
