@@ -424,6 +424,27 @@ def test_the_worker_hands_each_member_on_in_the_transaction_that_finishes_the_on
     assert len({r.pid for r in runs}) == 1
 
 
+def test_a_worker_stopping_mid_sequence_leaves_no_member_claimed_or_running(start_worker) -> None:
+    # Members hand on member after member; SIGTERM in the middle: the member running
+    # finishes, and whatever was handed on for a handler that will not run is given
+    # back available with its attempt unused. Nothing is left running, nothing ran
+    # twice or out of order, and a new worker finishes the sequence.
+    worker = start_worker("--queue", "seq=4", env=FLOW_ENV)
+    awa.enqueue_many([SequencedSpan(key="stop", n=i, seconds=0.02) for i in range(200)])
+    wait_for(lambda: FlowRun.objects.count() >= 20, 20)
+    assert worker.stop() == 0
+    assert not Job.objects.filter(state=JobState.RUNNING).exists()
+    ran = set(FlowRun.objects.values_list("job_id", flat=True))
+    unstarted = Job.objects.exclude(id__in=ran).exclude(state__in=JobState.FINAL)
+    assert unstarted.exists()
+    assert not unstarted.exclude(attempt=0, snoozed=False).exclude(attempt=1, snoozed=True)
+    start_worker("--queue", "seq=4", env=FLOW_ENV)
+    all_finished("sequenced_span", 200, timeout=60)
+    runs = list(FlowRun.objects.order_by("started_at"))
+    assert [r.n for r in runs] == list(range(200))  # each once, in order
+    assert all(a.ended_at <= b.started_at for a, b in itertools.pairwise(runs))
+
+
 def test_a_retrying_member_holds_its_sequence_until_it_finishes(start_worker) -> None:
     start_three(start_worker, "seq=4")
     awa.enqueue_many(
