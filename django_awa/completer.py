@@ -10,6 +10,13 @@ Once the outcomes of a limited queue's attempts, or of sequence members, are
 written, ``notify_freed`` wakes the claimers waiting for that capacity: this
 process's producers at once, every other worker by NOTIFY. Held-back jobs
 start when a slot frees, not at the next poll.
+
+A sequence hands on without a claim (``hand_on``): before writing a batch
+that finishes sequence members, the completer reserves free places of their
+queues (unlimited ones this worker serves), the transaction that writes the
+outcomes claims each sequence's next member into them, and right after the
+commit the claimed members go to their queue's handler threads, as a claim's
+would. A member costs a handler call and one completer round trip.
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ from collections.abc import Iterable
 
 from . import db, sql
 from .dependencies import take_promoted_queues
-from .execute import AttemptResult, errored
+from .execute import Attempt, AttemptResult, errored
 from .finalize import finalize
-from .models import JobState
+from .models import Job, JobState
 from .otel import instrumentation
+from .sequences import SEQUENCE_KEY, HandOn
 from .state import DB_ERRORS, WorkerState, log_context, reset_connection
 
 logger = logging.getLogger(__name__)
@@ -59,11 +67,95 @@ def first_of_each_attempt(batch: list[AttemptResult]) -> list[AttemptResult]:
     return first
 
 
-def notify_freed(state: WorkerState, results: Iterable[AttemptResult]) -> None:
+def reserve_hand_on(state: WorkerState, batch: list[AttemptResult]) -> HandOn | None:
+    """Reserve places for the next members of the sequences ``batch`` finishes.
+
+    One place per finished member, on its queue, where this worker serves the
+    queue, its claims are not under limits (those claim under the queue's lock,
+    ``sql.CLAIM_LIMITED``), the worker is not stopping, and a place is free
+    now (no waiting). ``None`` when there is none to reserve.
+    """
+    if state.stopping.is_set():
+        return None
+    wanted: dict[str, int] = {}
+    for result in batch:
+        job = result.job
+        if (
+            job.metadata
+            and SEQUENCE_KEY in job.metadata
+            and result.state in JobState.FINAL
+            and not result.locked
+        ):
+            wanted[job.queue] = wanted.get(job.queue, 0) + 1
+    places: dict[str, int] = {}
+    for queue, want in wanted.items():
+        runner = state.queues.get(queue)
+        if runner is not None and not runner.limited:
+            taken = runner.take_places(want)
+            if taken:
+                places[queue] = taken
+    return HandOn(places) if places else None
+
+
+def start_handed_on(state: WorkerState, hand_on: HandOn) -> None:
+    """Give back the places ``hand_on`` did not fill; send the members it claimed to
+    their queue's handler threads (tracked as running, not started, as a claim's).
+
+    Once the worker is stopping, they are given back instead, without using
+    their attempt (as shutdown gives back claimed jobs no handler started): no
+    handler may start them, and the drain must not wait for them.
+    """
+    for queue, left in hand_on.places.items():
+        state.queues[queue].give_places(left)
+    claimed, hand_on.claimed = hand_on.claimed, []
+    if not claimed:
+        return
+    if state.stopping.is_set():
+        give_back_unstarted(state, claimed)
+        return
+    attempts = [Attempt(job=job, alias=state.alias) for job in claimed]
+    with state.running_lock:
+        for attempt in attempts:
+            state.running[attempt.job.id] = attempt
+            state.waiting.add(attempt.job.id)
+    debug = logger.isEnabledFor(logging.DEBUG)
+    for attempt in attempts:
+        job = attempt.job
+        if debug:
+            logger.debug("handed on to job %s kind=%s attempt=%s", job.id, job.kind,
+                         job.attempt, extra=log_context(job, state.name))  # fmt: skip
+        state.queues[job.queue].inbox.put(attempt)
+
+
+def give_back_unstarted(state: WorkerState, jobs: list[Job]) -> None:
+    """Make ``jobs``, claimed for this worker and never started, available again at
+    once with their attempt unused; their places are freed. Should the write fail,
+    maintenance rescues them."""
+    results = [
+        AttemptResult(job=job, state=JobState.AVAILABLE, delay=0.0, snoozed=True) for job in jobs
+    ]
+    try:
+        finalize(results, state.alias)
+        logger.info(
+            "gave back %s handed-on sequence member(s) at shutdown: %s",
+            len(jobs),
+            ", ".join(str(job.id) for job in jobs),
+        )
+    except DB_ERRORS:
+        logger.exception("could not give back handed-on jobs; maintenance will rescue them")
+        reset_connection()
+    for job in jobs:
+        state.queues[job.queue].finished()
+
+
+def notify_freed(
+    state: WorkerState, results: Iterable[AttemptResult], handed_on: frozenset[str] = frozenset()
+) -> None:
     """Wake the claimers of the capacity ``results`` (written outcomes) gave back.
 
     A queue under limits (its runner says so) is woken whatever the outcome; a
-    sequence's next member only once the member before it is finished. Costs
+    sequence's next member only once the member before it is finished, and
+    not when this worker claimed it (its key is in ``handed_on``). Costs
     nothing for unlimited queues without sequences. A failure is logged: the
     claimers' poll still finds the capacity.
     """
@@ -74,8 +166,8 @@ def notify_freed(state: WorkerState, results: Iterable[AttemptResult]) -> None:
         runner = state.queues.get(job.queue)
         if runner is not None and runner.limited:
             queues.add(job.queue)
-        key = job.metadata.get("awa_sequence") if job.metadata else None
-        if key is not None and result.state in JobState.FINAL:
+        key = job.metadata.get(SEQUENCE_KEY) if job.metadata else None
+        if key is not None and result.state in JobState.FINAL and key not in handed_on:
             sequences.add(key)
     if not queues and not sequences:
         return
@@ -168,13 +260,23 @@ class Completer:
 
     def write(self, batch: list[AttemptResult], deferred: list[AttemptResult]) -> None:
         """Write ``batch``, forget its attempts; add those whose row was locked to ``deferred``."""
-        self.write_batch(first_of_each_attempt(batch))
+        hand_on = reserve_hand_on(self.state, batch)
+        try:
+            self.write_batch(first_of_each_attempt(batch), hand_on)
+        finally:
+            handed_on = (
+                frozenset(job.metadata[SEQUENCE_KEY] for job in hand_on.claimed if job.metadata)
+                if hand_on
+                else frozenset()
+            )
+            if hand_on is not None:
+                start_handed_on(self.state, hand_on)
         promoted = take_promoted_queues()
         if promoted:
             # Dependents this batch made available: this worker's producers
             # claim them now, not when the NOTIFY comes back (the others do then).
             self.state.wake(promoted)
-        notify_freed(self.state, (result for result in batch if not result.locked))
+        notify_freed(self.state, (result for result in batch if not result.locked), handed_on)
         written = []
         for result in batch:
             if result.locked:
@@ -208,7 +310,7 @@ class Completer:
             batch.append(item)
         return batch, False
 
-    def write_batch(self, batch: list[AttemptResult]) -> None:
+    def write_batch(self, batch: list[AttemptResult], hand_on: HandOn | None = None) -> None:
         """Finalize ``batch``; a member that cannot be stored is recorded as a failed attempt.
 
         A lost connection (or another transient error) is waited out and the
@@ -220,7 +322,7 @@ class Completer:
         """
         while True:
             try:
-                applied = finalize(batch, self.state.alias)
+                applied = finalize(batch, self.state.alias, hand_on)
                 self.reconnect.succeeded()
                 self.state.tally.record(applied, self.state.running)
                 return
@@ -235,8 +337,8 @@ class Completer:
                 break
         if len(batch) > 1:
             half = len(batch) // 2
-            self.write_batch(batch[:half])
-            self.write_batch(batch[half:])
+            self.write_batch(batch[:half], hand_on)
+            self.write_batch(batch[half:], hand_on)
         else:
             self.write_unstorable(batch[0], error)
 

@@ -52,9 +52,17 @@ from .followups import (
 )
 from .kinds import JobArgs, WorkerSpec
 from .logs import log_context
-from .models import JobState, jobs_from_rows
+from .models import Job, JobState, jobs_from_rows
 from .pending import keep_pending
-from .sequences import finished_keys, hand_off
+from .sequences import (
+    HAS_DEPENDENTS_COLUMN,
+    ID_COLUMN,
+    HandOn,
+    claim_params,
+    finished_keys,
+    hand_off,
+    places_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +167,43 @@ def _mark_locked(
             result.locked = False
         else:
             result.locked = result.job.id in held
+
+
+def _complete_handing_on(
+    results: Sequence[AttemptResult], alias: str, hand_on: HandOn | None
+) -> tuple[list[AttemptResult], list[Job]]:
+    """Write completions (``sql.COMPLETE``'s kind of batch) and hand their sequences
+    on in one statement, its own transaction (``sql.COMPLETE_HAND_ON``).
+
+    Returns the results that applied and the next members claimed into
+    ``hand_on``'s places (the caller records them: the statement committed).
+    Results left out are flagged as ``sql.COMPLETE_STANDALONE``'s are: locked,
+    or (``has_dependents``) to be written again in a transaction.
+    """
+    keys = finished_keys(results)
+    by_id = {r.job.id: r for r in results}
+    with db.cursor(alias) as cursor:
+        cursor.execute(
+            sql.COMPLETE_HAND_ON,
+            {
+                "id": db.int_array(r.job.id for r in results),
+                "run_lease": db.int_array(r.job.run_lease for r in results),
+                "started_ago": db.float_array(r.started_ago() for r in results),
+                "keys": [key for key, _ in keys],
+                "places": places_of(keys, hand_on),
+                **claim_params(),
+            },
+        )
+        rows = cursor.fetchall()
+        done = [row for row in rows if not row[0]]
+        if len(done) < len(results):
+            _mark_locked(cursor, results, {row[1 + ID_COLUMN] for row in done}, standalone=True)
+    applied = []
+    for row in done:
+        result = by_id[row[1 + ID_COLUMN]]
+        result.has_dependents = row[1 + HAS_DEPENDENTS_COLUMN]
+        applied.append(result)
+    return applied, jobs_from_rows([row[1:] for row in rows if row[0]], alias)
 
 
 def _settle_dependents(applied: Sequence[AttemptResult], alias: str) -> None:
@@ -327,11 +372,16 @@ def _send_signals(applied: Sequence[AttemptResult], alias: str) -> None:
             send_signal(result.row, followup_context(result), alias)
 
 
-def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult]:
+def finalize(
+    results: Sequence[AttemptResult], alias: str, hand_on: HandOn | None = None
+) -> list[AttemptResult]:
     """Write a batch of attempt results in one transaction; return those that applied.
 
     A result whose attempt is stale (its run_lease no longer running) is left
-    out and inserts nothing.
+    out and inserts nothing. With ``hand_on``, the next members of the
+    sequences the batch finishes are claimed into its places where they can
+    start (``sequences.hand_off``); once committed, they are added to
+    ``hand_on.claimed`` and their places taken off ``hand_on.places``.
     """
     if not results:
         return []
@@ -340,38 +390,71 @@ def finalize(results: Sequence[AttemptResult], alias: str) -> list[AttemptResult
     for result in results:
         (special if _has_followups(result) else plain).append(result)
     rows = _wants_rows(plain)
+    dependents = any(r.job.has_dependents for r in plain)
+    handing_on = bool(finished_keys(plain))
+    if handing_on and not (special or rows or dependents) and _completions(plain):
+        # Completions that hand sequences on: one statement writes them, hands
+        # on and claims the next members (_complete_handing_on).
+        applied, claimed = _complete_handing_on(plain, alias, hand_on)
+        applied.extend(_again_with_dependents(plain, applied, alias))
+        if hand_on is not None:
+            hand_on.took(claimed)
+        _log_all(applied)
+        return applied
     # A job whose row said it has dependents when it was claimed goes straight
     # to the transaction that settles them; a sequence member that finishes, to
     # the one that hands its sequence on (sequences.hand_off).
-    if special or rows or any(r.job.has_dependents for r in plain) or finished_keys(plain):
+    if special or rows or dependents or handing_on:
         with transaction.atomic(using=alias):
             applied = _write(plain, alias, rows=rows)
             applied.extend(_write_with_followups(special, alias))
             _settle_dependents(applied, alias)
-            hand_off(finished_keys(applied), alias)
+            _, claimed = hand_off(finished_keys(applied), alias, hand_on)
             _apply_early_callbacks(applied, alias)
             _send_signals(applied, alias)
+        if hand_on is not None:  # committed: the claimed members are this worker's now
+            hand_on.took(claimed)
     else:
         # One statement and nothing else to write with it: it is its own
         # transaction, without a BEGIN and a COMMIT round trip around it.
         # Jobs with dependents are left out of it and written here again, in
         # a transaction that settles their dependents too.
         applied = _write(plain, alias, rows=False, standalone=True)
-        written = {r.job.id for r in applied}
-        flagged = [
-            r for r in plain if r.has_dependents and not r.locked and r.job.id not in written
-        ]
-        if flagged:
-            with transaction.atomic(using=alias):
-                again = _write(flagged, alias, rows=False)
-                _settle_dependents(again, alias)
-            applied.extend(again)
+        applied.extend(_again_with_dependents(plain, applied, alias))
+    _log_all(applied)
+    return applied
+
+
+def _completions(results: Sequence[AttemptResult]) -> bool:
+    """Whether every result is a completion without progress or result (sql.COMPLETE's)."""
+    return all(
+        r.state == JobState.COMPLETED and r.progress is None and r.result is None for r in results
+    )
+
+
+def _again_with_dependents(
+    results: Sequence[AttemptResult], applied: Sequence[AttemptResult], alias: str
+) -> list[AttemptResult]:
+    """Write, in a transaction that settles their dependents (and hands their
+    sequences on), the ``results`` a standalone statement left out for their
+    dependents; return those that applied."""
+    written = {r.job.id for r in applied}
+    flagged = [r for r in results if r.has_dependents and not r.locked and r.job.id not in written]
+    if not flagged:
+        return []
+    with transaction.atomic(using=alias):
+        again = _write(flagged, alias, rows=False)
+        _settle_dependents(again, alias)
+        hand_off(finished_keys(again), alias)
+    return again
+
+
+def _log_all(applied: Sequence[AttemptResult]) -> None:
     # Completed jobs are logged at INFO only: whether it is on is asked once a batch.
     info = logger.isEnabledFor(logging.INFO)
     for result in applied:
         if info or result.state != JobState.COMPLETED:
             _log(result)
-    return applied
 
 
 def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:

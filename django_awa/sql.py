@@ -693,6 +693,69 @@ WHERE j.id = h.id AND j.metadata ? '{SEQUENCE_RUN_AT_KEY}'
 RETURNING j.queue
 """
 
+
+# -- HAND_ON --
+# HAND_OFF for a worker with free places: in the same transaction, the first
+# unfinished member of each key (%(keys)s) is *claimed* for this worker (as
+# CLAIM_SEQUENCED claims: running, a new attempt and run_lease, its deadline;
+# a parked one gets its run_at back) when the worker reserved a place for it
+# (%(places)s, side by side with the keys: the queue of the place, or NULL),
+# it is on that queue, available and due, and its queue is not paused. Every
+# other such member is restored if parked, as HAND_OFF does. No advisory
+# lock: the member is the first unfinished one of its key (enqueue order), and
+# its predecessor's outcome is written earlier in this transaction, so it
+# starts only after that commits. Its row is locked (FOR UPDATE: the latest
+# version is judged) before it is claimed: a claimer that read it cannot be
+# starting it (it saw the predecessor unfinished).
+# Returns the claimed rows (claimed true) and the restored members' queues (false).
+# Index: awa_job_sequence_idx (one entry per key), the rows by primary key
+# (= ANY of the ids, as the claims: a join let the planner scan the claim index).
+def _null_row_but(row: str, columns: tuple[str, ...]) -> str:
+    """A select list of awa_job's columns, ``row``'s for ``columns`` and NULL (typed)
+    for the others: a row of another shape beside whole job rows in one result."""
+    return ", ".join(
+        f'{row}."{f.column}"' if f.column in columns else f'(NULL::awa_job)."{f.column}"'
+        for f in Job._meta.concrete_fields
+    )
+
+
+# The member a nxt row names (take: claim it) claimed or restored: HAND_ON's
+# and COMPLETE_HAND_ON's last steps.
+_TOOK_RESTORED = f"""
+took AS (
+    UPDATE ONLY awa_job AS j{_CLAIM_SET},
+        run_at = coalesce((j.metadata ->> '{SEQUENCE_RUN_AT_KEY}')::timestamptz, j.run_at),
+        metadata = j.metadata - '{SEQUENCE_RUN_AT_KEY}'
+    WHERE j.id = ANY(ARRAY(SELECT id FROM nxt WHERE take))
+    RETURNING {J_JOB_COLUMNS}
+),
+restored AS (
+    UPDATE ONLY awa_job AS j{_UNPARK_SET}
+    WHERE j.id = ANY(ARRAY(SELECT id FROM nxt WHERE NOT take))
+      AND j.metadata ? '{SEQUENCE_RUN_AT_KEY}'
+    RETURNING j.queue
+)"""
+# Whether the next member j may be claimed into a place on queue {place}
+# (NULL: none): on that queue, available, due, its queue not paused.
+_TAKE = f"""{{place}} IS NOT NULL AND j.queue = {{place}} AND j.state = 'available'
+           AND coalesce((j.metadata ->> '{SEQUENCE_RUN_AT_KEY}')::timestamptz, j.run_at) <= now()
+           AND NOT EXISTS (SELECT 1 FROM awa_queue AS q WHERE q.name = j.queue AND q.paused)"""
+HAND_ON = f"""
+WITH nxt AS MATERIALIZED (
+    SELECT j.id, {_TAKE.format(place="k.place")} AS take
+    FROM unnest(%(keys)s::text[], %(places)s::text[]) AS k(key, place)
+    CROSS JOIN LATERAL (
+        SELECT s.id FROM ONLY awa_job AS s
+        WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k.key
+          AND s.state NOT IN {_FINAL}
+        ORDER BY s.id LIMIT 1) AS h
+    JOIN ONLY awa_job AS j ON j.id = h.id
+    FOR UPDATE OF j
+),{_TOOK_RESTORED}
+SELECT true AS claimed, took.* FROM took
+UNION ALL SELECT false, {_null_row_but("r", ("queue",))} FROM restored AS r
+"""
+
 # -- RESTORE_PARKED --
 # Maintenance, the safety net of HAND_OFF: restore every parked member that is
 # the first unfinished one of its key (its predecessor was cancelled through
@@ -882,6 +945,46 @@ FINALIZE_RETURNING_ROWS = _FINALIZE.format(dependents="") + f"RETURNING {J_JOB_C
 # The same on their own (autocommit): jobs with dependents left out.
 COMPLETE_STANDALONE = _COMPLETE.format(dependents=_STANDALONE, **_ID_FLAG)
 FINALIZE_STANDALONE = _FINALIZE.format(dependents=_STANDALONE) + "RETURNING j.id, j.has_dependents"
+
+# -- COMPLETE_HAND_ON --
+# COMPLETE_STANDALONE and HAND_ON in one statement (autocommit, one round
+# trip): for a batch of completions holding sequence members, the outcomes
+# are written and each of their sequences handed on to its next member,
+# claimed into a place this worker reserved or restored (%(keys)s and
+# %(places)s as HAND_ON's; a key whose member was left out is skipped), in one
+# transaction. Its snapshot still
+# sees the members it completes as running, so the next member of a key is
+# its first unfinished one but those (the members before them are finished:
+# each was running). The rows with dependents are left out, as standalone.
+# Returns the completed rows' (id, has_dependents) in the columns of id and
+# has_dependents, the others NULL (claimed false), and the claimed rows
+# (claimed true). Index: as COMPLETE and HAND_ON.
+COMPLETE_HAND_ON = _COMPLETE.format(
+    dependents=_STANDALONE,
+    returning_j="j.id, j.has_dependents, j.metadata ->> 'awa_sequence' AS seq",
+    returning="id, has_dependents, metadata ->> 'awa_sequence'",
+).replace(
+    "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n",
+    f"""
+, done AS (SELECT * FROM kept UNION ALL SELECT * FROM moved),
+nxt AS MATERIALIZED (
+    SELECT j.id, {_TAKE.format(place="k.place")} AS take
+    FROM unnest(%(keys)s::text[], %(places)s::text[]) AS k(key, place)
+    CROSS JOIN LATERAL (
+        SELECT s.id FROM ONLY awa_job AS s
+        WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k.key
+          AND s.state NOT IN {_FINAL} AND s.id <> ALL(ARRAY(SELECT id FROM done))
+        ORDER BY s.id LIMIT 1) AS h
+    JOIN ONLY awa_job AS j ON j.id = h.id
+    WHERE k.key = ANY(ARRAY(SELECT seq FROM done))
+    FOR UPDATE OF j
+),{_TOOK_RESTORED}
+SELECT true AS claimed, took.* FROM took
+UNION ALL SELECT false, {_null_row_but("d", ("id", "has_dependents"))} FROM done AS d
+""",
+)
+if "done AS" not in COMPLETE_HAND_ON:  # pragma: no cover - _COMPLETE's last line changed
+    raise RuntimeError("COMPLETE_HAND_ON: _COMPLETE no longer ends as it is replaced")
 
 # -- STILL_HELD --
 # Of attempts a FINALIZE or COMPLETE left out, those whose row is still
@@ -1464,7 +1567,8 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 # HEARTBEAT, SET_PROGRESS, MARK_STARTED). Their generic plan does not know the array's length, and
 # with the statistics of a quiet table it scanned every running row for each
 # batch instead of looking ids up by primary key, so they are planned on each
-# run.
+# run. So are HAND_ON and COMPLETE_HAND_ON (a generic plan of the latter read
+# awa_job_deadline_idx for the running rows and scanned awa_job for the next ones).
 PREPARED = frozenset(
     {
         INSERT_ONE,

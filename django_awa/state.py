@@ -192,6 +192,28 @@ class QueueRunner:
                 self.start_rate = self.starts / elapsed
             self.starts, self.starts_since, self.drained = 0, now, False
 
+    def take_places(self, want: int) -> int:
+        """Reserve up to ``want`` of the queue's free places now, without waiting (a
+        sequence's hand-on, ``completer.reserve_hand_on``); how many it got. Within
+        the concurrency alone: a handed-on member starts at once, it is no prefetch."""
+        with self.room:
+            taken = max(0, min(want, self.concurrency - self.held))
+            self.held += taken
+        if self.shared is not None and taken:
+            granted = self.shared.take(self.name, taken, 0.0)
+            self.give_places(taken - granted, shared=False)
+            taken = granted
+        return taken
+
+    def give_places(self, n: int, *, shared: bool = True) -> None:
+        """Give back ``n`` places ``take_places`` reserved and no job filled."""
+        if n:
+            with self.room:
+                self.held -= n
+                self.room.notify()
+            if shared and self.shared is not None:
+                self.shared.give(self.name, n)
+
     def finished(self) -> None:
         """A held job's place is free again (its handler is done, or it was given up)."""
         with self.room:

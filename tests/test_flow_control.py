@@ -25,11 +25,13 @@ from django.db import connection, transaction
 
 import django_awa as awa
 from django_awa import conf, producer
-from django_awa.execute import completed, errored
+from django_awa.completer import reserve_hand_on, start_handed_on
+from django_awa.execute import completed, errored, failed_terminally
 from django_awa.finalize import finalize
 from django_awa.kinds import registry
 from django_awa.models import Job, JobState
-from django_awa.state import SharedConcurrency
+from django_awa.sequences import HandOn
+from django_awa.state import SharedConcurrency, WorkerState
 from tests.conftest import WorkerProcess, wait_for
 from tests.testapp.jobs import CappedSpan, KeyedSpan, RatedSpan, SequencedSpan, Span
 from tests.testapp.models import FlowRun
@@ -269,6 +271,101 @@ def test_waiting_members_are_parked_available_and_the_finishing_transaction_hand
 
 
 @pytest.mark.django_db(transaction=True)
+def test_the_finishing_statement_claims_the_next_member_into_a_reserved_place() -> None:
+    ids = awa.enqueue_many([SequencedSpan(key="h", n=i, seconds=0.0) for i in range(4)])
+    (head,) = producer.claim_sequenced("seq", 10, "default")
+    assert head.id == ids[0]
+    state = WorkerState.create({"seq": 2})
+    hand_on = reserve_hand_on(state, [completed(head)])
+    assert hand_on is not None and hand_on.places == {"seq": 1}
+    assert state.queues["seq"].held == 1  # the place is held while the outcome is written
+
+    # Completions: one statement writes the outcome and claims the next member,
+    # as a claim would (running, its first attempt, a new run_lease), unparked.
+    assert finalize([completed(head)], "default", hand_on)
+    second = Job.objects.get(id=ids[1])
+    assert [j.id for j in hand_on.claimed] == [second.id]
+    assert hand_on.places == {"seq": 0}
+    assert second.state == JobState.RUNNING and second.attempt == 1
+    assert second.run_lease == hand_on.claimed[0].run_lease == 1
+    assert not _parked(second) and second.deadline_at is not None
+    assert all(_parked(Job.objects.get(id=i)) for i in ids[2:])
+
+    # Sent to the queue's handler threads once committed, tracked as a claim's.
+    start_handed_on(state, hand_on)
+    runner = state.queues["seq"]
+    attempt = runner.inbox.get_nowait()
+    assert attempt is not None and attempt.job.id == second.id
+    assert second.id in state.running and second.id in state.waiting
+    assert runner.held == 1
+
+    # A retry keeps its place: the member retrying holds its sequence, the place
+    # reserved for the next one is not used, and nothing is handed on.
+    retry = reserve_hand_on(state, [errored(attempt.job, "boom")])
+    assert retry is None  # a retry finishes nothing: no place is reserved
+    hand_on = HandOn({"seq": 1})
+    assert finalize([errored(attempt.job, "boom")], "default", hand_on)
+    assert Job.objects.get(id=second.id).state == JobState.RETRYABLE
+    assert hand_on.claimed == [] and hand_on.places == {"seq": 1}
+    assert all(_parked(Job.objects.get(id=i)) for i in ids[2:])
+
+    # Failing for good finishes it: the transaction that writes it claims the next
+    # (sql.HAND_ON, the path of outcomes other than plain completions).
+    Job.objects.filter(id=second.id).update(
+        state=JobState.AVAILABLE, run_at=dt.datetime.now(dt.UTC)
+    )
+    (again,) = producer.claim_sequenced("seq", 10, "default")
+    assert again.id == second.id and again.attempt == 2
+    assert finalize([failed_terminally(again, "gave up")], "default", hand_on)
+    assert Job.objects.get(id=second.id).state == JobState.FAILED
+    third = Job.objects.get(id=ids[2])
+    assert [j.id for j in hand_on.claimed] == [third.id]
+    assert third.state == JobState.RUNNING and third.attempt == 1 and not _parked(third)
+    assert _parked(Job.objects.get(id=ids[3]))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_next_member_is_restored_not_claimed_without_a_place_paused_or_not_due() -> None:
+    ids = awa.enqueue_many([SequencedSpan(key="n", n=i) for i in range(3)])
+    (head,) = producer.claim_sequenced("seq", 10, "default")
+    # No place (the queue full, or not served here): restored, claimable by anyone.
+    assert finalize([completed(head)], "default", HandOn({"other": 1}))
+    second = Job.objects.get(id=ids[1])
+    assert second.state == JobState.AVAILABLE and not _parked(second)
+    (second,) = producer.claim_sequenced("seq", 10, "default")
+    # Its queue paused: restored, not claimed.
+    awa.pause_queue("seq")
+    hand_on = HandOn({"seq": 1})
+    assert finalize([completed(second)], "default", hand_on)
+    assert hand_on.claimed == [] and hand_on.places == {"seq": 1}
+    third = Job.objects.get(id=ids[2])
+    assert third.state == JobState.AVAILABLE and not _parked(third)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_member_handed_on_while_the_worker_stops_is_given_back_unused() -> None:
+    awa.enqueue_many([SequencedSpan(key="g", n=i) for i in range(3)])
+    (head,) = producer.claim_sequenced("seq", 10, "default")
+    state = WorkerState.create({"seq": 2})
+    hand_on = reserve_hand_on(state, [completed(head)])
+    assert hand_on is not None
+    assert finalize([completed(head)], "default", hand_on)
+    (claimed,) = hand_on.claimed
+    state.stopping.set()  # between the commit and the hand-over: no handler will run it
+    start_handed_on(state, hand_on)
+    runner = state.queues["seq"]
+    assert runner.inbox.empty() and not state.running and runner.held == 0
+    row = Job.objects.get(id=claimed.id)
+    # Available again at once, claimable by the next worker, its attempt unused: the
+    # next claim runs it as attempt 1 again (as shutdown's give-back does).
+    assert row.state == JobState.AVAILABLE and row.snoozed and not _parked(row)
+    (again,) = producer.claim_sequenced("seq", 10, "default")
+    assert again.id == claimed.id and again.attempt == 1
+    # A stopping worker reserves no place at all.
+    assert reserve_hand_on(state, [completed(head)]) is None
+
+
+@pytest.mark.django_db(transaction=True)
 def test_cancel_hands_on_and_maintenance_restores_a_member_whose_turn_came_otherwise() -> None:
     from django_awa.maintenance import Maintenance
 
@@ -301,6 +398,51 @@ def test_a_long_sequence_hands_on_member_after_member_without_polls(start_worker
     assert [r.n for r in FlowRun.objects.order_by("started_at")] == list(range(60))
     assert overlaps_within_key("sequenced_span") == 0
     assert not Job.objects.filter(metadata__has_key="awa_sequence_run_at").exists()
+
+
+def test_the_worker_hands_each_member_on_in_the_transaction_that_finishes_the_one_before(
+    start_worker,
+) -> None:
+    # One worker, a 30 s poll: each member after the first is claimed by the
+    # statement that wrote its predecessor's outcome (its claim stamp is not
+    # after that transaction's start), so by this worker, without a poll, a
+    # NOTIFY or a claim of its own.
+    start_worker("--queue", "seq=4", env={**FLOW_ENV, "AWA_TEST_POLL_INTERVAL": "30"})
+    awa.enqueue_many([SequencedSpan(key="on", n=i, seconds=0.0) for i in range(30)])
+    all_finished("sequenced_span", 30, timeout=20)
+    runs = list(FlowRun.objects.order_by("started_at"))
+    assert [r.n for r in runs] == list(range(30))
+    assert all(a.ended_at <= b.started_at for a, b in itertools.pairwise(runs))
+    finished = dict(Job.objects.values_list("id", "finalized_at"))
+    by_n = {r.n: r for r in runs}
+    late = [
+        n
+        for n in range(1, 30)
+        if by_n[n].attempted_at > finished[by_n[n - 1].job_id]  # claimed after the commit
+    ]
+    assert late == [], f"members claimed apart from their predecessor's outcome: {late}"
+    assert len({r.pid for r in runs}) == 1
+
+
+def test_a_worker_stopping_mid_sequence_leaves_no_member_claimed_or_running(start_worker) -> None:
+    # Members hand on member after member; SIGTERM in the middle: the member running
+    # finishes, and whatever was handed on for a handler that will not run is given
+    # back available with its attempt unused. Nothing is left running, nothing ran
+    # twice or out of order, and a new worker finishes the sequence.
+    worker = start_worker("--queue", "seq=4", env=FLOW_ENV)
+    awa.enqueue_many([SequencedSpan(key="stop", n=i, seconds=0.02) for i in range(200)])
+    wait_for(lambda: FlowRun.objects.count() >= 20, 20)
+    assert worker.stop() == 0
+    assert not Job.objects.filter(state=JobState.RUNNING).exists()
+    ran = set(FlowRun.objects.values_list("job_id", flat=True))
+    unstarted = Job.objects.exclude(id__in=ran).exclude(state__in=JobState.FINAL)
+    assert unstarted.exists()
+    assert not unstarted.exclude(attempt=0, snoozed=False).exclude(attempt=1, snoozed=True)
+    start_worker("--queue", "seq=4", env=FLOW_ENV)
+    all_finished("sequenced_span", 200, timeout=60)
+    runs = list(FlowRun.objects.order_by("started_at"))
+    assert [r.n for r in runs] == list(range(200))  # each once, in order
+    assert all(a.ended_at <= b.started_at for a, b in itertools.pairwise(runs))
 
 
 def test_a_retrying_member_holds_its_sequence_until_it_finishes(start_worker) -> None:
