@@ -153,7 +153,7 @@ def notify_freed(
 ) -> None:
     """Wake the claimers of the capacity ``results`` (written outcomes) gave back.
 
-    A queue under limits (its runner says so) is woken whatever the outcome; a
+    A queue claimed under its lock (its runner says so) is woken whatever the outcome; a
     sequence's next member only once the member before it is finished, and
     not when this worker claimed it (its key is in ``handed_on``). Costs
     nothing for unlimited queues without sequences. A failure is logged: the
@@ -164,7 +164,7 @@ def notify_freed(
     for result in results:
         job = result.job
         runner = state.queues.get(job.queue)
-        if runner is not None and runner.limited:
+        if runner is not None and runner.wake_fleet:
             queues.add(job.queue)
         key = job.metadata.get(SEQUENCE_KEY) if job.metadata else None
         if key is not None and result.state in JobState.FINAL and key not in handed_on:

@@ -342,9 +342,11 @@ class Producer:
         if self.limits is None or now - self.limits_read >= self.state.conf.poll_interval:
             self.limits = queue_limits(self.runner.name, self.state.alias, self.state.conf)
             self.limits_read = now
-            # The completer wakes the fleet's claimers of a queue claimed under its
-            # lock; slot leases need no wake-up from another process.
-            self.runner.limited = self.limits.locked
+            # Any limit keeps the completer from handing a sequence on into this
+            # queue; only a queue claimed under its lock has the fleet's claimers
+            # woken when room frees (slot leases need no wake-up from elsewhere).
+            self.runner.limited = self.limits.limited
+            self.runner.wake_fleet = self.limits.locked
         return self.limits
 
     def slot_room(self, limits: QueueLimits, reserved: int = 0) -> int | None:

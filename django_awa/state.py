@@ -138,6 +138,7 @@ class QueueRunner:
     drained: bool = False  # since starts_since, a handler took the inbox's last attempt
     starts_since: float = field(default_factory=time.monotonic)
     limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
+    wake_fleet: bool = False  # claimed under the queue's lock: room it frees wakes every worker
     shared: SharedConcurrency | None = None  # AWA["WORKER_CONCURRENCY"], when set
 
     def prefetch(self, window: float | None, most: int) -> int:

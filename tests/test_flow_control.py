@@ -343,6 +343,34 @@ def test_a_next_member_is_restored_not_claimed_without_a_place_paused_or_not_due
 
 
 @pytest.mark.django_db(transaction=True)
+def test_no_member_is_handed_on_into_a_queue_under_any_limit() -> None:
+    # A hand-on claims outside the limited claim and the slot leases: a queue
+    # under a global_concurrency (kept by leases) or a rate gets no place for one.
+    awa.enqueue_many([SequencedSpan(key="l", n=i) for i in range(2)])
+    (head,) = producer.claim_sequenced("seq", 10, "default")
+    state = WorkerState.create({"seq": 2})
+    runner = state.queues["seq"]
+    for limits in ({"global_concurrency": 5}, {"rate_limit": "100/s"}):
+        awa.set_queue_limits("seq", reset=True, **limits)
+        claimer = producer.Producer(state, runner)
+        claimer.current_limits()
+        assert runner.limited, limits
+        assert reserve_hand_on(state, [completed(head)]) is None, limits
+        assert runner.held == 0
+    # Only the queue claimed under its lock wakes the fleet when room frees.
+    assert runner.wake_fleet
+    awa.set_queue_limits("seq", global_concurrency=5, rate_limit=None)
+    claimer = producer.Producer(state, runner)
+    claimer.current_limits()
+    assert runner.limited and not runner.wake_fleet
+    awa.set_queue_limits("seq", reset=True)
+    claimer = producer.Producer(state, runner)
+    claimer.current_limits()
+    assert not runner.limited
+    assert reserve_hand_on(state, [completed(head)]) is not None
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_member_handed_on_while_the_worker_stops_is_given_back_unused() -> None:
     awa.enqueue_many([SequencedSpan(key="g", n=i) for i in range(3)])
     (head,) = producer.claim_sequenced("seq", 10, "default")
