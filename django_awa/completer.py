@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 from . import db, sql
 from .dependencies import take_promoted_queues
-from .execute import Attempt, AttemptResult, errored
+from .execute import Attempt, AttemptResult, errored, unstarted
 from .finalize import finalize
 from .models import Job, JobState
 from .otel import instrumentation
@@ -131,9 +131,7 @@ def give_back_unstarted(state: WorkerState, jobs: list[Job]) -> None:
     """Make ``jobs``, claimed for this worker and never started, available again at
     once with their attempt unused; their places are freed. Should the write fail,
     maintenance rescues them."""
-    results = [
-        AttemptResult(job=job, state=JobState.AVAILABLE, delay=0.0, snoozed=True) for job in jobs
-    ]
+    results = [unstarted(job) for job in jobs]
     try:
         finalize(results, state.alias)
         logger.info(

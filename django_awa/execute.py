@@ -326,6 +326,12 @@ class AttemptResult:
         return None if self.started is None else max(0.0, time.monotonic() - self.started)
 
 
+def unstarted(job: Job) -> AttemptResult:
+    """A claimed job no handler started, given back: available at once, its attempt
+    unused (the next claim runs it under the same attempt number)."""
+    return AttemptResult(job=job, state=JobState.AVAILABLE, delay=0.0, snoozed=True)
+
+
 def completed(job: Job) -> AttemptResult:
     return AttemptResult(job=job, state=JobState.COMPLETED, context=COMPLETED)
 

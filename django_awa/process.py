@@ -33,7 +33,7 @@ from django.db import connections
 from . import db, fleet
 from .completer import Completer
 from .conf import AwaSettings
-from .execute import Attempt, AttemptResult, errored
+from .execute import Attempt, AttemptResult, errored, unstarted
 from .finalize import finalize
 from .handlers import HandlerPool
 from .heartbeat import Heartbeat
@@ -279,7 +279,7 @@ class Worker:
     @staticmethod
     def _given_back(job: Job, started: bool) -> AttemptResult:
         if not started:
-            return AttemptResult(job=job, state=JobState.AVAILABLE, delay=0.0, snoozed=True)
+            return unstarted(job)
         result = errored(job, INTERRUPTED)
         if result.state is JobState.RETRYABLE:
             result.state, result.delay = JobState.AVAILABLE, 0.0

@@ -480,6 +480,18 @@ LIMIT 1
 # them once per poll interval to know whether its queue is limited. Primary key.
 QUEUE_LIMITS = "SELECT limits FROM awa_queue WHERE name = %(queue)s"
 
+
+def _first_unfinished(key: str, column: str = "id", besides: str = "") -> str:
+    """The lateral subquery ``h`` of sequence ``key``'s first unfinished member (in id
+    order), giving its ``column``; ``besides``, more conditions on the member ``s``.
+    Index: awa_job_sequence_idx, whose predicate this repeats word for word."""
+    return f"""CROSS JOIN LATERAL (
+        SELECT s.{column} FROM ONLY awa_job AS s
+        WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = {key}
+          AND s.state NOT IN {_FINAL}{besides}
+        ORDER BY s.id LIMIT 1) AS h"""
+
+
 # -- NOTIFY_FREED --
 # After attempts of limited queues or sequences finished (a commit of their
 # outcome): wake the claimers waiting on those queues, and on the queue of each
@@ -496,11 +508,7 @@ FROM (
         SELECT unnest(%(queues)s::text[]) AS q, true AS limited
         UNION ALL
         SELECT h.queue, false FROM unnest(%(sequences)s::text[]) AS k
-        CROSS JOIN LATERAL (
-            SELECT s.queue FROM ONLY awa_job AS s
-            WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k
-              AND s.state NOT IN {_FINAL}
-            ORDER BY s.id LIMIT 1) AS h
+        {_first_unfinished("k", "queue")}
     ) AS u GROUP BY q
 ) AS x
 """
@@ -684,11 +692,7 @@ RETURNING {J_JOB_COLUMNS}
 HAND_OFF = f"""
 UPDATE ONLY awa_job AS j{_UNPARK_SET}
 FROM unnest(%(keys)s::text[]) AS k
-CROSS JOIN LATERAL (
-    SELECT s.id FROM ONLY awa_job AS s
-    WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k
-      AND s.state NOT IN {_FINAL}
-    ORDER BY s.id LIMIT 1) AS h
+{_first_unfinished("k")}
 WHERE j.id = h.id AND j.metadata ? '{SEQUENCE_RUN_AT_KEY}'
 RETURNING j.queue
 """
@@ -740,18 +744,23 @@ restored AS (
 _TAKE = f"""{{place}} IS NOT NULL AND j.queue = {{place}} AND j.state = 'available'
            AND coalesce((j.metadata ->> '{SEQUENCE_RUN_AT_KEY}')::timestamptz, j.run_at) <= now()
            AND NOT EXISTS (SELECT 1 FROM awa_queue AS q WHERE q.name = j.queue AND q.paused)"""
-HAND_ON = f"""
-WITH nxt AS MATERIALIZED (
+
+
+def _next_members(besides: str = "", where: str = "") -> str:
+    """HAND_ON's and COMPLETE_HAND_ON's ``nxt``: the first unfinished member of each
+    key of %(keys)s, locked, and whether to claim it into its %(places)s entry
+    (``_TAKE``); ``besides`` as ``_first_unfinished``'s, ``where`` on the keys."""
+    return f"""nxt AS MATERIALIZED (
     SELECT j.id, {_TAKE.format(place="k.place")} AS take
     FROM unnest(%(keys)s::text[], %(places)s::text[]) AS k(key, place)
-    CROSS JOIN LATERAL (
-        SELECT s.id FROM ONLY awa_job AS s
-        WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k.key
-          AND s.state NOT IN {_FINAL}
-        ORDER BY s.id LIMIT 1) AS h
-    JOIN ONLY awa_job AS j ON j.id = h.id
+    {_first_unfinished("k.key", besides=besides)}
+    JOIN ONLY awa_job AS j ON j.id = h.id{where}
     FOR UPDATE OF j
-),{_TOOK_RESTORED}
+)"""
+
+
+HAND_ON = f"""
+WITH {_next_members()},{_TOOK_RESTORED}
 SELECT true AS claimed, took.* FROM took
 UNION ALL SELECT false, {_null_row_but("r", ("queue",))} FROM restored AS r
 """
@@ -967,18 +976,12 @@ COMPLETE_HAND_ON = _COMPLETE.format(
     "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n",
     f"""
 , done AS (SELECT * FROM kept UNION ALL SELECT * FROM moved),
-nxt AS MATERIALIZED (
-    SELECT j.id, {_TAKE.format(place="k.place")} AS take
-    FROM unnest(%(keys)s::text[], %(places)s::text[]) AS k(key, place)
-    CROSS JOIN LATERAL (
-        SELECT s.id FROM ONLY awa_job AS s
-        WHERE s.metadata ? 'awa_sequence' AND (s.metadata ->> 'awa_sequence') = k.key
-          AND s.state NOT IN {_FINAL} AND s.id <> ALL(ARRAY(SELECT id FROM done))
-        ORDER BY s.id LIMIT 1) AS h
-    JOIN ONLY awa_job AS j ON j.id = h.id
-    WHERE k.key = ANY(ARRAY(SELECT seq FROM done))
-    FOR UPDATE OF j
-),{_TOOK_RESTORED}
+{
+        _next_members(
+            besides=" AND s.id <> ALL(ARRAY(SELECT id FROM done))",
+            where="\n    WHERE k.key = ANY(ARRAY(SELECT seq FROM done))",
+        )
+    },{_TOOK_RESTORED}
 SELECT true AS claimed, took.* FROM took
 UNION ALL SELECT false, {_null_row_but("d", ("id", "has_dependents"))} FROM done AS d
 """,
