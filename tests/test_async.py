@@ -131,6 +131,7 @@ def test_a_sync_handler_past_its_timeout_is_given_up_and_keeps_its_slot(start_wo
     )
 
 
+@pytest.mark.slow
 def test_an_async_handler_ignoring_cancellation_cannot_hold_up_shutdown(start_worker):
     job = awa.enqueue(AsyncAct(action="stubborn", seconds=120))
     worker = start_worker("--queue", "default", "--shutdown-timeout", "1")

@@ -47,6 +47,7 @@ def test_the_readme_settings_table_names_every_setting_too() -> None:
     assert sorted(listed) == sorted(conf.DEFAULTS)
 
 
+@pytest.mark.slow
 def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html",

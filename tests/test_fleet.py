@@ -55,6 +55,7 @@ def test_a_worker_registers_heartbeats_its_running_jobs_and_deregisters_on_sigte
     assert row_of(worker.pid) is None
 
 
+@pytest.mark.slow
 def test_a_sigkilled_worker_leaves_the_live_list_after_stale_after_and_the_leader_prunes_it(
     start_worker,
 ):

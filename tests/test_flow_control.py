@@ -452,6 +452,7 @@ def test_the_worker_hands_each_member_on_in_the_transaction_that_finishes_the_on
     assert len({r.pid for r in runs}) == 1
 
 
+@pytest.mark.slow
 def test_a_worker_stopping_mid_sequence_leaves_no_member_claimed_or_running(start_worker) -> None:
     # Members hand on member after member; SIGTERM in the middle: the member running
     # finishes, and whatever was handed on for a handler that will not run is given
@@ -531,6 +532,7 @@ def test_a_finishing_attempt_frees_its_slot_for_waiting_workers_without_a_poll(
 # ==== Crashes, runtime changes, pausing ===========================================
 
 
+@pytest.mark.slow
 def test_a_killed_workers_slots_return_when_its_jobs_are_rescued(start_worker) -> None:
     awa.set_queue_limits("crash", global_concurrency=2)
     victim = start_worker("--queue", "crash=4")

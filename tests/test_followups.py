@@ -524,6 +524,7 @@ def _unregister(function) -> None:
 # -- with real worker processes ------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_sigkill_between_handler_return_and_commit_runs_again_with_one_set_of_followups(
     start_worker, tmp_path

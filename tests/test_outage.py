@@ -108,6 +108,7 @@ def test_a_read_only_server_is_waited_out_and_the_worker_says_so_once(
 AWA_LEADS = "is now the maintenance leader"
 
 
+@pytest.mark.slow
 def test_prepared_statements_are_prepared_again_on_a_new_session(start_worker):
     """After its sessions are cut, a worker's prepared claims and finalizes work on new ones."""
     worker = start_worker("--queue", "default=4")

@@ -139,6 +139,7 @@ def test_processes_option_runs_several_processes(start_worker):
     assert len(notes) == 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_processes_group_lets_in_flight_jobs_finish(start_worker):
     # The terminal sends SIGINT to the supervisor and to each child, and the
     # supervisor passes one on: a child gets it twice, but one Ctrl-C must
@@ -153,6 +154,7 @@ def test_ctrl_c_on_a_processes_group_lets_in_flight_jobs_finish(start_worker):
     assert "giving back in-flight jobs now" not in worker.output()
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_on_a_processes_group_gives_jobs_back_now(start_worker):
     job = awa.enqueue(Act(action="sleep", seconds=30))
     worker = start_worker("--queue", "default=2", "--processes", "2")
@@ -167,6 +169,7 @@ def test_a_second_ctrl_c_on_a_processes_group_gives_jobs_back_now(start_worker):
     assert "SIGQUIT: giving back in-flight jobs now" in worker.output()
 
 
+@pytest.mark.slow
 def test_a_burst_of_signals_still_shuts_the_worker_down(start_worker):
     # A signal arriving while the handler of the one before runs (or while the
     # main thread holds a lock the handler needs) must not hang the worker.
@@ -179,6 +182,7 @@ def test_a_burst_of_signals_still_shuts_the_worker_down(start_worker):
     assert Job.objects.get(id=job.id).state == JobState.AVAILABLE
 
 
+@pytest.mark.slow
 def test_a_sigkilled_workers_job_is_rescued_and_finished_by_another(start_worker):
     job = awa.enqueue(Act(action="sleep", seconds=2))
     victim = start_worker("--queue", "default")
@@ -193,6 +197,7 @@ def test_a_sigkilled_workers_job_is_rescued_and_finished_by_another(start_worker
     assert list(Ledger.objects.filter(job_id=job.id).values_list("attempt", flat=True)) == [1, 2]
 
 
+@pytest.mark.slow
 def test_sigterm_lets_in_flight_jobs_finish_and_claims_no_more(start_worker):
     job = awa.enqueue(Act(action="sleep", seconds=1.5))
     worker = start_worker("--queue", "default=1")
@@ -205,6 +210,7 @@ def test_sigterm_lets_in_flight_jobs_finish_and_claims_no_more(start_worker):
     assert "finishing in-flight jobs" in worker.output()
 
 
+@pytest.mark.slow
 def test_sigterm_gives_back_jobs_that_outlive_the_shutdown_timeout(start_worker):
     job = awa.enqueue(Act(action="sleep", seconds=30))
     worker = start_worker("--queue", "default", "--shutdown-timeout", "0.5")
@@ -221,6 +227,7 @@ def test_sigterm_gives_back_jobs_that_outlive_the_shutdown_timeout(start_worker)
     assert retried.count() == 1
 
 
+@pytest.mark.slow
 def test_an_attempt_interrupted_on_its_last_try_is_exhausted_with_its_followups(start_worker):
     job = awa.enqueue(Act(action="sleep", seconds=30), max_attempts=1)
     worker = start_worker("--queue", "default", "--shutdown-timeout", "0.5")
@@ -235,6 +242,7 @@ def test_an_attempt_interrupted_on_its_last_try_is_exhausted_with_its_followups(
     assert followup.metadata["awa_trigger"]["outcome"] == "exhausted"
 
 
+@pytest.mark.slow
 def test_sigterm_gives_back_prefetched_jobs_without_using_an_attempt(start_worker):
     # Quick jobs first (priority 1) teach the worker that handlers are fast, so
     # it claims ahead; the slow ones after them fill its prefetch buffer.
@@ -266,6 +274,7 @@ def test_sigterm_gives_back_prefetched_jobs_without_using_an_attempt(start_worke
     assert again.attempt == 1
 
 
+@pytest.mark.slow
 def test_maintenance_leader_failover(start_worker):
     first = start_worker("--queue", "default")
     wait_for(lambda: "is now the maintenance leader" in first.output(), timeout=10)
@@ -283,6 +292,7 @@ def test_maintenance_leader_failover(start_worker):
     wait_for_state(soon.id, JobState.COMPLETED, timeout=10)
 
 
+@pytest.mark.slow
 def test_a_frozen_leader_loses_the_lease_and_does_nothing_when_thawed(start_worker):
     frozen = start_worker("--queue", "default")
     wait_for(lambda: "is now the maintenance leader" in frozen.output(), timeout=10)

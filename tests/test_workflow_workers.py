@@ -93,6 +93,7 @@ def test_a_fan_out_of_ten_thousand_on_three_workers_runs_each_once_after_its_roo
     assert _value("SELECT count(*) FROM awa_worker") == 3
 
 
+@pytest.mark.slow
 def test_a_dependency_rescued_after_its_worker_was_killed_releases_its_dependent(start_worker):
     dep = awa.enqueue(Node(name="dep", action="sleep_first", seconds=60))
     after = awa.enqueue(Node(name="after"), after=[dep])
