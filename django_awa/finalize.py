@@ -182,18 +182,30 @@ def _complete_handing_on(
     """
     keys = finished_keys(results)
     by_id = {r.job.id: r for r in results}
+    places = places_of(keys, hand_on)
+    if len(results) == 1:
+        # A saturated sequence's every member: the prepared statement for one.
+        (only,) = results
+        ((key, _),) = keys
+        statement = sql.COMPLETE_HAND_ON_ONE
+        params: dict[str, Any] = {
+            "id": only.job.id,
+            "run_lease": only.job.run_lease,
+            "started_ago": only.started_ago(),
+            "key": key,
+            "place": places[0],
+        }
+    else:
+        statement = sql.COMPLETE_HAND_ON
+        params = {
+            "id": db.int_array(r.job.id for r in results),
+            "run_lease": db.int_array(r.job.run_lease for r in results),
+            "started_ago": db.float_array(r.started_ago() for r in results),
+            "keys": [key for key, _ in keys],
+            "places": places,
+        }
     with db.cursor(alias) as cursor:
-        cursor.execute(
-            sql.COMPLETE_HAND_ON,
-            {
-                "id": db.int_array(r.job.id for r in results),
-                "run_lease": db.int_array(r.job.run_lease for r in results),
-                "started_ago": db.float_array(r.started_ago() for r in results),
-                "keys": [key for key, _ in keys],
-                "places": places_of(keys, hand_on),
-                **claim_params(),
-            },
-        )
+        cursor.execute(statement, {**params, **claim_params()})
         rows = cursor.fetchall()
         done = [row for row in rows if not row[0]]
         if len(done) < len(results):

@@ -7,7 +7,8 @@ of its key (``hand_off``, called by ``finalize``), so it is claimable the moment
 that commits; the completer then wakes its queue (``completer.notify_freed``). Where
 the finishing worker reserved a place on the next member's queue (``HandOn``), that
 transaction claims the next member for it instead (``sql.HAND_ON``,
-``sql.COMPLETE_HAND_ON``): the completer hands it to a handler thread after the commit.
+``sql.COMPLETE_HAND_ON``, prepared ``sql.COMPLETE_HAND_ON_ONE`` for one member): the
+completer hands it to a handler thread after the commit.
 ``awa.cancel`` and a callback's resolution hand on too (``after_finishing``). A
 member finished another way (discarded by rescue, cancelled by its dependency,
 deleted) leaves the next one to maintenance (``restore_parked``), within one

@@ -713,7 +713,9 @@ RETURNING j.queue
 # starting it (it saw the predecessor unfinished).
 # Returns the claimed rows (claimed true) and the restored members' queues (false).
 # Index: awa_job_sequence_idx (one entry per key), the rows by primary key
-# (= ANY of the ids, as the claims: a join let the planner scan the claim index).
+# (joined to nxt, a row a key: a nested loop of primary-key lookups; with
+# "= ANY" of nxt's ids the planner guessed ten rows and, on a table without
+# statistics, read the whole of awa_job for them).
 def _null_row_but(row: str, columns: tuple[str, ...]) -> str:
     """A select list of awa_job's columns, ``row``'s for ``columns`` and NULL (typed)
     for the others: a row of another shape beside whole job rows in one result."""
@@ -730,13 +732,14 @@ took AS (
     UPDATE ONLY awa_job AS j{_CLAIM_SET},
         run_at = coalesce((j.metadata ->> '{SEQUENCE_RUN_AT_KEY}')::timestamptz, j.run_at),
         metadata = j.metadata - '{SEQUENCE_RUN_AT_KEY}'
-    WHERE j.id = ANY(ARRAY(SELECT id FROM nxt WHERE take))
+    FROM nxt
+    WHERE j.id = nxt.id AND nxt.take
     RETURNING {J_JOB_COLUMNS}
 ),
 restored AS (
     UPDATE ONLY awa_job AS j{_UNPARK_SET}
-    WHERE j.id = ANY(ARRAY(SELECT id FROM nxt WHERE NOT take))
-      AND j.metadata ? '{SEQUENCE_RUN_AT_KEY}'
+    FROM nxt
+    WHERE j.id = nxt.id AND NOT nxt.take AND j.metadata ? '{SEQUENCE_RUN_AT_KEY}'
     RETURNING j.queue
 )"""
 # Whether the next member j may be claimed into a place on queue {place}
@@ -746,13 +749,19 @@ _TAKE = f"""{{place}} IS NOT NULL AND j.queue = {{place}} AND j.state = 'availab
            AND NOT EXISTS (SELECT 1 FROM awa_queue AS q WHERE q.name = j.queue AND q.paused)"""
 
 
-def _next_members(besides: str = "", where: str = "") -> str:
+# The keys handed on and the places for their next members: two arrays side by
+# side, or (_ONE_KEY) one key and its place.
+_KEY_ARRAYS = "unnest(%(keys)s::text[], %(places)s::text[]) AS k(key, place)"
+_ONE_KEY = "(VALUES (%(key)s::text, %(place)s::text)) AS k(key, place)"
+
+
+def _next_members(besides: str = "", where: str = "", keys: str = _KEY_ARRAYS) -> str:
     """HAND_ON's and COMPLETE_HAND_ON's ``nxt``: the first unfinished member of each
-    key of %(keys)s, locked, and whether to claim it into its %(places)s entry
-    (``_TAKE``); ``besides`` as ``_first_unfinished``'s, ``where`` on the keys."""
+    key of ``keys`` (%(keys)s), locked, and whether to claim it into its place
+    (%(places)s, ``_TAKE``); ``besides`` as ``_first_unfinished``'s, ``where`` on the keys."""
     return f"""nxt AS MATERIALIZED (
     SELECT j.id, {_TAKE.format(place="k.place")} AS take
-    FROM unnest(%(keys)s::text[], %(places)s::text[]) AS k(key, place)
+    FROM {keys}
     {_first_unfinished("k.key", besides=besides)}
     JOIN ONLY awa_job AS j ON j.id = h.id{where}
     FOR UPDATE OF j
@@ -915,15 +924,28 @@ _DONE_ROW = ", ".join(
     f'{_COMPLETED_SET.get(f.attname, f"j.{f.attname}")} AS "{f.attname}"'
     for f in Job._meta.concrete_fields
 )
-_COMPLETE = f"""
-WITH held AS (
-    SELECT j.id, d.started_ago,
+# The attempts written: three arrays side by side, or (_ONE_ATTEMPT) one
+# attempt's id, run_lease and started_ago, compared by primary key.
+_ATTEMPT_ARRAYS = """d.started_ago,
            j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'completed', false) AS keeps_key
     FROM ONLY awa_job AS j
     JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(started_ago)s::float8[])
          AS d(id, run_lease, started_ago)
       ON j.id = d.id AND j.run_lease = d.run_lease
-    WHERE j.state = 'running'
+    WHERE j.state = 'running'"""
+_ONE_ATTEMPT = """%(started_ago)s::float8 AS started_ago,
+           j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'completed', false) AS keeps_key
+    FROM ONLY awa_job AS j
+    WHERE j.id = %(id)s::bigint AND j.run_lease = %(run_lease)s::bigint AND j.state = 'running'"""
+
+
+def _complete_writes(attempts: str) -> str:
+    """COMPLETE's CTEs (held, kept, gone, moved) for ``attempts`` (``_ATTEMPT_ARRAYS``
+    or ``_ONE_ATTEMPT``); ``{dependents}``, ``{returning_j}`` and ``{returning}`` left
+    to fill."""
+    return f"""
+WITH held AS (
+    SELECT j.id, {attempts}
     FOR UPDATE OF j SKIP LOCKED
 ),
 kept AS (
@@ -942,9 +964,12 @@ gone AS (
 moved AS (
     INSERT INTO awa_job_done ({JOB_COLUMNS}) SELECT * FROM gone
     RETURNING {{returning}}
+)"""
+
+
+_COMPLETE = (
+    _complete_writes(_ATTEMPT_ARRAYS) + "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n"
 )
-SELECT * FROM kept UNION ALL SELECT * FROM moved
-"""
 _STANDALONE = " AND NOT j.has_dependents"
 _ID_FLAG = {"returning_j": "j.id, j.has_dependents", "returning": "id, has_dependents"}
 _ALL_COLUMNS = {"returning_j": J_JOB_COLUMNS, "returning": JOB_COLUMNS}
@@ -954,6 +979,7 @@ FINALIZE_RETURNING_ROWS = _FINALIZE.format(dependents="") + f"RETURNING {J_JOB_C
 # The same on their own (autocommit): jobs with dependents left out.
 COMPLETE_STANDALONE = _COMPLETE.format(dependents=_STANDALONE, **_ID_FLAG)
 FINALIZE_STANDALONE = _FINALIZE.format(dependents=_STANDALONE) + "RETURNING j.id, j.has_dependents"
+
 
 # -- COMPLETE_HAND_ON --
 # COMPLETE_STANDALONE and HAND_ON in one statement (autocommit, one round
@@ -968,26 +994,41 @@ FINALIZE_STANDALONE = _FINALIZE.format(dependents=_STANDALONE) + "RETURNING j.id
 # Returns the completed rows' (id, has_dependents) in the columns of id and
 # has_dependents, the others NULL (claimed false), and the claimed rows
 # (claimed true). Index: as COMPLETE and HAND_ON.
-COMPLETE_HAND_ON = _COMPLETE.format(
-    dependents=_STANDALONE,
-    returning_j="j.id, j.has_dependents, j.metadata ->> 'awa_sequence' AS seq",
-    returning="id, has_dependents, metadata ->> 'awa_sequence'",
-).replace(
-    "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n",
-    f"""
-, done AS (SELECT * FROM kept UNION ALL SELECT * FROM moved),
-{
-        _next_members(
-            besides=" AND s.id <> ALL(ARRAY(SELECT id FROM done))",
-            where="\n    WHERE k.key = ANY(ARRAY(SELECT seq FROM done))",
-        )
-    },{_TOOK_RESTORED}
+def _complete_hand_on(attempts: str, keys: str, besides: str) -> str:
+    """COMPLETE_HAND_ON for ``attempts`` (as ``_complete_writes``) and ``keys`` (as
+    ``_next_members``); ``besides`` leaves the members it completes out of ``nxt``."""
+    writes = _complete_writes(attempts).format(
+        dependents=_STANDALONE,
+        returning_j="j.id, j.has_dependents, j.metadata ->> 'awa_sequence' AS seq",
+        returning="id, has_dependents, metadata ->> 'awa_sequence'",
+    )
+    members = _next_members(
+        besides=besides, where="\n    WHERE k.key = ANY(ARRAY(SELECT seq FROM done))", keys=keys
+    )
+    return f"""{writes},
+done AS (SELECT * FROM kept UNION ALL SELECT * FROM moved),
+{members},{_TOOK_RESTORED}
 SELECT true AS claimed, took.* FROM took
 UNION ALL SELECT false, {_null_row_but("d", ("id", "has_dependents"))} FROM done AS d
-""",
+"""
+
+
+COMPLETE_HAND_ON = _complete_hand_on(
+    _ATTEMPT_ARRAYS, _KEY_ARRAYS, " AND s.id <> ALL(ARRAY(SELECT id FROM done))"
 )
-if "done AS" not in COMPLETE_HAND_ON:  # pragma: no cover - _COMPLETE's last line changed
-    raise RuntimeError("COMPLETE_HAND_ON: _COMPLETE no longer ends as it is replaced")
+
+# -- COMPLETE_HAND_ON_ONE --
+# COMPLETE_HAND_ON for one completion (%(id)s, %(run_lease)s, %(started_ago)s)
+# and its sequence (%(key)s, %(place)s: the queue of the place reserved, or
+# NULL): a saturated sequence's every member. The same writes, the same
+# result. Prepared (sql.PREPARED): parsing and planning the statement cost
+# more than running it. With scalars only, its plan made for any parameters
+# is the one made for each (no array whose length the planner must guess):
+# every row by primary key, the next member by awa_job_sequence_idx. (On a
+# table of a page or two without statistics that plan reads awa_job whole, as
+# any plan would; the statistics autovacuum then gathers make PostgreSQL plan
+# it again.)
+COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %(id)s::bigint")
 
 # -- STILL_HELD --
 # Of attempts a FINALIZE or COMPLETE left out, those whose row is still
@@ -1571,7 +1612,11 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 # with the statistics of a quiet table it scanned every running row for each
 # batch instead of looking ids up by primary key, so they are planned on each
 # run. So are HAND_ON and COMPLETE_HAND_ON (a generic plan of the latter read
-# awa_job_deadline_idx for the running rows and scanned awa_job for the next ones).
+# awa_job_deadline_idx for the running rows and scanned awa_job for the next ones),
+# but not COMPLETE_HAND_ON_ONE, the same for one member with scalars: its plan for
+# any parameters is its plan for each (primary key, awa_job_sequence_idx), and
+# its parsing and planning took longer than its run (a saturated sequence runs
+# it for every member).
 PREPARED = frozenset(
     {
         INSERT_ONE,
@@ -1583,6 +1628,7 @@ PREPARED = frozenset(
         CLAIM_SEQUENCED,
         CLAIM_LIMITED,
         LOCK_LIMITS,
+        COMPLETE_HAND_ON_ONE,
     }
 )
 

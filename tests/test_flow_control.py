@@ -24,7 +24,7 @@ import pytest
 from django.db import connection, transaction
 
 import django_awa as awa
-from django_awa import conf, producer
+from django_awa import conf, producer, sql
 from django_awa.completer import reserve_hand_on, start_handed_on
 from django_awa.execute import completed, errored, failed_terminally
 from django_awa.finalize import finalize
@@ -322,6 +322,132 @@ def test_the_finishing_statement_claims_the_next_member_into_a_reserved_place() 
     assert [j.id for j in hand_on.claimed] == [third.id]
     assert third.state == JobState.RUNNING and third.attempt == 1 and not _parked(third)
     assert _parked(Job.objects.get(id=ids[3]))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_of_completions_hands_each_of_its_sequences_on() -> None:
+    # Members of several keys completed in one batch (sql.COMPLETE_HAND_ON, the
+    # arrays): the next member of each key is claimed while the places last (keys
+    # in order), the others restored; a member whose attempt went stale meanwhile
+    # is not written and hands nothing on a second time.
+    a = awa.enqueue_many([SequencedSpan(key="a", n=i) for i in range(3)])
+    b = awa.enqueue_many([SequencedSpan(key="b", n=i) for i in range(3)])
+    c = awa.enqueue_many([SequencedSpan(key="c", n=i) for i in range(2)])
+    heads = {job.id: job for job in producer.claim_sequenced("seq", 10, "default")}
+    assert sorted(heads) == sorted([a[0], b[0], c[0]])
+    assert awa.cancel(c[0])  # its own hand-off restores c[1]
+    hand_on = HandOn({"seq": 1})
+    written = finalize([completed(heads[i]) for i in (a[0], b[0], c[0])], "default", hand_on)
+    assert sorted(r.job.id for r in written) == sorted([a[0], b[0]])
+    rows = Job.objects.in_bulk([*a, *b, *c])
+    assert rows[a[0]].state == rows[b[0]].state == JobState.COMPLETED
+    assert [j.id for j in hand_on.claimed] == [a[1]] and hand_on.places == {"seq": 0}
+    assert rows[a[1]].state == JobState.RUNNING and rows[a[1]].attempt == 1
+    assert not _parked(rows[a[1]]) and rows[a[1]].run_lease == hand_on.claimed[0].run_lease
+    assert rows[b[1]].state == JobState.AVAILABLE and not _parked(rows[b[1]])
+    assert rows[c[1]].state == JobState.AVAILABLE and not _parked(rows[c[1]])
+    assert rows[c[0]].state == JobState.CANCELLED
+    assert _parked(rows[a[2]]) and _parked(rows[b[2]])
+
+
+def _generic_plan(statement: str, params: dict[str, Any]) -> str:
+    """``EXPLAIN`` of ``statement`` prepared and planned for any parameters (the plan
+    PostgreSQL may keep for a prepared statement after its fifth run)."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    text = statement
+    for number, name in enumerate(names, 1):
+        text = text.replace(f"%({name})s", f"${number}")
+    with connection.cursor() as cursor:
+        cursor.execute("SET plan_cache_mode = force_generic_plan")
+        try:
+            cursor.execute("PREPARE awa_generic AS " + text)
+            cursor.execute(
+                f"EXPLAIN EXECUTE awa_generic({', '.join(['%s'] * len(names))})",
+                [params[name] for name in names],
+            )
+            return "\n".join(row[0] for row in cursor.fetchall())
+        finally:
+            cursor.execute("DEALLOCATE awa_generic")
+            cursor.execute("RESET plan_cache_mode")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_prepared_hand_on_of_one_member_keeps_its_index_plan_when_planned_generically(
+    settings,
+) -> None:
+    # A saturated sequence writes one member at a time with the prepared
+    # sql.COMPLETE_HAND_ON_ONE, which PostgreSQL may plan once for any parameters.
+    # That plan must read rows by primary key and the next member through
+    # awa_job_sequence_idx, never every running row, whatever the table holds.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO awa_job (kind, queue, args, state, heartbeat_at, deadline_at, metadata) "
+            "SELECT 'echo', 'default', '{}', 'running', now(), now() + interval '1 hour', "
+            "jsonb_build_object('awa_sequence', 'k' || (g %% 500)) FROM generate_series(1, %s) g",
+            [20_000],
+        )
+        cursor.execute("ANALYZE awa_job")
+    ids = awa.enqueue_many([SequencedSpan(key="p", n=i) for i in range(3)])
+    (head,) = producer.claim_sequenced("seq", 10, "default")
+    plan = _generic_plan(
+        sql.COMPLETE_HAND_ON_ONE,
+        {
+            "id": head.id,
+            "run_lease": head.run_lease,
+            "started_ago": 0.001,
+            "key": head.metadata["awa_sequence"],
+            "place": "seq",
+            "deadlines": "{}",
+            "default_deadline": 60.0,
+        },
+    )
+    assert "Seq Scan on awa_job" not in plan, plan
+    assert "awa_job_deadline_idx" not in plan and "awa_job_running_idx" not in plan, plan
+    assert "awa_job_sequence_idx" in plan and "awa_job_pkey" in plan, plan
+
+    # In a worker's completer it runs prepared, six members in a row (past the
+    # custom plans PostgreSQL tries first), each claiming the next.
+    head = _hand_on_one_after_another(head, ids)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        prepared = [row[0] for row in cursor.fetchall()]
+    assert sql.COMPLETE_HAND_ON_ONE.split("done AS")[1][:200] in "".join(prepared)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_hand_on_of_one_member_is_not_prepared_where_prepared_statements_are_off(
+    settings,
+) -> None:
+    # Behind a pooler that cannot keep prepared statements (PgBouncer before 1.21,
+    # transaction mode), AWA["PREPARED_STATEMENTS"] = False: it hands on all the same.
+    settings.AWA = {**settings.AWA, "PREPARED_STATEMENTS": False}
+    ids = awa.enqueue_many([SequencedSpan(key="u", n=i) for i in range(8)])
+    (head,) = producer.claim_sequenced("seq", 10, "default")
+    _hand_on_one_after_another(head, ids)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s",
+                       ["%done AS%"])  # fmt: skip
+        assert cursor.fetchone()[0] == 0
+
+
+def _hand_on_one_after_another(head: Job, ids: list[int]) -> Job:
+    """Complete ``head`` and each member it hands on, one at a time, as a saturated
+    sequence's completer does; every member of ``ids`` must be claimed in turn."""
+    state = WorkerState.create({"seq": 2})
+    for next_id in ids[ids.index(head.id) + 1 :]:
+        hand_on = reserve_hand_on(state, [completed(head)])
+        assert hand_on is not None
+        assert finalize([completed(head)], "default", hand_on)
+        (claimed,) = hand_on.claimed
+        assert claimed.id == next_id and claimed.state == JobState.RUNNING
+        assert Job.objects.get(id=head.id).state == JobState.COMPLETED
+        start_handed_on(state, hand_on)
+        runner = state.queues["seq"]
+        attempt = runner.inbox.get_nowait()
+        assert attempt is not None and attempt.job.id == next_id
+        runner.finished()  # as its handler does when the member returns
+        head = claimed
+    return head
 
 
 @pytest.mark.django_db(transaction=True)
