@@ -554,14 +554,12 @@ def test_a_long_sequence_hands_on_member_after_member_without_polls(start_worker
     assert not Job.objects.filter(metadata__has_key="awa_sequence_run_at").exists()
 
 
-def test_the_worker_hands_each_member_on_in_the_transaction_that_finishes_the_one_before(
-    start_worker,
-) -> None:
-    # One worker, a 30 s poll: each member after the first is claimed by the
-    # statement that wrote its predecessor's outcome (its claim stamp is not
-    # after that transaction's start), so by this worker, without a poll, a
-    # NOTIFY or a claim of its own.
-    start_worker("--queue", "seq=4", env={**FLOW_ENV, "AWA_TEST_POLL_INTERVAL": "30"})
+def run_sequence_hand_on(start_worker: Callable[..., WorkerProcess], **env: str) -> None:
+    """One worker, a 30 s poll: each member after the first is claimed by the
+    statement that wrote its predecessor's outcome (its claim stamp is not
+    after that transaction's start), so by this worker, without a poll, a
+    NOTIFY or a claim of its own."""
+    start_worker("--queue", "seq=4", env={**FLOW_ENV, "AWA_TEST_POLL_INTERVAL": "30", **env})
     awa.enqueue_many([SequencedSpan(key="on", n=i, seconds=0.0) for i in range(30)])
     all_finished("sequenced_span", 30, timeout=20)
     runs = list(FlowRun.objects.order_by("started_at"))
@@ -576,6 +574,12 @@ def test_the_worker_hands_each_member_on_in_the_transaction_that_finishes_the_on
     ]
     assert late == [], f"members claimed apart from their predecessor's outcome: {late}"
     assert len({r.pid for r in runs}) == 1
+
+
+def test_the_worker_hands_each_member_on_in_the_transaction_that_finishes_the_one_before(
+    start_worker,
+) -> None:
+    run_sequence_hand_on(start_worker)
 
 
 @pytest.mark.slow

@@ -234,3 +234,14 @@ def test_rate_limit_holds_through_pgbouncer(pooled_url, start_worker):
         return start_worker(*args, env={**_pooled_env(pooled_url), **FLOW_ENV, **(env or {})})
 
     run_rate_limit(start)
+
+
+def test_a_sequence_hands_on_member_after_member_through_pgbouncer(pooled_url, start_worker):
+    # The statement that writes a member's outcome claims the next one, without
+    # prepared statements (AWA["PREPARED_STATEMENTS"] off, as PgBouncer 1.18 needs).
+    from tests.test_flow_control import run_sequence_hand_on
+
+    def start(*args: str, env: dict[str, str] | None = None):
+        return start_worker(*args, env={**_pooled_env(pooled_url), **(env or {})})
+
+    run_sequence_hand_on(start)
