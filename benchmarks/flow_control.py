@@ -33,8 +33,9 @@ Each drain also reports how long a job held its place: the mean and median of
 ``finalized_at - attempted_at`` (on a queue claimed under the limits' lock, a rate
 or a kind limit, ``attempted_at`` is the claim; elsewhere, ``global_concurrency`` kept
 by slot leases too, the handler's start), and for the sequence the gap between a
-member's finalize and the next member's start: where a saturated limit's time
-goes.
+member's finalize and the next member's start, and the median time from one
+member's finalize to the next one's (steadier than the rate, which a few members
+stretched by a load spike pull down): where a saturated limit's time goes.
 
 While the limited workloads run, a sampler reads ``pg_stat_activity`` every 100 ms
 and reports how many sessions waited on an advisory lock (the limited claim's),
@@ -185,7 +186,10 @@ def drain(
                               ORDER BY extract(epoch FROM finalized_at - attempted_at)),
                           (SELECT 1000 * percentile_cont(0.5) WITHIN GROUP (ORDER BY gap)
                            FROM (SELECT extract(epoch FROM attempted_at - lag(finalized_at)
-                                        OVER (ORDER BY id)) AS gap FROM awa_job) AS g)
+                                        OVER (ORDER BY id)) AS gap FROM awa_job) AS g),
+                          (SELECT 1000 * percentile_cont(0.5) WITHIN GROUP (ORDER BY cycle)
+                           FROM (SELECT extract(epoch FROM finalized_at - lag(finalized_at)
+                                        OVER (ORDER BY id)) AS cycle FROM awa_job) AS c)
                    FROM awa_job"""
             ).fetchone()
     finally:
@@ -198,6 +202,7 @@ def drain(
     if held and held[0] is not None:
         result["held_ms"] = (float(held[0]), float(held[1]))
         result["next_start_ms"] = float(held[2]) if held[2] is not None else None
+        result["cycle_ms"] = float(held[3]) if held[3] is not None else None
     if sampler:
         result["locks"] = sampler.report()
     return result
@@ -436,6 +441,9 @@ def main() -> None:
             line += f"; a job held its place {mean:.1f} ms (median {median:.1f})"
             if name.startswith("sequence") and result.get("next_start_ms") is not None:
                 line += f", next member started {result['next_start_ms']:.1f} ms after"
+                if result.get("cycle_ms") is not None:
+                    # Load spikes stretch a few members a lot: the median is steadier.
+                    line += f"; median member {result['cycle_ms']:.1f} ms"
         print(line)
         if "locks" in result:
             print(f"  {'':22} {result['locks']}")
