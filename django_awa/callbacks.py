@@ -33,7 +33,7 @@ from django.db import DatabaseError, connections, transaction
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from . import sql
+from . import sql, wakeups
 from .codec import check_json, require_text
 from .conf import awa_settings, callback_timeout
 from .dependencies import after_outcomes
@@ -146,7 +146,7 @@ def _resolve(
         )
         (row,) = jobs_from_rows([cursor.fetchone()], alias)
         if state == JobState.AVAILABLE:
-            cursor.execute(sql.NOTIFY_QUEUES, {"queues": [row.queue]})
+            wakeups.announce(alias, [row.queue], cursor)
     context = context.after(row)
     dispatch(row, context, alias)
     send_signal(row, context, alias)
@@ -417,7 +417,9 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
         return data
     alias = database_alias(None)
     try:
-        with transaction.atomic(using=alias):
+        # The endpoint's own transaction: the queues it makes jobs available in
+        # are woken after its commit, not by a NOTIFY inside it (wakeups.py).
+        with wakeups.after_commit(alias), transaction.atomic(using=alias):
             # A replayed request is refused; the receipt commits only with success.
             # The signature covers timestamp, callback, action and body: it
             # names the request.
