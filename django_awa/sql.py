@@ -1496,6 +1496,18 @@ WHERE id = %(id)s
 """
 
 
+# -- RECORD_RECEIPT --
+# The callback receiver keeps the signature of a request it accepts, in the
+# transaction that acts on it: a row back means it is new, none a replay (the
+# primary key; a concurrent twin waits for the first to commit or roll back).
+# One statement where get_or_create took a SELECT, a savepoint, an INSERT and
+# a release.
+RECORD_RECEIPT = """
+INSERT INTO awa_callback_receipt (signature, received_at) VALUES (%(signature)s, now())
+ON CONFLICT (signature) DO NOTHING
+RETURNING true
+"""
+
 # -- PRUNE_RECEIPTS --
 # Forget receipts whose request would be refused as stale anyway.
 # Index: awa_receipt_received_idx (received_at).
