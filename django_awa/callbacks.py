@@ -33,7 +33,7 @@ from django.db import DatabaseError, connections, transaction
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from . import sql
+from . import sql, wakeups
 from .codec import check_json, require_text
 from .conf import awa_settings, callback_timeout
 from .dependencies import after_outcomes
@@ -48,7 +48,7 @@ from .followups import (
     dispatch,
     send_signal,
 )
-from .models import CallbackReceipt, Job, JobState, jobs_from_rows
+from .models import Job, JobState, jobs_from_rows
 from .sequences import after_finishing
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def _resolve(
         )
         (row,) = jobs_from_rows([cursor.fetchone()], alias)
         if state == JobState.AVAILABLE:
-            cursor.execute(sql.NOTIFY_QUEUES, {"queues": [row.queue]})
+            wakeups.announce(alias, [row.queue], cursor)
     context = context.after(row)
     dispatch(row, context, alias)
     send_signal(row, context, alias)
@@ -167,10 +167,14 @@ def _external(
     payload: Any = None,
     error: str | None = None,
     using: str | None,
+    savepoint: bool = True,
 ) -> Job:
+    """Resolve the callback in a transaction, or a savepoint of the caller's;
+    ``savepoint=False``: in the caller's transaction itself, which rolls back
+    whole on an error (the callback receiver's)."""
     alias = database_alias(using)
     cid = _parse_id(callback_id)
-    with transaction.atomic(using=alias):
+    with transaction.atomic(using=alias, savepoint=savepoint):
         job = _lock(cid, alias)
         if job.state == JobState.RUNNING and not _early_for(job, cid):
             # The handler registered the callback and has not returned yet. The
@@ -197,19 +201,35 @@ def complete_external(
     """Complete the job waiting on ``callback_id``; ``payload`` is kept as
     ``metadata["awa_callback_result"]``. Completed follow-ups commit with it.
     Raises ``CallbackNotFound``, ``FollowupError`` or ``ValidationError``."""
+    return _complete(callback_id, payload, using=using)
+
+
+def _complete(
+    callback_id: uuid.UUID | str, payload: Any, *, using: str | None, savepoint: bool = True
+) -> Job:
     try:
         check_json(payload)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValidationError(f"complete_external: payload cannot be stored: {exc}") from exc
-    return _external(callback_id, CallbackAction.COMPLETE, payload=payload, using=using)
+    return _external(
+        callback_id, CallbackAction.COMPLETE, payload=payload, using=using, savepoint=savepoint
+    )
 
 
 def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None = None) -> Job:
     """Fail the job waiting on ``callback_id`` whatever attempts remain (Exhausted follow-ups)."""
+    return _fail(callback_id, error, using=using)
+
+
+def _fail(
+    callback_id: uuid.UUID | str, error: str, *, using: str | None, savepoint: bool = True
+) -> Job:
     if not isinstance(error, str):
         raise ValidationError(f"fail_external: error must be a string, got {error!r}")
     require_text(error, "fail_external: error")
-    return _external(callback_id, CallbackAction.FAIL, error=error, using=using)
+    return _external(
+        callback_id, CallbackAction.FAIL, error=error, using=using, savepoint=savepoint
+    )
 
 
 def retry_external(callback_id: uuid.UUID | str, *, using: str | None = None) -> Job:
@@ -417,19 +437,24 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
         return data
     alias = database_alias(None)
     try:
-        with transaction.atomic(using=alias):
+        # The endpoint's own transaction: the queues it makes jobs available in
+        # are woken after its commit, not by a NOTIFY inside it (wakeups.py).
+        with wakeups.after_commit(alias), transaction.atomic(using=alias):
             # A replayed request is refused; the receipt commits only with success.
             # The signature covers timestamp, callback, action and body: it
             # names the request.
-            _, created = CallbackReceipt.objects.using(alias).get_or_create(signature=verified)
-            if not created:
-                return _error(403, "replayed request")
+            with connections[alias].cursor() as cursor:
+                cursor.execute(sql.RECORD_RECEIPT, {"signature": verified})
+                if cursor.fetchone() is None:
+                    return _error(403, "replayed request")
+            # Resolved in this transaction itself, without a savepoint: an error
+            # rolls it back whole, the receipt with it.
             if action == CallbackAction.COMPLETE:
-                job = complete_external(callback_id, data.get("payload"), using=alias)
+                job = _complete(callback_id, data.get("payload"), using=alias, savepoint=False)
             elif action == CallbackAction.FAIL:
-                job = fail_external(callback_id, data["error"], using=alias)
+                job = _fail(callback_id, data["error"], using=alias, savepoint=False)
             elif action == CallbackAction.RETRY:
-                job = retry_external(callback_id, using=alias)
+                job = _external(callback_id, action, using=alias, savepoint=False)
             else:
                 job = heartbeat_callback(callback_id, data["timeout"], using=alias)
     except CallbackNotFound as exc:

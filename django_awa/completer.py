@@ -6,10 +6,15 @@ stops tracking their attempts. Results whose row another session holds locked
 are written again after ``LOCKED_RETRY`` seconds, on their own, while the rest
 go on.
 
+The batch's transaction NOTIFYs nothing (``wakeups.after_commit``): the queues
+its follow-ups and promoted dependents went to are posted to the worker's
+outbox once it commits, which wakes this process's producers at once and the
+other workers by a NOTIFY sent from the listener's connection.
+
 Once the outcomes of a limited queue's attempts, or of sequence members, are
 written, ``notify_freed`` wakes the claimers waiting for that capacity: this
-process's producers at once, every other worker by NOTIFY. Held-back jobs
-start when a slot frees, not at the next poll.
+process's producers at once, every other worker through the outbox. Held-back
+jobs start when a slot frees, not at the next poll.
 
 A sequence hands on without a claim (``hand_on``): before writing a batch
 that finishes sequence members, the completer reserves free places of their
@@ -27,8 +32,7 @@ import time
 import traceback
 from collections.abc import Iterable
 
-from . import db, sql
-from .dependencies import take_promoted_queues
+from . import db, sql, wakeups
 from .execute import Attempt, AttemptResult, errored, unstarted
 from .finalize import finalize
 from .models import Job, JobState
@@ -39,7 +43,7 @@ from .state import DB_ERRORS, WorkerState, log_context, reset_connection
 logger = logging.getLogger(__name__)
 
 # Most results the completer writes in one transaction. With follow-ups each
-# batch pays a BEGIN, a savepoint, a COPY, a NOTIFY and a COMMIT, so larger
+# batch pays a BEGIN, a savepoint, a COPY and a COMMIT, so larger
 # batches spread that fixed cost over more jobs (benchmarks/: the follow-up drain).
 FINALIZE_BATCH_SIZE = 1000
 # Seconds before writing again an outcome whose row another session held locked.
@@ -133,7 +137,8 @@ def give_back_unstarted(state: WorkerState, jobs: list[Job]) -> None:
     maintenance rescues them."""
     results = [unstarted(job) for job in jobs]
     try:
-        finalize(results, state.alias)
+        with wakeups.after_commit(state.alias, state.outbox):
+            finalize(results, state.alias)
         logger.info(
             "gave back %s handed-on sequence member(s) at shutdown: %s",
             len(jobs),
@@ -154,8 +159,9 @@ def notify_freed(
     A queue claimed under its lock (its runner says so) is woken whatever the outcome; a
     sequence's next member only once the member before it is finished, and
     not when this worker claimed it (its key is in ``handed_on``). Costs
-    nothing for unlimited queues without sequences. A failure is logged: the
-    claimers' poll still finds the capacity.
+    nothing for unlimited queues without sequences. The other workers are told
+    through the outbox (a NOTIFY outside the outcome's transaction). A failure
+    is logged: the claimers' poll still finds the capacity.
     """
     queues: set[str] = set()
     sequences: set[str] = set()
@@ -175,19 +181,19 @@ def notify_freed(
     try:
         with db.cursor(state.alias) as cursor:
             cursor.execute(
-                sql.NOTIFY_FREED,
+                sql.FREED_QUEUES,
                 {
                     "queues": sorted(queues),
                     "sequences": sorted(sequences),
                     "local": sorted(state.queues),
                 },
             )
-            woken = {row[0] for row in cursor.fetchall()}
+            rows = cursor.fetchall()
     except DB_ERRORS as exc:
         logger.warning("could not wake claimers of queues %s (%s)", sorted(queues), exc)
         reset_connection()
-        woken = queues
-    state.wake(woken)
+        rows = [(queue, True) for queue in queues]
+    state.outbox.post({row[0] for row in rows}, {row[0] for row in rows if row[1]})
 
 
 class Completer:
@@ -260,7 +266,10 @@ class Completer:
         """Write ``batch``, forget its attempts; add those whose row was locked to ``deferred``."""
         hand_on = reserve_hand_on(self.state, batch)
         try:
-            self.write_batch(first_of_each_attempt(batch), hand_on)
+            # Follow-ups and promoted dependents: this worker's producers claim
+            # them as the batch commits, the others hear after (wakeups.py).
+            with wakeups.after_commit(self.state.alias, self.state.outbox):
+                self.write_batch(first_of_each_attempt(batch), hand_on)
         finally:
             handed_on = (
                 frozenset(job.metadata[SEQUENCE_KEY] for job in hand_on.claimed if job.metadata)
@@ -269,11 +278,6 @@ class Completer:
             )
             if hand_on is not None:
                 start_handed_on(self.state, hand_on)
-        promoted = take_promoted_queues()
-        if promoted:
-            # Dependents this batch made available: this worker's producers
-            # claim them now, not when the NOTIFY comes back (the others do then).
-            self.state.wake(promoted)
         notify_freed(self.state, (result for result in batch if not result.locked), handed_on)
         written = []
         for result in batch:

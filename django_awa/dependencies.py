@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 from django.db import DatabaseError, transaction
 
-from . import db, sql
+from . import db, sql, wakeups
 from .compat import savepoint_create
 from .enqueueing import Inserted, PreparedJob
 from .exceptions import UniqueConflict, ValidationError
@@ -39,23 +38,6 @@ logger = logging.getLogger(__name__)
 # A cascade goes one level of dependents per round: a bound far above any
 # real graph's depth, so a corrupt edge table cannot loop for ever.
 MAX_ROUNDS = 100_000
-
-# The queues this thread's settlings made jobs available in, since the last
-# ``take_promoted_queues()``: the completer wakes its own producers for them
-# as soon as the batch commits, without waiting for its NOTIFY to come back
-# through the listener (each hop of a chain of steps pays that wait).
-_promoted = threading.local()
-
-
-def take_promoted_queues() -> set[str]:
-    """The queues this thread promoted jobs into since the last call (then forgotten).
-
-    A hint for waking producers early: a rolled-back settling may be among
-    them (a claim then finds nothing), and NOTIFY still wakes every worker.
-    """
-    queues: set[str] = getattr(_promoted, "queues", set())
-    _promoted.queues = set()
-    return queues
 
 
 def enqueue_with_dependencies(prepared: PreparedJob, alias: str) -> Job:
@@ -132,8 +114,7 @@ def insert_with_dependencies(
                     "requires": [e[3] for e in edges],
                 },
             )
-        if queues:
-            cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(queues)})
+        wakeups.announce(alias, queues, cursor)
         new_ids = [p.id for p in prepared if p.id is not None]
         settle(
             [i for p, i in zip(prepared, new_ids, strict=True) if p.after and i in inserted], alias
@@ -261,7 +242,7 @@ def _settle_rounds(
             if completed:
                 cursor.execute(sql.PROMOTE_MET_BY, {"ids": finished})
                 rows = cursor.fetchall()
-                _promoted_now(cursor, [row for row in rows if row[0] is not None])
+                _promoted_now(cursor, alias, [row for row in rows if row[0] is not None])
                 if all(row[0] is not None for row in rows):
                     return  # every dependent promoted: none left to judge
             locked = _lock_to_judge(cursor, finished, alias, shared=shared, completed=completed)
@@ -292,7 +273,7 @@ def _settle_rounds(
         rest = [i for i in locked if i not in cancelled]
         if rest:
             cursor.execute(sql.PROMOTE_READY, {"ids": rest})
-            _promoted_now(cursor, cursor.fetchall())
+            _promoted_now(cursor, alias, cursor.fetchall())
         for job, reason in zip(cancelled_rows, reasons, strict=True):
             _cancelled(job, reason, alias)
         finished = [job.id for job in cancelled_rows if job.has_dependents]
@@ -302,13 +283,11 @@ def _settle_rounds(
     raise RuntimeError(f"dependency cascade deeper than {MAX_ROUNDS} levels")
 
 
-def _promoted_now(cursor: db.Cursor, promoted: list[tuple[int, str, str]]) -> None:
-    """After a promoting statement: NOTIFY the queues of the jobs it made available,
-    remember them for the completer's local wake-up, log each."""
-    queues = sorted({q for _, state, q in promoted if state == JobState.AVAILABLE})
-    if queues:
-        cursor.execute(sql.NOTIFY_QUEUES, {"queues": queues})
-        _promoted.queues = getattr(_promoted, "queues", set()) | set(queues)
+def _promoted_now(cursor: db.Cursor, alias: str, promoted: list[tuple[int, str, str]]) -> None:
+    """After a promoting statement: wake the queues of the jobs it made available
+    (``wakeups.announce``: in a worker's transaction, its producers at the commit
+    and the others by NOTIFY after it), log each."""
+    wakeups.announce(alias, {q for _, state, q in promoted if state == JobState.AVAILABLE}, cursor)
     for job_id, state, _queue in promoted:
         logger.info("job %s -> %s: its dependencies are met", job_id, state)
 

@@ -22,7 +22,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from . import db, sql
+from . import db, sql, wakeups
 from .codec import ArgsDecodeError, canonical_json, check_json, encode_checked, require_text
 from .conf import QUEUE_NAME_RE, awa_settings, to_seconds
 
@@ -521,7 +521,7 @@ _CONSTANT_DEFAULTS = [f for f in _DEFAULTED if _is_constant(f)]
 _CONSTANT_VALUES = tuple(f.get_default() for f in _CONSTANT_DEFAULTS)
 _SOURCES = [
     *sql.INSERTED_COLUMNS,
-    "",  # RETURNING's last value: the NOTIFY
+    "",  # RETURNING's last value: the NOTIFY (NULL when deferred)
     *_SENT,
     *(f.attname for f in _FRESH_DEFAULTS),
     *(f.attname for f in _CONSTANT_DEFAULTS),
@@ -670,9 +670,16 @@ def insert(prepared: Sequence[PreparedJob], alias: str, *, ids: bool = True) -> 
 
 def _insert_alone(prepared: PreparedJob, alias: str) -> tuple[Any, ...] | None:
     """INSERT one job; the columns the server set (``sql.INSERTED_COLUMNS``), or None
-    for a unique duplicate."""
-    statement = sql.INSERT_ONE_UNIQUE if prepared.unique_key else sql.INSERT_ONE
-    return db.fetch_one(alias, statement, prepared.params())
+    for a unique duplicate. Its queue is woken by the statement's NOTIFY, or, in
+    the engine's own transaction, after its commit (``wakeups``)."""
+    if not wakeups.deferring(alias):
+        statement = sql.INSERT_ONE_UNIQUE if prepared.unique_key else sql.INSERT_ONE
+        return db.fetch_one(alias, statement, prepared.params())
+    statement = sql.INSERT_ONE_UNIQUE_QUIET if prepared.unique_key else sql.INSERT_ONE_QUIET
+    row = db.fetch_one(alias, statement, prepared.params())
+    if row is not None and row[1] == JobState.AVAILABLE:
+        wakeups.announce(alias, [prepared.queue])
+    return row
 
 
 def _copy_values(p: PreparedJob) -> tuple[Any, ...]:
@@ -707,8 +714,7 @@ def _insert_bulk(prepared: Sequence[PreparedJob], alias: str, number_plain: bool
             inserted.update(row[0] for row in cursor.fetchall())
         queues = {p.queue for p, _ in copied}
         queues.update(p.queue for p, i in rest if i in inserted)
-        if queues:
-            cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(queues)})
+        wakeups.announce(alias, queues, cursor)
     if len(inserted) == len(drawn):  # no duplicate skipped: the common case
         return Inserted(drawn if number_plain else [], [])
     skipped = [n for n, i in enumerate(ids) if i is not None and i not in inserted]

@@ -1,4 +1,4 @@
-"""Writing outcomes: the guarded UPDATE, its follow-ups and NOTIFY in one transaction.
+"""Writing outcomes: the guarded UPDATE and its follow-ups in one transaction.
 
 ``finalize()`` takes a batch of attempt results. Results whose (outcome,
 kind) has no follow-ups are written by one statement. The others are written
@@ -10,7 +10,10 @@ exactly its follow-ups, and one bad follow-up never rolls back another job's
 outcome.
 
 Jobs that others depend on have their dependents promoted or cancelled in
-the same transaction (``dependencies.after_attempts``).
+the same transaction (``dependencies.after_attempts``). The queues that got
+jobs to run are woken by ``wakeups.announce``: after the commit when the
+caller runs it inside ``wakeups.after_commit`` (the completer, an atomic
+handler), by a NOTIFY in the transaction otherwise (``testing.run_jobs``).
 
 ``dispatch()`` is the same follow-up step for callers that change state
 themselves (callback resolution, ``awa.cancel``): it raises to the caller.

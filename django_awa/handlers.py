@@ -39,7 +39,7 @@ from typing import Any
 
 from django.db import connections
 
-from . import db
+from . import db, wakeups
 from .completer import notify_freed
 from .execute import (
     Attempt,
@@ -465,7 +465,10 @@ class HandlerPool:
         self, attempt: Attempt, spec: WorkerSpec, args: JobArgs
     ) -> AttemptResult | None:
         try:
-            written = run_atomic_attempt(attempt, spec, args)
+            # The handler's transaction is the engine's: its follow-ups' queues
+            # are woken after it commits (wakeups.py), not by a NOTIFY inside it.
+            with wakeups.after_commit(attempt.alias, self.state.outbox):
+                written = run_atomic_attempt(attempt, spec, args)
             if written is not None:
                 notify_freed(self.state, [written])
                 self.state.tally.record([written], self.state.running)

@@ -1,11 +1,17 @@
-"""The listener: a LISTEN connection that wakes producers and tells handlers of cancels.
+"""The listener: the worker's LISTEN/NOTIFY connection. It wakes producers, tells
+handlers of cancels, and sends the worker's own wake-ups.
 
 ``NOTIFY awa_job, '<queue>'`` (sent by an enqueue's transaction as it
-commits, and by maintenance as it makes jobs due) wakes that queue's
+commits, and by other workers after their commits) wakes that queue's
 producer; ``NOTIFY awa_cancel, '<job id>'`` (``awa.cancel``) sets the running
-attempt's cancelled flag. The connection is psycopg's own, on
-``AWA["DIRECT_DATABASE"]``: a transaction-pooling pgbouncer does not keep
-LISTEN. Without one the worker runs no listener and polls.
+attempt's cancelled flag. What this worker's own commits made available is
+posted to its outbox (``wakeups.Outbox``): the listener NOTIFYs it from this
+connection, in transactions that do not wait for their WAL flush, at most
+every ``wakeups.SEND_EVERY`` seconds, and ignores those notifications when
+they come back (the worker woke its producers as it posted them). The
+connection is psycopg's own, on ``AWA["DIRECT_DATABASE"]``: a
+transaction-pooling pgbouncer does not keep LISTEN. Without one the worker
+runs no listener and polls, and the outbox sends from the committing thread.
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import selectors
+import time
 from typing import Any
 
 import psycopg
 from django.db import connections
 
-from . import db, sql
+from . import db, sql, wakeups
 from .state import WorkerState
 
 logger = logging.getLogger(__name__)
@@ -40,6 +47,8 @@ class Listener:
         self.conn: psycopg.Connection[Any] | None = None
         self._selector: selectors.BaseSelector | None = None
         self._listened = False  # once: a reconnect is said by the outage's lines
+        self._sent_at = 0.0  # monotonic time of the last NOTIFY sent from the outbox
+        self._pid = 0  # this connection's backend: its own NOTIFYs come back to it
 
     def run(self) -> None:
         """Listen until halted, reconnecting with a backoff when the connection is lost."""
@@ -66,14 +75,16 @@ class Listener:
         direct = self.state.conf.direct_database or self.state.alias
         conn = psycopg.connect(**listen_params(direct), autocommit=True)
         try:
+            conn.execute(sql.NOTIFIER_SESSION)
             conn.execute(sql.LISTEN_JOBS)
             conn.execute(sql.LISTEN_CANCELS)
             selector = selectors.DefaultSelector()
             selector.register(conn.fileno(), selectors.EVENT_READ)
+            selector.register(self.state.outbox.attach(), selectors.EVENT_READ, "outbox")
         except BaseException:
             conn.close()
             raise
-        self.conn, self._selector = conn, selector
+        self.conn, self._selector, self._pid = conn, selector, conn.info.backend_pid
         # Anything enqueued while we were not listening: look now.
         self.state.wake()
         logger.log(
@@ -95,7 +106,8 @@ class Listener:
             self.conn = None
 
     def run_once(self, timeout: float = 0.0) -> int:
-        """Wait up to ``timeout`` seconds for notifications and act on them; return how many.
+        """Wait up to ``timeout`` seconds for notifications and act on them; return how
+        many (this worker's own, coming back, not counted). Send what the outbox holds.
 
         Connects first if not connected. A quiet wait sends ``SELECT 1``, to
         notice a dead connection (raised as ``psycopg.Error``).
@@ -103,14 +115,36 @@ class Listener:
         conn, selector = self.conn, self._selector
         if conn is None or selector is None:
             conn, selector = self.connect()
-        if not selector.select(timeout=timeout):
+        ready = selector.select(timeout=timeout)
+        if not ready:
             conn.execute(sql.LISTENER_PING)
-            return 0
+        if any(key.data == "outbox" for key, _ in ready) or self.state.outbox.pending():
+            self.send(conn)
+        # What arrived during the ping or the send waits in psycopg's backlog.
         count = 0
         for notify in conn.notifies(timeout=0, stop_after=0):
+            if notify.pid == self._pid and notify.channel == sql.NOTIFY_CHANNEL:
+                continue  # sent from the outbox: woken as posted
             self.on_notify(notify.channel, notify.payload)
             count += 1
         return count
+
+    def send(self, conn: psycopg.Connection[Any]) -> None:
+        """NOTIFY the queues posted to the outbox since the last send, in one statement,
+        at most every ``wakeups.SEND_EVERY`` seconds. Raises ``psycopg.Error`` (the
+        queues are kept for the next connection)."""
+        wait = self._sent_at + wakeups.SEND_EVERY - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)  # what comes meanwhile goes in this one statement
+        queues = self.state.outbox.take()
+        if not queues:
+            return
+        try:
+            conn.execute(sql.NOTIFY_QUEUES, {"queues": queues})
+        except BaseException:
+            self.state.outbox.put_back(queues)
+            raise
+        self._sent_at = time.monotonic()
 
     def on_notify(self, channel: str, payload: str) -> None:
         if channel == sql.NOTIFY_CHANNEL:

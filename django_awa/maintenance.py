@@ -21,7 +21,7 @@ from typing import Any
 from django.db import DatabaseError, connections, transaction
 from django.db.models.functions import Now
 
-from . import dashboard, db, fleet, sequences, sql
+from . import dashboard, db, fleet, sequences, sql, wakeups
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import AwaSettings, awa_settings
@@ -78,10 +78,12 @@ class Maintenance:
         conf: AwaSettings | None = None,
         *,
         holder: str | None = None,
+        outbox: wakeups.Outbox | None = None,
     ) -> None:
         self.conf = conf or awa_settings()
         self.alias = alias or self.conf.database
         self.holder = holder
+        self.outbox = outbox  # a worker's: its wake-ups after the commit
         self.term: int | None = None  # the lease's term while this worker leads
         self._seeded = False
         self._last_full = 0.0
@@ -156,15 +158,17 @@ class Maintenance:
         """A transaction for a duty's writes, fenced by the lease while this worker leads.
 
         Raises ``LeadershipLost`` (writing nothing) when another worker holds
-        the lease now.
+        the lease now. The queues a duty makes jobs available in are woken after
+        the commit (``wakeups.after_commit``, through ``outbox`` when set).
         """
+        deferred = wakeups.after_commit(self.alias, self.outbox)
         if self.holder is None:  # not competing: run unfenced
-            with transaction.atomic(using=self.alias):
+            with deferred, transaction.atomic(using=self.alias):
                 yield
             return
         if self.term is None:
             raise LeadershipLost("this worker does not hold the maintenance lease")
-        with transaction.atomic(using=self.alias):
+        with deferred, transaction.atomic(using=self.alias):
             with connections[self.alias].cursor() as cursor:
                 cursor.execute(sql.RENEW_LEASE, self._lease_params())
                 if cursor.fetchone() is None:
@@ -267,14 +271,13 @@ class Maintenance:
         return now
 
     def promote(self) -> set[str]:
-        """Make due scheduled and retryable jobs available; NOTIFY their queues."""
+        """Make due scheduled and retryable jobs available; wake their queues."""
         queues: set[str] = set()
         while True:
             with self._transaction(), connections[self.alias].cursor() as cursor:
                 cursor.execute(sql.PROMOTE_DUE, {"limit": BATCH})
                 promoted = [row[0] for row in cursor.fetchall()]
-                if promoted:
-                    cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(set(promoted))})
+                wakeups.announce(self.alias, promoted, cursor)
             queues.update(promoted)
             if len(promoted) < BATCH:
                 return queues
@@ -573,7 +576,9 @@ class MaintenanceService:
 
     def __init__(self, state: WorkerState) -> None:
         self.state = state
-        self.maintenance = Maintenance(state.alias, state.conf, holder=state.name)
+        self.maintenance = Maintenance(
+            state.alias, state.conf, holder=state.name, outbox=state.outbox
+        )
         self.is_leader = False
         self._warned = False
         self.reconnect = db.Reconnect("maintenance", state.alias, state.halt)

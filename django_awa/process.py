@@ -30,7 +30,7 @@ from types import FrameType
 
 from django.db import connections
 
-from . import db, fleet
+from . import db, fleet, wakeups
 from .completer import Completer
 from .conf import AwaSettings
 from .execute import Attempt, AttemptResult, errored, unstarted
@@ -263,7 +263,8 @@ class Worker:
         for attempt, result in zip(attempts, results, strict=True):
             result.started = attempt.started
         try:
-            written = finalize(results, self.state.alias)
+            with wakeups.after_commit(self.state.alias):  # the listener may be gone
+                written = finalize(results, self.state.alias)
             self.state.tally.record(written)  # flushed at the end of the drain
             logger.warning(
                 "gave back %s %s job(s) at shutdown: %s",

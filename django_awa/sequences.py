@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import db, sql
+from . import db, sql, wakeups
 from .conf import awa_settings
 from .execute import AttemptResult
 from .kinds import registry
@@ -126,7 +126,7 @@ def claim_params() -> dict[str, Any]:
 def after_finishing(rows: Iterable[Job], alias: str) -> None:
     """``hand_off`` for callers that finish jobs themselves (``awa.cancel``, a
     callback's resolution), inside their transaction; the queues of the members
-    restored are NOTIFYed at its commit."""
+    restored are woken at its commit (``wakeups.announce``)."""
     keys = sorted(
         {
             key: row.queue
@@ -137,21 +137,19 @@ def after_finishing(rows: Iterable[Job], alias: str) -> None:
         }.items()
     )
     queues, _ = hand_off(keys, alias)
-    if queues:
-        with db.cursor(alias) as cursor:
-            cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(set(queues))})
+    wakeups.announce(alias, queues)
 
 
 def restore_parked(alias: str) -> set[str]:
-    """Restore every parked member that is now first of its key; NOTIFY their queues.
+    """Restore every parked member that is now first of its key; wake their queues.
 
     Maintenance's safety net for members finished outside ``finalize``. Run it
-    inside a transaction: the NOTIFY is delivered at its commit.
+    inside a transaction: the wake-up (``wakeups.announce``) comes at its commit.
     """
     with db.cursor(alias) as cursor:
         cursor.execute(sql.RESTORE_PARKED)
         queues = {row[0] for row in cursor.fetchall()}
         if queues:
             logger.info("restored parked sequence members on queue(s) %s", sorted(queues))
-            cursor.execute(sql.NOTIFY_QUEUES, {"queues": sorted(queues)})
+            wakeups.announce(alias, queues, cursor)
     return queues

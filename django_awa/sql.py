@@ -102,8 +102,11 @@ _INSERT_COLUMNS = (
 # It returns only what the server decides (INSERTED_COLUMNS): the caller
 # knows the rest, and sending back and parsing the whole row would be a good
 # part of an enqueue's cost.
+# -- INSERT_ONE_QUIET, INSERT_ONE_UNIQUE_QUIET --
+# The same without the NOTIFY (its column is NULL), for the engine's own
+# transactions, which wake the queue after their commit (wakeups.py).
 INSERTED_COLUMNS = ("id", "state", "run_at", "created_at")
-INSERT_ONE = f"""
+_INSERT_ONE = f"""
 INSERT INTO awa_job ({_INSERT_COLUMNS})
 VALUES (%(kind)s, %(queue)s, %(args)s::jsonb,
         CASE WHEN %(run_at)s::timestamptz > now() THEN 'scheduled' ELSE 'available' END,
@@ -111,13 +114,16 @@ VALUES (%(kind)s, %(queue)s, %(args)s::jsonb,
         %(tags)s::jsonb, %(metadata)s::jsonb, %(unique_key)s, %(unique_states)s::jsonb)
 {{on_conflict}}
 RETURNING {", ".join(INSERTED_COLUMNS)},
-          CASE WHEN state = 'available' THEN pg_notify('{NOTIFY_CHANNEL}', queue) END
+          {{notify}}
 """
+_NOTIFY_AVAILABLE = f"CASE WHEN state = 'available' THEN pg_notify('{NOTIFY_CHANNEL}', queue) END"
 UNIQUE_CONFLICT_CLAUSE = (
     "ON CONFLICT (unique_key) WHERE unique_key IS NOT NULL AND unique_states ? state DO NOTHING"
 )
-INSERT_ONE_UNIQUE = INSERT_ONE.format(on_conflict=UNIQUE_CONFLICT_CLAUSE)
-INSERT_ONE = INSERT_ONE.format(on_conflict="")
+INSERT_ONE_UNIQUE = _INSERT_ONE.format(on_conflict=UNIQUE_CONFLICT_CLAUSE, notify=_NOTIFY_AVAILABLE)
+INSERT_ONE = _INSERT_ONE.format(on_conflict="", notify=_NOTIFY_AVAILABLE)
+INSERT_ONE_UNIQUE_QUIET = _INSERT_ONE.format(on_conflict=UNIQUE_CONFLICT_CLAUSE, notify="NULL")
+INSERT_ONE_QUIET = _INSERT_ONE.format(on_conflict="", notify="NULL")
 
 # -- FIND_UNIQUE_HOLDER --
 # After a unique conflict: which job holds the key (for the error message).
@@ -172,6 +178,22 @@ COPY_AVAILABLE_UNNUMBERED = f"COPY awa_job ({_COPY_COLUMNS}) FROM STDIN"
 # Wake workers of these queues at commit. Postgres folds identical
 # notifications within one transaction into one.
 NOTIFY_QUEUES = f"SELECT pg_notify('{NOTIFY_CHANNEL}', q) FROM unnest(%(queues)s::text[]) AS q"
+
+# -- NOTIFY_QUEUES_AFTER --
+# Wake workers of these queues after the engine's own transaction committed
+# (wakeups.notify_now): run as a transaction of its own, which commits without
+# waiting for its WAL flush (set_config(..., true): for this transaction only).
+# A NOTIFY's commit holds PostgreSQL's notification lock through its flush;
+# this one's holds it for no flush. Losing it in a crash loses only a hint.
+NOTIFY_QUEUES_AFTER = f"""
+SELECT set_config('synchronous_commit', 'off', true), pg_notify('{NOTIFY_CHANNEL}', q)
+FROM unnest(%(queues)s::text[]) AS q
+"""
+
+# -- NOTIFIER_SESSION --
+# The listener's connection also sends the worker's wake-ups (wakeups.Outbox):
+# each NOTIFY its own transaction, none waiting for its WAL flush.
+NOTIFIER_SESSION = "SET synchronous_commit = off"
 
 # ==== Flow control (producer.py, SPEC 12) ====
 
@@ -492,17 +514,17 @@ def _first_unfinished(key: str, column: str = "id", besides: str = "") -> str:
         ORDER BY s.id LIMIT 1) AS h"""
 
 
-# -- NOTIFY_FREED --
+# -- FREED_QUEUES --
 # After attempts of limited queues or sequences finished (a commit of their
-# outcome): wake the claimers waiting on those queues, and on the queue of each
-# sequence's next member (its first unfinished one, by awa_job_sequence_idx).
-# Returns the queues woken, so the worker wakes its own producers at once; a
-# next member on one of this worker's own queues (%(local)s) is left to it,
-# without a NOTIFY that would send every other worker to claim it too. A
-# limited queue's freed capacity is announced to all: this worker may be full.
-NOTIFY_FREED = f"""
-SELECT x.q, CASE WHEN x.q <> ALL(%(local)s::text[]) OR x.limited
-                 THEN pg_notify('{NOTIFY_CHANNEL}', x.q) END
+# outcome): the queues whose claimers to wake: those queues, and the queue of
+# each sequence's next member (its first unfinished one, by
+# awa_job_sequence_idx). The second column says whether other workers are told
+# too (completer.notify_freed posts them to the outbox): a next member on one
+# of this worker's own queues (%(local)s) is left to it, without a NOTIFY that
+# would send every other worker to claim it too. A limited queue's freed
+# capacity is announced to all: this worker may be full. Reads only.
+FREED_QUEUES = f"""
+SELECT x.q, x.q <> ALL(%(local)s::text[]) OR x.limited
 FROM (
     SELECT q, bool_or(limited) AS limited FROM (
         SELECT unnest(%(queues)s::text[]) AS q, true AS limited
@@ -1515,6 +1537,18 @@ WHERE id = %(id)s
 """
 
 
+# -- RECORD_RECEIPT --
+# The callback receiver keeps the signature of a request it accepts, in the
+# transaction that acts on it: a row back means it is new, none a replay (the
+# primary key; a concurrent twin waits for the first to commit or roll back).
+# One statement where get_or_create took a SELECT, a savepoint, an INSERT and
+# a release.
+RECORD_RECEIPT = """
+INSERT INTO awa_callback_receipt (signature, received_at) VALUES (%(signature)s, now())
+ON CONFLICT (signature) DO NOTHING
+RETURNING true
+"""
+
 # -- PRUNE_RECEIPTS --
 # Forget receipts whose request would be refused as stale anyway.
 # Index: awa_receipt_received_idx (received_at).
@@ -1621,6 +1655,8 @@ PREPARED = frozenset(
     {
         INSERT_ONE,
         INSERT_ONE_UNIQUE,
+        INSERT_ONE_QUIET,
+        INSERT_ONE_UNIQUE_QUIET,
         RESERVE_IDS,
         INSERT_MANY,
         NOTIFY_QUEUES,

@@ -28,6 +28,7 @@ from .conf import AwaSettings, awa_settings
 from .dashboard import Tally
 from .db import ConnectionNeed, connection_need
 from .logs import log_context, set_worker
+from .wakeups import Outbox
 
 __all__ = ["DB_ERRORS", "QueueRunner", "WorkerState", "log_context", "reset_connection"]
 
@@ -257,6 +258,11 @@ class WorkerState:
     # Results waiting for the completer: past this, producers stop claiming,
     # so claimed-but-unrecorded jobs stay bounded when the database is slow.
     backlog_limit: int = 1000
+    # This worker's wake-ups after its own commits (wakeups.py), sent by the listener.
+    outbox: Outbox = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outbox = Outbox(self.alias, self.wake)
 
     @classmethod
     def create(

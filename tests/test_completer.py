@@ -156,7 +156,7 @@ def test_a_later_result_of_an_attempt_whose_first_waits_for_its_row_is_not_writt
     assert row.state == JobState.RETRYABLE and row.errors[-1]["error"].startswith("timed out")
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # woken by the commit, which TestCase never makes
 def test_a_batch_that_promotes_dependents_wakes_their_queue_in_this_worker_as_it_commits():
     import django_awa as awa
     from tests.testapp.jobs import Echo
@@ -177,3 +177,47 @@ def test_a_batch_that_promotes_dependents_wakes_their_queue_in_this_worker_as_it
     # The queue the dependent went to is woken now, not when its NOTIFY comes back.
     assert state.queues["other"].wake.is_set()
     assert not state.queues["echo"].wake.is_set()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batchs_follow_ups_are_announced_after_its_commit_from_the_listeners_connection():
+    import django_awa as awa
+    from django_awa.listener import Listener
+    from tests.testapp.jobs import Act
+
+    awa.enqueue(Act(action="ok"))  # completed, it enqueues two Echo jobs on queue "echo"
+    state = WorkerState.create({"default": 1, "echo": 1})
+    listener = Listener(state)
+    listener.run_once(0)  # connects: from now on the listener sends the outbox
+    Producer(state, state.queues["default"]).run_once()
+    pool = HandlerPool(state)
+    while pool.run_once(state.queues["default"], timeout=0):
+        pass
+    for runner in state.queues.values():
+        runner.wake.clear()
+    try:
+        with psycopg.connect(**listen_params("default"), autocommit=True) as other:
+            other.execute("LISTEN awa_job")
+
+            assert Completer(state).run_once() == []
+
+            assert Job.objects.filter(kind="echo", state=JobState.AVAILABLE).count() == 2
+            # This worker's producer of the follow-ups' queue is woken as the batch commits,
+            assert state.queues["echo"].wake.is_set()
+            assert not state.queues["default"].wake.is_set()
+            # but the batch's transaction NOTIFYed nothing (its commit did not wait for
+            # PostgreSQL's notification lock): the other workers hear from the listener.
+            assert list(other.notifies(timeout=0.3, stop_after=1)) == []
+            assert listener.conn is not None
+            sender = listener.conn.info.backend_pid
+            state.queues["echo"].wake.clear()
+
+            assert listener.run_once(0) == 0  # sends what the outbox holds
+
+            heard = list(other.notifies(timeout=5, stop_after=1))
+            assert [(n.channel, n.payload, n.pid) for n in heard] == [("awa_job", "echo", sender)]
+            # Its own NOTIFY, coming back to the listener, neither counts nor wakes again.
+            assert listener.run_once(0.3) == 0
+            assert not state.queues["echo"].wake.is_set()
+    finally:
+        listener.close()

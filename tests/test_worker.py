@@ -578,3 +578,28 @@ def test_a_cancelled_handler_that_will_not_stop_gives_up_its_thread_then_exits(s
     wait_for_state(awa.enqueue(Act(action="ok")).id, JobState.COMPLETED)
     assert worker.stop() == 0
     assert "gave back" not in worker.output()
+
+
+def test_a_follow_up_on_another_workers_queue_is_picked_up_without_waiting_for_the_poll(
+    start_worker,
+):
+    # Polling every 30 s, and the follow-ups' queue served by the other worker only:
+    # just the first worker's wake-up after its outcome's commit (a NOTIFY from its
+    # listener) gets them claimed within seconds. Each worker's producer claims as
+    # it starts and its listener wakes every queue as it connects, so the job is
+    # enqueued once a first job went through each.
+    env = {"AWA_TEST_POLL_INTERVAL": "30"}
+    first = start_worker("--queue", "default", env=env)
+    other = start_worker("--queue", "echo", env=env)
+    for worker in (first, other):
+        wait_for(lambda w=worker: "listening for new jobs" in w.output(), message=worker.output)
+    wait_for_state(awa.enqueue(Act(action="ok", tag="none")).id, JobState.COMPLETED, timeout=10)
+    wait_for_state(awa.enqueue(Echo(n=0)).id, JobState.COMPLETED, timeout=10)
+    job = awa.enqueue(Act(action="ok"))
+    wait_for_state(job.id, JobState.COMPLETED, timeout=10)
+    echoes = Job.objects.filter(kind="echo", args__n=job.id, state=JobState.COMPLETED)
+    wait_for(
+        lambda: echoes.count() == 2,
+        timeout=10,
+        message=lambda: f"{first.output()}\n{other.output()}",
+    )

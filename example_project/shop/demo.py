@@ -379,7 +379,11 @@ class HttpCarrier(Carrier):
     """Posts a signed ``complete`` to the callback receiver served on ``base_url``."""
 
     mode = "http"
-    COURIERS = 8
+    # As many as the callback receiver's threads (CallbackServer's pool): each
+    # request waits on several database round trips, and on a machine whose
+    # cores are all busy each of those waits for a core, so 8 of each answered
+    # 70 to 80 callbacks a second of the steady preset's 93.
+    COURIERS = 12
 
     def __init__(self, delay: float, alias: str, err: TextIO, base_url: str, secret: str) -> None:
         super().__init__(delay, alias, err)
@@ -438,10 +442,12 @@ class Vacuum(Service):
     Does nothing where autovacuum is on.
     """
 
-    def __init__(self, alias: str, err: TextIO, every: float = 10.0) -> None:
+    def __init__(self, alias: str, err: TextIO, every: float = 10.0, first: float = 1.0) -> None:
         super().__init__("demo-vacuum", err)
         self.alias = alias
         self.every = every
+        # The first pass comes sooner: its statistics are the first that see jobs running.
+        self.first = first
         self.statement: str | None = None
         self.runs = 0
 
@@ -464,12 +470,19 @@ class Vacuum(Service):
             # every run adds thousands of rows to, up to date.
             cursor.execute("ANALYZE awa_job_done")
         # While the workers run, TRUNCATE false: no exclusive lock to give
-        # empty pages back, which would stall the claims.
-        # Every 2 s with ANALYZE, it kept a backend busy two thirds of the time.
-        self.statement = f"VACUUM (TRUNCATE false) {table}"
+        # empty pages back, which would stall the claims. ANALYZE too, as
+        # autovacuum would (migration 0001 asks it at 2% of the rows changed):
+        # statistics taken at the start, with no job running, made the planner
+        # find the attempts of a batch's outcomes and of a heartbeat through
+        # every running row for each of them (awa_job_deadline_idx, a nested
+        # loop), which at the busy preset's thousands of running rows took
+        # 0.75 s a statement. Every 2 s it kept a backend busy two thirds of
+        # the time; every 10 s it costs about 0.4 s.
+        self.statement = f"VACUUM (TRUNCATE false, ANALYZE) {table}"
 
     def step(self) -> None:
-        if self.statement is None or self.stopping.wait(self.every):
+        wait = self.every if self.runs else self.first
+        if self.statement is None or self.stopping.wait(wait):
             self.stopping.set()
             return
         with connections[self.alias].cursor() as cursor:
@@ -511,7 +524,7 @@ class CallbackServer:
             connection (CONN_MAX_AGE), not a new thread and connection each:
             at a hundred callbacks a second, connecting cost more than the rest."""
 
-            pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="demo-http")
+            pool = concurrent.futures.ThreadPoolExecutor(12, thread_name_prefix="demo-http")
 
             def process_request(self, request: Any, client_address: Any) -> None:
                 self.pool.submit(self.process_request_thread, request, client_address)
