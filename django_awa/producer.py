@@ -48,6 +48,11 @@ GATHER_SECONDS = 0.005
 # batch, at least 100, at most this); a saturated key's rows are passed over
 # before they count, so this bounds the work, not who gets a turn.
 LIMITED_SCAN = 2000
+# How many candidates a keyed claim (sql.CLAIM_KEYED) reads and locks, per job it
+# asks for, and at least: room for a few of one key beyond its limit, not so
+# many that the rows it locks and leaves are what the other claimers wanted.
+KEYED_SCAN = 2
+KEYED_SCAN_MIN = 16
 # The most candidates a claim of a queue with sequence members reads (the free
 # ones claimed, the others parked): the first claim of a long sequence parks
 # this many of its waiting members, the next ones the rest.
@@ -214,18 +219,20 @@ def claim_limited(
         return _run_claim(sql.CLAIM_LIMITED, limits.params(limit, scan, leased=leased), alias)
 
 
-def claim_keyed(limits: QueueLimits, limit: int, alias: str) -> list[Job]:
+def claim_keyed(
+    limits: QueueLimits, limit: int, alias: str, *, scan: int | None = None
+) -> list[Job]:
     """Claim up to ``limit`` jobs of a queue whose only kind limits are concurrency
     limits: one statement (autocommit), each attempt of a limited kind taking a
     lease of its key (``sql.CLAIM_KEYED``); no lock, so claims of different keys
     run side by side. A job whose key is full stays available, its attempt unused.
+
+    ``scan``: how many candidates it reads and locks (default ``KEYED_SCAN``
+    times ``limit``, at least ``KEYED_SCAN_MIN``); other claimers skip those.
     """
-    params = {
-        "queue": limits.queue,
-        "kinds": limits.kinds,
-        "limit": limit,
-        "scan": min(LIMITED_SCAN, max(100, 4 * limit)),
-    }
+    if scan is None:
+        scan = min(LIMITED_SCAN, max(KEYED_SCAN_MIN, KEYED_SCAN * limit))
+    params = {"queue": limits.queue, "kinds": limits.kinds, "limit": limit, "scan": scan}
     return _run_claim(sql.CLAIM_KEYED, params, alias)
 
 
