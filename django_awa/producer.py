@@ -9,15 +9,16 @@ handler threads (``handlers.py``) take them.
 
 A queue under limits (SPEC 12, set in ``AWA["QUEUES"]`` or at runtime) claims
 without prefetch (a job claimed ahead would hold a fleet-wide place while it
-waits). Its ``global_concurrency`` is kept by slot leases (``slots.py``): the
-producer claims at most as many jobs as its process holds slots free, with the
-plain ``sql.CLAIM``. Kinds whose ``awa.Limit`` is a concurrency limit only (per
-key with ``by``) are kept by per-key leases taken in the claim statement
-itself (``sql.CLAIM_KEYED``, no lock). A ``rate_limit``, or kinds with an
-``awa.Limit(rate=...)``, claim with ``sql.CLAIM_LIMITED`` after
-``sql.LOCK_LIMITS``; every other queue keeps ``sql.CLAIM``. Which one applies
-is read again once per poll interval, so limits set at runtime reach every
-worker within one.
+waits), but for per-key leases: a job claimed ahead holds its own key's place,
+which only its own handler would use. Its ``global_concurrency`` is kept by
+slot leases (``slots.py``): the producer claims at most as many jobs as its
+process holds slots free, with the plain ``sql.CLAIM``. Kinds whose
+``awa.Limit`` is a concurrency limit only (per key with ``by``) are kept by
+per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, no
+lock). A ``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with
+``sql.CLAIM_LIMITED`` after ``sql.LOCK_LIMITS``; every other queue keeps
+``sql.CLAIM``. Which one applies is read again once per poll interval, so
+limits set at runtime reach every worker within one.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ GATHER_SECONDS = 0.005
 # batch, at least 100, at most this); a saturated key's rows are passed over
 # before they count, so this bounds the work, not who gets a turn.
 LIMITED_SCAN = 2000
-# How many candidates a keyed claim (sql.CLAIM_KEYED) reads and locks, per job it
-# asks for, and at least: room for a few of one key beyond its limit, not so
-# many that the rows it locks and leaves are what the other claimers wanted.
-KEYED_SCAN = 2
-KEYED_SCAN_MIN = 16
+# How many candidates a keyed claim (sql.CLAIM_KEYED) reads and locks beyond the
+# jobs it asks for: room for a few of a key beyond its limit, not so many that
+# the rows it locks and leaves are what the other claimers wanted (twice the
+# batch measured no better in flow_control.py's keyed drain).
+KEYED_SCAN_EXTRA = 16
 # The most candidates a claim of a queue with sequence members reads (the free
 # ones claimed, the others parked): the first claim of a long sequence parks
 # this many of its waiting members, the next ones the rest.
@@ -227,11 +228,11 @@ def claim_keyed(
     lease of its key (``sql.CLAIM_KEYED``); no lock, so claims of different keys
     run side by side. A job whose key is full stays available, its attempt unused.
 
-    ``scan``: how many candidates it reads and locks (default ``KEYED_SCAN``
-    times ``limit``, at least ``KEYED_SCAN_MIN``); other claimers skip those.
+    ``scan``: how many candidates it reads and locks (default ``limit`` and
+    ``KEYED_SCAN_EXTRA``); other claimers skip those meanwhile.
     """
     if scan is None:
-        scan = min(LIMITED_SCAN, max(KEYED_SCAN_MIN, KEYED_SCAN * limit))
+        scan = min(LIMITED_SCAN, limit + KEYED_SCAN_EXTRA)
     params = {"queue": limits.queue, "kinds": limits.kinds, "limit": limit, "scan": scan}
     return _run_claim(sql.CLAIM_KEYED, params, alias)
 
@@ -418,8 +419,11 @@ class Producer:
             with self._turn():
                 if self.slot_room(self.current_limits()) is not None and self.slots is not None:
                     cap = self.slots.usable
-        # No prefetch while limited: a job claimed ahead would hold a fleet-wide slot.
-        want = self.reserve(self.busy, prefetch=not (self.limits and self.limits.limited), cap=cap)
+        # No prefetch while limited (a job claimed ahead would hold a fleet-wide slot),
+        # but under per-key leases: a key claimed ahead holds its own place only.
+        known = self.limits
+        prefetch = known is None or not known.limited or known.keyed
+        want = self.reserve(self.busy, prefetch=prefetch, cap=cap)
         if not want:
             return None
         runner.wake.clear()
