@@ -27,7 +27,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
-from django_awa import conf, producer
+from django_awa import conf, producer, sql
 from django_awa.completer import reserve_hand_on, start_handed_on
 from django_awa.execute import (
     Attempt,
@@ -345,8 +345,11 @@ def test_concurrency_two_per_key_uses_slots_one_and_two_and_a_lowered_limit_hold
     assert [slot for _, key, slot, _, _ in _leases() if key == '["a"]'] == [1, 2]
 
 
-def _stale_heartbeat(job_id: int) -> None:
+def _rescue(job_id: int) -> None:
     Job.objects.filter(id=job_id).update(heartbeat_at=timezone.now() - dt.timedelta(hours=1))
+    with connection.cursor() as cursor:
+        cursor.execute(sql.RESCUE, {"stale_after": 60, "limit": 100})
+        assert [row[1] for row in cursor.fetchall()] == [job_id]
 
 
 # Every way an attempt leaves running, and the state it leaves the job in.
@@ -366,10 +369,8 @@ OUTCOMES: dict[str, tuple[Callable[[Job], None], str]] = {
     ),
     "give_back": (lambda job: finalize([unstarted(job)], "default"), JobState.AVAILABLE),
     "cancel": (lambda job: awa.cancel(job.id), JobState.CANCELLED),
-    "rescue": (
-        lambda job: (_stale_heartbeat(job.id), Maintenance().rescue()) and None,
-        JobState.RETRYABLE,
-    ),
+    # RESCUE itself (Maintenance.rescue then also sweeps stale leases).
+    "rescue": (lambda job: _rescue(job.id), JobState.RETRYABLE),
 }
 
 
