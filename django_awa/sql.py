@@ -614,7 +614,7 @@ WITH picked AS (
 # for the first and find the slot held, so a key never runs more than c at
 # once, while claims of different keys never wait on each other. The lease
 # names its attempt (job_id, run_lease) and goes in the transaction that takes
-# the attempt out of running (the FINALIZE and COMPLETE forms releasing(),
+# the attempt out of running (the RELEASING forms of FINALIZE and COMPLETE,
 # RESCUE, CANCEL_JOBS). A lease whose attempt is no longer running (its job
 # left running by another write, or deleted) is stale: a claim takes its slot
 # over, and maintenance sweeps it (FREE_STALE_LEASES).
