@@ -53,7 +53,7 @@ from .followups import (
     followup_registry,
     send_signal,
 )
-from .kinds import JobArgs, WorkerSpec
+from .kinds import JobArgs, WorkerSpec, registry
 from .logs import log_context
 from .models import Job, JobState, jobs_from_rows
 from .pending import keep_pending
@@ -128,6 +128,8 @@ def _write(
         else:
             statement = sql.FINALIZE_STANDALONE if standalone else sql.FINALIZE
         params = db.as_columns([result.params() for result in results])
+    if _holds_leases(results):
+        statement = sql.RELEASING[statement]
     with db.cursor(alias) as cursor:
         cursor.execute(statement, params)
         returned = cursor.fetchall()
@@ -142,6 +144,13 @@ def _write(
         for result, row in zip(applied, returned, strict=True):
             result.has_dependents = row[1]
     return applied
+
+
+def _holds_leases(results: Iterable[AttemptResult]) -> bool:
+    """Whether any of ``results`` is of a kind whose attempts hold a per-key lease
+    (``awa.Limit(concurrency=...)``): its outcome must release it."""
+    leased = registry.leased_kinds()
+    return bool(leased) and any(r.job.kind in leased for r in results)
 
 
 def _mark_locked(
@@ -407,7 +416,11 @@ def finalize(
     rows = _wants_rows(plain)
     dependents = any(r.job.has_dependents for r in plain)
     handing_on = bool(finished_keys(plain))
-    if handing_on and not (special or rows or dependents) and _completions(plain):
+    if (
+        handing_on
+        and not (special or rows or dependents or _holds_leases(plain))
+        and _completions(plain)
+    ):
         # Completions that hand sequences on: one statement writes them, hands
         # on and claims the next members (_complete_handing_on).
         applied, claimed = _complete_handing_on(plain, alias, hand_on)

@@ -195,6 +195,7 @@ class Registry:
         self.resolvers: dict[str, Callable[[str], WorkerSpec | None]] = {}
         self._deadlines_json: str | None = None
         self._limits_json: dict[str, str] = {}
+        self._leased_kinds: frozenset[str] | None = None
 
     def handler_for(self, kind: str) -> WorkerSpec | None:
         spec = self.workers.get(kind)
@@ -244,10 +245,22 @@ class Registry:
             cached = self._limits_json[queue] = json.dumps(limits, sort_keys=True)
         return cached
 
+    def leased_kinds(self) -> frozenset[str]:
+        """The kinds whose attempts may hold a per-key lease (an ``awa.Limit`` with
+        ``concurrency``): their outcomes are written releasing it (``sql.RELEASING``)."""
+        if self._leased_kinds is None:
+            self._leased_kinds = frozenset(
+                kind
+                for kind, spec in self.workers.items()
+                if spec.limit is not None and spec.limit.concurrency is not None
+            )
+        return self._leased_kinds
+
     def register(self, spec: WorkerSpec) -> None:
         self.workers[spec.kind] = spec
         self._deadlines_json = None
         self._limits_json = {}
+        self._leased_kinds = None
 
 
 _NO_DEFAULTS = KindDefaults()

@@ -365,6 +365,12 @@ class Maintenance:
             )
         for pending_id in pending_ids:
             self.replay_one(pending_id)
+        # Per-key leases no running attempt holds (sql.FREE_STALE_LEASES): a
+        # claim would take their slots over anyway; this keeps the table small.
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.FREE_STALE_LEASES, {"limit": BATCH})
+            if cursor.rowcount:
+                logger.debug("freed %s stale limit lease(s)", cursor.rowcount)
         return queues
 
     def replay_pending(self, now: datetime | None = None) -> int:

@@ -443,6 +443,37 @@ class QueueSlot(models.Model):
         return f"{self.queue} #{self.slot} ({self.worker_id})"
 
 
+class LimitLease(models.Model):
+    """A place of one ``awa.Limit(concurrency=...)`` key held by a running attempt (SPEC 12).
+
+    Slot numbers run from 1 to the kind's concurrency; the unique ``(kind, key,
+    slot)`` is what keeps a key to that many runs at once when claimers of
+    different workers claim at the same instant (``sql.CLAIM_KEYED``). The row
+    names the attempt holding it (``job_id``, ``run_lease``); it is deleted in
+    the transaction that takes the attempt out of ``running``, and a lease whose
+    attempt is no longer running (a write that left it, a job deleted) is stale:
+    the next claim of its slot takes it over.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    kind = models.CharField(max_length=255)
+    key = models.TextField()  # the Limit(by=) values as JSON text, '' without by
+    slot = models.IntegerField()
+    job_id = models.BigIntegerField()
+    run_lease = models.BigIntegerField()
+    taken_at = models.DateTimeField(default=timezone.now, db_default=Now())
+
+    class Meta:
+        db_table = "awa_limit_lease"
+        constraints = [
+            models.UniqueConstraint(fields=["kind", "key", "slot"], name="awa_limit_lease_unique")
+        ]
+        indexes = [models.Index(fields=["job_id"], name="awa_limit_lease_job_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.key} #{self.slot} (job {self.job_id})"
+
+
 class PendingFollowup(models.Model):
     """A committed outcome whose follow-ups are not inserted yet.
 

@@ -9,10 +9,14 @@ handler threads (``handlers.py``) take them.
 
 A queue under limits (SPEC 12, set in ``AWA["QUEUES"]`` or at runtime) claims
 without prefetch (a job claimed ahead would hold a fleet-wide place while it
-waits). Its ``global_concurrency`` is kept by slot leases (``slots.py``): the
-producer claims at most as many jobs as its process holds slots free, with the
-plain ``sql.CLAIM``. A ``rate_limit``, or kinds with an ``awa.Limit``, claim
-with ``sql.CLAIM_LIMITED`` after ``sql.LOCK_LIMITS``; every other queue keeps
+waits), but for per-key leases: a job claimed ahead holds its own key's place,
+which only its own handler would use. Its ``global_concurrency`` is kept by
+slot leases (``slots.py``): the producer claims at most as many jobs as its
+process holds slots free, with the plain ``sql.CLAIM``. Kinds whose
+``awa.Limit`` is a concurrency limit only (per key with ``by``) are kept by
+per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, no
+lock). A ``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with
+``sql.CLAIM_LIMITED`` after ``sql.LOCK_LIMITS``; every other queue keeps
 ``sql.CLAIM``. Which one applies is read again once per poll interval, so
 limits set at runtime reach every worker within one.
 """
@@ -45,6 +49,11 @@ GATHER_SECONDS = 0.005
 # batch, at least 100, at most this); a saturated key's rows are passed over
 # before they count, so this bounds the work, not who gets a turn.
 LIMITED_SCAN = 2000
+# How many candidates a keyed claim (sql.CLAIM_KEYED) reads and locks beyond the
+# jobs it asks for: room for a few of a key beyond its limit, not so many that
+# the rows it locks and leaves are what the other claimers wanted (twice the
+# batch measured no better in flow_control.py's keyed drain).
+KEYED_SCAN_EXTRA = 16
 # The most candidates a claim of a queue with sequence members reads (the free
 # ones claimed, the others parked): the first claim of a long sequence parks
 # this many of its waiting members, the next ones the rest.
@@ -66,6 +75,7 @@ class QueueLimits:
     rate_limit: Rate | None
     kinds: str  # registry.limits_json(queue)
     sequenced: bool = False  # a kind on the queue declares sequence=
+    concurrency_only: bool = False  # every kind limit on the queue is a concurrency limit
 
     @property
     def limited(self) -> bool:
@@ -79,10 +89,16 @@ class QueueLimits:
         return self.global_concurrency is not None
 
     @property
+    def keyed(self) -> bool:
+        """Its only limits but a ``global_concurrency`` are its kinds' concurrency limits:
+        kept by per-key leases in the claim itself (``sql.CLAIM_KEYED``), no lock."""
+        return self.rate_limit is None and self.kinds != "{}" and self.concurrency_only
+
+    @property
     def locked(self) -> bool:
-        """It claims with ``sql.CLAIM_LIMITED`` under the queue's lock (a rate, kind limits),
-        which logs each start in ``awa_attempt_start``."""
-        return self.rate_limit is not None or self.kinds != "{}"
+        """It claims with ``sql.CLAIM_LIMITED`` under the queue's lock (a rate, kind rate
+        limits), which logs each start in ``awa_attempt_start``."""
+        return self.rate_limit is not None or (self.kinds != "{}" and not self.keyed)
 
     @property
     def rate_wait(self) -> float | None:
@@ -137,11 +153,13 @@ def queue_limits(queue: str, alias: str, conf: AwaSettings | None = None) -> Que
             if text is None
             else Rate(count=runtime["rate_count"], period=runtime["rate_period"], text=text)
         )
+    kinds = registry.limits_json(queue)
     return QueueLimits(
         queue=queue,
         global_concurrency=concurrency,
         rate_limit=rate,
-        kinds=registry.limits_json(queue),
+        kinds=kinds,
+        concurrency_only=all("rn" not in entry for entry in json.loads(kinds).values()),
         sequenced=any(spec.sequence and spec.queue == queue for spec in registry.workers.values()),
     )
 
@@ -200,6 +218,23 @@ def claim_limited(
         if not (locked and locked[0]):
             return None
         return _run_claim(sql.CLAIM_LIMITED, limits.params(limit, scan, leased=leased), alias)
+
+
+def claim_keyed(
+    limits: QueueLimits, limit: int, alias: str, *, scan: int | None = None
+) -> list[Job]:
+    """Claim up to ``limit`` jobs of a queue whose only kind limits are concurrency
+    limits: one statement (autocommit), each attempt of a limited kind taking a
+    lease of its key (``sql.CLAIM_KEYED``); no lock, so claims of different keys
+    run side by side. A job whose key is full stays available, its attempt unused.
+
+    ``scan``: how many candidates it reads and locks (default ``limit`` and
+    ``KEYED_SCAN_EXTRA``); other claimers skip those meanwhile.
+    """
+    if scan is None:
+        scan = min(LIMITED_SCAN, limit + KEYED_SCAN_EXTRA)
+    params = {"queue": limits.queue, "kinds": limits.kinds, "limit": limit, "scan": scan}
+    return _run_claim(sql.CLAIM_KEYED, params, alias)
 
 
 def held_back(limits: QueueLimits, alias: str) -> int:
@@ -343,10 +378,11 @@ class Producer:
             self.limits = queue_limits(self.runner.name, self.state.alias, self.state.conf)
             self.limits_read = now
             # Any limit keeps the completer from handing a sequence on into this
-            # queue; only a queue claimed under its lock has the fleet's claimers
-            # woken when room frees (slot leases need no wake-up from elsewhere).
+            # queue; only a queue claimed under its lock or with key leases has the
+            # fleet's claimers woken when room frees (slot leases need no wake-up
+            # from elsewhere).
             self.runner.limited = self.limits.limited
-            self.runner.wake_fleet = self.limits.locked
+            self.runner.wake_fleet = self.limits.locked or self.limits.keyed
         return self.limits
 
     def slot_room(self, limits: QueueLimits, reserved: int = 0) -> int | None:
@@ -383,8 +419,11 @@ class Producer:
             with self._turn():
                 if self.slot_room(self.current_limits()) is not None and self.slots is not None:
                     cap = self.slots.usable
-        # No prefetch while limited: a job claimed ahead would hold a fleet-wide slot.
-        want = self.reserve(self.busy, prefetch=not (self.limits and self.limits.limited), cap=cap)
+        # No prefetch while limited (a job claimed ahead would hold a fleet-wide slot),
+        # but under per-key leases: a key claimed ahead holds its own place only.
+        known = self.limits
+        prefetch = known is None or not known.limited or known.keyed
+        want = self.reserve(self.busy, prefetch=prefetch, cap=cap)
         if not want:
             return None
         runner.wake.clear()
@@ -403,6 +442,8 @@ class Producer:
                     taken = claim_limited(limits, want, state.alias, leased=limits.leased)
                     skipped = taken is None
                     jobs = taken or []
+                elif limits.keyed:
+                    jobs = claim_keyed(limits, want, state.alias)
                 elif limits.sequenced or self.sequenced:
                     jobs = claim_sequenced(runner.name, want, state.alias)
                 else:
@@ -417,7 +458,7 @@ class Producer:
             self.unreserve(want)
             raise
         self.busy = len(jobs) == want > 0 or (not want and self.busy)
-        self.held_back = limits.locked and not self.busy
+        self.held_back = (limits.locked or limits.keyed) and not self.busy
         self.skipped = skipped
         if runner.shared is not None:
             runner.shared.busy(runner.name, self.busy)
@@ -427,7 +468,11 @@ class Producer:
             logger.debug("queue %s: claimed nothing: another worker is claiming", runner.name)
         elif debug and not jobs:
             with self._turn():
-                reason = why_held_back(limits, state.alias) if limits.locked else "none is due"
+                reason = (
+                    why_held_back(limits, state.alias)
+                    if limits.locked or limits.keyed
+                    else "none is due"
+                )
             logger.debug("queue %s: claimed nothing: %s", runner.name, reason)
         alias, running, waiting, lock, inbox = (
             state.alias, state.running, state.waiting, state.running_lock, runner.inbox

@@ -216,9 +216,14 @@ def _sequence_free(row: str) -> str:
 
 def _limit_key(row: str, limit: str = "kl.v") -> str:
     """The ``Limit(by=)`` values of ``row`` as JSON text (``''`` without ``by``, or
-    without a limit), from its kind's entry ``limit`` (``kl.v``)."""
-    return f"""coalesce((SELECT jsonb_agg({row}.args -> b.f ORDER BY b.o)::text
-              FROM jsonb_array_elements_text({limit} -> 'by') WITH ORDINALITY AS b(f, o)), '')"""
+    without a limit), from its kind's entry ``limit`` (``kl.v``). One field (the
+    common case) is an expression; more take a subquery, which costs several times
+    as much for each row a claim reads. Both give the same text: ``'["a"]'``."""
+    return f"""CASE WHEN jsonb_array_length({limit} -> 'by') = 1
+              THEN jsonb_build_array({row}.args -> ({limit} -> 'by' ->> 0))::text
+              ELSE coalesce((SELECT jsonb_agg({row}.args -> b.f ORDER BY b.o)::text
+              FROM jsonb_array_elements_text({limit} -> 'by') WITH ORDINALITY AS b(f, o)), '')
+              END"""
 
 
 # A candidate c's kind limit, looked up in the %(kinds)s object itself: no join,
@@ -621,6 +626,134 @@ WITH picked AS (
     WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
       AND {_sequence_free("c")}{_CLAIM_PICKED}"""
+
+# ---- Per-key leases of awa.Limit(concurrency=...) (CLAIM_KEYED) ----
+# A queue whose only limits are its kinds' concurrency limits (no rate, no
+# queue rate) claims without LOCK_LIMITS: each attempt of a limited kind holds
+# a lease row of awa_limit_lease, (kind, key, slot) unique with slot 1..c,
+# taken in the claim statement itself. Two claimers of one key at the same
+# instant both insert its free slot: the unique index makes the second wait
+# for the first and find the slot held, so a key never runs more than c at
+# once, while claims of different keys never wait on each other. The lease
+# names its attempt (job_id, run_lease) and goes in the transaction that takes
+# the attempt out of running (the RELEASING forms of FINALIZE and COMPLETE,
+# RESCUE, CANCEL_JOBS). A lease whose attempt is no longer running (its job
+# left running by another write, or deleted) is stale: a claim takes its slot
+# over, and maintenance sweeps it (FREE_STALE_LEASES).
+
+# Whether lease l is held: its attempt (job x, run_lease) is running, or is newer
+# than the reader's snapshot (x's claim committed after it: x.run_lease, as the
+# snapshot shows it, is below the lease's). A lease and the claim of its
+# attempt commit together, so a snapshot that shows the lease shows the claim;
+# only ON CONFLICT DO UPDATE, which reads the newest version of the row it
+# conflicts with, can see a lease from after its snapshot: it counts as held.
+# A job row that is gone (completed into awa_job_done, or deleted) holds none.
+# Primary key lookup, one per lease: a scalar subquery, which the planner keeps
+# as such (an EXISTS it turns into a join, and without statistics it chose a
+# sequential scan of awa_job to hash against every lease).
+_LEASE_HELD = """coalesce((
+            SELECT true FROM ONLY awa_job AS x WHERE x.id = {l}.job_id
+              AND (x.run_lease < {l}.run_lease
+                   OR (x.run_lease = {l}.run_lease AND x.state = 'running'))), false)"""
+
+# -- CLAIM_KEYED --
+# The claim of a queue whose limits are its kinds' concurrency limits only, in
+# one statement and without LOCK_LIMITS. Parameters: %(queue)s; %(kinds)s
+# (registry.limits_json(): each entry has "c" and "by"); %(limit)s; %(scan)s;
+# CLAIM's deadlines.
+#   used: attempts running per limited (kind, key), from the rows (fleet-wide;
+#      awa_job_running_idx); an attempt started without a lease counts too.
+#   cand: the due available rows in claim order, passing over sequence members
+#      that must wait and rows of a key at its limit, locked with SKIP LOCKED
+#      (a concurrent claimer takes the next ones): awa_job_claim_idx.
+#   free: of each candidate key's slots 1..c, those no held lease has
+#      (awa_limit_lease_unique), in order.
+#   fits: each key's n-th candidate gets its n-th free slot, while n is within
+#      c less what runs; rows of kinds without a limit need none.
+#   leased: the leases inserted in (kind, key, slot) order (claimers that meet
+#      wait on each other in one order: no deadlock); a slot whose lease is
+#      stale is taken over (DO UPDATE ... WHERE), one held by an attempt that
+#      started since this snapshot is not: that candidate stays available,
+#      its attempt unused, for the next claim.
+# Then as CLAIM: the rows that got a lease (or need none) start an attempt.
+# A lowered limit: slots above it are never taken again and what runs counts
+# against the new limit, so the key falls to it as its attempts end.
+CLAIM_KEYED = f"""
+WITH kl AS MATERIALIZED (SELECT key AS kind, value AS v FROM jsonb_each(%(kinds)s::jsonb)),
+used AS MATERIALIZED (
+    SELECT r.kind::text AS kind, {_limit_key("r")} AS gkey, count(*)::int AS running
+    FROM ONLY awa_job AS r JOIN kl ON kl.kind = r.kind
+    WHERE r.state = 'running'
+    GROUP BY 1, 2
+),
+saturated AS MATERIALIZED (
+    SELECT u.kind, u.gkey FROM used AS u JOIN kl ON kl.kind = u.kind
+    WHERE u.running >= (kl.v ->> 'c')::int
+),
+cand AS MATERIALIZED (
+    SELECT c.id, c.priority, c.run_at, c.run_lease, c.kind::text AS kind,
+           ({_KIND_LIMIT} ->> 'c')::int AS conc, {_limit_key("c", _KIND_LIMIT)} AS gkey
+    FROM ONLY awa_job AS c
+    WHERE c.state = 'available' AND c.queue = %(queue)s AND c.run_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
+      AND {_sequence_free("c")}
+      AND (c.kind::text, {_limit_key("c", _KIND_LIMIT)}) NOT IN (
+          SELECT f.kind, f.gkey FROM saturated AS f)
+    ORDER BY c.priority, c.run_at, c.id
+    LIMIT %(scan)s
+    FOR UPDATE OF c SKIP LOCKED
+),
+ranked AS MATERIALIZED (
+    SELECT c.*, c.conc - coalesce(u.running, 0) AS room, row_number() OVER (
+               PARTITION BY c.kind, c.gkey ORDER BY c.priority, c.run_at, c.id) AS nth
+    FROM cand AS c LEFT JOIN used AS u ON u.kind = c.kind AND u.gkey = c.gkey
+),
+free AS (
+    SELECT k.kind, k.gkey, g.s AS slot,
+           row_number() OVER (PARTITION BY k.kind, k.gkey ORDER BY g.s) AS nth
+    FROM (SELECT DISTINCT kind, gkey, conc FROM ranked
+          WHERE conc IS NOT NULL AND nth <= room) AS k
+    CROSS JOIN LATERAL generate_series(1, k.conc) AS g(s)
+    LEFT JOIN awa_limit_lease AS l ON l.kind = k.kind AND l.key = k.gkey AND l.slot = g.s
+    WHERE l.id IS NULL OR NOT {_LEASE_HELD.format(l="l")}
+),
+fits AS MATERIALIZED (
+    SELECT r.id, r.kind, r.gkey, f.slot, r.run_lease + 1 AS run_lease, r.conc
+    FROM ranked AS r
+    LEFT JOIN free AS f ON f.kind = r.kind AND f.gkey = r.gkey AND f.nth = r.nth
+    WHERE r.conc IS NULL OR (r.nth <= r.room AND f.slot IS NOT NULL)
+    ORDER BY r.priority, r.run_at, r.id
+    LIMIT %(limit)s
+),
+leased AS (
+    INSERT INTO awa_limit_lease AS l (kind, key, slot, job_id, run_lease, taken_at)
+    SELECT f.kind, f.gkey, f.slot, f.id, f.run_lease, now() FROM fits AS f
+    WHERE f.conc IS NOT NULL
+    ORDER BY f.kind, f.gkey, f.slot
+    ON CONFLICT (kind, key, slot) DO UPDATE
+    SET job_id = excluded.job_id, run_lease = excluded.run_lease, taken_at = excluded.taken_at
+    WHERE NOT {_LEASE_HELD.format(l="l")}
+    RETURNING l.job_id
+)
+UPDATE ONLY awa_job AS j{_CLAIM_SET}
+WHERE j.id = ANY(ARRAY(SELECT id FROM fits WHERE conc IS NULL
+                       UNION ALL SELECT job_id FROM leased))
+RETURNING {J_JOB_COLUMNS}
+"""
+
+# -- FREE_STALE_LEASES --
+# Maintenance: delete up to %(limit)s leases that no running attempt holds
+# (left by a write that took its attempt out of running without releasing
+# it, or skipped by a release because a claimer held it locked). Rows another
+# session holds are skipped. A small table, read whole; primary key lookups.
+FREE_STALE_LEASES = f"""
+DELETE FROM awa_limit_lease WHERE id IN (
+    SELECT l.id FROM awa_limit_lease AS l
+    WHERE NOT {_LEASE_HELD.format(l="l")}
+    LIMIT %(limit)s
+    FOR UPDATE OF l SKIP LOCKED
+)
+"""
 
 # ---- Parked sequence members ----
 # A sequence member whose earlier member is unfinished cannot start, yet each
@@ -1052,6 +1185,64 @@ COMPLETE_HAND_ON = _complete_hand_on(
 # it again.)
 COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %(id)s::bigint")
 
+
+# -- RELEASING --
+# The forms of FINALIZE and COMPLETE (and their variants) for a batch holding
+# attempts of kinds with an awa.Limit(concurrency=...): the same statement, and
+# in it, the deletion of each written attempt's lease (awa_limit_lease, by
+# job_id and run_lease: awa_limit_lease_job_idx), so a key frees in the
+# transaction that takes its attempt out of running. A lease a claimer holds
+# locked at that instant (its ON CONFLICT met it) is skipped, never waited
+# for: it is stale once this commits, and the next claim of its slot takes
+# it over. Batches without such kinds run the plain forms and pay nothing.
+def _released(ids: str, *, exact: bool) -> str:
+    """The CTE deleting the leases of the jobs ``ids`` (a subquery) writes; with
+    ``exact``, only those of the attempts named by %(id)s and %(run_lease)s."""
+    if exact:
+        match = """JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
+          ON l.job_id = a.id AND l.run_lease = a.run_lease
+        WHERE a.id IN ({ids})"""
+    else:
+        match = "WHERE l.job_id IN ({ids})"
+    return f"""released AS (
+    DELETE FROM awa_limit_lease WHERE id IN (
+        SELECT l.id FROM awa_limit_lease AS l
+        {match.format(ids=ids)}
+        FOR UPDATE OF l SKIP LOCKED)
+)"""
+
+
+_COMPLETE_TAIL = "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n"
+_UPDATE_HEAD = "\nUPDATE ONLY awa_job AS j"
+
+
+def _releasing(statement: str, *, exact: bool = True) -> str:
+    """``statement`` (a WITH ... UPDATE ONLY awa_job AS j ... RETURNING, or a
+    _COMPLETE form) with the leases of the attempts it writes released."""
+    if statement.endswith(_COMPLETE_TAIL):
+        ids = "SELECT id FROM kept UNION ALL SELECT id FROM gone"
+        head = statement[: -len(_COMPLETE_TAIL)]
+        return f"{head},\n{_released(ids, exact=exact)}{_COMPLETE_TAIL}"
+    at = statement.rindex(_UPDATE_HEAD)
+    if not statement.lstrip().startswith("WITH"):  # pragma: no cover - by construction
+        raise RuntimeError("_releasing: not a WITH ... UPDATE statement")
+    head, tail = statement[:at], statement[at:]
+    released = _released("SELECT id FROM w", exact=exact)
+    return f"{head},\nw AS ({tail}\n),\n{released}\nSELECT * FROM w\n"
+
+
+RELEASING = {
+    statement: _releasing(statement)
+    for statement in (
+        FINALIZE,
+        FINALIZE_STANDALONE,
+        FINALIZE_RETURNING_ROWS,
+        COMPLETE,
+        COMPLETE_STANDALONE,
+        COMPLETE_RETURNING_ROWS,
+    )
+}
+
 # -- STILL_HELD --
 # Of attempts a FINALIZE or COMPLETE left out, those whose row is still
 # running this attempt: another session held it locked, and the outcome is
@@ -1195,6 +1386,7 @@ FROM locked JOIN victims AS v ON v.id = locked.id
 WHERE j.id = locked.id
 RETURNING v.reason, {J_JOB_COLUMNS}
 """
+RESCUE = _releasing(RESCUE, exact=False)
 
 # -- POSTPONE_PENDING --
 # A pending follow-up's insert failed again: count the try, keep the error and
@@ -1478,6 +1670,7 @@ FROM old
 WHERE j.id = old.id
 RETURNING old.state, {J_JOB_COLUMNS}
 """
+CANCEL_JOBS = _releasing(CANCEL_JOBS, exact=False)
 
 # -- MOVE_JOBS --
 # Move a batch of jobs that wait to run (not running, not finished) to another
@@ -1663,6 +1856,7 @@ PREPARED = frozenset(
         CLAIM,
         CLAIM_SEQUENCED,
         CLAIM_LIMITED,
+        CLAIM_KEYED,
         LOCK_LIMITS,
         COMPLETE_HAND_ON_ONE,
     }

@@ -10,8 +10,10 @@ implementation fails them).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import itertools
+import json
 import logging
 import re
 import signal
@@ -22,18 +24,36 @@ from typing import Any
 
 import pytest
 from django.db import connection, transaction
+from django.utils import timezone
 
 import django_awa as awa
 from django_awa import conf, producer, sql
 from django_awa.completer import reserve_hand_on, start_handed_on
-from django_awa.execute import completed, errored, failed_terminally
+from django_awa.execute import (
+    Attempt,
+    AttemptResult,
+    completed,
+    errored,
+    failed_terminally,
+    from_value,
+    unstarted,
+)
 from django_awa.finalize import finalize
+from django_awa.followups import WAITING_FOR_CALLBACK
 from django_awa.kinds import registry
-from django_awa.models import Job, JobState
+from django_awa.maintenance import Maintenance
+from django_awa.models import Job, JobState, LimitLease
 from django_awa.sequences import HandOn
 from django_awa.state import SharedConcurrency, WorkerState
 from tests.conftest import WorkerProcess, wait_for
-from tests.testapp.jobs import CappedSpan, KeyedSpan, RatedSpan, SequencedSpan, Span
+from tests.testapp.jobs import (
+    CappedSpan,
+    KeyedSpan,
+    PairedSpan,
+    RatedSpan,
+    SequencedSpan,
+    Span,
+)
 from tests.testapp.models import FlowRun
 
 FLOW_ENV = {"AWA_TEST_FLOW_QUEUES": "1"}
@@ -206,6 +226,232 @@ def test_kind_rate_limit_per_key(start_worker) -> None:
         assert busiest <= 4, f"key {key}: {busiest} starts within a second; the limit is 4/s"
     # Per key, not per kind: both keys used their 4 in the same second.
     assert max_starts_in_window(1.0, "true") >= 6
+
+
+# ==== Kind concurrency limits kept by per-key leases (sql.CLAIM_KEYED) ============
+
+
+def _leases() -> list[tuple[str, str, int, int, int]]:
+    """Every lease: (kind, key, slot, job_id, run_lease), in (kind, key, slot) order."""
+    return list(
+        LimitLease.objects.order_by("kind", "key", "slot").values_list(
+            "kind", "key", "slot", "job_id", "run_lease"
+        )
+    )
+
+
+def _claim_keyed(
+    limits: producer.QueueLimits, limit: int = 10, scan: int | None = None
+) -> list[int]:
+    return [job.id for job in producer.claim_keyed(limits, limit, "default", scan=scan)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_keyed_claim_takes_a_lease_per_key_and_the_outcome_gives_it_back() -> None:
+    ids = awa.enqueue_many([KeyedSpan(key=k, n=i) for i, k in enumerate("aabca")])
+    limits = producer.queue_limits("bykey", "default")
+    assert limits.keyed and not limits.locked  # no queue lock for concurrency-only limits
+    claimed = producer.claim_keyed(limits, 10, "default")
+    assert [j.id for j in claimed] == [ids[0], ids[2], ids[3]]
+    assert _leases() == [
+        ("keyed_span", '["a"]', 1, ids[0], 1),
+        ("keyed_span", '["b"]', 1, ids[2], 1),
+        ("keyed_span", '["c"]', 1, ids[3], 1),
+    ]
+    # Every key is full: nothing more, and the held-back jobs stay available, unused.
+    assert _claim_keyed(limits) == []
+    held = Job.objects.filter(id__in=[ids[1], ids[4]])
+    assert {(j.state, j.attempt) for j in held} == {(JobState.AVAILABLE, 0)}
+    # Key a's outcome gives its lease back in the statement that writes it.
+    assert finalize([completed(claimed[0])], "default")
+    assert [lease[1] for lease in _leases()] == ['["b"]', '["c"]']
+    assert _claim_keyed(limits) == [ids[1]]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claimers_of_one_key_at_the_same_instant_start_one_and_other_keys_go_on() -> None:
+    ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
+    limits = producer.queue_limits("bykey", "default")
+    holding, release = threading.Event(), threading.Event()
+    claimed: dict[str, list[int]] = {}
+
+    def first() -> None:
+        try:
+            with transaction.atomic():  # its lease and claim are not committed yet
+                # Reading one candidate, it locks a0 only (the others it reads it
+                # would lock until it commits, and the second claimer skip).
+                claimed["first"] = _claim_keyed(limits, 1, scan=1)
+                holding.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    def second() -> None:
+        try:
+            claimed["second"] = _claim_keyed(limits)
+        finally:
+            connection.close()
+
+    one = threading.Thread(target=first)
+    one.start()
+    two = threading.Thread(target=second)
+    try:
+        assert holding.wait(10)
+        two.start()
+        # Its snapshot shows key a free (the first claim is not committed): it
+        # inserts a's slot and waits on the first claimer's lease of it.
+        wait_for(
+            lambda: _scalar(
+                """SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                   AND wait_event_type = 'Lock'"""
+            ),
+            10,
+            "the second claimer never waited on the first one's lease",
+        )
+    finally:
+        release.set()
+        one.join(10)
+        two.join(10)
+    assert claimed["first"] == [ids[0]]
+    # The slot is held by an attempt newer than its snapshot: not taken over.
+    assert claimed["second"] == [ids[2]]
+    a1 = Job.objects.get(id=ids[1])
+    assert (a1.state, a1.attempt) == (JobState.AVAILABLE, 0)
+    assert Job.objects.filter(args__key="a", state=JobState.RUNNING).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrency_two_per_key_uses_slots_one_and_two_and_a_lowered_limit_holds() -> None:
+    a = awa.enqueue_many([PairedSpan(key="a", n=i) for i in range(4)])
+    b = awa.enqueue_many([PairedSpan(key="b", n=9)])
+    limits = producer.queue_limits("paired", "default")
+    assert limits.keyed
+    first = producer.claim_keyed(limits, 10, "default")
+    assert [j.id for j in first] == [a[0], a[1], b[0]]
+    assert [(key, slot) for _, key, slot, _, _ in _leases()] == [
+        ('["a"]', 1), ('["a"]', 2), ('["b"]', 1)]  # fmt: skip
+    assert _claim_keyed(limits) == []
+    finalize([completed(first[0])], "default")  # a's slot 1 is free
+    # The limit lowered to 1 (a deploy): a's attempt in slot 2 still counts.
+    lowered = dataclasses.replace(
+        limits, kinds=json.dumps({"paired_span": {"by": ["key"], "c": 1}})
+    )
+    assert _claim_keyed(lowered) == []
+    finalize([completed(first[1])], "default")
+    assert _claim_keyed(lowered) == [a[2]]
+    assert [(key, slot) for _, key, slot, _, _ in _leases()] == [('["a"]', 1), ('["b"]', 1)]
+    # Back to 2: slot 2 again.
+    assert _claim_keyed(limits) == [a[3]]
+    assert [slot for _, key, slot, _, _ in _leases() if key == '["a"]'] == [1, 2]
+
+
+def _rescue(job_id: int) -> None:
+    Job.objects.filter(id=job_id).update(heartbeat_at=timezone.now() - dt.timedelta(hours=1))
+    with connection.cursor() as cursor:
+        cursor.execute(sql.RESCUE, {"stale_after": 60, "limit": 100})
+        assert [row[1] for row in cursor.fetchall()] == [job_id]
+
+
+# Every way an attempt leaves running, and the state it leaves the job in.
+OUTCOMES: dict[str, tuple[Callable[[Job], None], str]] = {
+    "retry": (lambda job: finalize([errored(job, "boom")], "default"), JobState.RETRYABLE),
+    "fail": (lambda job: finalize([failed_terminally(job, "boom")], "default"), JobState.FAILED),
+    "snooze": (
+        lambda job: finalize([from_value(Attempt(job, "default"), awa.Snooze(60))], "default"),
+        JobState.SCHEDULED,
+    ),
+    "callback": (
+        lambda job: finalize(
+            [AttemptResult(job=job, state=JobState.WAITING_EXTERNAL, context=WAITING_FOR_CALLBACK)],
+            "default",
+        ),
+        JobState.WAITING_EXTERNAL,
+    ),
+    "give_back": (lambda job: finalize([unstarted(job)], "default"), JobState.AVAILABLE),
+    "cancel": (lambda job: awa.cancel(job.id), JobState.CANCELLED),
+    # RESCUE itself (Maintenance.rescue then also sweeps stale leases).
+    "rescue": (lambda job: _rescue(job.id), JobState.RETRYABLE),
+}
+
+
+@pytest.mark.parametrize("outcome", sorted(OUTCOMES))
+@pytest.mark.django_db(transaction=True)
+def test_every_way_out_of_running_gives_the_key_back(outcome: str) -> None:
+    ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1)])
+    limits = producer.queue_limits("bykey", "default")
+    [job] = producer.claim_keyed(limits, 10, "default")
+    assert job.id == ids[0] and [lease[3] for lease in _leases()] == [ids[0]]
+    write, state = OUTCOMES[outcome]
+    write(job)
+    assert Job.objects.get(id=ids[0]).state == state
+    assert _leases() == [], f"{outcome} left the lease of key a behind"
+    assert _claim_keyed(limits, 1) == [ids[1]]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stale_lease_is_taken_over_by_a_claim_and_swept_by_maintenance() -> None:
+    ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="b", n=1)])
+    limits = producer.queue_limits("bykey", "default")
+    assert _claim_keyed(limits) == ids
+    # Both attempts leave running by writes that do not release (a direct UPDATE,
+    # a delete): their leases are stale.
+    Job.objects.filter(id=ids[0]).update(state=JobState.AVAILABLE)
+    Job.objects.filter(id=ids[1]).delete()
+    assert len(_leases()) == 2
+    # Key a's slot is taken over by the next attempt of the job...
+    assert _claim_keyed(limits) == [ids[0]]
+    assert _leases()[0] == ("keyed_span", '["a"]', 1, ids[0], 2)
+    # ...and key b's, which no claim wants, is swept; a held one stays.
+    Maintenance().rescue()
+    assert _leases() == [("keyed_span", '["a"]', 1, ids[0], 2)]
+
+
+def test_a_killed_workers_keys_free_when_its_jobs_are_rescued(start_worker) -> None:
+    victim = start_worker("--queue", "bykey=4")
+    # The first attempts hang: they hold keys a and b when their worker dies.
+    awa.enqueue_many([KeyedSpan(key=k, n=0, first_seconds=60, seconds=0.05) for k in "ab"])
+    wait_for(lambda: FlowRun.objects.count() == 2, 20)
+    assert sorted(lease[1] for lease in _leases()) == ['["a"]', '["b"]']
+    awa.enqueue_many([KeyedSpan(key=k, n=i, seconds=0.05) for i in (1, 2, 3) for k in "abc"])
+    victim.signal(signal.SIGKILL)
+    victim.wait(10)
+    start_worker("--queue", "bykey=4")
+    start_worker("--queue", "bykey=4")
+    all_finished("keyed_span", 11, timeout=60)
+    assert Job.objects.filter(kind="keyed_span", state=JobState.COMPLETED).count() == 11
+    for key in "ab":
+        dead = Job.objects.get(kind="keyed_span", args__key=key, args__n=0)
+        assert dead.attempt == 2 and dead.errors[0]["error"].startswith("rescued")
+        rescued_at = dt.datetime.fromisoformat(dead.errors[0]["at"])
+        # The key stayed held until the rescue, and was free after it.
+        first_other = FlowRun.objects.filter(key=key, n__gte=1).order_by("started_at")[0]
+        assert first_other.started_at >= rescued_at, f"key {key} ran before its rescue"
+    assert _leases() == []
+    finished = "kind = 'keyed_span' AND ended_at IS NOT NULL"
+    assert max_overlap(finished + " AND key = 'a'") == 1
+    assert max_overlap(finished) >= 2
+
+
+def test_two_per_key_holds_across_three_workers_and_uses_both_slots(start_worker) -> None:
+    start_three(start_worker, "paired=4")
+    awa.enqueue_many([PairedSpan(key=k, n=i, seconds=0.1) for i in range(6) for k in "abc"])
+    all_finished("paired_span", 18)
+    for key in "abc":
+        assert max_overlap("kind = 'paired_span' AND key = %s", [key]) <= 2
+    assert max(max_overlap("kind = 'paired_span' AND key = %s", [k]) for k in "abc") == 2
+    assert max_overlap("kind = 'paired_span'") >= 4  # keys ran side by side
+    assert FlowRun.objects.filter(kind="paired_span").values("pid").distinct().count() >= 2
+    assert _leases() == []
+
+
+def test_a_key_freed_wakes_the_waiting_workers_without_a_poll(start_worker) -> None:
+    # 30 s poll intervals: only the wake-ups (in-process, and NOTIFY to the other
+    # worker) can start each next job of the one key in time.
+    for _ in range(2):
+        start_worker("--queue", "bykey=2", env={"AWA_TEST_POLL_INTERVAL": "30"})
+    awa.enqueue_many([KeyedSpan(key="one", n=i, seconds=0.05) for i in range(10)])
+    all_finished("keyed_span", 10, timeout=20)
+    assert overlaps_within_key("keyed_span") == 0
 
 
 # ==== Sequences ==================================================================

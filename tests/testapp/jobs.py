@@ -487,6 +487,11 @@ class CappedSpan(Span):
 
 
 @dataclass
+class PairedSpan(Span):
+    """At most two running per key, fleet-wide."""
+
+
+@dataclass
 class RatedSpan(Span):
     """At most four starts per key in any second, fleet-wide."""
 
@@ -518,5 +523,6 @@ def span(job: awa.JobContext):
 awa.worker(Span, queue="flow", max_attempts=3)(span)
 awa.worker(KeyedSpan, queue="bykey", limit=awa.Limit(concurrency=1, by="key"))(span)
 awa.worker(CappedSpan, queue="capped", limit=awa.Limit(concurrency=2))(span)
+awa.worker(PairedSpan, queue="paired", limit=awa.Limit(concurrency=2, by="key"))(span)
 awa.worker(RatedSpan, queue="keyrate", limit=awa.Limit(rate="4/s", by="key"))(span)
 awa.worker(SequencedSpan, queue="seq", max_attempts=3, sequence="key")(span)
