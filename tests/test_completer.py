@@ -26,6 +26,17 @@ def _run(n: int, **fields: object) -> tuple[WorkerState, list[int]]:
     return state, ids
 
 
+def _claim_and_handle(state: WorkerState, queue: str) -> None:
+    """Claim ``queue``'s due jobs and run their handlers, outcomes left queued for the
+    completer; then clear every queue's wake-up, so a test sees only the completer's."""
+    Producer(state, state.queues[queue]).run_once()
+    pool = HandlerPool(state)
+    while pool.run_once(state.queues[queue], timeout=0):
+        pass
+    for runner in state.queues.values():
+        runner.wake.clear()
+
+
 @pytest.mark.django_db
 def test_run_once_writes_the_queued_results_and_forgets_their_attempts():
     state, ids = _run(3)
@@ -164,12 +175,7 @@ def test_a_batch_that_promotes_dependents_wakes_their_queue_in_this_worker_as_it
     first = awa.enqueue(Echo(n=1))
     second = awa.enqueue(Echo(n=2), after=[first], queue="other")
     state = WorkerState.create({"echo": 1, "other": 1})
-    Producer(state, state.queues["echo"]).run_once()
-    pool = HandlerPool(state)
-    while pool.run_once(state.queues["echo"], timeout=0):
-        pass
-    for runner in state.queues.values():
-        runner.wake.clear()
+    _claim_and_handle(state, "echo")
 
     assert Completer(state).run_once() == []
 
@@ -189,12 +195,7 @@ def test_a_batchs_follow_ups_are_announced_after_its_commit_from_the_listeners_c
     state = WorkerState.create({"default": 1, "echo": 1})
     listener = Listener(state)
     listener.run_once(0)  # connects: from now on the listener sends the outbox
-    Producer(state, state.queues["default"]).run_once()
-    pool = HandlerPool(state)
-    while pool.run_once(state.queues["default"], timeout=0):
-        pass
-    for runner in state.queues.values():
-        runner.wake.clear()
+    _claim_and_handle(state, "default")
     try:
         with psycopg.connect(**listen_params("default"), autocommit=True) as other:
             other.execute("LISTEN awa_job")
