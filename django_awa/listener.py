@@ -75,7 +75,6 @@ class Listener:
         direct = self.state.conf.direct_database or self.state.alias
         conn = psycopg.connect(**listen_params(direct), autocommit=True)
         try:
-            conn.execute(sql.NOTIFIER_SESSION)
             conn.execute(sql.LISTEN_JOBS)
             conn.execute(sql.LISTEN_CANCELS)
             selector = selectors.DefaultSelector()
@@ -140,7 +139,7 @@ class Listener:
         if not queues:
             return
         try:
-            conn.execute(sql.NOTIFY_QUEUES, {"queues": queues})
+            conn.execute(sql.NOTIFY_QUEUES_AFTER, {"queues": queues})
         except BaseException:
             self.state.outbox.put_back(queues)
             raise

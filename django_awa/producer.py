@@ -101,6 +101,13 @@ class QueueLimits:
         return self.rate_limit is not None or (self.kinds != "{}" and not self.keyed)
 
     @property
+    def gated(self) -> bool:
+        """Its claim itself holds jobs back, under the lock or by key leases: room
+        freed anywhere wakes every worker's claimers, and a claim that took
+        nothing may say which limit held the jobs (``why_held_back``)."""
+        return self.locked or self.keyed
+
+    @property
     def rate_wait(self) -> float | None:
         """How soon a claim that was held back by a rate should try again."""
         periods = [self.rate_limit.period / self.rate_limit.count] if self.rate_limit else []
@@ -382,7 +389,7 @@ class Producer:
             # fleet's claimers woken when room frees (slot leases need no wake-up
             # from elsewhere).
             self.runner.limited = self.limits.limited
-            self.runner.wake_fleet = self.limits.locked or self.limits.keyed
+            self.runner.wake_fleet = self.limits.gated
         return self.limits
 
     def slot_room(self, limits: QueueLimits, reserved: int = 0) -> int | None:
@@ -458,7 +465,7 @@ class Producer:
             self.unreserve(want)
             raise
         self.busy = len(jobs) == want > 0 or (not want and self.busy)
-        self.held_back = (limits.locked or limits.keyed) and not self.busy
+        self.held_back = limits.gated and not self.busy
         self.skipped = skipped
         if runner.shared is not None:
             runner.shared.busy(runner.name, self.busy)
@@ -468,11 +475,7 @@ class Producer:
             logger.debug("queue %s: claimed nothing: another worker is claiming", runner.name)
         elif debug and not jobs:
             with self._turn():
-                reason = (
-                    why_held_back(limits, state.alias)
-                    if limits.locked or limits.keyed
-                    else "none is due"
-                )
+                reason = why_held_back(limits, state.alias) if limits.gated else "none is due"
             logger.debug("queue %s: claimed nothing: %s", runner.name, reason)
         alias, running, waiting, lock, inbox = (
             state.alias, state.running, state.waiting, state.running_lock, runner.inbox

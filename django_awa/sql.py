@@ -181,19 +181,15 @@ NOTIFY_QUEUES = f"SELECT pg_notify('{NOTIFY_CHANNEL}', q) FROM unnest(%(queues)s
 
 # -- NOTIFY_QUEUES_AFTER --
 # Wake workers of these queues after the engine's own transaction committed
-# (wakeups.notify_now): run as a transaction of its own, which commits without
-# waiting for its WAL flush (set_config(..., true): for this transaction only).
+# (wakeups.notify_now, and the listener sending a worker's outbox): run as a
+# transaction of its own, which commits without waiting for its WAL flush
+# (set_config(..., true): for this transaction only).
 # A NOTIFY's commit holds PostgreSQL's notification lock through its flush;
 # this one's holds it for no flush. Losing it in a crash loses only a hint.
 NOTIFY_QUEUES_AFTER = f"""
 SELECT set_config('synchronous_commit', 'off', true), pg_notify('{NOTIFY_CHANNEL}', q)
 FROM unnest(%(queues)s::text[]) AS q
 """
-
-# -- NOTIFIER_SESSION --
-# The listener's connection also sends the worker's wake-ups (wakeups.Outbox):
-# each NOTIFY its own transaction, none waiting for its WAL flush.
-NOTIFIER_SESSION = "SET synchronous_commit = off"
 
 # ==== Flow control (producer.py, SPEC 12) ====
 
