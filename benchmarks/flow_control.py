@@ -21,6 +21,9 @@ after of a change in one run, each line with the load average when it ended.
   global     --jobs on a queue with ``global_concurrency`` 50 (3 x 20 places)
   keyed      --keys x --per-key jobs of a kind with ``Limit(concurrency=1, by="key")``,
              enqueued interleaved (as events of many accounts arrive)
+  keyed_locked  the same, with a queue rate_limit no drain reaches set at runtime:
+             claimed under the queue's lock (``CLAIM_LIMITED``, taking the same
+             per-key leases) instead of ``CLAIM_KEYED``
   sequence   --sequence jobs of one sequence key
   rate       a queue with ``rate_limit`` --rate per second, for --rate-seconds:
              the starts achieved per second, and the most in any sliding second
@@ -243,16 +246,24 @@ def global_limit(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
     )
 
 
-def keyed(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+def keyed(args: argparse.Namespace, repo: Path, *, locked: bool = False) -> dict[str, Any]:
     fresh_database(FLOW_SETTINGS, repo)
+    # keyed_locked: a queue rate no drain reaches puts the same jobs under the
+    # queue's lock (LOCK_LIMITS + CLAIM_LIMITED) instead of the keyed claim.
+    rate = 'awa.set_queue_limits("keyed", rate_limit="1000000/s")\n' if locked else ""
     enqueue(
         "from djbench.flow_app.jobs import KeyedNoop\n"
+        f"{rate}"
         f"for i in range({args.per_key}):\n"
         f"    awa.enqueue_many([KeyedNoop(key=k, n=i) for k in range({args.keys})])\n",
         repo=repo,
     )
     total = args.keys * args.per_key
     return drain("keyed", total, args.processes, args.concurrency, FLOW_SETTINGS, repo, sample=True)
+
+
+def keyed_locked(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
+    return keyed(args, repo, locked=True)
 
 
 def sequence(args: argparse.Namespace, repo: Path) -> dict[str, Any]:
@@ -401,6 +412,7 @@ def main() -> None:
                 "unlimited": unlimited,
                 "global": global_limit,
                 "keyed": keyed,
+                "keyed_locked": keyed_locked,
                 "sequence": sequence,
                 "rate": rate,
                 "pause": pause,

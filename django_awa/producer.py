@@ -18,7 +18,10 @@ per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, no
 lock). A ``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with
 ``sql.CLAIM_LIMITED`` after ``sql.LOCK_LIMITS``; every other queue keeps
 ``sql.CLAIM``. Which one applies is read again once per poll interval, so
-limits set at runtime reach every worker within one.
+limits set at runtime reach every worker within one. Meanwhile some workers
+claim a queue under its lock and others with leases alone; the locked claim
+takes the same per-key leases for kinds with a concurrency limit, so the two
+agree on every key at every instant.
 """
 
 from __future__ import annotations

@@ -347,7 +347,8 @@ WHERE queue = %(queue)s AND worker_id = %(worker)s AND slot = ANY(%(slots)s::int
 #      over sequence members that must wait and rows of a saturated key (a
 #      hashed NOT IN), so a busy key's backlog does not fill the candidates.
 #      One index scan in claim order, stopped at %(scan)s rows.
-#   fits: each key's first (limit - used) candidates, in claim order, up to room.
+#   fits: each key's first (limit - used) candidates, in claim order, up to room;
+#      with its key's rank (nth) and concurrency limit (conc, NULL: none).
 _LIMITED_PARTS = f"""
 WITH t AS MATERIALIZED (SELECT clock_timestamp() AS now),
 kl AS MATERIALIZED (SELECT key AS kind, value AS v FROM jsonb_each(%(kinds)s::jsonb)),
@@ -411,7 +412,7 @@ cand AS MATERIALIZED (
     LEFT JOIN used AS u ON u.kind = c.kind AND u.gkey = c.gkey
 ),
 fits AS (
-    SELECT r.id FROM (
+    SELECT r.id, r.kind, r.gkey, r.nth, (r.v ->> 'c')::int AS conc FROM (
         SELECT c.*, row_number() OVER (
             PARTITION BY c.kind, c.gkey ORDER BY c.priority, c.run_at, c.id) AS nth
         FROM cand AS c
@@ -423,19 +424,80 @@ fits AS (
     LIMIT (SELECT n FROM room)
 )"""
 
+# Whether lease l (awa_limit_lease, see *Per-key leases* below) is held: its
+# attempt (job x, run_lease) is running, or is newer than the reader's snapshot
+# (x's claim committed after it: x.run_lease, as the snapshot shows it, is
+# below the lease's). A lease and the claim of its
+# attempt commit together, so a snapshot that shows the lease shows the claim;
+# only ON CONFLICT DO UPDATE, which reads the newest version of the row it
+# conflicts with, can see a lease from after its snapshot: it counts as held.
+# A job row that is gone (completed into awa_job_done, or deleted) holds none.
+# Primary key lookup, one per lease: a scalar subquery, which the planner keeps
+# as such (an EXISTS it turns into a join, and without statistics it chose a
+# sequential scan of awa_job to hash against every lease).
+_LEASE_HELD = """coalesce((
+            SELECT true FROM ONLY awa_job AS x WHERE x.id = {l}.job_id
+              AND (x.run_lease < {l}.run_lease
+                   OR (x.run_lease = {l}.run_lease AND x.state = 'running'))), false)"""
+
 # -- CLAIM_LIMITED --
 # The claim of a queue under limits (its own, or its kinds' awa.Limit), run
 # after LOCK_LIMITS in one transaction; the parameters of _LIMITED_PARTS, and
 # CLAIM's deadlines. Still one statement per batch: it ranks the candidates
 # (above), locks the fitting rows with SKIP LOCKED (an unlimited claimer of the
-# same queue, an operator), starts their attempts as CLAIM does, and records
-# each start in awa_attempt_start (for the queue, and for the kind when it has
-# a rate). A job held back is not touched: it stays available, its attempt unused.
+# same queue, an operator, a keyed claimer), starts their attempts as CLAIM
+# does, and records each start in awa_attempt_start (for the queue, and for the
+# kind when it has a rate). A job held back is not touched: it stays
+# available, its attempt unused.
+# An attempt of a kind with a concurrency limit also takes its key's lease, as
+# CLAIM_KEYED's do (free, leased: the same slots, the same order, the same
+# takeover of a stale lease), and starts only if it got one. The queue's lock
+# serializes the claimers under it, not a CLAIM_KEYED claimer of the same
+# queue: one whose settings have no rate, or that has not read a rate set or
+# cleared at runtime yet (within a poll interval). Each sees only the
+# committed attempts of the other, but both insert the key's slot, and the
+# unique index makes the second wait for the first's commit and find the
+# slot held: so a key never runs more than c at once, whatever mix of
+# claimers, and every running attempt of such a kind holds a lease, released
+# on every way out of running whichever statement claimed it.
+#   free: of the slots 1..c of each fitting key, those no held lease has
+#      (awa_limit_lease_unique), in order; the key's n-th fitting candidate
+#      gets the n-th (a running attempt without a lease, from an earlier
+#      build, still counts against c in fits).
+#   picked: the fitting rows, locked (SKIP LOCKED) before their leases are
+#      inserted, so a lease is only ever taken for a row this claim starts.
+#   leased: their leases, inserted in (kind, key, slot) order.
+#   started: the picked rows that need no lease or got one.
 CLAIM_LIMITED = f"""{_LIMITED_PARTS},
+free AS (
+    SELECT k.kind, k.gkey, g.s AS slot,
+           row_number() OVER (PARTITION BY k.kind, k.gkey ORDER BY g.s) AS nth
+    FROM (SELECT DISTINCT kind, gkey, conc FROM fits WHERE conc IS NOT NULL) AS k
+    CROSS JOIN LATERAL generate_series(1, k.conc) AS g(s)
+    LEFT JOIN awa_limit_lease AS l ON l.kind = k.kind AND l.key = k.gkey AND l.slot = g.s
+    WHERE l.id IS NULL OR NOT {_LEASE_HELD.format(l="l")}
+),
 picked AS (
-    SELECT j.id FROM ONLY awa_job AS j
+    SELECT j.id, j.run_lease FROM ONLY awa_job AS j
     WHERE j.id IN (SELECT id FROM fits) AND j.state = 'available'
     FOR UPDATE OF j SKIP LOCKED
+),
+leased AS (
+    INSERT INTO awa_limit_lease AS l (kind, key, slot, job_id, run_lease, taken_at)
+    SELECT f.kind, f.gkey, s.slot, p.id, p.run_lease + 1, t.now
+    FROM picked AS p JOIN fits AS f ON f.id = p.id
+    JOIN free AS s ON s.kind = f.kind AND s.gkey = f.gkey AND s.nth = f.nth
+    CROSS JOIN t
+    ORDER BY f.kind, f.gkey, s.slot
+    ON CONFLICT (kind, key, slot) DO UPDATE
+    SET job_id = excluded.job_id, run_lease = excluded.run_lease, taken_at = excluded.taken_at
+    WHERE NOT {_LEASE_HELD.format(l="l")}
+    RETURNING l.job_id
+),
+started AS (
+    SELECT p.id FROM picked AS p JOIN fits AS f ON f.id = p.id WHERE f.conc IS NULL
+    UNION ALL
+    SELECT job_id FROM leased
 ),
 claimed AS (
     UPDATE ONLY awa_job AS j
@@ -450,8 +512,8 @@ claimed AS (
                              %(default_deadline)s::float8)),
         callback_id = NULL,
         callback_timeout_at = NULL
-    FROM picked, t
-    WHERE j.id = picked.id
+    FROM started, t
+    WHERE j.id = started.id
     RETURNING {J_JOB_COLUMNS}
 ),
 logged AS (
@@ -623,7 +685,7 @@ WITH picked AS (
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
       AND {_sequence_free("c")}{_CLAIM_PICKED}"""
 
-# ---- Per-key leases of awa.Limit(concurrency=...) (CLAIM_KEYED) ----
+# ---- Per-key leases of awa.Limit(concurrency=...) (CLAIM_KEYED, CLAIM_LIMITED) ----
 # A queue whose only limits are its kinds' concurrency limits (no rate, no
 # queue rate) claims without LOCK_LIMITS: each attempt of a limited kind holds
 # a lease row of awa_limit_lease, (kind, key, slot) unique with slot 1..c,
@@ -635,22 +697,8 @@ WITH picked AS (
 # the attempt out of running (the RELEASING forms of FINALIZE and COMPLETE,
 # RESCUE, CANCEL_JOBS). A lease whose attempt is no longer running (its job
 # left running by another write, or deleted) is stale: a claim takes its slot
-# over, and maintenance sweeps it (FREE_STALE_LEASES).
-
-# Whether lease l is held: its attempt (job x, run_lease) is running, or is newer
-# than the reader's snapshot (x's claim committed after it: x.run_lease, as the
-# snapshot shows it, is below the lease's). A lease and the claim of its
-# attempt commit together, so a snapshot that shows the lease shows the claim;
-# only ON CONFLICT DO UPDATE, which reads the newest version of the row it
-# conflicts with, can see a lease from after its snapshot: it counts as held.
-# A job row that is gone (completed into awa_job_done, or deleted) holds none.
-# Primary key lookup, one per lease: a scalar subquery, which the planner keeps
-# as such (an EXISTS it turns into a join, and without statistics it chose a
-# sequential scan of awa_job to hash against every lease).
-_LEASE_HELD = """coalesce((
-            SELECT true FROM ONLY awa_job AS x WHERE x.id = {l}.job_id
-              AND (x.run_lease < {l}.run_lease
-                   OR (x.run_lease = {l}.run_lease AND x.state = 'running'))), false)"""
+# over, and maintenance sweeps it (FREE_STALE_LEASES). A queue with a rate
+# claims such kinds under its lock (CLAIM_LIMITED), taking the same leases.
 
 # -- CLAIM_KEYED --
 # The claim of a queue whose limits are its kinds' concurrency limits only, in

@@ -96,6 +96,13 @@ if os.environ.get("AWA_TEST_FLOW_QUEUES"):
         "glob": {"concurrency": 6, "global_concurrency": 4},
         "rated": {"concurrency": 10, "rate_limit": "10/s"},
     }
+if os.environ.get("AWA_TEST_FLOW_QUEUES") == "rated_bykey":
+    # One worker of a mixed fleet: queue bykey has a rate here (claimed under the
+    # queue's lock), none in the others' settings (claimed with key leases alone).
+    AWA["QUEUES"] = {
+        **AWA["QUEUES"],  # type: ignore[dict-item]
+        "bykey": {"concurrency": 4, "rate_limit": "1000/s"},
+    }
 if os.environ.get("AWA_TEST_FLOW_QUEUES") == "shared":
     # Weighted sharing of one process's places (WORKER_CONCURRENCY).
     AWA["WORKER_CONCURRENCY"] = 4

@@ -320,6 +320,74 @@ def test_claimers_of_one_key_at_the_same_instant_start_one_and_other_keys_go_on(
     assert Job.objects.filter(args__key="a", state=JobState.RUNNING).count() == 1
 
 
+def _waiting_on_a_lock() -> int:
+    return _scalar(
+        """SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+           AND wait_event_type = 'Lock'"""
+    )
+
+
+@pytest.mark.parametrize("first", ["locked", "keyed"])
+@pytest.mark.django_db(transaction=True)
+def test_a_locked_and_a_keyed_claim_of_one_key_at_the_same_instant_start_one(first: str) -> None:
+    # A rate set or cleared at runtime puts workers on both claim paths for up to a
+    # poll interval (and a worker's settings may give the queue a rate the others'
+    # lack): each path must see the attempts the other is starting this instant.
+    ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
+    keyed = producer.queue_limits("bykey", "default")
+    locked = _rated(keyed)
+    holding, release = threading.Event(), threading.Event()
+    claimed: dict[str, list[int]] = {}
+
+    def claim(path: str, limit: int) -> list[int]:
+        if path == "keyed":  # reading one candidate, it locks a0 alone
+            return _claim_keyed(keyed, limit, scan=limit)
+        return [job.id for job in producer.claim_limited(locked, limit, "default") or []]
+
+    def one() -> None:
+        try:
+            with transaction.atomic():  # its lease and claim are not committed yet
+                claimed["first"] = claim(first, 1)
+                holding.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    def two() -> None:
+        try:
+            claimed["second"] = claim("keyed" if first == "locked" else "locked", 10)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=one), threading.Thread(target=two)]
+    threads[0].start()
+    try:
+        assert holding.wait(10)
+        threads[1].start()
+        # The second's snapshot shows key a free and a0 available. Past the locked
+        # a0, the keyed claimer finds a1 and inserts a's slot: it must wait on the
+        # locked claim's lease of it. The locked claimer's first of key a is a0,
+        # which it skips (locked): it goes on with b alone.
+        wait_for(
+            lambda: not threads[1].is_alive() or _waiting_on_a_lock(),
+            10,
+            "the second claimer neither finished nor waited",
+        )
+        if first == "locked":
+            assert threads[1].is_alive(), "the keyed claim did not wait on the locked one's lease"
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(10)
+    assert claimed["first"] == [ids[0]]
+    assert claimed["second"] == [ids[2]]
+    a1 = Job.objects.get(id=ids[1])
+    assert (a1.state, a1.attempt) == (JobState.AVAILABLE, 0)
+    assert Job.objects.filter(args__key="a", state=JobState.RUNNING).count() == 1
+    assert [(key, slot, job) for _, key, slot, job, _ in _leases()] == [
+        ('["a"]', 1, ids[0]), ('["b"]', 1, ids[2])]  # fmt: skip
+
+
 @pytest.mark.django_db(transaction=True)
 def test_concurrency_two_per_key_uses_slots_one_and_two_and_a_lowered_limit_holds() -> None:
     a = awa.enqueue_many([PairedSpan(key="a", n=i) for i in range(4)])
@@ -374,18 +442,36 @@ OUTCOMES: dict[str, tuple[Callable[[Job], None], str]] = {
 }
 
 
+def _rated(limits: producer.QueueLimits) -> producer.QueueLimits:
+    """``limits`` with a queue rate too high to hold anything back: claimed under the
+    queue's lock (CLAIM_LIMITED), as a worker whose settings give the queue a rate,
+    or one that has not yet read a rate cleared at runtime, claims it."""
+    rated = dataclasses.replace(limits, rate_limit=conf.Rate(count=10_000, period=1.0, text="x"))
+    assert rated.locked and not rated.keyed
+    return rated
+
+
+def _claim_by(path: str, limits: producer.QueueLimits, limit: int = 10) -> list[Job]:
+    """Claim with ``path``: "keyed" (CLAIM_KEYED) or "locked" (LOCK_LIMITS + CLAIM_LIMITED)."""
+    if path == "keyed":
+        return producer.claim_keyed(limits, limit, "default")
+    return producer.claim_limited(_rated(limits), limit, "default") or []
+
+
+@pytest.mark.parametrize("path", ["keyed", "locked"])
 @pytest.mark.parametrize("outcome", sorted(OUTCOMES))
 @pytest.mark.django_db(transaction=True)
-def test_every_way_out_of_running_gives_the_key_back(outcome: str) -> None:
+def test_every_way_out_of_running_gives_the_key_back(outcome: str, path: str) -> None:
     ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1)])
     limits = producer.queue_limits("bykey", "default")
-    [job] = producer.claim_keyed(limits, 10, "default")
+    # Whichever path claimed it, the attempt holds its key's lease.
+    [job] = _claim_by(path, limits)
     assert job.id == ids[0] and [lease[3] for lease in _leases()] == [ids[0]]
     write, state = OUTCOMES[outcome]
     write(job)
     assert Job.objects.get(id=ids[0]).state == state
     assert _leases() == [], f"{outcome} left the lease of key a behind"
-    assert _claim_keyed(limits, 1) == [ids[1]]
+    assert [j.id for j in _claim_by(path, limits, 1)] == [ids[1]]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -442,6 +528,52 @@ def test_two_per_key_holds_across_three_workers_and_uses_both_slots(start_worker
     assert max_overlap("kind = 'paired_span'") >= 4  # keys ran side by side
     assert FlowRun.objects.filter(kind="paired_span").values("pid").distinct().count() >= 2
     assert _leases() == []
+
+
+def assert_keys_never_overlapped_and_ran_side_by_side(count: int) -> None:
+    assert overlaps_within_key("keyed_span") == 0, "two runs of one key overlapped"
+    assert max_overlap("kind = 'keyed_span'") >= 3  # keys ran side by side
+    assert FlowRun.objects.filter(kind="keyed_span").count() == count
+    assert _leases() == []
+
+
+def test_workers_claiming_with_and_without_the_queue_lock_never_run_one_key_twice(
+    start_worker,
+) -> None:
+    # One worker's settings give queue bykey a rate: it claims under the queue's
+    # lock (CLAIM_LIMITED); the other two see no rate and claim with key leases
+    # alone (CLAIM_KEYED), all three at once for the whole drain.
+    rated = start_worker(
+        "--queue", "bykey=4", env={**FLOW_ENV, "AWA_TEST_FLOW_QUEUES": "rated_bykey"}
+    )
+    workers = [rated] + [start_worker("--queue", "bykey=4", env=FLOW_ENV) for _ in range(2)]
+    wait_for(
+        lambda: all("listening for new jobs" in w.output() for w in workers),
+        30,
+        "the workers did not start",
+    )
+    awa.enqueue_many([KeyedSpan(key=f"k{i % 4}", n=i, seconds=0.02) for i in range(240)])
+    all_finished("keyed_span", 240, timeout=90)
+    assert_keys_never_overlapped_and_ran_side_by_side(240)
+    # Both paths claimed: the locked one (which logs its starts) and the keyed ones.
+    assert _scalar("SELECT count(*) FROM awa_attempt_start WHERE scope = 'q:bykey'") > 0
+    assert FlowRun.objects.filter(pid=rated.pid).exists()
+    assert FlowRun.objects.exclude(pid=rated.pid).exists()
+
+
+def test_a_rate_toggled_at_runtime_never_runs_one_key_twice(start_worker) -> None:
+    # Each change reaches each worker within its own poll interval: meanwhile some
+    # claim under the lock, others with key leases alone.
+    start_three(start_worker, "bykey=4")
+    awa.enqueue_many([KeyedSpan(key=f"k{i % 4}", n=i, seconds=0.02) for i in range(240)])
+    rates = itertools.cycle(["1000/s", None])
+    deadline = time.monotonic() + 90
+    while Job.objects.filter(kind="keyed_span").exclude(state__in=JobState.FINAL).exists():
+        assert time.monotonic() < deadline, "the drain did not finish"
+        awa.set_queue_limits("bykey", rate_limit=next(rates))
+        time.sleep(0.13)  # not a multiple of the 0.2 s poll interval
+    assert_keys_never_overlapped_and_ran_side_by_side(240)
+    assert _scalar("SELECT count(*) FROM awa_attempt_start WHERE scope = 'q:bykey'") > 0
 
 
 def test_a_key_freed_wakes_the_waiting_workers_without_a_poll(start_worker) -> None:
