@@ -22,6 +22,13 @@ queues (unlimited ones this worker serves), the transaction that writes the
 outcomes claims each sequence's next member into them, and right after the
 commit the claimed members go to their queue's handler threads, as a claim's
 would. A member costs a handler call and one completer round trip.
+
+A ``global_concurrency`` queue kept by slot leases (``slots.py``) is refilled
+the same way: the completer reserves, within the process's slots, the places
+the batch's handlers left, and the statement that writes the outcomes claims
+the queue's next due jobs into them (``sql.COMPLETE_REFILL``). The slots stay
+this process's throughout, so the fleet-wide limit holds at every instant, and
+a place does not stand empty for a claim's round trip between two jobs.
 """
 
 from __future__ import annotations
@@ -77,9 +84,15 @@ def reserve_hand_on(state: WorkerState, batch: list[AttemptResult]) -> HandOn | 
     One place per finished member, on its queue, where this worker serves the
     queue, its claims are not under limits (those claim under the queue's lock,
     ``sql.CLAIM_LIMITED``), the worker is not stopping, and a place is free
-    now (no waiting). ``None`` when there is none to reserve.
+    now (no waiting). And places of the queue kept by slot leases most of
+    ``batch`` is of (``refill_queue``), one per attempt, within its slots: the
+    batch's transaction claims that queue's next jobs into them. ``None`` when
+    there is none to reserve.
     """
+    passed = passed_places(batch)
     if state.stopping.is_set():
+        for queue, n in passed.items():
+            state.queues[queue].give_places(n)
         return None
     wanted: dict[str, int] = {}
     for result in batch:
@@ -98,11 +111,51 @@ def reserve_hand_on(state: WorkerState, batch: list[AttemptResult]) -> HandOn | 
             taken = runner.take_places(want)
             if taken:
                 places[queue] = taken
+    refill = refill_queue(state, batch)
+    kept = passed.pop(refill[0], 0) if refill is not None else 0
+    for queue, n in passed.items():  # places of other queues: free again
+        state.queues[queue].give_places(n)
+    if refill is not None:
+        queue, want = refill
+        runner = state.queues[queue]
+        taken = runner.keep_places(kept) + runner.take_places(want - kept)
+        if taken:
+            places[queue] = taken
+            return HandOn(places, refill=queue)
     return HandOn(places) if places else None
 
 
+def passed_places(batch: list[AttemptResult]) -> dict[str, int]:
+    """The places ``batch``'s handlers left with their results (``holds_place``, then
+    cleared: each is counted once, though a result may be written again), by queue."""
+    passed: dict[str, int] = {}
+    for result in batch:
+        if result.holds_place:
+            result.holds_place = False
+            passed[result.job.queue] = passed.get(result.job.queue, 0) + 1
+    return passed
+
+
+def refill_queue(state: WorkerState, batch: list[AttemptResult]) -> tuple[str, int] | None:
+    """The queue kept by slot leases (``QueueRunner.refill``) most of ``batch``'s
+    attempts are of, and how many they are: their handlers left their places, which
+    the batch's transaction may fill (one queue a batch). ``None``: none is."""
+    queues = state.queues
+    if not any(runner.refill for runner in queues.values()):
+        return None  # the common case: one test a batch, none a result
+    counts: dict[str, int] = {}
+    for result in batch:
+        queue = result.job.queue
+        runner = queues.get(queue)
+        if runner is not None and runner.refill and not result.locked:
+            counts[queue] = counts.get(queue, 0) + 1
+    if not counts:
+        return None
+    return max(counts.items(), key=lambda item: item[1])
+
+
 def start_handed_on(state: WorkerState, hand_on: HandOn) -> None:
-    """Give back the places ``hand_on`` did not fill; send the members it claimed to
+    """Give back the places ``hand_on`` did not fill; send the jobs it claimed to
     their queue's handler threads (tracked as running, not started, as a claim's).
 
     Once the worker is stopping, they are given back instead, without using
@@ -140,7 +193,7 @@ def give_back_unstarted(state: WorkerState, jobs: list[Job]) -> None:
         with wakeups.after_commit(state.alias, state.outbox):
             finalize(results, state.alias)
         logger.info(
-            "gave back %s handed-on sequence member(s) at shutdown: %s",
+            "gave back %s handed-on job(s) at shutdown: %s",
             len(jobs),
             ", ".join(str(job.id) for job in jobs),
         )

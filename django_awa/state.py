@@ -140,6 +140,10 @@ class QueueRunner:
     starts_since: float = field(default_factory=time.monotonic)
     limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
     wake_fleet: bool = False  # claimed under the queue's lock: room it frees wakes every worker
+    # Its global_concurrency is kept by slot leases (slots.py), none of its other
+    # limits: the completer refills the places its outcomes free (sequences.refill).
+    refill: bool = False
+    cap: int | None = None  # the places its slot leases allow (None: no global_concurrency)
     shared: SharedConcurrency | None = None  # AWA["WORKER_CONCURRENCY"], when set
 
     def prefetch(self, window: float | None, most: int) -> int:
@@ -196,16 +200,28 @@ class QueueRunner:
 
     def take_places(self, want: int) -> int:
         """Reserve up to ``want`` of the queue's free places now, without waiting (a
-        sequence's hand-on, ``completer.reserve_hand_on``); how many it got. Within
-        the concurrency alone: a handed-on member starts at once, it is no prefetch."""
+        sequence's hand-on, a refill: ``completer.reserve_hand_on``); how many it got.
+        Within the concurrency alone (a handed-on job starts at once, it is no
+        prefetch) and the places the process's slot leases allow (``cap``)."""
         with self.room:
-            taken = max(0, min(want, self.concurrency - self.held))
+            most = self.concurrency if self.cap is None else min(self.concurrency, self.cap)
+            taken = max(0, min(want, most - self.held))
             self.held += taken
         if self.shared is not None and taken:
             granted = self.shared.take(self.name, taken, 0.0)
             self.give_places(taken - granted, shared=False)
             taken = granted
         return taken
+
+    def keep_places(self, n: int) -> int:
+        """Of ``n`` held places whose jobs are done (their handlers passed them to the
+        completer), keep as many as the concurrency and ``cap`` still allow, for a
+        refill; give the others back (a rebalance lowered the slots). How many kept."""
+        with self.room:
+            most = self.concurrency if self.cap is None else min(self.concurrency, self.cap)
+            kept = max(0, min(n, most - (self.held - n)))
+        self.give_places(n - kept)
+        return kept
 
     def give_places(self, n: int, *, shared: bool = True) -> None:
         """Give back ``n`` places ``take_places`` reserved and no job filled."""
