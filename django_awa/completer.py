@@ -24,11 +24,13 @@ commit the claimed members go to their queue's handler threads, as a claim's
 would. A member costs a handler call and one completer round trip.
 
 A ``global_concurrency`` queue kept by slot leases (``slots.py``) is refilled
-the same way: the completer reserves, within the process's slots, the places
-the batch's handlers left, and the statement that writes the outcomes claims
-the queue's next due jobs into them (``sql.COMPLETE_REFILL``). The slots stay
-this process's throughout, so the fleet-wide limit holds at every instant, and
-a place does not stand empty for a claim's round trip between two jobs.
+the same way: the completer reserves places of the queue free now, one per
+attempt of the batch at most and within the process's slots
+(``QueueRunner.cap``), and the statement that writes the outcomes claims the
+queue's next due jobs into them (``sql.COMPLETE_REFILL``). The slots stay this
+process's throughout, so the fleet-wide limit holds at every instant. The
+producer claims into the places as well (whichever reserves a free place
+first fills it).
 """
 
 from __future__ import annotations
@@ -89,10 +91,7 @@ def reserve_hand_on(state: WorkerState, batch: list[AttemptResult]) -> HandOn | 
     batch's transaction claims that queue's next jobs into them. ``None`` when
     there is none to reserve.
     """
-    passed = passed_places(batch)
     if state.stopping.is_set():
-        for queue, n in passed.items():
-            state.queues[queue].give_places(n)
         return None
     wanted: dict[str, int] = {}
     for result in batch:
@@ -112,34 +111,20 @@ def reserve_hand_on(state: WorkerState, batch: list[AttemptResult]) -> HandOn | 
             if taken:
                 places[queue] = taken
     refill = refill_queue(state, batch)
-    kept = passed.pop(refill[0], 0) if refill is not None else 0
-    for queue, n in passed.items():  # places of other queues: free again
-        state.queues[queue].give_places(n)
     if refill is not None:
         queue, want = refill
-        runner = state.queues[queue]
-        taken = runner.keep_places(kept) + runner.take_places(want - kept)
+        taken = state.queues[queue].take_places(want)
         if taken:
             places[queue] = taken
             return HandOn(places, refill=queue)
     return HandOn(places) if places else None
 
 
-def passed_places(batch: list[AttemptResult]) -> dict[str, int]:
-    """The places ``batch``'s handlers left with their results (``holds_place``, then
-    cleared: each is counted once, though a result may be written again), by queue."""
-    passed: dict[str, int] = {}
-    for result in batch:
-        if result.holds_place:
-            result.holds_place = False
-            passed[result.job.queue] = passed.get(result.job.queue, 0) + 1
-    return passed
-
-
 def refill_queue(state: WorkerState, batch: list[AttemptResult]) -> tuple[str, int] | None:
     """The queue kept by slot leases (``QueueRunner.refill``) most of ``batch``'s
-    attempts are of, and how many they are: their handlers left their places, which
-    the batch's transaction may fill (one queue a batch). ``None``: none is."""
+    attempts are of, and how many they are: their handlers left their places, free
+    ones of which the batch's transaction may fill (one queue a batch). ``None``:
+    none is."""
     queues = state.queues
     if not any(runner.refill for runner in queues.values()):
         return None  # the common case: one test a batch, none a result

@@ -152,9 +152,6 @@ class Attempt:
     claimed: float = field(default_factory=time.monotonic)
     started: float | None = None
     started_written: bool = False
-    # Its handler returned and its place on the queue went to the completer with
-    # its result (AttemptResult.holds_place): a refilled queue (completer.py).
-    place_passed: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -303,9 +300,6 @@ class AttemptResult:
     row: Job | None = None
     locked: bool = False
     has_dependents: bool = False
-    # Its handler's place on the queue is still held, for the completer to refill
-    # or give back (completer.reserve_hand_on), once.
-    holds_place: bool = False
 
     @property
     def outcome(self) -> Outcome | None:

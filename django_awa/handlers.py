@@ -401,7 +401,7 @@ class HandlerPool:
             with self.running_lock:
                 handler.attempt = None
                 abandoned = handler.abandoned
-            if not abandoned and not attempt.place_passed:
+            if not abandoned:
                 runner.finished()
 
     def _run(self, attempt: Attempt) -> None:
@@ -457,15 +457,8 @@ class HandlerPool:
             _thread.pooled = release_connections(keep=True)
 
     def _put(self, attempt: Attempt, result: AttemptResult) -> None:
-        """Hand ``result`` to the completer, with when its handler began; on a queue
-        the completer refills (``QueueRunner.refill``), with the handler's place too,
-        unless the attempt was abandoned (``tend`` gave its place away)."""
+        """Hand ``result`` to the completer, with when its handler began."""
         result.started = attempt.started
-        runner = self.state.queues.get(attempt.job.queue)
-        if runner is not None and runner.refill:
-            with self.running_lock:
-                if self.running.get(attempt.job.id) is attempt:
-                    attempt.place_passed = result.holds_place = True
         self.results.put(result)
 
     def _run_atomic(
@@ -608,7 +601,7 @@ class HandlerPool:
         runner = handler.runner
         job = attempt.job
         with self.running_lock:
-            if handler.attempt is not attempt or attempt.place_passed:
+            if handler.attempt is not attempt:
                 return  # it returned meanwhile
             alive = sum(1 for h in self.abandoned if h.runner is runner)
             if alive >= runner.concurrency:

@@ -12,9 +12,9 @@ without prefetch (a job claimed ahead would hold a fleet-wide place while it
 waits), but for per-key leases: a job claimed ahead holds its own key's place,
 which only its own handler would use. Its ``global_concurrency`` is kept by
 slot leases (``slots.py``): the producer claims at most as many jobs as its
-process holds slots free, with the plain ``sql.CLAIM``; while its jobs keep
-coming, the completer claims them into the places their outcomes free
-(``QueueRunner.refill``, set here). Kinds whose
+process holds slots free, with the plain ``sql.CLAIM``; the completer claims
+its jobs into free places too, in the statement that writes outcomes
+(``QueueRunner.refill`` and ``cap``, set here). Kinds whose
 ``awa.Limit`` is a concurrency limit only (per key with ``by``) are kept by
 per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, no
 lock). A ``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with

@@ -20,18 +20,17 @@ SIGKILLed worker stops renewing it; once it is ``STALE_AFTER`` old (when its
 attempts are rescued) its slots are free to take (``sql.FREE_STALE_SLOTS``).
 A worker that stops deletes its slots with its row (``sql.DEREGISTER_WORKER``).
 
-What the limit counts: attempts whose handler runs. While the queue's jobs
-keep coming, a handler passes its place to the completer with its result, and
-the statement that writes the outcome claims the next job into it
-(``completer.reserve_hand_on``, ``sql.COMPLETE_REFILL``): the slot stays this
-process's throughout, and no place waits for a claim's round trip. A place the
-completer gives back (nothing due) goes to the producer's next claim as soon
-as it is free; an attempt's row then stays ``running`` a few milliseconds
-after its handler returned and the next job of that slot began, so the
-database may show a few more than N running rows at an instant; never more
-than N handlers run. ``QueueRunner.cap`` is the places the slots allow: the
-completer keeps no place beyond it, and none while a rebalance may give slots
-back (it is 0 meanwhile).
+What the limit counts: attempts whose handler runs. An attempt's row stays
+``running`` until its outcome commits, a few milliseconds after its handler
+returned and the next job of that slot began, so the database may show a few
+more than N running rows at an instant; never more than N handlers run.
+
+The completer fills free places too: the statement that writes a batch of the
+queue's outcomes claims its next due jobs into places it reserved, free then
+(``completer.reserve_hand_on``, ``sql.COMPLETE_REFILL``). ``QueueRunner.cap``
+is the places the slots allow (the producer keeps it): no reservation goes
+beyond it, and none is made while a rebalance may give slots back (it is 0
+meanwhile).
 """
 
 from __future__ import annotations

@@ -213,16 +213,6 @@ class QueueRunner:
             taken = granted
         return taken
 
-    def keep_places(self, n: int) -> int:
-        """Of ``n`` held places whose jobs are done (their handlers passed them to the
-        completer), keep as many as the concurrency and ``cap`` still allow, for a
-        refill; give the others back (a rebalance lowered the slots). How many kept."""
-        with self.room:
-            most = self.concurrency if self.cap is None else min(self.concurrency, self.cap)
-            kept = max(0, min(n, most - (self.held - n)))
-        self.give_places(n - kept)
-        return kept
-
     def give_places(self, n: int, *, shared: bool = True) -> None:
         """Give back ``n`` places ``take_places`` reserved and no job filled."""
         if n:

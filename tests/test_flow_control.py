@@ -952,38 +952,6 @@ def test_the_outcomes_of_a_slot_leased_queue_claim_its_next_jobs_into_their_plac
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_handlers_place_passed_with_its_result_is_refilled_or_given_back_once() -> None:
-    state = WorkerState.create({"leased": 4})
-    runner = state.queues["leased"]
-    runner.refill, runner.cap = True, 3
-    runner.held = 3  # three handlers ran
-    ids = awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="leased") for i in range(3)])
-    jobs = list(Job.objects.filter(id__in=ids).order_by("id"))
-    mine = [completed(job) for job in jobs]
-    for result in mine:
-        result.holds_place = True  # their handlers passed the places (handlers._put)
-    # The slots were lowered to two meanwhile: one place goes back, two are kept.
-    runner.cap = 2
-    hand_on = reserve_hand_on(state, mine)
-    assert hand_on is not None and hand_on.refill == "leased" and hand_on.places == {"leased": 2}
-    assert runner.held == 2 and not any(result.holds_place for result in mine)
-    start_handed_on(state, hand_on)  # nothing claimed into them: given back
-    assert runner.held == 0
-    # Written again (a locked row): its place is not counted a second time; places
-    # are taken as free ones, within the slots.
-    runner.held = 1
-    again = reserve_hand_on(state, mine)
-    assert again is not None and again.places == {"leased": 1} and runner.held == 2
-    start_handed_on(state, again)
-    assert runner.held == 1
-    # A stopping worker gives every passed place back.
-    runner.held = 1
-    mine[0].holds_place = True
-    state.stopping.set()
-    assert reserve_hand_on(state, mine) is None and runner.held == 0
-
-
-@pytest.mark.django_db(transaction=True)
 def test_jobs_refilled_while_the_worker_stops_are_given_back_unused() -> None:
     from django_awa import fleet
 
