@@ -22,15 +22,6 @@ queues (unlimited ones this worker serves), the transaction that writes the
 outcomes claims each sequence's next member into them, and right after the
 commit the claimed members go to their queue's handler threads, as a claim's
 would. A member costs a handler call and one completer round trip.
-
-A ``global_concurrency`` queue kept by slot leases (``slots.py``) is refilled
-the same way: the completer reserves places of the queue free now, one per
-attempt of the batch at most and within the process's slots
-(``QueueRunner.cap``), and the statement that writes the outcomes claims the
-queue's next due jobs into them (``sql.COMPLETE_REFILL``). The slots stay this
-process's throughout, so the fleet-wide limit holds at every instant. The
-producer claims into the places as well (whichever reserves a free place
-first fills it).
 """
 
 from __future__ import annotations
@@ -86,10 +77,7 @@ def reserve_hand_on(state: WorkerState, batch: list[AttemptResult]) -> HandOn | 
     One place per finished member, on its queue, where this worker serves the
     queue, its claims are not under limits (those claim under the queue's lock,
     ``sql.CLAIM_LIMITED``), the worker is not stopping, and a place is free
-    now (no waiting). And places of the queue kept by slot leases most of
-    ``batch`` is of (``refill_queue``), one per attempt, within its slots: the
-    batch's transaction claims that queue's next jobs into them. ``None`` when
-    there is none to reserve.
+    now (no waiting). ``None`` when there is none to reserve.
     """
     if state.stopping.is_set():
         return None
@@ -110,37 +98,11 @@ def reserve_hand_on(state: WorkerState, batch: list[AttemptResult]) -> HandOn | 
             taken = runner.take_places(want)
             if taken:
                 places[queue] = taken
-    refill = refill_queue(state, batch)
-    if refill is not None:
-        queue, want = refill
-        taken = state.queues[queue].take_places(want)
-        if taken:
-            places[queue] = taken
-            return HandOn(places, refill=queue)
     return HandOn(places) if places else None
 
 
-def refill_queue(state: WorkerState, batch: list[AttemptResult]) -> tuple[str, int] | None:
-    """The queue kept by slot leases (``QueueRunner.refill``) most of ``batch``'s
-    attempts are of, and how many they are: their handlers left their places, free
-    ones of which the batch's transaction may fill (one queue a batch). ``None``:
-    none is."""
-    queues = state.queues
-    if not any(runner.refill for runner in queues.values()):
-        return None  # the common case: one test a batch, none a result
-    counts: dict[str, int] = {}
-    for result in batch:
-        queue = result.job.queue
-        runner = queues.get(queue)
-        if runner is not None and runner.refill and not result.locked:
-            counts[queue] = counts.get(queue, 0) + 1
-    if not counts:
-        return None
-    return max(counts.items(), key=lambda item: item[1])
-
-
 def start_handed_on(state: WorkerState, hand_on: HandOn) -> None:
-    """Give back the places ``hand_on`` did not fill; send the jobs it claimed to
+    """Give back the places ``hand_on`` did not fill; send the members it claimed to
     their queue's handler threads (tracked as running, not started, as a claim's).
 
     Once the worker is stopping, they are given back instead, without using
@@ -178,7 +140,7 @@ def give_back_unstarted(state: WorkerState, jobs: list[Job]) -> None:
         with wakeups.after_commit(state.alias, state.outbox):
             finalize(results, state.alias)
         logger.info(
-            "gave back %s handed-on job(s) at shutdown: %s",
+            "gave back %s handed-on sequence member(s) at shutdown: %s",
             len(jobs),
             ", ".join(str(job.id) for job in jobs),
         )

@@ -65,8 +65,6 @@ from .sequences import (
     finished_keys,
     hand_off,
     places_of,
-    refill,
-    refill_places,
 )
 
 logger = logging.getLogger(__name__)
@@ -220,40 +218,6 @@ def _complete_handing_on(
         }
     with db.cursor(alias) as cursor:
         cursor.execute(statement, {**params, **claim_params()})
-        rows = cursor.fetchall()
-        done = [row for row in rows if not row[0]]
-        if len(done) < len(results):
-            _mark_locked(cursor, results, {row[1 + ID_COLUMN] for row in done}, standalone=True)
-    applied = []
-    for row in done:
-        result = by_id[row[1 + ID_COLUMN]]
-        result.has_dependents = row[1 + HAS_DEPENDENTS_COLUMN]
-        applied.append(result)
-    return applied, jobs_from_rows([row[1:] for row in rows if row[0]], alias)
-
-
-def _complete_refilling(
-    results: Sequence[AttemptResult], alias: str, hand_on: HandOn | None
-) -> tuple[list[AttemptResult], list[Job]]:
-    """Write completions (``sql.COMPLETE``'s kind of batch) and claim the next due jobs
-    of ``hand_on``'s refill queue into its places, in one statement, its own
-    transaction (``sql.COMPLETE_REFILL``).
-
-    Returns the results that applied and the jobs claimed (the caller records
-    them: the statement committed). Results left out are flagged as
-    ``sql.COMPLETE_STANDALONE``'s are: locked, or (``has_dependents``) to be
-    written again in a transaction.
-    """
-    by_id = {r.job.id: r for r in results}
-    params: dict[str, Any] = {
-        "id": db.int_array(r.job.id for r in results),
-        "run_lease": db.int_array(r.job.run_lease for r in results),
-        "started_ago": db.float_array(r.started_ago() for r in results),
-        "queue": hand_on.refill if hand_on else None,
-        "limit": refill_places(hand_on),
-    }
-    with db.cursor(alias) as cursor:
-        cursor.execute(sql.COMPLETE_REFILL, {**params, **claim_params()})
         rows = cursor.fetchall()
         done = [row for row in rows if not row[0]]
         if len(done) < len(results):
@@ -440,10 +404,8 @@ def finalize(
     A result whose attempt is stale (its run_lease no longer running) is left
     out and inserts nothing. With ``hand_on``, the next members of the
     sequences the batch finishes are claimed into its places where they can
-    start (``sequences.hand_off``), and with ``hand_on.refill`` the next due
-    jobs of that queue into its places (``sequences.refill``); once committed,
-    they are added to ``hand_on.claimed`` and their places taken off
-    ``hand_on.places``.
+    start (``sequences.hand_off``); once committed, they are added to
+    ``hand_on.claimed`` and their places taken off ``hand_on.places``.
     """
     if not results:
         return []
@@ -467,29 +429,18 @@ def finalize(
             hand_on.took(claimed)
         _log_all(applied)
         return applied
-    # Completions that free places of a queue kept by slot leases: one statement
-    # writes them and claims its next jobs into the places (_complete_refilling).
-    refilling = bool(refill_places(hand_on))
-    fused = refilling and _completions(plain) and not _holds_leases(plain)
     # A job whose row said it has dependents when it was claimed goes straight
     # to the transaction that settles them; a sequence member that finishes, to
-    # the one that hands its sequence on (sequences.hand_off); other outcomes
-    # that free such places, to the one that claims into them (sequences.refill).
-    if special or rows or dependents or handing_on or (refilling and not fused):
+    # the one that hands its sequence on (sequences.hand_off).
+    if special or rows or dependents or handing_on:
         with transaction.atomic(using=alias):
             applied = _write(plain, alias, rows=rows)
             applied.extend(_write_with_followups(special, alias))
             _settle_dependents(applied, alias)
             _, claimed = hand_off(finished_keys(applied), alias, hand_on)
-            claimed += refill(alias, hand_on, claimed)
             _apply_early_callbacks(applied, alias)
             _send_signals(applied, alias)
         if hand_on is not None:  # committed: the claimed members are this worker's now
-            hand_on.took(claimed)
-    elif fused:
-        applied, claimed = _complete_refilling(plain, alias, hand_on)
-        applied.extend(_again_with_dependents(plain, applied, alias))
-        if hand_on is not None:
             hand_on.took(claimed)
     else:
         # One statement and nothing else to write with it: it is its own

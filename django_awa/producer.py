@@ -12,9 +12,7 @@ without prefetch (a job claimed ahead would hold a fleet-wide place while it
 waits), but for per-key leases: a job claimed ahead holds its own key's place,
 which only its own handler would use. Its ``global_concurrency`` is kept by
 slot leases (``slots.py``): the producer claims at most as many jobs as its
-process holds slots free, with the plain ``sql.CLAIM``; the completer claims
-its jobs into free places too, in the statement that writes outcomes
-(``QueueRunner.refill`` and ``cap``, set here). Kinds whose
+process holds slots free, with the plain ``sql.CLAIM``. Kinds whose
 ``awa.Limit`` is a concurrency limit only (per key with ``by``) are kept by
 per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, no
 lock). A ``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with
@@ -392,13 +390,6 @@ class Producer:
             # from elsewhere).
             self.runner.limited = self.limits.limited
             self.runner.wake_fleet = self.limits.gated
-            # The completer refills the places of a queue whose only limit is a
-            # global_concurrency, kept by slot leases (sequences.refill).
-            self.runner.refill = (
-                self.limits.leased
-                and not self.limits.gated
-                and not (self.limits.sequenced or self.sequenced)
-            )
         return self.limits
 
     def slot_room(self, limits: QueueLimits, reserved: int = 0) -> int | None:
@@ -411,25 +402,16 @@ class Producer:
         runner, state = self.runner, self.state
         if limits.global_concurrency is None:
             if self.slots is not None:
-                with runner.room:
-                    runner.cap = None
                 self.slots.give_back_all()
                 self.slots = None
             return None
         if self.slots is None:
             self.slots = Slots(runner.name, state.id, state.alias, state.conf.stale_after)
+        in_use = runner.held - reserved
         if self.slots.due(state.conf.poll_interval):
-            with runner.room:
-                # No refill (completer.reserve_hand_on) takes a place while slots
-                # may go back: the places in use are counted once, here.
-                runner.cap = 0
-                in_use = runner.held - reserved
             self.slots.rebalance(
                 limits.global_concurrency, runner.concurrency, in_use, busy=self.busy
             )
-        with runner.room:
-            runner.cap = self.slots.usable
-            in_use = runner.held - reserved
         return max(0, self.slots.usable - in_use)
 
     def run_once(self) -> list[Job] | None:

@@ -54,15 +54,10 @@ def finished_keys(results: Iterable[AttemptResult]) -> list[tuple[str, str]]:
 class HandOn:
     """Places a worker reserved for the next members of the sequences a batch finishes
     (queue: how many; one per finished member, on its queue), and the members
-    ``finalize`` claimed into them.
-
-    ``refill``: a ``global_concurrency`` queue kept by this worker's slot leases
-    whose places (in ``places``, within its slots) the batch's transaction fills
-    with the queue's next due jobs (``sql.COMPLETE_REFILL``, ``refill``)."""
+    ``finalize`` claimed into them."""
 
     places: dict[str, int]
     claimed: list[Job] = field(default_factory=list)
-    refill: str | None = None
 
     def took(self, claimed: list[Job]) -> None:
         """``claimed`` (committed) fill places: add them, take their places off."""
@@ -118,28 +113,6 @@ def hand_off(
     claimed = jobs_from_rows([row[1:] for row in rows if row[0]], alias)
     restored = [row[1 + QUEUE_COLUMN] for row in rows if not row[0]]
     return restored, claimed
-
-
-def refill_places(hand_on: HandOn | None, claimed: Iterable[Job] = ()) -> int:
-    """How many places of ``hand_on``'s refill queue are left to fill, ``claimed`` (not
-    yet taken off: the transaction has not committed) left out."""
-    if hand_on is None or hand_on.refill is None:
-        return 0
-    queue = hand_on.refill
-    return max(0, hand_on.places.get(queue, 0) - sum(1 for job in claimed if job.queue == queue))
-
-
-def refill(alias: str, hand_on: HandOn | None, claimed: Iterable[Job] = ()) -> list[Job]:
-    """Claim the next due jobs of ``hand_on``'s refill queue into its places left (``sql.CLAIM``),
-    inside the transaction that writes the outcomes of the attempts that held them;
-    the jobs claimed (the caller records them once it commits)."""
-    places = refill_places(hand_on, claimed)
-    if not places or hand_on is None or hand_on.refill is None:
-        return []
-    with db.cursor(alias) as cursor:
-        cursor.execute(sql.CLAIM, {"queue": hand_on.refill, "limit": places, **claim_params()})
-        rows = cursor.fetchall()
-    return jobs_from_rows(rows, alias)
 
 
 def claim_params() -> dict[str, Any]:

@@ -24,13 +24,6 @@ What the limit counts: attempts whose handler runs. An attempt's row stays
 ``running`` until its outcome commits, a few milliseconds after its handler
 returned and the next job of that slot began, so the database may show a few
 more than N running rows at an instant; never more than N handlers run.
-
-The completer fills free places too: the statement that writes a batch of the
-queue's outcomes claims its next due jobs into places it reserved, free then
-(``completer.reserve_hand_on``, ``sql.COMPLETE_REFILL``). ``QueueRunner.cap``
-is the places the slots allow (the producer keeps it): no reservation goes
-beyond it, and none is made while a rebalance may give slots back (it is 0
-meanwhile).
 """
 
 from __future__ import annotations

@@ -1181,41 +1181,6 @@ COMPLETE_HAND_ON = _complete_hand_on(
 # it again.)
 COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %(id)s::bigint")
 
-# -- COMPLETE_REFILL --
-# COMPLETE_STANDALONE and CLAIM in one statement (autocommit, one round trip),
-# for a worker that keeps a global_concurrency queue's places with slot
-# leases (slots.py): the batch's completions are written, and up to %(limit)s
-# due jobs of %(queue)s are claimed, as CLAIM claims them, into free places of
-# the queue the completer reserved within the worker's slots (the finished
-# attempts' handlers left them), one round trip and one commit for both. The
-# claim's candidates are available rows, which the writes never
-# touch; its snapshot is the statement's, as a claim's after the outcomes
-# committed would not see more. Rows with dependents are left out, as
-# standalone. Returns the completed rows' (id, has_dependents) in the columns
-# of id and has_dependents, the others NULL (claimed false), and the claimed
-# rows (claimed true). Index: as COMPLETE, and CLAIM's awa_job_claim_idx.
-COMPLETE_REFILL = f"""{
-    _complete_writes(_ATTEMPT_ARRAYS).format(dependents=_STANDALONE, **_ID_FLAG)
-},
-done AS (SELECT * FROM kept UNION ALL SELECT * FROM moved),
-picked AS (
-    SELECT id FROM ONLY awa_job AS c
-    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
-      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
-      AND {_sequence_free("c")}
-    ORDER BY priority, run_at, id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-),
-took AS (
-    UPDATE ONLY awa_job AS j{_CLAIM_SET}
-    WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
-    RETURNING {J_JOB_COLUMNS}
-)
-SELECT true AS claimed, took.* FROM took
-UNION ALL SELECT false, {_null_row_but("d", ("id", "has_dependents"))} FROM done AS d
-"""
-
 
 # -- RELEASING --
 # The forms of FINALIZE and COMPLETE (and their variants) for a batch holding
@@ -1869,9 +1834,8 @@ WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
 # HEARTBEAT, SET_PROGRESS, MARK_STARTED). Their generic plan does not know the array's length, and
 # with the statistics of a quiet table it scanned every running row for each
 # batch instead of looking ids up by primary key, so they are planned on each
-# run. So are COMPLETE_REFILL (COMPLETE's arrays), HAND_ON and COMPLETE_HAND_ON (a
-# generic plan of the latter read awa_job_deadline_idx for the running rows and
-# scanned awa_job for the next ones),
+# run. So are HAND_ON and COMPLETE_HAND_ON (a generic plan of the latter read
+# awa_job_deadline_idx for the running rows and scanned awa_job for the next ones),
 # but not COMPLETE_HAND_ON_ONE, the same for one member with scalars: its plan for
 # any parameters is its plan for each (primary key, awa_job_sequence_idx), and
 # its parsing and planning took longer than its run (a saturated sequence runs

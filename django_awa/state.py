@@ -140,10 +140,6 @@ class QueueRunner:
     starts_since: float = field(default_factory=time.monotonic)
     limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
     wake_fleet: bool = False  # claimed under the queue's lock: room it frees wakes every worker
-    # Its global_concurrency is kept by slot leases (slots.py), none of its other
-    # limits: the completer refills the places its outcomes free (sequences.refill).
-    refill: bool = False
-    cap: int | None = None  # the places its slot leases allow (None: no global_concurrency)
     shared: SharedConcurrency | None = None  # AWA["WORKER_CONCURRENCY"], when set
 
     def prefetch(self, window: float | None, most: int) -> int:
@@ -200,12 +196,10 @@ class QueueRunner:
 
     def take_places(self, want: int) -> int:
         """Reserve up to ``want`` of the queue's free places now, without waiting (a
-        sequence's hand-on, a refill: ``completer.reserve_hand_on``); how many it got.
-        Within the concurrency alone (a handed-on job starts at once, it is no
-        prefetch) and the places the process's slot leases allow (``cap``)."""
+        sequence's hand-on, ``completer.reserve_hand_on``); how many it got. Within
+        the concurrency alone: a handed-on member starts at once, it is no prefetch."""
         with self.room:
-            most = self.concurrency if self.cap is None else min(self.concurrency, self.cap)
-            taken = max(0, min(want, most - self.held))
+            taken = max(0, min(want, self.concurrency - self.held))
             self.held += taken
         if self.shared is not None and taken:
             granted = self.shared.take(self.name, taken, 0.0)
