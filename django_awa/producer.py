@@ -171,14 +171,17 @@ def queue_limits(queue: str, alias: str, conf: AwaSettings | None = None) -> Que
     )
 
 
-def claim(queue: str, limit: int, alias: str) -> list[Job]:
+def claim(queue: str, limit: int, alias: str, *, unflushed: bool = False) -> list[Job]:
     """Claim up to ``limit`` runnable jobs of ``queue``, in priority, run_at, id order.
 
     Each claimed row is ``running`` with a new ``run_lease``: the attempt's
     guard for every later write. Commits at once (autocommit): a claim must be
-    visible to other workers' SKIP LOCKED and to maintenance.
+    visible to other workers' SKIP LOCKED and to maintenance. ``unflushed``
+    (a queue kept by slot leases): without waiting for the commit's WAL flush
+    (``sql.CLAIM_UNFLUSHED``).
     """
-    return _run_claim(sql.CLAIM, {"queue": queue, "limit": limit}, alias)
+    statement = sql.CLAIM_UNFLUSHED if unflushed else sql.CLAIM
+    return _run_claim(statement, {"queue": queue, "limit": limit}, alias)
 
 
 def _run_claim(statement: str, params: dict[str, Any], alias: str) -> list[Job]:
@@ -454,7 +457,7 @@ class Producer:
                 elif limits.sequenced or self.sequenced:
                     jobs = claim_sequenced(runner.name, want, state.alias)
                 else:
-                    jobs = claim(runner.name, want, state.alias)
+                    jobs = claim(runner.name, want, state.alias, unflushed=limits.leased)
                     # A member enqueued with EnqueueRequest(sequence=) on a queue
                     # whose kinds declare none: park its sequence's waiting members
                     # from now on.

@@ -623,6 +623,29 @@ WITH picked AS (
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
       AND {_sequence_free("c")}{_CLAIM_PICKED}"""
 
+# -- CLAIM_UNFLUSHED --
+# CLAIM for a queue whose global_concurrency is kept by slot leases (slots.py),
+# committing without waiting for its WAL flush (synchronous_commit off for its
+# own transaction, as NOTIFY_QUEUES_AFTER). Such a claim takes at most the few
+# places its process's slots have free (no prefetch), so each of them waited
+# for one commit's flush between two jobs: most of the claim's time
+# (pg_stat_activity: WALWrite and WALSync). The claim is visible to every other
+# session at once; only a server crash before the next flush can lose it, and
+# then the job is available again with its attempt unused, as if it had not
+# been claimed. A handler that ran it meanwhile cannot write an outcome (its
+# run_lease is gone), so the job runs again, as a rescued one would: at least
+# once, as ever. An outcome's commit flushes the WAL before it, claims too.
+# A claim's first CTE, which turns the flush off (set_config(..., true): for its
+# transaction only), and the candidates' condition that makes it run, once,
+# before the scan (a CTE no part of the statement reads is never run).
+_UNFLUSHED = "unflushed AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))"
+_IS_UNFLUSHED = "\n      AND EXISTS (SELECT 1 FROM unflushed)"
+CLAIM_UNFLUSHED = CLAIM.replace("WITH picked AS (", f"WITH {_UNFLUSHED},\npicked AS (", 1).replace(
+    "AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)",
+    f"AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused){_IS_UNFLUSHED}",
+    1,
+)
+
 # ---- Per-key leases of awa.Limit(concurrency=...) (CLAIM_KEYED) ----
 # A queue whose only limits are its kinds' concurrency limits (no rate, no
 # queue rate) claims without LOCK_LIMITS: each attempt of a limited kind holds
@@ -674,7 +697,7 @@ _LEASE_HELD = """coalesce((
 # Then as CLAIM: the rows that got a lease (or need none) start an attempt.
 # A lowered limit: slots above it are never taken again and what runs counts
 # against the new limit, so the key falls to it as its attempts end.
-CLAIM_KEYED = f"""
+_CLAIM_KEYED = f"""
 WITH kl AS MATERIALIZED (SELECT key AS kind, value AS v FROM jsonb_each(%(kinds)s::jsonb)),
 used AS MATERIALIZED (
     SELECT r.kind::text AS kind, {_limit_key("r")} AS gkey, count(*)::int AS running
@@ -736,6 +759,15 @@ WHERE j.id = ANY(ARRAY(SELECT id FROM fits WHERE conc IS NULL
                        UNION ALL SELECT job_id FROM leased))
 RETURNING {J_JOB_COLUMNS}
 """
+CLAIM_KEYED = _CLAIM_KEYED.replace(
+    "WITH kl AS MATERIALIZED (",
+    f"WITH {_UNFLUSHED},\nkl AS MATERIALIZED (",
+    1,
+).replace(
+    "AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)",
+    f"AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused){_IS_UNFLUSHED}",
+    1,
+)
 
 # -- FREE_STALE_LEASES --
 # Maintenance: delete up to %(limit)s leases that no running attempt holds
@@ -1850,6 +1882,7 @@ PREPARED = frozenset(
         INSERT_MANY,
         NOTIFY_QUEUES,
         CLAIM,
+        CLAIM_UNFLUSHED,
         CLAIM_SEQUENCED,
         CLAIM_LIMITED,
         CLAIM_KEYED,
