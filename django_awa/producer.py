@@ -12,7 +12,9 @@ without prefetch (a job claimed ahead would hold a fleet-wide place while it
 waits), but for per-key leases: a job claimed ahead holds its own key's place,
 which only its own handler would use. Its ``global_concurrency`` is kept by
 slot leases (``slots.py``): the producer claims at most as many jobs as its
-process holds slots free, with the plain ``sql.CLAIM``. Kinds whose
+process holds slots free, with ``sql.CLAIM_UNFLUSHED`` (the plain claim,
+committed without waiting for its WAL flush: each place waited one between two
+jobs). Kinds whose
 ``awa.Limit`` is a concurrency limit only (per key with ``by``) are kept by
 per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, no
 lock). A ``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with
@@ -457,7 +459,11 @@ class Producer:
                 elif limits.sequenced or self.sequenced:
                     jobs = claim_sequenced(runner.name, want, state.alias)
                 else:
-                    jobs = claim(runner.name, want, state.alias, unflushed=limits.leased)
+                    jobs = (
+                        claim(runner.name, want, state.alias, unflushed=True)
+                        if limits.leased
+                        else claim(runner.name, want, state.alias)
+                    )
                     # A member enqueued with EnqueueRequest(sequence=) on a queue
                     # whose kinds declare none: park its sequence's waiting members
                     # from now on.

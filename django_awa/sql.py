@@ -697,7 +697,7 @@ _LEASE_HELD = """coalesce((
 # Then as CLAIM: the rows that got a lease (or need none) start an attempt.
 # A lowered limit: slots above it are never taken again and what runs counts
 # against the new limit, so the key falls to it as its attempts end.
-_CLAIM_KEYED = f"""
+CLAIM_KEYED = f"""
 WITH kl AS MATERIALIZED (SELECT key AS kind, value AS v FROM jsonb_each(%(kinds)s::jsonb)),
 used AS MATERIALIZED (
     SELECT r.kind::text AS kind, {_limit_key("r")} AS gkey, count(*)::int AS running
@@ -759,15 +759,6 @@ WHERE j.id = ANY(ARRAY(SELECT id FROM fits WHERE conc IS NULL
                        UNION ALL SELECT job_id FROM leased))
 RETURNING {J_JOB_COLUMNS}
 """
-CLAIM_KEYED = _CLAIM_KEYED.replace(
-    "WITH kl AS MATERIALIZED (",
-    f"WITH {_UNFLUSHED},\nkl AS MATERIALIZED (",
-    1,
-).replace(
-    "AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)",
-    f"AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused){_IS_UNFLUSHED}",
-    1,
-)
 
 # -- FREE_STALE_LEASES --
 # Maintenance: delete up to %(limit)s leases that no running attempt holds

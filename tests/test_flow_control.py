@@ -895,9 +895,9 @@ def test_a_finishing_member_starts_the_next_without_waiting_for_a_poll(start_wor
 
 
 @pytest.mark.django_db(transaction=True)
-def test_claims_of_leased_queues_commit_without_waiting_for_the_flush_and_only_they() -> None:
-    # Slot leases (global_concurrency) and key leases: their claims take few jobs at a
-    # time and a place waits for each, so their commit does not wait for its WAL flush
+def test_claims_of_slot_leased_queues_commit_without_waiting_for_the_flush_and_only_they() -> None:
+    # Slot leases (global_concurrency): their claims take the few places free at a
+    # time, without prefetch, so their commit does not wait for its WAL flush
     # (synchronous_commit off, for the claim's own transaction only).
     awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="leased") for i in range(3)])
     awa.enqueue_many([KeyedSpan(key=f"k{i}", n=i) for i in range(2)])
@@ -912,8 +912,8 @@ def test_claims_of_leased_queues_commit_without_waiting_for_the_flush_and_only_t
 
     unflushed = setting_in_claim(lambda: producer.claim("leased", 1, "default", unflushed=True))
     assert unflushed == (1, "off", "on")  # and the session's setting is untouched after
-    assert setting_in_claim(lambda: producer.claim_keyed(keyed, 1, "default")) == (1, "off", "on")
     # Every other claim waits for its flush, as every outcome does.
+    assert setting_in_claim(lambda: producer.claim_keyed(keyed, 1, "default")) == (1, "on", "on")
     assert setting_in_claim(lambda: producer.claim("leased", 1, "default")) == (1, "on", "on")
     assert len(finalize([completed(j) for j in producer.claim("leased", 1, "default")], "default"))
     assert _scalar("SHOW synchronous_commit") == "on"
