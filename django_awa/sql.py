@@ -635,16 +635,17 @@ WITH picked AS (
 # been claimed. A handler that ran it meanwhile cannot write an outcome (its
 # run_lease is gone), so the job runs again, as a rescued one would: at least
 # once, as ever. An outcome's commit flushes the WAL before it, claims too.
-# A claim's first CTE, which turns the flush off (set_config(..., true): for its
-# transaction only), and the candidates' condition that makes it run, once,
-# before the scan (a CTE no part of the statement reads is never run).
-_UNFLUSHED = "unflushed AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))"
-_IS_UNFLUSHED = "\n      AND EXISTS (SELECT 1 FROM unflushed)"
-CLAIM_UNFLUSHED = CLAIM.replace("WITH picked AS (", f"WITH {_UNFLUSHED},\npicked AS (", 1).replace(
-    "AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)",
-    f"AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused){_IS_UNFLUSHED}",
-    1,
-)
+# The first CTE turns the flush off (set_config(..., true): this transaction
+# only); the candidates' EXISTS on it makes it run, once, before the scan (a CTE
+# no part of the statement reads is never run).
+CLAIM_UNFLUSHED = f"""
+WITH unflushed AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)),
+picked AS (
+    SELECT id FROM ONLY awa_job AS c
+    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
+      AND EXISTS (SELECT 1 FROM unflushed)
+      AND {_sequence_free("c")}{_CLAIM_PICKED}"""
 
 # ---- Per-key leases of awa.Limit(concurrency=...) (CLAIM_KEYED) ----
 # A queue whose only limits are its kinds' concurrency limits (no rate, no
