@@ -12,7 +12,9 @@ without prefetch (a job claimed ahead would hold a fleet-wide place while it
 waits), but for per-key leases: a job claimed ahead holds its own key's place,
 which only its own handler would use. Its ``global_concurrency`` is kept by
 slot leases (``slots.py``): the producer claims at most as many jobs as its
-process holds slots free, with the plain ``sql.CLAIM``. Kinds whose
+process holds slots free, with ``sql.CLAIM_UNFLUSHED`` (the plain claim,
+committed without waiting for its WAL flush: each place waited one between two
+jobs). Kinds whose
 ``awa.Limit`` is a concurrency limit only (per key with ``by``) are kept by
 per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, no
 lock). A ``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with
@@ -174,14 +176,17 @@ def queue_limits(queue: str, alias: str, conf: AwaSettings | None = None) -> Que
     )
 
 
-def claim(queue: str, limit: int, alias: str) -> list[Job]:
+def claim(queue: str, limit: int, alias: str, *, unflushed: bool = False) -> list[Job]:
     """Claim up to ``limit`` runnable jobs of ``queue``, in priority, run_at, id order.
 
     Each claimed row is ``running`` with a new ``run_lease``: the attempt's
     guard for every later write. Commits at once (autocommit): a claim must be
-    visible to other workers' SKIP LOCKED and to maintenance.
+    visible to other workers' SKIP LOCKED and to maintenance. ``unflushed``
+    (a queue kept by slot leases): without waiting for the commit's WAL flush
+    (``sql.CLAIM_UNFLUSHED``).
     """
-    return _run_claim(sql.CLAIM, {"queue": queue, "limit": limit}, alias)
+    statement = sql.CLAIM_UNFLUSHED if unflushed else sql.CLAIM
+    return _run_claim(statement, {"queue": queue, "limit": limit}, alias)
 
 
 def _run_claim(statement: str, params: dict[str, Any], alias: str) -> list[Job]:
@@ -457,7 +462,11 @@ class Producer:
                 elif limits.sequenced or self.sequenced:
                     jobs = claim_sequenced(runner.name, want, state.alias)
                 else:
-                    jobs = claim(runner.name, want, state.alias)
+                    jobs = (
+                        claim(runner.name, want, state.alias, unflushed=True)
+                        if limits.leased
+                        else claim(runner.name, want, state.alias)
+                    )
                     # A member enqueued with EnqueueRequest(sequence=) on a queue
                     # whose kinds declare none: park its sequence's waiting members
                     # from now on.

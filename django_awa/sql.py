@@ -685,6 +685,30 @@ WITH picked AS (
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
       AND {_sequence_free("c")}{_CLAIM_PICKED}"""
 
+# -- CLAIM_UNFLUSHED --
+# CLAIM for a queue whose global_concurrency is kept by slot leases (slots.py),
+# committing without waiting for its WAL flush (synchronous_commit off for its
+# own transaction, as NOTIFY_QUEUES_AFTER). Such a claim takes at most the few
+# places its process's slots have free (no prefetch), so each of them waited
+# for one commit's flush between two jobs: most of the claim's time
+# (pg_stat_activity: WALWrite and WALSync). The claim is visible to every other
+# session at once; only a server crash before the next flush can lose it, and
+# then the job is available again with its attempt unused, as if it had not
+# been claimed. A handler that ran it meanwhile cannot write an outcome (its
+# run_lease is gone), so the job runs again, as a rescued one would: at least
+# once, as ever. An outcome's commit flushes the WAL before it, claims too.
+# The first CTE turns the flush off (set_config(..., true): this transaction
+# only); the candidates' EXISTS on it makes it run, once, before the scan (a CTE
+# no part of the statement reads is never run).
+CLAIM_UNFLUSHED = f"""
+WITH unflushed AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)),
+picked AS (
+    SELECT id FROM ONLY awa_job AS c
+    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
+      AND EXISTS (SELECT 1 FROM unflushed)
+      AND {_sequence_free("c")}{_CLAIM_PICKED}"""
+
 # ---- Per-key leases of awa.Limit(concurrency=...) (CLAIM_KEYED, CLAIM_LIMITED) ----
 # A queue whose only limits are its kinds' concurrency limits (no rate, no
 # queue rate) claims without LOCK_LIMITS: each attempt of a limited kind holds
@@ -1898,6 +1922,7 @@ PREPARED = frozenset(
         INSERT_MANY,
         NOTIFY_QUEUES,
         CLAIM,
+        CLAIM_UNFLUSHED,
         CLAIM_SEQUENCED,
         CLAIM_LIMITED,
         CLAIM_KEYED,

@@ -1026,6 +1026,54 @@ def test_a_finishing_member_starts_the_next_without_waiting_for_a_poll(start_wor
     assert [r.n for r in FlowRun.objects.order_by("started_at")] == list(range(20))
 
 
+@pytest.mark.django_db(transaction=True)
+def test_claims_of_slot_leased_queues_commit_without_waiting_for_the_flush_and_only_they() -> None:
+    # Slot leases (global_concurrency): their claims take the few places free at a
+    # time, without prefetch, so their commit does not wait for its WAL flush
+    # (synchronous_commit off, for the claim's own transaction only).
+    awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="leased") for i in range(3)])
+    awa.enqueue_many([KeyedSpan(key=f"k{i}", n=i) for i in range(2)])
+    keyed = producer.queue_limits("bykey", "default")
+    assert keyed.keyed
+
+    def setting_in_claim(run: Callable[[], list[Job]]) -> tuple[int, str, str]:
+        with transaction.atomic():  # to read the setting in the claim's transaction
+            jobs = run()
+            inside = _scalar("SHOW synchronous_commit")
+        return len(jobs), inside, _scalar("SHOW synchronous_commit")
+
+    unflushed = setting_in_claim(lambda: producer.claim("leased", 1, "default", unflushed=True))
+    assert unflushed == (1, "off", "on")  # and the session's setting is untouched after
+    # Every other claim waits for its flush, as every outcome does.
+    assert setting_in_claim(lambda: producer.claim_keyed(keyed, 1, "default")) == (1, "on", "on")
+    assert setting_in_claim(lambda: producer.claim("leased", 1, "default")) == (1, "on", "on")
+    assert len(finalize([completed(j) for j in producer.claim("leased", 1, "default")], "default"))
+    assert _scalar("SHOW synchronous_commit") == "on"
+
+
+def test_global_concurrency_holds_with_quick_handlers_and_uses_its_places(
+    start_worker,
+) -> None:
+    # glob: 6 places per worker, global_concurrency 4 kept by slot leases. Quick
+    # handlers (2 ms): places free and are claimed into hundreds of times a second,
+    # each claim racing the other workers' slot rebalances.
+    workers = start_three(start_worker, "glob")
+    total = 240
+    awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=i, seconds=0.002), queue="glob") for i in range(total)]
+    )
+    all_finished("span", total, timeout=90)
+    overlap = max_overlap("queue = %s", ["glob"])
+    assert overlap <= 4, f"{overlap} runs of queue glob overlapped; global_concurrency is 4"
+    assert overlap >= 3, f"at most {overlap} ran at once: the fleet did not use its 4 slots"
+    assert FlowRun.objects.values("pid").distinct().count() >= 2
+    # Every job ran once, to completion: none lost or run twice.
+    assert FlowRun.objects.filter(queue="glob").count() == total
+    assert not Job.objects.filter(queue="glob").exclude(state=JobState.COMPLETED).exists()
+    for worker in workers:
+        assert worker.stop() == 0
+
+
 def test_a_finishing_attempt_frees_its_slot_for_waiting_workers_without_a_poll(
     start_worker,
 ) -> None:
