@@ -125,7 +125,15 @@ def all_finished(kind: str, count: int, timeout: float = 60) -> None:
 
 
 def start_three(start_worker: Callable[..., WorkerProcess], queue: str, **env: str) -> list[Any]:
-    return [start_worker("--queue", queue, env={**FLOW_ENV, **env}) for _ in range(3)]
+    """Three workers of ``queue``, each up (listening) before the test enqueues: on a
+    loaded machine the first would otherwise run a short drain alone."""
+    workers = [start_worker("--queue", queue, env={**FLOW_ENV, **env}) for _ in range(3)]
+    wait_for(
+        lambda: all("listening for new jobs" in worker.output() for worker in workers),
+        timeout=30,
+        message="the three workers did not all start",
+    )
+    return workers
 
 
 # ==== In-process: the limited claim =============================================
