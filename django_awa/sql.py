@@ -1737,6 +1737,30 @@ RETURNING {JOB_COLUMNS}
 """
 
 
+# -- LOCK_BY_CALLBACKS --
+# complete_external_many: the jobs parked on any of %(callback_ids)s, locked in
+# id order (two batches sharing callbacks lock them in the same order).
+# Index: awa_job_callback_id_uniq.
+LOCK_BY_CALLBACKS = f"""
+SELECT {JOB_COLUMNS} FROM ONLY awa_job WHERE callback_id = ANY(%(callback_ids)s::uuid[])
+ORDER BY id FOR UPDATE
+"""
+
+# -- COMPLETE_CALLBACKS --
+# RESOLVE_CALLBACK's completion for many locked waiting_external jobs at once,
+# each with its own metadata ({"awa_callback_result": payload}). Primary key.
+COMPLETE_CALLBACKS = f"""
+UPDATE ONLY awa_job AS j
+SET state = 'completed',
+    finalized_at = now(),
+    metadata = (j.metadata - 'awa_early_callback') || d.metadata,
+    callback_timeout_at = NULL
+FROM unnest(%(id)s::bigint[], %(metadata)s::jsonb[]) AS d(id, metadata)
+WHERE j.id = d.id AND j.state = 'waiting_external'
+RETURNING {J_JOB_COLUMNS}
+"""
+
+
 # -- RECORD_EARLY_CALLBACK --
 # A callback answered while its handler still runs: kept on the row, applied on park.
 RECORD_EARLY_CALLBACK = """

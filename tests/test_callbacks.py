@@ -33,6 +33,7 @@ from django_awa.callbacks import (
     MAX_BODY,
     RECEIPT_RETENTION,
     RESULT_KEY,
+    complete_external_many,
     prune_receipts,
     sign,
 )
@@ -363,6 +364,98 @@ def test_a_failing_followup_reaches_the_caller_and_the_job_keeps_waiting(outer):
     # The sender tries again with a payload the follow-up accepts.
     assert awa.complete_external(job.callback_id, {"explode": False}).state == JobState.COMPLETED
     assert followups(job.id) == [("completed", "echo", echo(job.id, "parked-completed"))]
+
+
+# -- many callbacks at once (complete_external_many) -------------------------------
+
+
+def test_complete_external_many_completes_each_with_its_payload_and_followups(spy):
+    jobs = [parked_row() for _ in range(5)]
+    resolved = parked_row(state=JobState.COMPLETED)
+    unknown = uuid.uuid4()
+    given = [(str(job.callback_id), {"tracking": f"T{job.id}"}) for job in jobs]
+    done = complete_external_many([*given, (resolved.callback_id, None), (unknown, None)])
+    assert list(done) == [job.callback_id for job in jobs] + [resolved.callback_id, unknown]
+    assert done[resolved.callback_id] is None and done[unknown] is None
+    for job in jobs:
+        assert (done[job.callback_id].id, done[job.callback_id].state) == (  # type: ignore[union-attr]
+            job.id,
+            JobState.COMPLETED,
+        )
+        row = Job.objects.get(id=job.id)
+        assert row.state == JobState.COMPLETED and row.finalized_at is not None
+        assert row.metadata[RESULT_KEY] == {"tracking": f"T{job.id}"}
+        assert row.callback_timeout_at is None and row.errors == [] and row.attempt == 1
+        assert followups(job.id) == [("completed", "echo", echo(job.id, "parked-completed"))]
+    assert sorted(seen.id for outcome, _, seen in spy if outcome == "completed") == sorted(
+        job.id for job in jobs
+    )
+    assert Job.objects.get(id=resolved.id).metadata.get(RESULT_KEY) is None
+
+
+def test_complete_external_many_takes_as_many_statements_for_fifty_as_for_two():
+    from django.test.utils import CaptureQueriesContext
+
+    counts = []
+    for size in (2, 50):
+        jobs = [parked_row() for _ in range(size)]
+        with CaptureQueriesContext(connection) as queries:
+            complete_external_many([(job.callback_id, {"n": job.id}) for job in jobs])
+        assert Job.objects.filter(id__in=[j.id for j in jobs], state="completed").count() == size
+        counts.append(len(queries.captured_queries))
+    assert counts[0] == counts[1], counts
+
+
+def test_complete_external_many_applies_a_callback_whose_handler_still_runs_when_it_parks():
+    running = parked_row(state=JobState.RUNNING)
+    waiting = parked_row()
+    done = complete_external_many([(running.callback_id, {"a": 1}), (waiting.callback_id, None)])
+    assert done[running.callback_id].state == JobState.RUNNING  # type: ignore[union-attr]
+    row = Job.objects.get(id=running.id)
+    assert row.state == JobState.RUNNING
+    assert row.metadata[EARLY_KEY]["callback_id"] == str(running.callback_id)
+    assert row.metadata[EARLY_KEY]["payload"] == {"a": 1}
+    assert Job.objects.get(id=waiting.id).state == JobState.COMPLETED
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "outer-atomic"])
+def test_complete_external_many_writes_nothing_when_a_followup_fails(outer):
+    jobs = [parked_row() for _ in range(3)]
+    before = [snapshot(job.id) for job in jobs]
+    payloads = [{"explode": False}, {"explode": True}, None]
+    with transaction.atomic() if outer else nullcontext():
+        with pytest.raises(FollowupError, match="parked completion follow-up exploded"):
+            complete_external_many(
+                [(job.callback_id, p) for job, p in zip(jobs, payloads, strict=True)]
+            )
+        if outer:  # only the batch's savepoint rolled back
+            Ledger.objects.create(job_id=0, attempt=0, run_lease=0, note="still usable")
+    assert [snapshot(job.id) for job in jobs] == before
+    assert all(followups(job.id) == [] for job in jobs)
+    assert Ledger.objects.filter(note="still usable").count() == (1 if outer else 0)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("not-a-uuid", "is not a UUID"),
+        ("twice", "given twice"),
+        ("payload", "cannot be stored"),
+    ],
+)
+def test_complete_external_many_refuses_bad_input_before_writing(bad, message):
+    jobs = [parked_row() for _ in range(2)]
+    before = [snapshot(job.id) for job in jobs]
+    given: list[tuple[Any, Any]] = [(job.callback_id, None) for job in jobs]
+    if bad == "not-a-uuid":
+        given.append(("nope", None))
+    elif bad == "twice":
+        given.append((str(jobs[0].callback_id), None))
+    else:
+        given.append((uuid.uuid4(), {"nul": "\x00"}))
+    with pytest.raises(awa.ValidationError, match=message):
+        complete_external_many(given)
+    assert [snapshot(job.id) for job in jobs] == before
 
 
 # -- a callback that arrives while the handler still runs ---------------------------

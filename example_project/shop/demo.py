@@ -51,7 +51,7 @@ from django.http.request import validate_host
 from django.urls import NoReverseMatch, reverse
 
 import django_awa as awa
-from django_awa.callbacks import sign
+from django_awa.callbacks import complete_external_many, sign
 from django_awa.conf import awa_settings
 from django_awa.models import Job, JobState
 
@@ -348,24 +348,17 @@ class Carrier(Service):
     BATCH = 50
 
     def deliver_many(self, callback_ids: list[uuid.UUID]) -> None:
-        """Resolve ``callback_ids`` in one transaction, each in a savepoint of its own.
-
-        A callback resolved meanwhile rolls back its savepoint alone; a database
-        error rolls back the batch, whose jobs still wait: a later poll finds them.
-        """
-        answered = gone = 0
-        with transaction.atomic(using=self.alias):
-            for callback_id in callback_ids:
-                try:
-                    with transaction.atomic(using=self.alias):
-                        awa.complete_external(
-                            callback_id, self.payload(callback_id), using=self.alias
-                        )
-                    answered += 1
-                except awa.CallbackNotFound:
-                    gone += 1
+        """Resolve ``callback_ids`` in one transaction and a few statements
+        (``complete_external_many``). A callback resolved meanwhile comes back
+        ``None``; a database error rolls back the batch, whose jobs still wait:
+        a later poll finds them."""
+        resolved = complete_external_many(
+            ((callback_id, self.payload(callback_id)) for callback_id in callback_ids),
+            using=self.alias,
+        )
+        answered = sum(job is not None for job in resolved.values())
         self.answered += answered
-        self.gone += gone
+        self.gone += len(resolved) - answered
 
     @staticmethod
     def payload(callback_id: uuid.UUID) -> dict[str, Any]:
