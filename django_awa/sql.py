@@ -1781,6 +1781,22 @@ ON CONFLICT (signature) DO NOTHING
 RETURNING true
 """
 
+# -- RECORD_RECEIPTS --
+# RECORD_RECEIPT for the batch receiver: the signatures returned are new.
+RECORD_RECEIPTS = """
+INSERT INTO awa_callback_receipt (signature, received_at)
+SELECT s, now() FROM unnest(%(signatures)s::text[]) AS s
+ON CONFLICT (signature) DO NOTHING
+RETURNING signature
+"""
+
+# -- FORGET_RECEIPTS --
+# The batch receiver's receipts of requests it answered 404, dropped in the
+# same transaction (the one-callback receiver's roll back with the 404).
+FORGET_RECEIPTS = """
+DELETE FROM awa_callback_receipt WHERE signature = ANY(%(signatures)s::text[])
+"""
+
 # -- PRUNE_RECEIPTS --
 # Forget receipts whose request would be refused as stale anyway.
 # Index: awa_receipt_received_idx (received_at).

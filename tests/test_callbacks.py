@@ -1236,3 +1236,107 @@ def test_an_early_callback_that_cannot_be_applied_does_not_block_the_park(monkey
     assert row.state == JobState.WAITING_EXTERNAL and row.callback_id == job.callback_id
     monkeypatch.undo()
     assert awa.complete_external(job.callback_id, {"ok": 2}).state == JobState.COMPLETED
+
+
+# -- the batch receiver (<prefix>/callbacks/complete) ------------------------------------
+
+
+def entry(
+    callback_id: uuid.UUID | str, payload: Any = None, *, raw: str | None = None, **spoil: str
+) -> dict[str, str]:
+    """A batch entry: the body (``raw``, or one with ``payload``) and headers of
+    ``callback_id``'s own ``complete`` POST; ``spoil`` overrides fields after signing."""
+    body = json.dumps({"payload": payload}) if raw is None else raw
+    headers = sign(body, SECRET, callback_id=callback_id, action="complete")
+    made = {
+        "id": str(callback_id),
+        "timestamp": headers["X-Awa-Timestamp"],
+        "signature": headers["X-Awa-Signature"],
+        "body": body,
+    }
+    return {**made, **spoil}
+
+
+def post_batch(entries: Any, client: Client | None = None):
+    client = client or Client(enforce_csrf_checks=True)
+    raw = entries if isinstance(entries, (str, bytes)) else json.dumps({"callbacks": entries})
+    return client.post(
+        reverse("django_awa:callback_batch"), data=raw, content_type="application/json"
+    )
+
+
+def test_the_batch_receiver_judges_each_entry_as_its_own_request_would_be():
+    ok = [parked_row() for _ in range(3)]
+    forged, stale, failed = parked_row(), parked_row(), parked_row(state=JobState.FAILED)
+    before = {job.id: snapshot(job.id) for job in (forged, stale, failed)}
+    unknown = uuid.uuid4()
+    first = entry(ok[0].callback_id, {"n": 0})
+    sent = [
+        first,
+        entry(ok[1].callback_id, {"n": 1}),
+        entry(forged.callback_id, {"n": 9}, signature="0" * 64),
+        entry(stale.callback_id, timestamp=str(int(time.time()) - 301)),
+        entry(unknown),
+        entry(failed.callback_id),
+        first,  # the same signed request twice: a replay
+        entry(ok[2].callback_id, raw='{"payload": 2, "extra": 1}'),  # signed, but a bad body
+        entry(ok[1].callback_id, {"n": 5}),  # resolved by an entry before it
+    ]
+    response = post_batch(sent)
+    assert response.status_code == 200, response.content
+    results = response.json()["results"]
+    assert [r["id"] for r in results] == [e["id"] for e in sent]
+    assert [r["status"] for r in results] == [200, 200, 403, 403, 404, 404, 403, 400, 404]
+    assert results[0]["state"] == "completed" and results[0]["job"] == ok[0].id
+    for job, n in ((ok[0], 0), (ok[1], 1)):
+        row = Job.objects.get(id=job.id)
+        assert row.state == JobState.COMPLETED and row.metadata[RESULT_KEY] == {"n": n}
+        assert followups(job.id) == [("completed", "echo", echo(job.id, "parked-completed"))]
+    for job in (forged, stale, failed):
+        _unchanged(job, before[job.id])
+    assert Job.objects.get(id=ok[2].id).state == JobState.WAITING_EXTERNAL
+    # Receipts of the two accepted requests only: a 404 keeps none, as one POST's.
+    assert CallbackReceipt.objects.count() == 2
+    again = post_batch([entry(unknown), first])
+    assert [r["status"] for r in again.json()["results"]] == [404, 403]
+
+
+def test_a_failing_followup_in_a_batch_is_503_and_changes_nothing():
+    jobs = [parked_row() for _ in range(3)]
+    before = [snapshot(job.id) for job in jobs]
+    sent = [entry(jobs[0].callback_id), entry(jobs[1].callback_id, {"explode": True})]
+    response = post_batch([*sent, entry(jobs[2].callback_id)])
+    assert response.status_code == 503, response.content
+    assert [snapshot(job.id) for job in jobs] == before
+    assert not CallbackReceipt.objects.exists()
+    # The sender tries again without the bad one: the same signed entries pass.
+    response = post_batch([sent[0], entry(jobs[2].callback_id)])
+    assert [r["status"] for r in response.json()["results"]] == [200, 200]
+    assert Job.objects.get(id=jobs[1].id).state == JobState.WAITING_EXTERNAL
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "[]",
+        "not json",
+        '{"callbacks": {}}',
+        '{"callbacks": [], "more": 1}',
+        '{"callbacks": [{"id": "x"}]}',
+        '{"callbacks": [{"id": 1, "timestamp": "1", "signature": "s", "body": "{}"}]}',
+        json.dumps({"callbacks": [entry(uuid.UUID(int=0))] * 501}),
+    ],
+    ids=["list", "text", "object", "extra", "fields", "types", "too-many"],
+)
+def test_a_malformed_batch_is_400_and_changes_nothing(body):
+    job = parked_row()
+    before = snapshot(job.id)
+    response = post_batch(body)
+    assert response.status_code == 400, response.content
+    _unchanged(job, before)
+    assert not CallbackReceipt.objects.exists()
+
+
+def test_the_batch_receiver_takes_only_post():
+    response = Client().get(reverse("django_awa:callback_batch"))
+    assert response.status_code == 405 and response["Allow"] == "POST"
