@@ -263,11 +263,15 @@ def complete_external_many(
         waiting = [job for job in locked if job.state == JobState.WAITING_EXTERNAL]
         for job in locked:
             if job.state == JobState.RUNNING and job.callback_id is not None:
-                # Early (its handler has not returned yet): recorded as one call would.
-                results[job.callback_id] = _external(
-                    job.callback_id, CallbackAction.COMPLETE, payload=payloads[job.callback_id],
-                    using=alias,
-                )  # fmt: skip
+                # Early (its handler has not returned yet): recorded as one call would,
+                # unless an answer is recorded already.
+                try:
+                    results[job.callback_id] = _external(
+                        job.callback_id, CallbackAction.COMPLETE,
+                        payload=payloads[job.callback_id], using=alias,
+                    )  # fmt: skip
+                except CallbackNotFound:
+                    pass
         if waiting:
             rows = _complete_waiting(waiting, payloads, alias)
             for row in rows:

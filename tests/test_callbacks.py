@@ -416,6 +416,10 @@ def test_complete_external_many_applies_a_callback_whose_handler_still_runs_when
     assert row.metadata[EARLY_KEY]["callback_id"] == str(running.callback_id)
     assert row.metadata[EARLY_KEY]["payload"] == {"a": 1}
     assert Job.objects.get(id=waiting.id).state == JobState.COMPLETED
+    # A second answer while it still runs is refused, as complete_external refuses it.
+    again = complete_external_many([(running.callback_id, {"a": 2})])
+    assert again == {running.callback_id: None}
+    assert Job.objects.get(id=running.id).metadata[EARLY_KEY]["payload"] == {"a": 1}
 
 
 @pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "outer-atomic"])
