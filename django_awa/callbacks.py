@@ -618,6 +618,10 @@ def _batch_check(entry: dict[str, Any]) -> tuple[uuid.UUID, str, Any] | JsonResp
     data = _parse(CallbackAction.COMPLETE, raw)
     if isinstance(data, JsonResponse):
         return data
+    try:
+        check_json(data.get("payload"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        return _error(400, f"complete_external: payload cannot be stored: {exc}")
     return cid, verified, data.get("payload")
 
 

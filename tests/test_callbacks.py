@@ -1272,7 +1272,8 @@ def post_batch(entries: Any, client: Client | None = None):
 def test_the_batch_receiver_judges_each_entry_as_its_own_request_would_be():
     ok = [parked_row() for _ in range(3)]
     forged, stale, failed = parked_row(), parked_row(), parked_row(state=JobState.FAILED)
-    before = {job.id: snapshot(job.id) for job in (forged, stale, failed)}
+    nul = parked_row()
+    before = {job.id: snapshot(job.id) for job in (forged, stale, failed, nul)}
     unknown = uuid.uuid4()
     first = entry(ok[0].callback_id, {"n": 0})
     sent = [
@@ -1285,18 +1286,19 @@ def test_the_batch_receiver_judges_each_entry_as_its_own_request_would_be():
         first,  # the same signed request twice: a replay
         entry(ok[2].callback_id, raw='{"payload": 2, "extra": 1}'),  # signed, but a bad body
         entry(ok[1].callback_id, {"n": 5}),  # resolved by an entry before it
+        entry(nul.callback_id, raw='{"payload": "a\\u0000b"}'),  # a payload jsonb refuses
     ]
     response = post_batch(sent)
     assert response.status_code == 200, response.content
     results = response.json()["results"]
     assert [r["id"] for r in results] == [e["id"] for e in sent]
-    assert [r["status"] for r in results] == [200, 200, 403, 403, 404, 404, 403, 400, 404]
+    assert [r["status"] for r in results] == [200, 200, 403, 403, 404, 404, 403, 400, 404, 400]
     assert results[0]["state"] == "completed" and results[0]["job"] == ok[0].id
     for job, n in ((ok[0], 0), (ok[1], 1)):
         row = Job.objects.get(id=job.id)
         assert row.state == JobState.COMPLETED and row.metadata[RESULT_KEY] == {"n": n}
         assert followups(job.id) == [("completed", "echo", echo(job.id, "parked-completed"))]
-    for job in (forged, stale, failed):
+    for job in (forged, stale, failed, nul):
         _unchanged(job, before[job.id])
     assert Job.objects.get(id=ok[2].id).state == JobState.WAITING_EXTERNAL
     # Receipts of the two accepted requests only: a 404 keeps none, as one POST's.
