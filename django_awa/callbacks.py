@@ -26,6 +26,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from django.core.exceptions import RequestDataTooBig
@@ -46,6 +47,7 @@ from .followups import (
     OutcomeContext,
     Retried,
     dispatch,
+    dispatch_many,
     send_signal,
 )
 from .models import Job, JobState, jobs_from_rows
@@ -216,6 +218,95 @@ def _complete(
     )
 
 
+def complete_external_many(
+    callbacks: Iterable[tuple[uuid.UUID | str, Any]], *, using: str | None = None
+) -> dict[uuid.UUID, Job | None]:
+    """``complete_external`` for many (callback id, payload) pairs, in a few statements.
+
+    For a sender answering callbacks by the hundred: the jobs are locked,
+    completed and their Completed follow-ups inserted a statement each for the
+    whole batch, in one transaction (a savepoint of the caller's), instead of
+    a transaction and several round trips per callback. Returns each callback
+    id (as a UUID) with its job as now written, or ``None`` for an unknown or
+    already-resolved callback (which ``complete_external`` refuses with
+    ``CallbackNotFound``); a callback whose handler still runs is recorded
+    and applied when the job parks, as ``complete_external`` does.
+
+    Raises ``ValidationError`` before writing anything for an id that is not a
+    UUID, an id given twice, or a payload that cannot be stored; a failing
+    follow-up raises ``FollowupError`` and nothing of the batch is written.
+    """
+    alias = database_alias(using)
+    payloads: dict[uuid.UUID, Any] = {}
+    for callback_id, payload in callbacks:
+        try:
+            cid = _parse_id(callback_id)
+        except CallbackNotFound:
+            message = f"complete_external_many: {callback_id!r} is not a UUID"
+            raise ValidationError(message) from None
+        if cid in payloads:
+            raise ValidationError(f"complete_external_many: callback {cid} given twice")
+        try:
+            check_json(payload)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ValidationError(
+                f"complete_external_many: the payload for {cid} cannot be stored: {exc}"
+            ) from exc
+        payloads[cid] = payload
+    results: dict[uuid.UUID, Job | None] = dict.fromkeys(payloads)
+    if not payloads:
+        return results
+    with transaction.atomic(using=alias):
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.LOCK_BY_CALLBACKS, {"callback_ids": list(payloads)})
+            locked = jobs_from_rows(cursor.fetchall(), alias)
+        waiting = [job for job in locked if job.state == JobState.WAITING_EXTERNAL]
+        for job in locked:
+            if job.state == JobState.RUNNING and job.callback_id is not None:
+                # Early (its handler has not returned yet): recorded as one call would,
+                # unless an answer is recorded already.
+                try:
+                    results[job.callback_id] = _external(
+                        job.callback_id, CallbackAction.COMPLETE,
+                        payload=payloads[job.callback_id], using=alias,
+                    )  # fmt: skip
+                except CallbackNotFound:
+                    pass
+        if waiting:
+            rows = _complete_waiting(waiting, payloads, alias)
+            for row in rows:
+                results[row.callback_id] = row  # type: ignore[index]
+    return results
+
+
+def _complete_waiting(waiting: list[Job], payloads: dict[uuid.UUID, Any], alias: str) -> list[Job]:
+    """Complete the locked ``waiting`` jobs with their payloads, and their follow-ups."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            sql.COMPLETE_CALLBACKS,
+            {
+                "id": [job.id for job in waiting],
+                "metadata": [
+                    json.dumps({RESULT_KEY: payloads[job.callback_id]})  # type: ignore[index]
+                    for job in waiting
+                ],
+            },
+        )
+        rows = jobs_from_rows(cursor.fetchall(), alias)
+    outcomes = [(row, COMPLETED.after(row)) for row in rows]
+    dispatch_many(outcomes, alias)
+    after_outcomes(rows, alias)
+    after_finishing(rows, alias)
+    for row, context in outcomes:
+        send_signal(row, context, alias)
+        logger.info(
+            "job %s kind=%s attempt=%s -> %s by callback %s (%s)",
+            row.id, row.kind, row.attempt, row.state, row.callback_id, CallbackAction.COMPLETE,
+            extra={"job_id": row.id, "kind": row.kind, "queue": row.queue, "attempt": row.attempt},
+        )  # fmt: skip
+    return rows
+
+
 def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None = None) -> Job:
     """Fail the job waiting on ``callback_id`` whatever attempts remain (Exhausted follow-ups)."""
     return _fail(callback_id, error, using=using)
@@ -350,13 +441,21 @@ def _verify(
     request: HttpRequest, body: bytes, callback_id: uuid.UUID, action: str
 ) -> str | JsonResponse:
     """The request's signature if it is good for this callback and action, else a 403."""
-    secret = awa_settings().callback_secret
-    if not secret:
-        return _error(403, "callbacks are disabled: AWA['CALLBACK_SECRET'] is not set")
     stamp = request.headers.get(TIMESTAMP_HEADER, "")
     given = request.headers.get(SIGNATURE_HEADER, "")
     if not stamp or not given:
         return _error(403, f"missing {TIMESTAMP_HEADER} or {SIGNATURE_HEADER} header")
+    return _check_signature(body, callback_id, action, stamp, given)
+
+
+def _check_signature(
+    body: bytes, callback_id: uuid.UUID, action: str, stamp: str, given: str
+) -> str | JsonResponse:
+    """The signature ``given`` with ``stamp`` if good for this body, callback and action
+    (normalised: the receipt's key), else a 403."""
+    secret = awa_settings().callback_secret
+    if not secret:
+        return _error(403, "callbacks are disabled: AWA['CALLBACK_SECRET'] is not set")
     try:
         skew = abs(time.time() - int(stamp))
     except ValueError:
@@ -407,16 +506,8 @@ def _parse(action: CallbackAction, body: bytes) -> dict[str, Any] | JsonResponse
     return data
 
 
-@csrf_exempt
-def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> JsonResponse:
-    """``POST <prefix>/callbacks/<uuid>/{complete,fail,retry,heartbeat}``."""
-    if action not in CallbackAction:
-        return _error(404, f"unknown action {action!r}")
-    action = CallbackAction(action)
-    if request.method != "POST":
-        response = _error(405, "use POST")
-        response["Allow"] = "POST"
-        return response
+def _read_body(request: HttpRequest) -> bytes | JsonResponse:
+    """The request's body, or a 400 or 413 for a bad length or one over MAX_BODY."""
     length = request.headers.get("Content-Length") or "0"
     if not (length.isascii() and length.isdigit()):  # "-1", "²", "1e3": not a length
         return _error(400, f"bad Content-Length header {length[:40]!r}")
@@ -429,6 +520,22 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
         return _error(413, "body over DATA_UPLOAD_MAX_MEMORY_SIZE")
     if len(body) > MAX_BODY:  # no Content-Length (chunked): judged once read
         return _error(413, f"body over {MAX_BODY} bytes")
+    return body
+
+
+@csrf_exempt
+def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> JsonResponse:
+    """``POST <prefix>/callbacks/<uuid>/{complete,fail,retry,heartbeat}``."""
+    if action not in CallbackAction:
+        return _error(404, f"unknown action {action!r}")
+    action = CallbackAction(action)
+    if request.method != "POST":
+        response = _error(405, "use POST")
+        response["Allow"] = "POST"
+        return response
+    body = _read_body(request)
+    if isinstance(body, JsonResponse):
+        return body
     verified = _verify(request, body, callback_id, action)
     if isinstance(verified, JsonResponse):
         return verified
@@ -465,3 +572,125 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
         logger.warning("callback %s %s: follow-up failed: %s", callback_id, action, exc)
         return _error(503, "a follow-up failed; the job is unchanged, try again")
     return JsonResponse({"id": job.id, "state": job.state})
+
+
+# At most this many callbacks in one request to the batch receiver.
+MAX_BATCH = 500
+
+
+def _batch_entries(body: bytes) -> list[dict[str, Any]] | JsonResponse:
+    """The batch body's entries, or a 400 saying what is wrong with it."""
+    try:
+        data = json.loads(body or b"{}", parse_int=_parse_int)
+    except (ValueError, RecursionError):  # _IntegerTooLong is a ValueError
+        return _error(400, 'body must be {"callbacks": [...]}')
+    entries = data.get("callbacks") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or set(data) != {"callbacks"}:
+        return _error(400, 'body must be {"callbacks": [...]}')
+    if len(entries) > MAX_BATCH:
+        return _error(400, f"at most {MAX_BATCH} callbacks a request")
+    fields = {"id", "timestamp", "signature", "body"}
+    for position, entry in enumerate(entries):
+        if not (
+            isinstance(entry, dict)
+            and set(entry) == fields
+            and all(isinstance(value, str) for value in entry.values())
+        ):
+            return _error(
+                400, f"callbacks[{position}] must have the strings {', '.join(sorted(fields))}"
+            )
+    return entries
+
+
+def _batch_check(entry: dict[str, Any]) -> tuple[uuid.UUID, str, Any] | JsonResponse:
+    """An entry's (callback id, signature, payload) if it is what the one-callback
+    receiver would accept for ``complete``, else its error."""
+    try:
+        cid = uuid.UUID(entry["id"])
+    except ValueError:
+        return _error(404, f"no job is waiting on callback {entry['id'][:40]!r}")
+    raw = entry["body"].encode()
+    verified = _check_signature(
+        raw, cid, CallbackAction.COMPLETE, entry["timestamp"], entry["signature"]
+    )
+    if isinstance(verified, JsonResponse):
+        return verified
+    data = _parse(CallbackAction.COMPLETE, raw)
+    if isinstance(data, JsonResponse):
+        return data
+    try:
+        check_json(data.get("payload"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        return _error(400, f"complete_external: payload cannot be stored: {exc}")
+    return cid, verified, data.get("payload")
+
+
+def _result(cid: Any, response: JsonResponse) -> dict[str, Any]:
+    return {"id": str(cid), "status": response.status_code, **json.loads(response.content)}
+
+
+@csrf_exempt
+def callback_batch_view(request: HttpRequest) -> JsonResponse:
+    """``POST <prefix>/callbacks/complete``: many ``complete`` callbacks in one request.
+
+    Each entry of ``{"callbacks": [{"id", "timestamp", "signature", "body"}, ...]}``
+    is one callback's ``POST <prefix>/callbacks/<id>/complete``: its raw body
+    (``{"payload": ...}``, as text) and its two headers' values, signed as that
+    request is, and judged as it would be (403, 404, 400); the good ones are
+    completed in one transaction (``complete_external_many``). Answers 200 with
+    ``{"results": [{"id", "status", "state" or "error"}, ...]}`` in the entries'
+    order, or 503 if a follow-up failed (nothing written: the sender retries).
+    """
+    if request.method != "POST":
+        response = _error(405, "use POST")
+        response["Allow"] = "POST"
+        return response
+    body = _read_body(request)
+    if isinstance(body, JsonResponse):
+        return body
+    entries = _batch_entries(body)
+    if isinstance(entries, JsonResponse):
+        return entries
+    checked = [_batch_check(entry) for entry in entries]
+    good = {c[1]: c for c in checked if not isinstance(c, JsonResponse)}
+    alias = database_alias(None)
+    results: dict[uuid.UUID, Job | None] = {}
+    try:
+        with wakeups.after_commit(alias), transaction.atomic(using=alias):
+            with connections[alias].cursor() as cursor:
+                cursor.execute(sql.RECORD_RECEIPTS, {"signatures": list(good)})
+                new = {row[0] for row in cursor.fetchall()}
+            taken: set[uuid.UUID] = set()
+            gone: list[str] = []
+            for position, check in enumerate(checked):
+                if isinstance(check, JsonResponse):
+                    continue
+                cid, verified, _ = check
+                if verified not in new:  # replayed (or this very entry given twice)
+                    checked[position] = _error(403, "replayed request")
+                elif cid in taken:  # resolved by an entry before it
+                    checked[position] = _error(404, f"callback {cid} is already resolved")
+                    gone.append(verified)
+                else:
+                    taken.add(cid)
+                new.discard(verified)
+            todo = [c for c in checked if not isinstance(c, JsonResponse)]
+            results = complete_external_many([(c[0], c[2]) for c in todo], using=alias)
+            gone += [c[1] for c in todo if results[c[0]] is None]
+            if gone:  # as the one-callback receiver: a 404 keeps no receipt
+                with connections[alias].cursor() as cursor:
+                    cursor.execute(sql.FORGET_RECEIPTS, {"signatures": gone})
+    except FollowupError as exc:
+        logger.warning("callbacks batch: follow-up failed: %s", exc)
+        return _error(503, "a follow-up failed; no job changed, try again")
+    out = []
+    for entry, check in zip(entries, checked, strict=True):
+        if isinstance(check, JsonResponse):
+            out.append(_result(entry["id"], check))
+            continue
+        job = results.get(check[0])
+        if job is None:
+            out.append(_result(check[0], _error(404, f"no job is waiting on callback {check[0]}")))
+        else:
+            out.append({"id": str(check[0]), "status": 200, "job": job.id, "state": job.state})
+    return JsonResponse({"results": out})

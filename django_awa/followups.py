@@ -332,7 +332,12 @@ def dispatch(row: Job, context: OutcomeContext, alias: str) -> list[int]:
     Raises ``FollowupError`` if a function fails or an insert is refused.
     Returns the ids of the inserted follow-ups.
     """
-    prepared = [job for _, job in build(row, context)]
+    return dispatch_many([(row, context)], alias)
+
+
+def dispatch_many(outcomes: Sequence[tuple[Job, OutcomeContext]], alias: str) -> list[int]:
+    """``dispatch`` for many (row, context) pairs: every follow-up in one insert."""
+    prepared = [job for row, context in outcomes for _, job in build(row, context)]
     if not prepared:
         return []
     inserted = insert(prepared, alias)

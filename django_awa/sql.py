@@ -1049,6 +1049,24 @@ WHERE state IN {_DELAYED} AND (%(all)s OR run_at <= now())
   AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
 """
 
+# -- the running guard --
+# "This attempt's row is still running", as the statements keyed by attempts
+# (id, run_lease) test it: FINALIZE, COMPLETE, HEARTBEAT, STILL_HELD,
+# SET_PROGRESS, MARK_STARTED. Their rows are found by primary key; the state
+# is only checked on each. Written as a plain ``j.state = 'running'`` it
+# matches the predicate of the partial indexes on running rows
+# (awa_job_deadline_idx, awa_job_running_idx), and statistics taken with no
+# job running (an ANALYZE of an idle table) value those at one row: the
+# planner then read every running row through awa_job_deadline_idx for each
+# batch (hash-joined, or once per attempt in a nested loop), milliseconds to
+# seconds a statement at thousands running. ``|| ''`` hides the predicate
+# from that match; the test itself is the same, and cheap on the one row.
+# With it, those statements also name their ids in ``j.id = ANY(%(id)s)``,
+# beside the join on them: the planner then prices a scan of the whole table
+# at a comparison per row and id, and a lookup of the ids in the primary key
+# is the cheapest path whatever the statistics say (tests/test_plans.py).
+_RUNNING_ROW = "j.state || '' = 'running'"
+
 # -- FINALIZE --
 # Record the outcomes of attempts, one row each, in one statement. Guarded by
 # (id, run_lease) and state = 'running': a stale attempt (rescued, cancelled,
@@ -1078,11 +1096,11 @@ _STARTED_AT = (
     " ELSE statement_timestamp() - make_interval(secs => {d}.started_ago) END"
 )
 # The attempts given as two arrays whose rows are still running them.
-_RUNNING_ATTEMPTS = """
+_RUNNING_ATTEMPTS = f"""
     SELECT j.id FROM ONLY awa_job AS j
     JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS d(id, run_lease)
       ON j.id = d.id AND j.run_lease = d.run_lease
-    WHERE j.state = 'running'"""
+    WHERE j.id = ANY(%(id)s::bigint[]) AND {_RUNNING_ROW}"""
 _HELD_ROWS = f"""
 WITH held AS ({_RUNNING_ATTEMPTS}
     FOR UPDATE OF j SKIP LOCKED
@@ -1112,7 +1130,7 @@ FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(state)s::text[],
      AS d(id, run_lease, state, delay, error, traceback, snoozed, reset_attempts, progress,
           started_ago, result)
 WHERE j.id = d.id AND j.id IN (SELECT id FROM held)
-  AND j.run_lease = d.run_lease AND j.state = 'running'{{dependents}}
+  AND j.run_lease = d.run_lease AND {_RUNNING_ROW}{{dependents}}
 """
 FINALIZE = _FINALIZE.format(dependents="") + "RETURNING j.id, j.has_dependents"
 
@@ -1149,17 +1167,17 @@ _DONE_ROW = ", ".join(
 )
 # The attempts written: three arrays side by side, or (_ONE_ATTEMPT) one
 # attempt's id, run_lease and started_ago, compared by primary key.
-_ATTEMPT_ARRAYS = """d.started_ago,
+_ATTEMPT_ARRAYS = f"""d.started_ago,
            j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'completed', false) AS keeps_key
     FROM ONLY awa_job AS j
     JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(started_ago)s::float8[])
          AS d(id, run_lease, started_ago)
       ON j.id = d.id AND j.run_lease = d.run_lease
-    WHERE j.state = 'running'"""
-_ONE_ATTEMPT = """%(started_ago)s::float8 AS started_ago,
+    WHERE j.id = ANY(%(id)s::bigint[]) AND {_RUNNING_ROW}"""
+_ONE_ATTEMPT = f"""%(started_ago)s::float8 AS started_ago,
            j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'completed', false) AS keeps_key
     FROM ONLY awa_job AS j
-    WHERE j.id = %(id)s::bigint AND j.run_lease = %(run_lease)s::bigint AND j.state = 'running'"""
+    WHERE j.id = %(id)s::bigint AND j.run_lease = %(run_lease)s::bigint AND {_RUNNING_ROW}"""
 
 
 def _complete_writes(attempts: str) -> str:
@@ -1347,11 +1365,12 @@ SELECT id FROM held
 
 # -- SET_PROGRESS --
 # Store the progress reported by running attempts, guarded by (id, run_lease).
-SET_PROGRESS = """
+SET_PROGRESS = f"""
 UPDATE ONLY awa_job AS j SET progress = d.progress
 FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(progress)s::jsonb[])
      AS d(id, run_lease, progress)
-WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
+WHERE j.id = d.id AND j.id = ANY(%(id)s::bigint[]) AND j.run_lease = d.run_lease
+  AND {_RUNNING_ROW}
 """
 
 # -- MARK_STARTED --
@@ -1362,7 +1381,7 @@ WHERE j.id = d.id AND j.run_lease = d.run_lease AND j.state = 'running'
 # NULL, so it writes each attempt once. Rows another session holds locked (the
 # completer finalizing them) are skipped, not waited for, as HEARTBEAT does;
 # RETURNING names those written. Primary key lookups.
-MARK_STARTED = """
+MARK_STARTED = f"""
 WITH d AS (
     SELECT * FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[],
                          %(started_ago)s::float8[], %(waited)s::float8[])
@@ -1370,7 +1389,7 @@ WITH d AS (
 ),
 l AS (
     SELECT j.id FROM ONLY awa_job AS j JOIN d ON j.id = d.id AND j.run_lease = d.run_lease
-    WHERE j.state = 'running' AND j.attempted_at IS NULL
+    WHERE j.id = ANY(%(id)s::bigint[]) AND {_RUNNING_ROW} AND j.attempted_at IS NULL
     ORDER BY j.id FOR UPDATE OF j SKIP LOCKED
 )
 UPDATE ONLY awa_job AS j
@@ -1790,6 +1809,30 @@ RETURNING {JOB_COLUMNS}
 """
 
 
+# -- LOCK_BY_CALLBACKS --
+# complete_external_many: the jobs parked on any of %(callback_ids)s, locked in
+# id order (two batches sharing callbacks lock them in the same order).
+# Index: awa_job_callback_id_uniq.
+LOCK_BY_CALLBACKS = f"""
+SELECT {JOB_COLUMNS} FROM ONLY awa_job WHERE callback_id = ANY(%(callback_ids)s::uuid[])
+ORDER BY id FOR UPDATE
+"""
+
+# -- COMPLETE_CALLBACKS --
+# RESOLVE_CALLBACK's completion for many locked waiting_external jobs at once,
+# each with its own metadata ({"awa_callback_result": payload}). Primary key.
+COMPLETE_CALLBACKS = f"""
+UPDATE ONLY awa_job AS j
+SET state = 'completed',
+    finalized_at = now(),
+    metadata = (j.metadata - 'awa_early_callback') || d.metadata,
+    callback_timeout_at = NULL
+FROM unnest(%(id)s::bigint[], %(metadata)s::jsonb[]) AS d(id, metadata)
+WHERE j.id = d.id AND j.state = 'waiting_external'
+RETURNING {J_JOB_COLUMNS}
+"""
+
+
 # -- RECORD_EARLY_CALLBACK --
 # A callback answered while its handler still runs: kept on the row, applied on park.
 RECORD_EARLY_CALLBACK = """
@@ -1808,6 +1851,22 @@ RECORD_RECEIPT = """
 INSERT INTO awa_callback_receipt (signature, received_at) VALUES (%(signature)s, now())
 ON CONFLICT (signature) DO NOTHING
 RETURNING true
+"""
+
+# -- RECORD_RECEIPTS --
+# RECORD_RECEIPT for the batch receiver: the signatures returned are new.
+RECORD_RECEIPTS = """
+INSERT INTO awa_callback_receipt (signature, received_at)
+SELECT s, now() FROM unnest(%(signatures)s::text[]) AS s
+ON CONFLICT (signature) DO NOTHING
+RETURNING signature
+"""
+
+# -- FORGET_RECEIPTS --
+# The batch receiver's receipts of requests it answered 404, dropped in the
+# same transaction (the one-callback receiver's roll back with the 404).
+FORGET_RECEIPTS = """
+DELETE FROM awa_callback_receipt WHERE signature = ANY(%(signatures)s::text[])
 """
 
 # -- PRUNE_RECEIPTS --

@@ -8,6 +8,7 @@ from . import callbacks, metrics
 app_name = "django_awa"
 
 urlpatterns = [
+    path("callbacks/complete", callbacks.callback_batch_view, name="callback_batch"),
     path(
         "callbacks/<uuid:callback_id>/<str:action>",
         callbacks.callback_view,

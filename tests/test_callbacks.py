@@ -33,6 +33,7 @@ from django_awa.callbacks import (
     MAX_BODY,
     RECEIPT_RETENTION,
     RESULT_KEY,
+    complete_external_many,
     prune_receipts,
     sign,
 )
@@ -363,6 +364,102 @@ def test_a_failing_followup_reaches_the_caller_and_the_job_keeps_waiting(outer):
     # The sender tries again with a payload the follow-up accepts.
     assert awa.complete_external(job.callback_id, {"explode": False}).state == JobState.COMPLETED
     assert followups(job.id) == [("completed", "echo", echo(job.id, "parked-completed"))]
+
+
+# -- many callbacks at once (complete_external_many) -------------------------------
+
+
+def test_complete_external_many_completes_each_with_its_payload_and_followups(spy):
+    jobs = [parked_row() for _ in range(5)]
+    resolved = parked_row(state=JobState.COMPLETED)
+    unknown = uuid.uuid4()
+    given = [(str(job.callback_id), {"tracking": f"T{job.id}"}) for job in jobs]
+    done = complete_external_many([*given, (resolved.callback_id, None), (unknown, None)])
+    assert list(done) == [job.callback_id for job in jobs] + [resolved.callback_id, unknown]
+    assert done[resolved.callback_id] is None and done[unknown] is None
+    for job in jobs:
+        assert (done[job.callback_id].id, done[job.callback_id].state) == (  # type: ignore[union-attr]
+            job.id,
+            JobState.COMPLETED,
+        )
+        row = Job.objects.get(id=job.id)
+        assert row.state == JobState.COMPLETED and row.finalized_at is not None
+        assert row.metadata[RESULT_KEY] == {"tracking": f"T{job.id}"}
+        assert row.callback_timeout_at is None and row.errors == [] and row.attempt == 1
+        assert followups(job.id) == [("completed", "echo", echo(job.id, "parked-completed"))]
+    assert sorted(seen.id for outcome, _, seen in spy if outcome == "completed") == sorted(
+        job.id for job in jobs
+    )
+    assert Job.objects.get(id=resolved.id).metadata.get(RESULT_KEY) is None
+
+
+def test_complete_external_many_takes_as_many_statements_for_fifty_as_for_two():
+    from django.test.utils import CaptureQueriesContext
+
+    counts = []
+    for size in (2, 50):
+        jobs = [parked_row() for _ in range(size)]
+        with CaptureQueriesContext(connection) as queries:
+            complete_external_many([(job.callback_id, {"n": job.id}) for job in jobs])
+        assert Job.objects.filter(id__in=[j.id for j in jobs], state="completed").count() == size
+        counts.append(len(queries.captured_queries))
+    assert counts[0] == counts[1], counts
+
+
+def test_complete_external_many_applies_a_callback_whose_handler_still_runs_when_it_parks():
+    running = parked_row(state=JobState.RUNNING)
+    waiting = parked_row()
+    done = complete_external_many([(running.callback_id, {"a": 1}), (waiting.callback_id, None)])
+    assert done[running.callback_id].state == JobState.RUNNING  # type: ignore[union-attr]
+    row = Job.objects.get(id=running.id)
+    assert row.state == JobState.RUNNING
+    assert row.metadata[EARLY_KEY]["callback_id"] == str(running.callback_id)
+    assert row.metadata[EARLY_KEY]["payload"] == {"a": 1}
+    assert Job.objects.get(id=waiting.id).state == JobState.COMPLETED
+    # A second answer while it still runs is refused, as complete_external refuses it.
+    again = complete_external_many([(running.callback_id, {"a": 2})])
+    assert again == {running.callback_id: None}
+    assert Job.objects.get(id=running.id).metadata[EARLY_KEY]["payload"] == {"a": 1}
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "outer-atomic"])
+def test_complete_external_many_writes_nothing_when_a_followup_fails(outer):
+    jobs = [parked_row() for _ in range(3)]
+    before = [snapshot(job.id) for job in jobs]
+    payloads = [{"explode": False}, {"explode": True}, None]
+    with transaction.atomic() if outer else nullcontext():
+        with pytest.raises(FollowupError, match="parked completion follow-up exploded"):
+            complete_external_many(
+                [(job.callback_id, p) for job, p in zip(jobs, payloads, strict=True)]
+            )
+        if outer:  # only the batch's savepoint rolled back
+            Ledger.objects.create(job_id=0, attempt=0, run_lease=0, note="still usable")
+    assert [snapshot(job.id) for job in jobs] == before
+    assert all(followups(job.id) == [] for job in jobs)
+    assert Ledger.objects.filter(note="still usable").count() == (1 if outer else 0)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("not-a-uuid", "is not a UUID"),
+        ("twice", "given twice"),
+        ("payload", "cannot be stored"),
+    ],
+)
+def test_complete_external_many_refuses_bad_input_before_writing(bad, message):
+    jobs = [parked_row() for _ in range(2)]
+    before = [snapshot(job.id) for job in jobs]
+    given: list[tuple[Any, Any]] = [(job.callback_id, None) for job in jobs]
+    if bad == "not-a-uuid":
+        given.append(("nope", None))
+    elif bad == "twice":
+        given.append((str(jobs[0].callback_id), None))
+    else:
+        given.append((uuid.uuid4(), {"nul": "\x00"}))
+    with pytest.raises(awa.ValidationError, match=message):
+        complete_external_many(given)
+    assert [snapshot(job.id) for job in jobs] == before
 
 
 # -- a callback that arrives while the handler still runs ---------------------------
@@ -1143,3 +1240,109 @@ def test_an_early_callback_that_cannot_be_applied_does_not_block_the_park(monkey
     assert row.state == JobState.WAITING_EXTERNAL and row.callback_id == job.callback_id
     monkeypatch.undo()
     assert awa.complete_external(job.callback_id, {"ok": 2}).state == JobState.COMPLETED
+
+
+# -- the batch receiver (<prefix>/callbacks/complete) ------------------------------------
+
+
+def entry(
+    callback_id: uuid.UUID | str, payload: Any = None, *, raw: str | None = None, **spoil: str
+) -> dict[str, str]:
+    """A batch entry: the body (``raw``, or one with ``payload``) and headers of
+    ``callback_id``'s own ``complete`` POST; ``spoil`` overrides fields after signing."""
+    body = json.dumps({"payload": payload}) if raw is None else raw
+    headers = sign(body, SECRET, callback_id=callback_id, action="complete")
+    made = {
+        "id": str(callback_id),
+        "timestamp": headers["X-Awa-Timestamp"],
+        "signature": headers["X-Awa-Signature"],
+        "body": body,
+    }
+    return {**made, **spoil}
+
+
+def post_batch(entries: Any, client: Client | None = None):
+    client = client or Client(enforce_csrf_checks=True)
+    raw = entries if isinstance(entries, (str, bytes)) else json.dumps({"callbacks": entries})
+    return client.post(
+        reverse("django_awa:callback_batch"), data=raw, content_type="application/json"
+    )
+
+
+def test_the_batch_receiver_judges_each_entry_as_its_own_request_would_be():
+    ok = [parked_row() for _ in range(3)]
+    forged, stale, failed = parked_row(), parked_row(), parked_row(state=JobState.FAILED)
+    nul = parked_row()
+    before = {job.id: snapshot(job.id) for job in (forged, stale, failed, nul)}
+    unknown = uuid.uuid4()
+    first = entry(ok[0].callback_id, {"n": 0})
+    sent = [
+        first,
+        entry(ok[1].callback_id, {"n": 1}),
+        entry(forged.callback_id, {"n": 9}, signature="0" * 64),
+        entry(stale.callback_id, timestamp=str(int(time.time()) - 301)),
+        entry(unknown),
+        entry(failed.callback_id),
+        first,  # the same signed request twice: a replay
+        entry(ok[2].callback_id, raw='{"payload": 2, "extra": 1}'),  # signed, but a bad body
+        entry(ok[1].callback_id, {"n": 5}),  # resolved by an entry before it
+        entry(nul.callback_id, raw='{"payload": "a\\u0000b"}'),  # a payload jsonb refuses
+    ]
+    response = post_batch(sent)
+    assert response.status_code == 200, response.content
+    results = response.json()["results"]
+    assert [r["id"] for r in results] == [e["id"] for e in sent]
+    assert [r["status"] for r in results] == [200, 200, 403, 403, 404, 404, 403, 400, 404, 400]
+    assert results[0]["state"] == "completed" and results[0]["job"] == ok[0].id
+    for job, n in ((ok[0], 0), (ok[1], 1)):
+        row = Job.objects.get(id=job.id)
+        assert row.state == JobState.COMPLETED and row.metadata[RESULT_KEY] == {"n": n}
+        assert followups(job.id) == [("completed", "echo", echo(job.id, "parked-completed"))]
+    for job in (forged, stale, failed, nul):
+        _unchanged(job, before[job.id])
+    assert Job.objects.get(id=ok[2].id).state == JobState.WAITING_EXTERNAL
+    # Receipts of the two accepted requests only: a 404 keeps none, as one POST's.
+    assert CallbackReceipt.objects.count() == 2
+    again = post_batch([entry(unknown), first])
+    assert [r["status"] for r in again.json()["results"]] == [404, 403]
+
+
+def test_a_failing_followup_in_a_batch_is_503_and_changes_nothing():
+    jobs = [parked_row() for _ in range(3)]
+    before = [snapshot(job.id) for job in jobs]
+    sent = [entry(jobs[0].callback_id), entry(jobs[1].callback_id, {"explode": True})]
+    response = post_batch([*sent, entry(jobs[2].callback_id)])
+    assert response.status_code == 503, response.content
+    assert [snapshot(job.id) for job in jobs] == before
+    assert not CallbackReceipt.objects.exists()
+    # The sender tries again without the bad one: the same signed entries pass.
+    response = post_batch([sent[0], entry(jobs[2].callback_id)])
+    assert [r["status"] for r in response.json()["results"]] == [200, 200]
+    assert Job.objects.get(id=jobs[1].id).state == JobState.WAITING_EXTERNAL
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "[]",
+        "not json",
+        '{"callbacks": {}}',
+        '{"callbacks": [], "more": 1}',
+        '{"callbacks": [{"id": "x"}]}',
+        '{"callbacks": [{"id": 1, "timestamp": "1", "signature": "s", "body": "{}"}]}',
+        json.dumps({"callbacks": [entry(uuid.UUID(int=0))] * 501}),
+    ],
+    ids=["list", "text", "object", "extra", "fields", "types", "too-many"],
+)
+def test_a_malformed_batch_is_400_and_changes_nothing(body):
+    job = parked_row()
+    before = snapshot(job.id)
+    response = post_batch(body)
+    assert response.status_code == 400, response.content
+    _unchanged(job, before)
+    assert not CallbackReceipt.objects.exists()
+
+
+def test_the_batch_receiver_takes_only_post():
+    response = Client().get(reverse("django_awa:callback_batch"))
+    assert response.status_code == 405 and response["Allow"] == "POST"

@@ -97,6 +97,15 @@ def test_demo_runs_orders_through_every_follow_up(example_database: str) -> None
     )  # fmt: skip
     assert "summary after" in output, output
     assert "FAILED" not in output and "not yet" not in output, output
+    # The HTTP carrier posts its answers to the batch receiver, and the summary
+    # tells how many jobs waited for one while producing.
+    assert "carrier: signed callbacks, up to 50 a POST, to http://127.0.0.1:" in output, output
+    parked = re.search(
+        r"^waiting for a callback \(parked\) while producing: min (\d+), max (\d+), last (\d+)",
+        output,
+        re.M,
+    )
+    assert parked and int(parked.group(1)) <= int(parked.group(3)) <= int(parked.group(2)), output
 
     # The live line counts this run's jobs from what changed since the line
     # before (no count of every row each second): once all is finished, its

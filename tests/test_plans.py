@@ -129,3 +129,95 @@ def test_a_list_page_reads_its_ids_from_an_index_not_a_primary_key_walk(
         # The error's first line is one of the index's keys, not a filter on its rows.
         conditions = [line for line in shown.splitlines() if "Index Cond" in line]
         assert any("split_part" in line for line in conditions), shown
+
+
+RUNNING = 3_000
+BATCH = 100
+
+
+@pytest.fixture
+def running_since_an_idle_analyze() -> list[int]:
+    """ANALYZE of awa_job with no job running (as on an idle table, or the demo's
+    vacuum at its start), then RUNNING of its rows claimed: the planner believes
+    the partial indexes on running rows hold none. Returns a batch of their ids."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO awa_job (kind, queue, state, args, metadata, errors, tags, priority,
+                                 attempt, max_attempts, run_at, created_at, snoozed,
+                                 has_dependents, run_lease)
+            SELECT 'act', 'default', 'available', '{}', '{}', '[]', '{}', 2, 0, 25, now(),
+                   now(), false, false, 0
+            FROM generate_series(1, %s)
+            """,
+            [4 * RUNNING],
+        )
+        cursor.execute("ANALYZE awa_job")
+        cursor.execute(
+            """
+            UPDATE ONLY awa_job SET state = 'running', run_lease = 1, attempt = 1,
+                heartbeat_at = now(), deadline_at = now() + interval '1 hour'
+            WHERE id IN (SELECT id FROM ONLY awa_job ORDER BY id LIMIT %s)
+            RETURNING id
+            """,
+            [RUNNING],
+        )
+        return sorted(row[0] for row in cursor.fetchall())[:BATCH]
+
+
+def attempt_params(ids: list[int]) -> dict[str, object]:
+    """Parameters for a batch of completed attempts, in the forms finalize.py and
+    heartbeat.py send them (COMPLETE's arrays as literals, the others as lists)."""
+    count = len(ids)
+    return {
+        "id": ids,
+        "run_lease": [1] * count,
+        "state": ["completed"] * count,
+        "delay": [None] * count,
+        "error": [None] * count,
+        "traceback": [None] * count,
+        "snoozed": [False] * count,
+        "reset_attempts": [False] * count,
+        "progress": [None] * count,
+        "started_ago": [0.01] * count,
+        "waited": [0.0] * count,
+        "result": [None] * count,
+        "fresh": 5.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "FINALIZE",
+        "FINALIZE_STANDALONE",
+        "COMPLETE",
+        "COMPLETE_STANDALONE",
+        "HEARTBEAT",
+        "STILL_HELD",
+        "SET_PROGRESS",
+        "MARK_STARTED",
+    ],
+)
+def test_outcomes_and_heartbeats_find_their_attempts_by_primary_key_whatever_the_statistics(
+    running_since_an_idle_analyze: list[int], name: str
+) -> None:
+    """Statistics taken with nothing running must not lead the statements keyed by
+    attempts to read every running row (awa_job_deadline_idx, awa_job_running_idx)
+    for a batch: each attempt is one primary key lookup, at any number running."""
+    from django_awa import db, sql
+
+    ids = running_since_an_idle_analyze
+    params = attempt_params(ids)
+    if name.startswith("COMPLETE"):
+        params.update(
+            id=db.int_array(ids),
+            run_lease=db.int_array(params["run_lease"]),  # type: ignore[arg-type]
+            started_ago=db.float_array(params["started_ago"]),  # type: ignore[arg-type]
+        )
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + getattr(sql, name), params)
+        shown = "\n".join(row[0] for row in cursor.fetchall())
+    assert "awa_job_deadline_idx" not in shown and "awa_job_running_idx" not in shown, shown
+    assert "Index Scan using awa_job_pkey on awa_job j " in shown, shown
+    assert "Seq Scan on awa_job" not in shown, shown

@@ -131,8 +131,8 @@ class Command(BaseCommand):
             "--carrier",
             choices=("auto", "http", "direct"),
             default=None,
-            help="How the carrier answers parked ShipOrder jobs: signed POSTs to the callback "
-            "receiver (http), awa.complete_external() (direct), or http when the project "
+            help="How the carrier answers parked ShipOrder jobs: signed POSTs to the batch "
+            "callback receiver (http), complete_external_many() (direct), or http when the project "
             "allows it (auto). Default: the preset's (steady: auto).",
         )
         parser.add_argument(
@@ -380,6 +380,10 @@ class Command(BaseCommand):
             write(
                 f"backlog (available jobs) while producing: min {min(ticker.backlog)}, "
                 f"max {max(ticker.backlog)}, last {ticker.backlog[-1]}"
+            )
+            write(
+                f"waiting for a callback (parked) while producing: min {min(ticker.parked)}, "
+                f"max {max(ticker.parked)}, last {ticker.parked[-1]}"
             )
         completed = summary.totals.get(JobState.COMPLETED, 0)
         write(
