@@ -523,17 +523,22 @@ def _read_body(request: HttpRequest) -> bytes | JsonResponse:
     return body
 
 
+def _posted_body(request: HttpRequest) -> bytes | JsonResponse:
+    """The body of a POST, or the answer to another method (405) or to a body too large."""
+    if request.method != "POST":
+        response = _error(405, "use POST")
+        response["Allow"] = "POST"
+        return response
+    return _read_body(request)
+
+
 @csrf_exempt
 def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> JsonResponse:
     """``POST <prefix>/callbacks/<uuid>/{complete,fail,retry,heartbeat}``."""
     if action not in CallbackAction:
         return _error(404, f"unknown action {action!r}")
     action = CallbackAction(action)
-    if request.method != "POST":
-        response = _error(405, "use POST")
-        response["Allow"] = "POST"
-        return response
-    body = _read_body(request)
+    body = _posted_body(request)
     if isinstance(body, JsonResponse):
         return body
     verified = _verify(request, body, callback_id, action)
@@ -641,11 +646,7 @@ def callback_batch_view(request: HttpRequest) -> JsonResponse:
     ``{"results": [{"id", "status", "state" or "error"}, ...]}`` in the entries'
     order, or 503 if a follow-up failed (nothing written: the sender retries).
     """
-    if request.method != "POST":
-        response = _error(405, "use POST")
-        response["Allow"] = "POST"
-        return response
-    body = _read_body(request)
+    body = _posted_body(request)
     if isinstance(body, JsonResponse):
         return body
     entries = _batch_entries(body)
