@@ -1074,7 +1074,10 @@ def test_global_concurrency_holds_with_quick_handlers_and_uses_its_places(
     overlap = max_overlap("queue = %s", ["glob"])
     assert overlap <= 4, f"{overlap} runs of queue glob overlapped; global_concurrency is 4"
     assert overlap >= 3, f"at most {overlap} ran at once: the fleet did not use its 4 slots"
-    assert FlowRun.objects.values("pid").distinct().count() >= 2
+    # Which processes ran them is not checked: a drain this short (a fraction of a
+    # second) may be run by the first worker alone, borrowing every slot while the
+    # others wait for their next rebalance; run_global_concurrency (150 ms
+    # handlers) checks that the fleet shares the slots.
     # Every job ran once, to completion: none lost or run twice.
     assert FlowRun.objects.filter(queue="glob").count() == total
     assert not Job.objects.filter(queue="glob").exclude(state=JobState.COMPLETED).exists()
