@@ -1050,13 +1050,22 @@ def test_claims_of_slot_leased_queues_commit_without_waiting_for_the_flush_and_o
             inside = _scalar("SHOW synchronous_commit")
         return len(jobs), inside, _scalar("SHOW synchronous_commit")
 
-    unflushed = setting_in_claim(lambda: producer.claim("leased", 1, "default", unflushed=True))
-    assert unflushed == (1, "off", "on")  # and the session's setting is untouched after
-    # Every other claim waits for its flush, as every outcome does.
-    assert setting_in_claim(lambda: producer.claim_keyed(keyed, 1, "default")) == (1, "on", "on")
-    assert setting_in_claim(lambda: producer.claim("leased", 1, "default")) == (1, "on", "on")
-    assert len(finalize([completed(j) for j in producer.claim("leased", 1, "default")], "default"))
-    assert _scalar("SHOW synchronous_commit") == "on"
+    # The session waits for flushes, whatever the server's default (the embedded
+    # test server turns them off).
+    _scalar("SELECT set_config('synchronous_commit', 'on', false)")
+    try:
+        unflushed = setting_in_claim(lambda: producer.claim("leased", 1, "default", unflushed=True))
+        assert unflushed == (1, "off", "on")  # and the session's setting is untouched after
+        # Every other claim waits for its flush, as every outcome does.
+        keyed_claim = setting_in_claim(lambda: producer.claim_keyed(keyed, 1, "default"))
+        assert keyed_claim == (1, "on", "on")
+        assert setting_in_claim(lambda: producer.claim("leased", 1, "default")) == (1, "on", "on")
+        claimed = producer.claim("leased", 1, "default")
+        assert len(finalize([completed(j) for j in claimed], "default"))
+        assert _scalar("SHOW synchronous_commit") == "on"
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET synchronous_commit")
 
 
 def test_global_concurrency_holds_with_quick_handlers_and_uses_its_places(
