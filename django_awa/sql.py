@@ -678,12 +678,20 @@ UPDATE ONLY awa_job AS j{_CLAIM_SET}
 WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING {J_JOB_COLUMNS}
 """
-CLAIM = f"""
-WITH picked AS (
+
+
+def _plain_claim(first: str = "", guard: str = "") -> str:
+    """CLAIM's text, with a CTE ``first`` before its candidates and a ``guard`` line
+    in their WHERE (CLAIM_UNFLUSHED)."""
+    return f"""
+WITH {first}picked AS (
     SELECT id FROM ONLY awa_job AS c
     WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
-      AND {_sequence_free("c")}{_CLAIM_PICKED}"""
+{guard}      AND {_sequence_free("c")}{_CLAIM_PICKED}"""
+
+
+CLAIM = _plain_claim()
 
 # -- CLAIM_UNFLUSHED --
 # CLAIM for a queue whose global_concurrency is kept by slot leases (slots.py),
@@ -700,14 +708,10 @@ WITH picked AS (
 # The first CTE turns the flush off (set_config(..., true): this transaction
 # only); the candidates' EXISTS on it makes it run, once, before the scan (a CTE
 # no part of the statement reads is never run).
-CLAIM_UNFLUSHED = f"""
-WITH unflushed AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)),
-picked AS (
-    SELECT id FROM ONLY awa_job AS c
-    WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
-      AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
-      AND EXISTS (SELECT 1 FROM unflushed)
-      AND {_sequence_free("c")}{_CLAIM_PICKED}"""
+CLAIM_UNFLUSHED = _plain_claim(
+    "unflushed AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)),\n",
+    "      AND EXISTS (SELECT 1 FROM unflushed)\n",
+)
 
 # ---- Per-key leases of awa.Limit(concurrency=...) (CLAIM_KEYED, CLAIM_LIMITED) ----
 # A queue whose only limits are its kinds' concurrency limits (no rate, no
