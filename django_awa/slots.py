@@ -133,9 +133,10 @@ class Slots:
         valid = sum(1 for s in self.held if s <= conc)
         self.usable = min(valid, keep)
         gate.set_limit(self.usable)
-        # Soon again while it wants more than it has, or has none while its queue
-        # wants some (not while idle: a fleet of more processes than places would
-        # poll for them all the time), or gives back.
+        # Soon again while its queue is busy and it holds less than its share (none
+        # at all, say: its producer then waits no longer than this for room; not
+        # while idle: a fleet of more processes than places would poll for them all
+        # the time), or while it has slots to give back.
         self.short = (busy and len(self.held) < fair) or len(self.held) > keep
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
