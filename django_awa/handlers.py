@@ -255,6 +255,7 @@ class HandlerThread:
     # Its last job used a pooled connection, so it takes a slot of the gate before
     # its next; assumed of a new thread, so a first burst does not outrun the pool.
     on_pool: bool = True
+    gated: bool = False  # its attempt's handler counts in its queue's RunGate
 
 
 class HandlerPool:
@@ -370,15 +371,27 @@ class HandlerPool:
     def execute(self, handler: HandlerThread, attempt: Attempt) -> None:
         """Run one claimed attempt; its place on the queue is freed however it ends.
 
-        Freed once: by this thread, or when it was abandoned by ``tend``.
+        Freed once: by this thread, or when it was abandoned by ``tend``. The
+        handler begins only within the queue's ``RunGate`` (its process's usable
+        slots of a ``global_concurrency``); the attempt waits there, still not
+        started, until it may, or until it is given up.
         """
         runner = handler.runner
+        running, waiting, job_id = self.running, self.waiting, attempt.job.id
+        entered = runner.gate.enter(
+            lambda: job_id not in waiting or attempt.cancelled.is_set()
+            or running.get(job_id) is not attempt
+        )  # fmt: skip
         try:
             with self.running_lock:
-                if attempt.job.id not in self.waiting:
-                    return  # given back at shutdown before it started
+                # Given back before it started (at shutdown, or with its process's
+                # slots): the job may be claimed again meanwhile, its new attempt
+                # waiting under the same id.
+                if job_id not in waiting or running.get(job_id) is not attempt:
+                    return
                 self.waiting.discard(attempt.job.id)
                 handler.attempt = attempt
+                handler.gated = entered
                 # Claimed until now; from here its handler runs (attempted_at).
                 handler.started = attempt.started = time.monotonic()
                 runner.observe_start(
@@ -400,8 +413,11 @@ class HandlerPool:
             attempt.started_written = True
             with self.running_lock:
                 handler.attempt = None
+                handler.gated = False
                 abandoned = handler.abandoned
             if not abandoned:
+                if entered:
+                    runner.gate.leave()
                 runner.finished()
 
     def _run(self, attempt: Attempt) -> None:
@@ -600,6 +616,7 @@ class HandlerPool:
         """Give ``handler``'s place on its queue to a new thread, within the bound."""
         runner = handler.runner
         job = attempt.job
+        gated = False
         with self.running_lock:
             if handler.attempt is not attempt:
                 return  # it returned meanwhile
@@ -609,6 +626,7 @@ class HandlerPool:
             else:
                 log_bound = False
                 handler.abandoned = True
+                gated, handler.gated = handler.gated, False
                 self.handlers.remove(handler)
                 self.abandoned.append(handler)
                 # No longer held: not heartbeated, not waited for or given back at shutdown.
@@ -627,6 +645,8 @@ class HandlerPool:
                 )  # fmt: skip
             return
         replacement = self.spawn(runner)
+        if gated:
+            runner.gate.leave()  # a lost attempt: the next may run in its place
         runner.finished()  # its place on the queue goes to the replacement
         logger.warning(
             "handler thread %s is stuck in job %s kind=%s attempt=%s: its attempt was lost "

@@ -245,6 +245,8 @@ class Worker:
         with state.running_lock:
             withdrawn = [state.running.pop(i) for i in state.waiting if i in state.running]
             state.waiting.clear()
+        for runner in state.queues.values():
+            runner.gate.wake()  # its handler threads waiting with them stop at once
         return withdrawn
 
     def _give_back(self, attempts: list[Attempt], *, started: bool) -> None:

@@ -7,14 +7,14 @@ While handlers are quick it claims ahead what they will start within
 handlers get no prefetch. Claimed attempts go to the queue's inbox, where its
 handler threads (``handlers.py``) take them.
 
-A queue under limits (SPEC 12, set in ``AWA["QUEUES"]`` or at runtime) claims
-without prefetch (a job claimed ahead would hold a fleet-wide place while it
-waits), but for per-key leases: a job claimed ahead holds its own key's place,
-which only its own handler would use. Its ``global_concurrency`` is kept by
-slot leases (``slots.py``): the producer claims at most as many jobs as its
-process holds slots free, with ``sql.CLAIM_UNFLUSHED`` (the plain claim,
-committed without waiting for its WAL flush: each place waited one between two
-jobs). Kinds whose
+A queue claimed under its lock (SPEC 12: a rate limit, kind rate limits) claims
+without prefetch (a job claimed ahead would count as started while it waits).
+Per-key leases allow it: a job claimed ahead holds its own key's place, which
+only its own handler would use. A ``global_concurrency`` is kept by slot
+leases (``slots.py``): the process runs at most as many of the queue's handlers
+as it holds usable slots (the queue's ``RunGate``), and claims those and a
+prefetch, with ``sql.CLAIM_UNFLUSHED`` (the plain claim, committed without
+waiting for its WAL flush). Kinds whose
 ``awa.Limit`` is a concurrency limit only (per key with ``by``) are kept by
 per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, no
 lock). A ``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with
@@ -38,12 +38,13 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from . import db, sql
+from . import db, sql, wakeups
 from .conf import AwaSettings, Rate, awa_settings
-from .execute import Attempt
+from .execute import Attempt, unstarted
+from .finalize import finalize
 from .kinds import registry
 from .models import Job, jobs_from_rows
-from .slots import Slots
+from .slots import SHORT_RETRY, Slots
 from .state import DB_ERRORS, QueueRunner, WorkerState, log_context
 
 logger = logging.getLogger(__name__)
@@ -412,15 +413,62 @@ class Producer:
             if self.slots is not None:
                 self.slots.give_back_all()
                 self.slots = None
+                runner.gate.set_limit(None)
             return None
         if self.slots is None:
             self.slots = Slots(runner.name, state.id, state.alias, state.conf.stale_after)
-        in_use = runner.held - reserved
+            self.slots.interval = state.conf.poll_interval
         if self.slots.due(state.conf.poll_interval):
             self.slots.rebalance(
-                limits.global_concurrency, runner.concurrency, in_use, busy=self.busy
+                limits.global_concurrency, runner.concurrency, runner.gate, busy=self.busy
             )
-        return max(0, self.slots.usable - in_use)
+        return max(0, self.slot_cap(limits) - (runner.held - reserved))
+
+    def slot_cap(self, limits: QueueLimits) -> int:
+        """The most jobs the process may hold of a queue kept by slot leases: as many
+        as may run (its usable slots, within its concurrency) and the prefetch.
+
+        The slots bound the handlers running (``RunGate``), not the jobs claimed:
+        a job claimed ahead waits in the process, still unstarted, for one of
+        them, so a place gets its next job without a claim's round trip between
+        two. None claimed ahead under the queue's lock (a rate limit as well):
+        the lock's claim counts its attempts as they are claimed.
+        """
+        usable = self.slots.usable if self.slots is not None else 0
+        if not usable:
+            return 0
+        conf = self.state.conf
+        ahead = self.runner.prefetch(conf.prefetch_window, conf.claim_batch_size)
+        if limits.locked:
+            ahead = 0
+        return min(usable, self.runner.concurrency) + ahead
+
+    def give_back_waiting(self) -> int:
+        """Give back the queue's claimed jobs no handler has started (its process has
+        no usable slot now): ``available`` again at once, their attempt unused, as at
+        shutdown. Their places are freed by the handler threads that take them from
+        the inbox, or wait for them at the gate, and find them given up.
+        Called holding the shared connection; how many it gave back. Should the
+        write fail (raised), they stay ``running`` untracked until maintenance
+        rescues them, as at shutdown.
+        """
+        state, name = self.state, self.runner.name
+        with state.running_lock:
+            ids = [i for i in state.waiting if state.running[i].job.queue == name]
+            attempts = [state.running.pop(i) for i in ids]
+            state.waiting.difference_update(ids)
+            for attempt in attempts:
+                attempt.cancelled.set()
+        if not attempts:
+            return 0
+        self.runner.gate.wake()
+        with wakeups.after_commit(state.alias, state.outbox):
+            finalize([unstarted(attempt.job) for attempt in attempts], state.alias)
+        logger.info(
+            "queue %s: gave back %s claimed job(s) no handler started (no usable slot): %s",
+            name, len(attempts), ", ".join(str(a.job.id) for a in attempts),
+        )  # fmt: skip
+        return len(attempts)
 
     def run_once(self) -> list[Job] | None:
         """Claim one batch, as much as the queue has room for, and put it in the inbox.
@@ -429,15 +477,24 @@ class Producer:
         within half a second. A database error is raised, the room given back.
         """
         state, runner = self.state, self.runner
-        cap = None  # the most the process may hold: its usable slots
+        cap = None  # the most the process may hold: its usable slots and the prefetch
         if self.limits is None or self.limits.leased:
             with self._turn():
-                if self.slot_room(self.current_limits()) is not None and self.slots is not None:
-                    cap = self.slots.usable
-        # No prefetch while limited (a job claimed ahead would hold a fleet-wide slot),
-        # but under per-key leases: a key claimed ahead holds its own place only.
+                limits = self.current_limits()
+                if self.slot_room(limits) is not None:
+                    cap = self.slot_cap(limits)
+                    if not cap:
+                        self.give_back_waiting()
+        # No prefetch under the lock (a job claimed ahead would count as started
+        # there), but under leases: a key claimed ahead holds its own place only, and
+        # one claimed within slots waits for a slot in the process (``RunGate``).
         known = self.limits
-        prefetch = known is None or not known.limited or known.keyed
+        prefetch = known is None or not known.locked
+        if cap == 0:
+            # No usable slot: no room will come before a rebalance (soon while it
+            # wants slots: Slots.short), so it does not wait for any.
+            state.stopping.wait(SHORT_RETRY)
+            return None
         want = self.reserve(self.busy, prefetch=prefetch, cap=cap)
         if not want:
             return None
@@ -516,8 +573,9 @@ class Producer:
         would mean one claim statement (and one commit) per job. Waiting up to
         ``GATHER_SECONDS`` for half the room keeps batches large; an idle queue
         (not busy) claims at once, so pickup latency does not suffer. Without
-        ``prefetch`` (a limited queue) room is the concurrency alone; ``cap``
-        bounds it further (the places the process's slot leases allow).
+        ``prefetch`` (a queue claimed under its lock) room is the concurrency
+        alone; ``cap`` bounds it further (what the process's slot leases allow,
+        ``slot_cap``).
         """
         runner = self.runner
         most = self.state.conf.claim_batch_size

@@ -118,6 +118,66 @@ class SharedConcurrency:
 # taken (QueueRunner.observe_start); a prefetch bounded by it follows a change
 # in the process's pace within a few periods.
 START_RATE_PERIOD = 0.25
+# How often a handler thread waiting at its queue's ``RunGate`` looks whether its
+# attempt was given up meanwhile (cancelled, or given back unstarted), seconds.
+RUN_GATE_POLL = 0.05
+
+
+class RunGate:
+    """How many of a queue's handlers may run at once in this process: ``limit``.
+
+    A ``global_concurrency`` queue's process runs at most as many handlers as
+    it holds usable slots (``slots.py``, which sets ``limit``), but it claims
+    ahead like an unlimited queue: a claimed job waits in the inbox, then at
+    this gate, until a handler of the queue returns. The limit counts
+    handlers running (``active``): a handler thread enters just before the
+    handler begins and leaves when it returns. ``None``: no limit (any other
+    queue); ``active`` is counted all the same, so a limit set at runtime
+    sees the handlers already running.
+    """
+
+    __slots__ = ("active", "cond", "limit")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.limit: int | None = None
+        self.active = 0
+
+    def enter(self, given_up: Callable[[], bool]) -> bool:
+        """Wait for room and count the caller's handler as running; False, without
+        entering, once ``given_up()`` (its attempt will not run: it was cancelled,
+        or given back at shutdown or when the process's slots went)."""
+        with self.cond:
+            while self.limit is not None and self.active >= self.limit:
+                if given_up():
+                    self.cond.notify()  # a wake-up it took goes on to another waiter
+                    return False
+                self.cond.wait(RUN_GATE_POLL)
+            self.active += 1
+            return True
+
+    def leave(self) -> None:
+        """A handler returned: one waiting thread may start its own."""
+        with self.cond:
+            self.active -= 1
+            self.cond.notify()
+
+    def lower(self, limit: int) -> int:
+        """Lower the limit to at most ``limit``; how many handlers run now (they only
+        fall from here until the limit is raised: none enters beyond it)."""
+        with self.cond:
+            self.limit = limit if self.limit is None else min(self.limit, limit)
+            return self.active
+
+    def set_limit(self, limit: int | None) -> None:
+        with self.cond:
+            self.limit = limit
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        """Make waiting threads look again whether their attempt was given up."""
+        with self.cond:
+            self.cond.notify_all()
 
 
 @dataclass(slots=True)
@@ -141,9 +201,14 @@ class QueueRunner:
     limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
     wake_fleet: bool = False  # claimed under the queue's lock: room it frees wakes every worker
     shared: SharedConcurrency | None = None  # AWA["WORKER_CONCURRENCY"], when set
+    gate: RunGate = field(default_factory=RunGate)  # handlers running at once, when limited
 
     def prefetch(self, window: float | None, most: int) -> int:
         """How many jobs beyond ``concurrency`` to hold: what starts within ``window``.
+
+        Under a ``RunGate`` limit (``global_concurrency``) only that many
+        handlers start them: ``min(concurrency, gate.limit)`` stands for
+        ``concurrency`` below.
 
         At most two claims' worth: handlers work through one batch while the
         next claim is under way. With one, they ran dry during each claim.
@@ -161,9 +226,12 @@ class QueueRunner:
         """
         if not window or self.run_time is None:
             return 0
-        ahead = min(2 * most, int(self.concurrency * window / max(self.run_time, 1e-6)))
+        # Under a gate (global_concurrency) only its limit of handlers start them.
+        limit = self.gate.limit
+        places = self.concurrency if limit is None else min(self.concurrency, limit)
+        ahead = min(2 * most, int(places * window / max(self.run_time, 1e-6)))
         if self.start_rate is not None and self.inbox_wait and self.inbox_wait > window / 4:
-            ahead = min(ahead, max(self.concurrency, int(self.start_rate * window)))
+            ahead = min(ahead, max(places, int(self.start_rate * window)))
         return ahead
 
     def observe(self, seconds: float) -> None:

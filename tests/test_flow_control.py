@@ -1094,6 +1094,63 @@ def test_global_concurrency_holds_with_quick_handlers_and_uses_its_places(
         assert worker.stop() == 0
 
 
+# The most attempts claimed and not finished at one instant: a sweep over the
+# claims (+1) and the handlers' ends (-1), ends first at a tie. Above the
+# global concurrency only if jobs were claimed ahead of a free slot.
+MAX_CLAIMED = """
+SELECT coalesce(max(held), 0) FROM (
+    SELECT sum(d) OVER (ORDER BY at, d ROWS UNBOUNDED PRECEDING) AS held
+    FROM (SELECT attempted_at AS at, 1 AS d FROM testapp_flowrun WHERE {where}
+          UNION ALL
+          SELECT ended_at, -1 FROM testapp_flowrun WHERE {where}) AS edges
+) AS sweep
+"""
+
+
+def test_global_concurrency_claims_ahead_runs_within_its_slots_and_follows_a_lowered_limit(
+    start_worker,
+) -> None:
+    # The limit counts handlers running: a process claims ahead of its slots (a
+    # place's next job is at hand when its handler returns) but runs no more
+    # handlers than its usable slots. Three processes of 6 places, 4 slots.
+    awa.set_queue_limits("gated", global_concurrency=4)
+    workers = [start_worker("--queue", "gated=6") for _ in range(3)]
+    wait_for(
+        lambda: all("listening for new jobs" in worker.output() for worker in workers),
+        timeout=30,
+        message="the three workers did not all start",
+    )
+    total = 400
+    awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=i, seconds=0.01), queue="gated") for i in range(total)]
+    )
+    wait_for(lambda: FlowRun.objects.filter(ended_at__isnull=False).count() >= 120, 60)
+    awa.set_queue_limits("gated", global_concurrency=2)
+    lowered = timezone.now()
+    all_finished("span", total, timeout=120)
+    before = "queue = 'gated' AND started_at < %s"
+    overlap = max_overlap("queue = 'gated'")
+    assert overlap <= 4, f"{overlap} handlers of queue gated overlapped; global_concurrency is 4"
+    assert max_overlap(before, [lowered]) >= 3, "the fleet did not use its 4 slots"
+    # Claimed ahead: more attempts claimed and unfinished than the 4 slots at once.
+    claimed = _scalar(MAX_CLAIMED.format(where=before), [lowered] * 2)
+    assert claimed > 4, f"at most {claimed} attempts claimed at once: no job was claimed ahead"
+    # Lowered to 2 at runtime: it holds once every worker has read it (a poll
+    # interval, 0.2 s, and the rebalance after it) and the handlers then running
+    # (10 ms) returned; the queue still runs.
+    later = "queue = 'gated' AND ended_at >= %s"
+    cutoff = lowered + dt.timedelta(seconds=1.0)
+    assert FlowRun.objects.filter(queue="gated", ended_at__gte=cutoff).count() >= 20
+    overlap = max_overlap(later, [cutoff])
+    assert overlap <= 2, f"{overlap} handlers overlapped after global_concurrency fell to 2"
+    assert overlap == 2, "the lowered limit's 2 slots were not both used"
+    # Every job ran once, to completion; none was left claimed.
+    assert FlowRun.objects.filter(queue="gated").count() == total
+    assert not Job.objects.filter(queue="gated").exclude(state=JobState.COMPLETED).exists()
+    for worker in workers:
+        assert worker.stop() == 0
+
+
 def test_a_finishing_attempt_frees_its_slot_for_waiting_workers_without_a_poll(
     start_worker,
 ) -> None:
@@ -1346,6 +1403,42 @@ def test_a_global_concurrency_queue_claims_within_the_slots_its_worker_leased(ca
     assert not QueueSlot.objects.filter(worker_id=state.id).exists()
     assert [j.id for j in producer.Producer(other, theirs).run_once() or []] == [ids[3]]
     assert QueueSlot.objects.filter(worker_id=other.id).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_process_left_without_a_usable_slot_gives_back_the_jobs_it_claimed_ahead() -> None:
+    from django_awa import fleet
+    from django_awa.handlers import HandlerPool
+    from django_awa.models import QueueSlot
+
+    awa.set_queue_limits("leased", global_concurrency=2)
+    ids = awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="leased") for i in range(4)])
+    state = WorkerState.create({"leased": 4})
+    runner = state.queues["leased"]
+    fleet.beat(state)
+    claimer = producer.Producer(state, runner)
+    runner.run_time = 0.001  # quick handlers: it claims ahead of its two slots
+    assert sorted(j.id for j in claimer.run_once() or []) == ids
+    assert runner.gate.limit == 2  # two of them may run at once
+    assert Job.objects.filter(queue="leased", state=JobState.RUNNING).count() == 4
+    # Another worker has both slots now (as after a rebalance): none is usable here.
+    other = WorkerState.create({"leased": 4})
+    fleet.beat(other)
+    QueueSlot.objects.filter(queue="leased").update(worker_id=other.id)
+    assert claimer.slots is not None
+    claimer.slots.checked = 0.0  # the rebalance is due
+    assert claimer.run_once() is None
+    assert runner.gate.limit == 0
+    # What it claimed and did not start is available again, its attempt unused.
+    assert set(Job.objects.filter(id__in=ids).values_list("state", flat=True)) == {"available"}
+    assert not state.running and not state.waiting
+    # Their handler threads find them given up: nothing runs, their places free.
+    pool = HandlerPool(state)
+    assert all(pool.run_once(runner, timeout=1) for _ in ids)
+    assert state.results.empty() and runner.held == 0 and runner.gate.active == 0
+    assert not FlowRun.objects.exists()
+    # The next claim runs them under the attempt number they had.
+    assert {j.attempt for j in producer.claim("leased", 4, "default")} == {1}
 
 
 # ==== The advisory lock ==========================================================

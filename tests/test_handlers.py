@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from django_awa.execute import Attempt
@@ -51,3 +53,30 @@ def test_an_attempt_lost_or_given_back_before_it_started_does_not_run():
     assert not Ledger.objects.filter(job_id__in=[lost.job.id, given_back.job.id]).exists()
     assert lost.job.id not in state.running and state.processed == 1
     assert runner.held == 0
+
+
+def test_attempts_waiting_at_a_full_run_gate_do_not_run_and_stop_waiting_once_given_up():
+    state, pool, [lost, given_back] = _claimed({"action": "ok"}, {"action": "ok"})
+    runner = state.queues["default"]
+    runner.gate.set_limit(0)  # no usable slot (global_concurrency): no handler may begin
+    returned: list[bool] = []
+    threads = [
+        threading.Thread(
+            target=lambda: returned.append(pool.run_once(runner, timeout=1)), daemon=True
+        )
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    threads[0].join(0.3)
+    assert not returned and state.waiting == {lost.job.id, given_back.job.id}  # they wait
+    lost.cancelled.set()  # cancelled or rescued while it waited
+    with state.running_lock:  # given back unstarted (shutdown, or its slots went)
+        del state.running[given_back.job.id]
+        state.waiting.discard(given_back.job.id)
+    for thread in threads:
+        thread.join(2)
+    assert returned == [True, True], "a thread kept waiting for an attempt given up"
+    assert state.results.empty()
+    assert not Ledger.objects.filter(job_id__in=[lost.job.id, given_back.job.id]).exists()
+    assert runner.held == 0 and runner.gate.active == 0
