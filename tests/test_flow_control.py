@@ -277,6 +277,31 @@ def test_a_keyed_claim_takes_a_lease_per_key_and_the_outcome_gives_it_back() -> 
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_lease_key_is_the_json_text_jsonb_writes_for_the_values() -> None:
+    # The key every claim and worker compares is the JSON array of the by= values as
+    # jsonb writes it out: escapes, non-ASCII, an empty string, a nested value with
+    # its keys in jsonb's order, and a missing field (null).
+    ids = awa.enqueue_many([KeyedSpan(key=k) for k in ['say "hi" \\ é \u0001', "", "n", "m"]])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """UPDATE awa_job SET args = jsonb_set(args, '{key}', '{"zz": [1, 2.50], "a": null}')
+               WHERE id = %s""",
+            [ids[2]],
+        )
+        cursor.execute("UPDATE awa_job SET args = args - 'key' WHERE id = %s", [ids[3]])
+    written = {
+        job_id: _scalar("SELECT jsonb_build_array(args -> 'key')::text FROM awa_job WHERE id = %s",
+                        [job_id])
+        for job_id in ids
+    }  # fmt: skip
+    claimed = producer.claim_keyed(producer.queue_limits("bykey", "default"), 10, "default")
+    assert sorted(j.id for j in claimed) == ids
+    assert {lease[3]: lease[1] for lease in _leases()} == written
+    assert written[ids[1]] == '[""]' and written[ids[3]] == "[null]"
+    assert written[ids[2]] == '[{"a": null, "zz": [1, 2.50]}]'
+
+
+@pytest.mark.django_db(transaction=True)
 def test_claimers_of_one_key_at_the_same_instant_start_one_and_other_keys_go_on() -> None:
     ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
     limits = producer.queue_limits("bykey", "default")
