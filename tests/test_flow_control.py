@@ -302,6 +302,55 @@ def test_a_lease_key_is_the_json_text_jsonb_writes_for_the_values() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_held_back_keyed_claimer_waits_a_gap_before_claiming_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each claim of a keyed queue reads past every key at its limit; woken by every
+    # outcome batch, a claimer that took less than it asked claims again only
+    # KEYED_CLAIM_GAP after its last claim, so one reading serves more freed keys.
+    awa.enqueue_many([KeyedSpan(key="a", n=i) for i in range(3)])
+    state = WorkerState.create({"bykey": 2, "flow": 2})
+    keyed = producer.Producer(state, state.queues["bykey"])
+    assert len(keyed.run_once() or []) == 1  # key a is at its limit: held back
+    assert 0 < keyed.claim_gap() <= producer.KEYED_CLAIM_GAP
+    time.sleep(producer.KEYED_CLAIM_GAP)
+    assert keyed.claim_gap() == 0  # woken later than the gap: at once
+    plain = producer.Producer(state, state.queues["flow"])
+    assert plain.run_once() == [] and plain.claim_gap() == 0  # other queues: never
+
+    # The claim loop keeps the gap however often it is woken.
+    claims: list[float] = []
+    real = producer.claim_keyed
+
+    def counted(*args: Any, **kwargs: Any) -> list[Job]:
+        claims.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(producer, "claim_keyed", counted)
+    runner = state.queues["bykey"]
+
+    def claim_loop() -> None:
+        try:
+            keyed.run()
+        finally:
+            connection.close()
+
+    loop = threading.Thread(target=claim_loop)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            runner.wake.set()
+            time.sleep(0.001)
+    finally:
+        state.stopping.set()
+        runner.wake.set()
+        loop.join(5)
+    gaps = [b - a for a, b in itertools.pairwise(claims)]
+    assert len(claims) >= 3 and min(gaps) >= producer.KEYED_CLAIM_GAP * 0.9
+
+
+@pytest.mark.django_db(transaction=True)
 def test_claimers_of_one_key_at_the_same_instant_start_one_and_other_keys_go_on() -> None:
     ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
     limits = producer.queue_limits("bykey", "default")
