@@ -59,15 +59,17 @@ LIMITED_SCAN = 2000
 # the rows it locks and leaves are what the other claimers wanted (twice the
 # batch measured no better in flow_control.py's keyed drain).
 KEYED_SCAN_EXTRA = 16
-# The shortest time from a keyed claim that took less than it asked for to the
-# queue's next claim, once woken (``Producer.claim_gap``). Such a claim reads
-# past the available rows of every key at its limit, and every outcome batch
-# of the fleet wakes every worker's claimer: in flow_control.py's keyed drain,
-# claims read all of them over again for the few keys each batch freed, most
-# of PostgreSQL's CPU. Waiting lets more keys free for one reading. A claimer
-# woken longer than this after its last claim (a job enqueued on an idle
-# queue) claims at once.
-KEYED_CLAIM_GAP = 0.01
+# How long a keyed claim that took less than it asked for keeps its claimer
+# from claiming again, once woken, as a multiple of the time it took
+# (``Producer.claim_gap``). Such a claim reads past the available rows of
+# every key at its limit, and every outcome batch of the fleet wakes every
+# worker's claimer: in flow_control.py's keyed drain, claims read them all
+# over again for the few keys each batch freed (most of PostgreSQL's CPU).
+# Waiting as long as the reading took lets more keys free for the next one,
+# and spends at most half of the claimer's time reading; a quick claim (few
+# rows passed over) is hardly held back. A claimer woken later than that (a
+# job enqueued on an idle queue) claims at once.
+KEYED_CLAIM_GAP_RATIO = 1.0
 # The most candidates a claim of a queue with sequence members reads (the free
 # ones claimed, the others parked): the first claim of a long sequence parks
 # this many of its waiting members, the next ones the rest.
@@ -353,6 +355,7 @@ class Producer:
         self.skipped = False  # the last limited claim found the queue's lock held
         self.slots: Slots | None = None  # its process's slots of a global_concurrency queue
         self.claimed = 0.0  # time.monotonic() when the last claim returned
+        self.claim_took = 0.0  # how long the last keyed claim took, seconds
 
     def _turn(self) -> contextlib.AbstractContextManager[Any]:
         """Hold the shared connection (a no-op without one)."""
@@ -401,11 +404,12 @@ class Producer:
 
     def claim_gap(self) -> float:
         """How long to wait, once woken, before claiming again: after a keyed claim
-        that took less than it asked for, what is left of ``KEYED_CLAIM_GAP`` since
-        it returned; else nothing."""
+        that took less than it asked for, what is left since it returned of
+        ``KEYED_CLAIM_GAP_RATIO`` times the time it took; else nothing."""
         if not (self.held_back and self.limits is not None and self.limits.keyed):
             return 0.0
-        return max(0.0, KEYED_CLAIM_GAP - (time.monotonic() - self.claimed))
+        pause = KEYED_CLAIM_GAP_RATIO * self.claim_took
+        return max(0.0, pause - (time.monotonic() - self.claimed))
 
     def current_limits(self) -> QueueLimits:
         """The queue's limits, read again when a poll interval has passed since the last read."""
@@ -479,7 +483,9 @@ class Producer:
                     skipped = taken is None
                     jobs = taken or []
                 elif limits.keyed:
+                    started = time.monotonic()
                     jobs = claim_keyed(limits, want, state.alias)
+                    self.claim_took = time.monotonic() - started
                 elif limits.sequenced or self.sequenced:
                     jobs = claim_sequenced(runner.name, want, state.alias)
                 else:

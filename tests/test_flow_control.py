@@ -307,26 +307,32 @@ def test_a_held_back_keyed_claimer_waits_a_gap_before_claiming_again(
 ) -> None:
     # Each claim of a keyed queue reads past every key at its limit; woken by every
     # outcome batch, a claimer that took less than it asked claims again only
-    # KEYED_CLAIM_GAP after its last claim, so one reading serves more freed keys.
-    awa.enqueue_many([KeyedSpan(key="a", n=i) for i in range(3)])
+    # KEYED_CLAIM_GAP_RATIO times as long as that claim took after it, so one
+    # reading serves more freed keys. 1,000 jobs of one key: each claim passes
+    # over them.
+    awa.enqueue_many([KeyedSpan(key="a", n=i) for i in range(1000)])
     state = WorkerState.create({"bykey": 2, "flow": 2})
     keyed = producer.Producer(state, state.queues["bykey"])
     assert len(keyed.run_once() or []) == 1  # key a is at its limit: held back
-    assert 0 < keyed.claim_gap() <= producer.KEYED_CLAIM_GAP
-    time.sleep(producer.KEYED_CLAIM_GAP)
+    pause = producer.KEYED_CLAIM_GAP_RATIO * keyed.claim_took
+    assert 0 < keyed.claim_gap() <= pause
+    time.sleep(pause)
     assert keyed.claim_gap() == 0  # woken later than the gap: at once
     plain = producer.Producer(state, state.queues["flow"])
     assert plain.run_once() == [] and plain.claim_gap() == 0  # other queues: never
 
     # The claim loop keeps the gap however often it is woken.
-    claims: list[float] = []
+    claims: list[tuple[float, float]] = []
     real = producer.claim_keyed
 
-    def counted(*args: Any, **kwargs: Any) -> list[Job]:
-        claims.append(time.monotonic())
-        return real(*args, **kwargs)
+    def timed(*args: Any, **kwargs: Any) -> list[Job]:
+        started = time.monotonic()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            claims.append((started, time.monotonic()))
 
-    monkeypatch.setattr(producer, "claim_keyed", counted)
+    monkeypatch.setattr(producer, "claim_keyed", timed)
     runner = state.queues["bykey"]
 
     def claim_loop() -> None:
@@ -346,8 +352,9 @@ def test_a_held_back_keyed_claimer_waits_a_gap_before_claiming_again(
         state.stopping.set()
         runner.wake.set()
         loop.join(5)
-    gaps = [b - a for a, b in itertools.pairwise(claims)]
-    assert len(claims) >= 3 and min(gaps) >= producer.KEYED_CLAIM_GAP * 0.9
+    assert len(claims) >= 3
+    for (start, end), (after, _) in itertools.pairwise(claims):
+        assert after - end >= 0.9 * producer.KEYED_CLAIM_GAP_RATIO * (end - start)
 
 
 @pytest.mark.django_db(transaction=True)
