@@ -755,16 +755,8 @@ CLAIM_UNFLUSHED = _plain_claim(
 # Then as CLAIM: the rows that got a lease (or need none) start an attempt.
 # A lowered limit: slots above it are never taken again and what runs counts
 # against the new limit, so the key falls to it as its attempts end.
-# It commits without waiting for its WAL flush, as CLAIM_UNFLUSHED (the
-# candidates' EXISTS on unflushed): its leases are in the same transaction, so
-# a server crash before the next flush loses a claim and its leases together,
-# and the job is available again with its key free. A handler that ran it
-# meanwhile cannot write its outcome (run_lease), as for CLAIM_UNFLUSHED. Its
-# flush was a tenth of its pg_stat_activity samples in flow_control.py's keyed
-# drain (WALWrite, WALSync), each claimer waiting it out between two claims.
 CLAIM_KEYED = f"""
-WITH unflushed AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)),
-kl AS MATERIALIZED (SELECT key AS kind, value AS v FROM jsonb_each(%(kinds)s::jsonb)),
+WITH kl AS MATERIALIZED (SELECT key AS kind, value AS v FROM jsonb_each(%(kinds)s::jsonb)),
 used AS MATERIALIZED (
     SELECT r.kind::text AS kind, {_limit_key("r")} AS gkey, count(*)::int AS running
     FROM ONLY awa_job AS r JOIN kl ON kl.kind = r.kind
@@ -781,7 +773,6 @@ cand AS MATERIALIZED (
     FROM ONLY awa_job AS c
     WHERE c.state = 'available' AND c.queue = %(queue)s AND c.run_at <= now()
       AND NOT EXISTS (SELECT 1 FROM awa_queue WHERE name = %(queue)s AND paused)
-      AND EXISTS (SELECT 1 FROM unflushed)
       AND {_sequence_free("c")}
       AND (c.kind::text, {_limit_key("c", _KIND_LIMIT)}) NOT IN (
           SELECT f.kind, f.gkey FROM saturated AS f)

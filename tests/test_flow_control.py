@@ -1116,11 +1116,10 @@ def test_a_finishing_member_starts_the_next_without_waiting_for_a_poll(start_wor
 
 
 @pytest.mark.django_db(transaction=True)
-def test_claims_of_slot_leased_and_keyed_queues_commit_without_waiting_for_the_flush() -> None:
+def test_claims_of_slot_leased_queues_commit_without_waiting_for_the_flush_and_only_they() -> None:
     # Slot leases (global_concurrency): their claims take the few places free at a
     # time, without prefetch, so their commit does not wait for its WAL flush
-    # (synchronous_commit off, for the claim's own transaction only). Nor does a
-    # keyed claim's (CLAIM_KEYED), whose leases a crash would lose with it.
+    # (synchronous_commit off, for the claim's own transaction only).
     awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="leased") for i in range(3)])
     awa.enqueue_many([KeyedSpan(key=f"k{i}", n=i) for i in range(2)])
     keyed = producer.queue_limits("bykey", "default")
@@ -1138,9 +1137,9 @@ def test_claims_of_slot_leased_and_keyed_queues_commit_without_waiting_for_the_f
     try:
         unflushed = setting_in_claim(lambda: producer.claim("leased", 1, "default", unflushed=True))
         assert unflushed == (1, "off", "on")  # and the session's setting is untouched after
-        keyed_claim = setting_in_claim(lambda: producer.claim_keyed(keyed, 1, "default"))
-        assert keyed_claim == (1, "off", "on")
         # Every other claim waits for its flush, as every outcome does.
+        keyed_claim = setting_in_claim(lambda: producer.claim_keyed(keyed, 1, "default"))
+        assert keyed_claim == (1, "on", "on")
         assert setting_in_claim(lambda: producer.claim("leased", 1, "default")) == (1, "on", "on")
         claimed = producer.claim("leased", 1, "default")
         assert len(finalize([completed(j) for j in claimed], "default"))
