@@ -3,8 +3,8 @@
 Handler threads put results on the state's results queue; the completer takes
 up to ``FINALIZE_BATCH_SIZE`` at a time, writes them in one transaction, and
 stops tracking their attempts. Results whose row another session holds locked
-are written again after ``LOCKED_RETRY`` seconds, on their own, while the rest
-go on.
+are written again after ``LOCKED_RETRY_SOON`` seconds (``LOCKED_RETRY`` when left
+out again), on their own, while the rest go on.
 
 The batch's transaction NOTIFYs nothing (``wakeups.after_commit``): the queues
 its follow-ups and promoted dependents went to are posted to the worker's
@@ -46,8 +46,23 @@ logger = logging.getLogger(__name__)
 # batch pays a BEGIN, a savepoint, a COPY and a COMMIT, so larger
 # batches spread that fixed cost over more jobs (benchmarks/: the follow-up drain).
 FINALIZE_BATCH_SIZE = 1000
-# Seconds before writing again an outcome whose row another session held locked.
+# Seconds before writing again outcomes whose row another session held locked:
+# LOCKED_RETRY_SOON the first time, LOCKED_RETRY for those left out again. The
+# usual holder is a claimer whose scan met the rows just after another claimer
+# started them: FOR UPDATE locks the newest version of a row before it checks
+# the row again, and keeps the lock when the check fails, so such a claim holds
+# a whole batch of fresh attempts until its statement ends, milliseconds later
+# (tens for a keyed claim reading past thousands of rows). In flow_control.py's
+# keyed drain, hundreds of outcomes at a time waited the whole LOCKED_RETRY,
+# several times a drain, their keys held meanwhile. A longer hold (an
+# operator's SELECT ... FOR UPDATE) is met again at LOCKED_RETRY.
+LOCKED_RETRY_SOON = 0.02
 LOCKED_RETRY = 0.5
+
+
+def _attempt(result: AttemptResult) -> tuple[int, int]:
+    """The attempt ``result`` is of: its job's id and run_lease."""
+    return result.job.id, result.job.run_lease
 
 
 def first_of_each_attempt(batch: list[AttemptResult]) -> list[AttemptResult]:
@@ -208,6 +223,7 @@ class Completer:
         """Write results in batches until told to stop (``None`` on the results queue)."""
         done = False
         deferred: list[AttemptResult] = []  # left out: their row was locked
+        retried: set[tuple[int, int]] = set()  # of those, the attempts left out before
         retry_at = 0.0
         while not done:
             timeout = max(0.0, retry_at - time.monotonic()) if deferred else None
@@ -230,14 +246,17 @@ class Completer:
                 # coming, pushing it on at every batch would never write again
                 # those already waiting.
                 if not waiting:
-                    retry_at = time.monotonic() + LOCKED_RETRY
+                    again = any(_attempt(r) in retried for r in deferred)
+                    wait = LOCKED_RETRY if again else LOCKED_RETRY_SOON
+                    retry_at = time.monotonic() + wait
                 logger.info(
                     "%s outcome(s) wait for a row lock another session holds (jobs %s); "
-                    "writing them again in %.1fs",
+                    "writing them again in %.2fs",
                     len(deferred) - waiting,
                     ", ".join(str(r.job.id) for r in deferred[waiting : waiting + 20]),
                     max(0.0, retry_at - time.monotonic()),
                 )
+            retried = {_attempt(r) for r in deferred}
         for result in deferred:
             logger.warning(
                 "job %s: its outcome could not be written before shutdown (the row stays "

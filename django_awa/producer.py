@@ -60,6 +60,17 @@ LIMITED_SCAN = 2000
 # the rows it locks and leaves are what the other claimers wanted (twice the
 # batch measured no better in flow_control.py's keyed drain).
 KEYED_SCAN_EXTRA = 16
+# How long a keyed claim that took less than it asked for keeps its claimer
+# from claiming again, once woken, as a multiple of the time it took
+# (``Producer.claim_gap``). Such a claim reads past the available rows of
+# every key at its limit, and every outcome batch of the fleet wakes every
+# worker's claimer: in flow_control.py's keyed drain, claims read them all
+# over again for the few keys each batch freed (most of PostgreSQL's CPU).
+# Waiting as long as the reading took lets more keys free for the next one,
+# and spends at most half of the claimer's time reading; a quick claim (few
+# rows passed over) is hardly held back. A claimer woken later than that (a
+# job enqueued on an idle queue) claims at once.
+KEYED_CLAIM_GAP_RATIO = 1.0
 # The most candidates a claim of a queue with sequence members reads (the free
 # ones claimed, the others parked): the first claim of a long sequence parks
 # this many of its waiting members, the next ones the rest.
@@ -344,6 +355,8 @@ class Producer:
         self.sequenced = False  # a claim of this queue has met a sequence member
         self.skipped = False  # the last limited claim found the queue's lock held
         self.slots: Slots | None = None  # its process's slots of a global_concurrency queue
+        self.claimed = 0.0  # time.monotonic() when the last claim returned
+        self.claim_took = 0.0  # how long the last keyed claim took, seconds
 
     def _turn(self) -> contextlib.AbstractContextManager[Any]:
         """Hold the shared connection (a no-op without one)."""
@@ -377,6 +390,9 @@ class Producer:
             reconnect.succeeded()
             if not self.busy:
                 runner.wake.wait(self.idle_wait())
+                gap = self.claim_gap()
+                if gap:
+                    state.stopping.wait(gap)
 
     def idle_wait(self) -> float:
         """How long to sleep when the last claim did not fill: the poll interval, less
@@ -386,6 +402,15 @@ class Producer:
             return min(poll, LOCKED_RETRY)
         rate_wait = self.limits.rate_wait if self.limits and self.held_back else None
         return poll if rate_wait is None else min(poll, rate_wait)
+
+    def claim_gap(self) -> float:
+        """How long to wait, once woken, before claiming again: after a keyed claim
+        that took less than it asked for, what is left since it returned of
+        ``KEYED_CLAIM_GAP_RATIO`` times the time it took; else nothing."""
+        if not (self.held_back and self.limits is not None and self.limits.keyed):
+            return 0.0
+        pause = KEYED_CLAIM_GAP_RATIO * self.claim_took
+        return max(0.0, pause - (time.monotonic() - self.claimed))
 
     def current_limits(self) -> QueueLimits:
         """The queue's limits, read again when a poll interval has passed since the last read."""
@@ -515,7 +540,9 @@ class Producer:
                     skipped = taken is None
                     jobs = taken or []
                 elif limits.keyed:
+                    started = time.monotonic()
                     jobs = claim_keyed(limits, want, state.alias)
+                    self.claim_took = time.monotonic() - started
                 elif limits.sequenced or self.sequenced:
                     jobs = claim_sequenced(runner.name, want, state.alias)
                 else:
@@ -533,6 +560,7 @@ class Producer:
         except BaseException:
             self.unreserve(want)
             raise
+        self.claimed = time.monotonic()
         self.busy = len(jobs) == want > 0 or (not want and self.busy)
         self.held_back = limits.gated and not self.busy
         self.skipped = skipped

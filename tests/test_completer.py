@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import psycopg
 import pytest
 
@@ -84,6 +86,68 @@ def test_of_two_results_of_one_attempt_in_a_batch_the_first_is_written():
     notes = list(Job.objects.filter(kind="echo").values_list("args__note", flat=True))
     assert len(notes) == 1 and notes[0].startswith("retried:1:timed out"), notes
     assert not state.running
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_left_out_for_a_brief_lock_is_written_again_soon(caplog):
+    # The usual holder of a fresh attempt's row is a claim that met it and holds
+    # it until its statement ends: the first retry comes LOCKED_RETRY_SOON later,
+    # not LOCKED_RETRY; an outcome left out again waits LOCKED_RETRY.
+    import threading
+    import time
+
+    from django_awa.completer import LOCKED_RETRY, LOCKED_RETRY_SOON
+
+    caplog.set_level(logging.INFO, logger="django_awa.completer")
+    state, [brief_id, held_id] = _run(2, args={"action": "ok", "tag": "none"})
+    results = {}
+    while not state.results.empty():
+        result = state.results.get_nowait()
+        results[result.job.id] = result
+    completer = threading.Thread(target=Completer(state).run)
+
+    def left_out(job_id: int) -> int:
+        return sum(
+            "wait for a row lock" in r.getMessage() and f"(jobs {job_id})" in r.getMessage()
+            for r in caplog.records
+        )
+
+    def written(job_id: int) -> bool:
+        return Job.objects.get(id=job_id).state == JobState.COMPLETED
+
+    try:
+        with psycopg.connect(**listen_params("default")) as other:
+            other.execute("SELECT id FROM awa_job WHERE id = %s FOR UPDATE", [brief_id])
+            state.results.put(results[brief_id])
+            completer.start()
+            deadline = time.monotonic() + 5
+            while not left_out(brief_id) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            other.rollback()  # a claim's brief hold ends
+            released = time.monotonic()
+            while not written(brief_id) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            assert written(brief_id)
+            assert time.monotonic() - released < LOCKED_RETRY / 2
+
+            # Held through the soon retry too: then LOCKED_RETRY.
+            other.execute("SELECT id FROM awa_job WHERE id = %s FOR UPDATE", [held_id])
+            state.results.put(results[held_id])
+            deadline = time.monotonic() + 5
+            while left_out(held_id) < 2 and time.monotonic() < deadline:
+                time.sleep(LOCKED_RETRY_SOON / 4)
+            assert left_out(held_id) >= 2  # the soon retry met the lock too
+            other.rollback()
+            released = time.monotonic()
+            time.sleep(LOCKED_RETRY / 4)
+            assert not written(held_id)
+            deadline = time.monotonic() + 5
+            while not written(held_id) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert written(held_id)
+    finally:
+        state.results.put(None)
+        completer.join(10)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -277,6 +277,87 @@ def test_a_keyed_claim_takes_a_lease_per_key_and_the_outcome_gives_it_back() -> 
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_lease_key_is_the_json_text_jsonb_writes_for_the_values() -> None:
+    # The key every claim and worker compares is the JSON array of the by= values as
+    # jsonb writes it out: escapes, non-ASCII, an empty string, a nested value with
+    # its keys in jsonb's order, and a missing field (null).
+    ids = awa.enqueue_many([KeyedSpan(key=k) for k in ['say "hi" \\ é \u0001', "", "n", "m"]])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """UPDATE awa_job SET args = jsonb_set(args, '{key}', '{"zz": [1, 2.50], "a": null}')
+               WHERE id = %s""",
+            [ids[2]],
+        )
+        cursor.execute("UPDATE awa_job SET args = args - 'key' WHERE id = %s", [ids[3]])
+    written = {
+        job_id: _scalar("SELECT jsonb_build_array(args -> 'key')::text FROM awa_job WHERE id = %s",
+                        [job_id])
+        for job_id in ids
+    }  # fmt: skip
+    claimed = producer.claim_keyed(producer.queue_limits("bykey", "default"), 10, "default")
+    assert sorted(j.id for j in claimed) == ids
+    assert {lease[3]: lease[1] for lease in _leases()} == written
+    assert written[ids[1]] == '[""]' and written[ids[3]] == "[null]"
+    assert written[ids[2]] == '[{"a": null, "zz": [1, 2.50]}]'
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_held_back_keyed_claimer_waits_a_gap_before_claiming_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each claim of a keyed queue reads past every key at its limit; woken by every
+    # outcome batch, a claimer that took less than it asked claims again only
+    # KEYED_CLAIM_GAP_RATIO times as long as that claim took after it, so one
+    # reading serves more freed keys. 1,000 jobs of one key: each claim passes
+    # over them.
+    awa.enqueue_many([KeyedSpan(key="a", n=i) for i in range(1000)])
+    state = WorkerState.create({"bykey": 2, "flow": 2})
+    keyed = producer.Producer(state, state.queues["bykey"])
+    assert len(keyed.run_once() or []) == 1  # key a is at its limit: held back
+    pause = producer.KEYED_CLAIM_GAP_RATIO * keyed.claim_took
+    assert 0 < keyed.claim_gap() <= pause
+    time.sleep(pause)
+    assert keyed.claim_gap() == 0  # woken later than the gap: at once
+    plain = producer.Producer(state, state.queues["flow"])
+    assert plain.run_once() == [] and plain.claim_gap() == 0  # other queues: never
+
+    # The claim loop keeps the gap however often it is woken.
+    claims: list[tuple[float, float]] = []
+    real = producer.claim_keyed
+
+    def timed(*args: Any, **kwargs: Any) -> list[Job]:
+        started = time.monotonic()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            claims.append((started, time.monotonic()))
+
+    monkeypatch.setattr(producer, "claim_keyed", timed)
+    runner = state.queues["bykey"]
+
+    def claim_loop() -> None:
+        try:
+            keyed.run()
+        finally:
+            connection.close()
+
+    loop = threading.Thread(target=claim_loop)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            runner.wake.set()
+            time.sleep(0.001)
+    finally:
+        state.stopping.set()
+        runner.wake.set()
+        loop.join(5)
+    assert len(claims) >= 3
+    for (start, end), (after, _) in itertools.pairwise(claims):
+        assert after - end >= 0.9 * producer.KEYED_CLAIM_GAP_RATIO * (end - start)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_claimers_of_one_key_at_the_same_instant_start_one_and_other_keys_go_on() -> None:
     ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
     limits = producer.queue_limits("bykey", "default")
