@@ -65,16 +65,19 @@ def _scalar(statement: str, params: Any = None) -> Any:
         return cursor.fetchone()[0]
 
 
-# The most runs that overlapped at one instant: a sweep over the starts (+1)
-# and ends (-1) of the runs matched by the WHERE clause, ends first at a tie.
-MAX_OVERLAP = """
-SELECT coalesce(max(running), 0) FROM (
-    SELECT sum(d) OVER (ORDER BY at, d ROWS UNBOUNDED PRECEDING) AS running
-    FROM (SELECT started_at AS at, 1 AS d FROM testapp_flowrun WHERE {where}
+# The most runs (matched by the WHERE clause) between their {begin} and their end
+# at one instant: a sweep over the begins (+1) and the ends (-1), ends first at a tie.
+_SWEEP = """
+SELECT coalesce(max(held), 0) FROM (
+    SELECT sum(d) OVER (ORDER BY at, d ROWS UNBOUNDED PRECEDING) AS held
+    FROM (SELECT {begin} AS at, 1 AS d FROM testapp_flowrun WHERE {where}
           UNION ALL
           SELECT ended_at, -1 FROM testapp_flowrun WHERE {where}) AS edges
 ) AS sweep
 """
+
+# The most runs that overlapped at one instant.
+MAX_OVERLAP = _SWEEP.replace("{begin}", "started_at")
 
 
 def max_overlap(where: str = "true", params: Any = None) -> int:
@@ -1175,17 +1178,10 @@ def test_global_concurrency_holds_with_quick_handlers_and_uses_its_places(
         assert worker.stop() == 0
 
 
-# The most attempts claimed and not finished at one instant: a sweep over the
-# claims (+1) and the handlers' ends (-1), ends first at a tie. Above the
-# global concurrency only if jobs were claimed ahead of a free slot.
-MAX_CLAIMED = """
-SELECT coalesce(max(held), 0) FROM (
-    SELECT sum(d) OVER (ORDER BY at, d ROWS UNBOUNDED PRECEDING) AS held
-    FROM (SELECT attempted_at AS at, 1 AS d FROM testapp_flowrun WHERE {where}
-          UNION ALL
-          SELECT ended_at, -1 FROM testapp_flowrun WHERE {where}) AS edges
-) AS sweep
-"""
+# The most attempts claimed and not finished at one instant (from the claims
+# to the handlers' ends). Above the global concurrency only if jobs were
+# claimed ahead of a free slot.
+MAX_CLAIMED = _SWEEP.replace("{begin}", "attempted_at")
 
 
 def test_global_concurrency_claims_ahead_runs_within_its_slots_and_follows_a_lowered_limit(
