@@ -378,16 +378,17 @@ class HandlerPool:
         """
         runner = handler.runner
         running, waiting, job_id = self.running, self.waiting, attempt.job.id
-        entered = runner.gate.enter(
-            lambda: job_id not in waiting or attempt.cancelled.is_set()
-            or running.get(job_id) is not attempt
-        )  # fmt: skip
+
+        def withdrawn() -> bool:
+            # Given back before it started (at shutdown, or with its process's
+            # slots): the job may be claimed again meanwhile, its new attempt
+            # waiting under the same id.
+            return job_id not in waiting or running.get(job_id) is not attempt
+
+        entered = runner.gate.enter(lambda: withdrawn() or attempt.cancelled.is_set())
         try:
             with self.running_lock:
-                # Given back before it started (at shutdown, or with its process's
-                # slots): the job may be claimed again meanwhile, its new attempt
-                # waiting under the same id.
-                if job_id not in waiting or running.get(job_id) is not attempt:
+                if withdrawn():
                     return
                 self.waiting.discard(attempt.job.id)
                 handler.attempt = attempt

@@ -205,7 +205,7 @@ class Worker:
         state = self.state
         for thread in producers:
             thread.join()
-        self._give_back(self._withdraw_waiting(), started=False)
+        self._give_back(self.state.withdraw_waiting(), started=False)
         deadline = time.monotonic() + state.conf.shutdown_timeout
         while state.running and time.monotonic() < deadline and not state.halt.is_set():
             self._take_signals(0.05)
@@ -216,7 +216,7 @@ class Worker:
             self._take_signals(0)
         with state.running_lock:
             unfinished = [a for a in state.running.values() if a.job.id not in state.waiting]
-        self._give_back(unfinished + self._withdraw_waiting(), started=True)
+        self._give_back(unfinished + self.state.withdraw_waiting(), started=True)
         state.halt.set()
         self.handlers.stop_loop()
         for runner in state.queues.values():
@@ -238,16 +238,6 @@ class Worker:
         finally:
             connections.close_all()
         logger.info("awa worker %s stopped after %s jobs", state.name, state.processed)
-
-    def _withdraw_waiting(self) -> list[Attempt]:
-        """Take the prefetched attempts no handler has started; none will start now."""
-        state = self.state
-        with state.running_lock:
-            withdrawn = [state.running.pop(i) for i in state.waiting if i in state.running]
-            state.waiting.clear()
-        for runner in state.queues.values():
-            runner.gate.wake()  # its handler threads waiting with them stop at once
-        return withdrawn
 
     def _give_back(self, attempts: list[Attempt], *, started: bool) -> None:
         """Write back attempts this worker will not finish, so others can run them.

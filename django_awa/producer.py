@@ -462,10 +462,10 @@ class Producer:
         usable = self.slots.usable if self.slots is not None else 0
         if not usable:
             return 0
+        if limits.locked:
+            return min(usable, self.runner.concurrency)
         conf = self.state.conf
         ahead = self.runner.prefetch(conf.prefetch_window, conf.claim_batch_size)
-        if limits.locked:
-            ahead = 0
         return min(usable, self.runner.concurrency) + ahead
 
     def give_back_waiting(self) -> int:
@@ -478,15 +478,11 @@ class Producer:
         rescues them, as at shutdown.
         """
         state, name = self.state, self.runner.name
-        with state.running_lock:
-            ids = [i for i in state.waiting if state.running[i].job.queue == name]
-            attempts = [state.running.pop(i) for i in ids]
-            state.waiting.difference_update(ids)
-            for attempt in attempts:
-                attempt.cancelled.set()
+        attempts = state.withdraw_waiting(name)
         if not attempts:
             return 0
-        self.runner.gate.wake()
+        for attempt in attempts:
+            attempt.cancelled.set()
         with wakeups.after_commit(state.alias, state.outbox):
             finalize([unstarted(attempt.job) for attempt in attempts], state.alias)
         logger.info(

@@ -381,6 +381,23 @@ class WorkerState:
                     del running[job.id]
                 self.processed += 1
 
+    def withdraw_waiting(self, queue: str | None = None) -> list[Attempt]:
+        """Take the claimed attempts no handler has started (of ``queue``, default all):
+        none of them will start now. The handler threads that take them from the
+        inbox, or wait with them at the queue's ``RunGate``, find them gone."""
+        running = self.running
+        with self.running_lock:
+            ids = [
+                i for i in self.waiting
+                if (a := running.get(i)) is None or queue is None or a.job.queue == queue
+            ]  # fmt: skip
+            withdrawn = [running.pop(i) for i in ids if i in running]
+            self.waiting.difference_update(ids)
+        for name, runner in self.queues.items():
+            if queue is None or name == queue:
+                runner.gate.wake()
+        return withdrawn
+
     def wake(self, names: set[str] | None = None) -> None:
         """Make the producers of queues ``names`` (default: all) claim now."""
         for name, runner in self.queues.items():

@@ -117,7 +117,7 @@ def test_a_job_given_back_before_it_started_has_no_start():
     Producer(worker.state, worker.state.queues["default"]).run_once()
     assert Job.objects.get(id=job.id).state == JobState.RUNNING
 
-    worker._give_back(worker._withdraw_waiting(), started=False)  # as at shutdown
+    worker._give_back(worker.state.withdraw_waiting(), started=False)  # as at shutdown
 
     back = Job.objects.get(id=job.id)
     assert back.state == JobState.AVAILABLE and back.attempted_at is None
