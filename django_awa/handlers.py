@@ -368,6 +368,13 @@ class HandlerPool:
         release_connections()
         return True
 
+    def withdrawn(self, attempt: Attempt) -> bool:
+        """Given back before it started (at shutdown, or with its process's slots):
+        the job may be claimed again meanwhile, its new attempt waiting under the
+        same id."""
+        job_id = attempt.job.id
+        return job_id not in self.waiting or self.running.get(job_id) is not attempt
+
     def execute(self, handler: HandlerThread, attempt: Attempt) -> None:
         """Run one claimed attempt; its place on the queue is freed however it ends.
 
@@ -377,18 +384,13 @@ class HandlerPool:
         started, until it may, or until it is given up.
         """
         runner = handler.runner
-        running, waiting, job_id = self.running, self.waiting, attempt.job.id
-
-        def withdrawn() -> bool:
-            # Given back before it started (at shutdown, or with its process's
-            # slots): the job may be claimed again meanwhile, its new attempt
-            # waiting under the same id.
-            return job_id not in waiting or running.get(job_id) is not attempt
-
-        entered = runner.gate.enter(lambda: withdrawn() or attempt.cancelled.is_set())
+        gate = runner.gate
+        entered = gate.enter_unlimited() or gate.enter(
+            lambda: self.withdrawn(attempt) or attempt.cancelled.is_set()
+        )
         try:
             with self.running_lock:
-                if withdrawn():
+                if self.withdrawn(attempt):
                     return
                 self.waiting.discard(attempt.job.id)
                 handler.attempt = attempt

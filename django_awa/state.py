@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -134,40 +135,65 @@ class RunGate:
     handler begins and leaves when it returns. ``None``: no limit (any other
     queue); ``active`` is counted all the same, so a limit set at runtime
     sees the handlers already running.
+
+    Without a limit, entering and leaving take no lock: ``running`` holds an
+    entry per handler running, and a deque's ``append`` and ``pop`` are atomic.
+    A handler is counted before it looks at ``limit``, and ``lower`` sets
+    ``limit`` before it counts, so either ``lower`` counts the handler or the
+    handler sees the limit and waits for room under the lock.
     """
 
-    __slots__ = ("active", "cond", "limit")
+    __slots__ = ("cond", "limit", "running")
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.limit: int | None = None
-        self.active = 0
+        self.running: deque[None] = deque()
+
+    @property
+    def active(self) -> int:
+        return len(self.running)
+
+    def enter_unlimited(self) -> bool:
+        """Without a limit, count the caller's handler as running and say True; else
+        False, without counting it (it must ``enter``)."""
+        self.running.append(None)
+        if self.limit is None:
+            return True
+        self.running.pop()
+        return False
 
     def enter(self, given_up: Callable[[], bool]) -> bool:
         """Wait for room and count the caller's handler as running; False, without
         entering, once ``given_up()`` (its attempt will not run: it was cancelled,
         or given back at shutdown or when the process's slots went)."""
+        if self.enter_unlimited():
+            return True
+        running = self.running
         with self.cond:
-            while self.limit is not None and self.active >= self.limit:
+            while self.limit is not None and len(running) >= self.limit:
                 if given_up():
                     self.cond.notify()  # a wake-up it took goes on to another waiter
                     return False
                 self.cond.wait(RUN_GATE_POLL)
-            self.active += 1
+            running.append(None)
             return True
 
     def leave(self) -> None:
         """A handler returned: one waiting thread may start its own."""
-        with self.cond:
-            self.active -= 1
-            self.cond.notify()
+        self.running.pop()
+        if self.limit is not None:
+            # A limit set since this handler began, unseen here, leaves its
+            # waiters to their RUN_GATE_POLL.
+            with self.cond:
+                self.cond.notify()
 
     def lower(self, limit: int) -> int:
         """Lower the limit to at most ``limit``; how many handlers run now (they only
         fall from here until the limit is raised: none enters beyond it)."""
         with self.cond:
             self.limit = limit if self.limit is None else min(self.limit, limit)
-            return self.active
+            return len(self.running)
 
     def set_limit(self, limit: int | None) -> None:
         with self.cond:

@@ -10,7 +10,7 @@ from django_awa.execute import Attempt
 from django_awa.handlers import HandlerPool
 from django_awa.models import JobState
 from django_awa.producer import Producer
-from django_awa.state import WorkerState
+from django_awa.state import RunGate, WorkerState
 from tests.conftest import due_job
 from tests.testapp.models import Ledger
 
@@ -80,3 +80,23 @@ def test_attempts_waiting_at_a_full_run_gate_do_not_run_and_stop_waiting_once_gi
     assert state.results.empty()
     assert not Ledger.objects.filter(job_id__in=[lost.job.id, given_back.job.id]).exists()
     assert runner.held == 0 and runner.gate.active == 0
+
+
+def test_a_limit_set_while_handlers_run_counts_them_and_holds_the_next_back() -> None:
+    # An unlimited queue's handlers enter without the gate's lock; a limit set at
+    # runtime (global_concurrency's slots) must still see them all.
+    gate = RunGate()
+    assert gate.enter(lambda: False) and gate.enter(lambda: False)
+    assert gate.lower(1) == 2, "the handlers already running were not counted"
+    entered = threading.Event()
+    third = threading.Thread(
+        target=lambda: gate.enter(lambda: False) and entered.set(), daemon=True
+    )
+    third.start()
+    assert not entered.wait(0.2), "a handler began beyond the limit"
+    gate.leave()
+    assert not entered.wait(0.2), "a handler began beyond the limit"
+    gate.leave()
+    assert entered.wait(2), "a freed place did not let the waiting handler begin"
+    assert gate.active == 1
+    third.join(2)
