@@ -385,8 +385,9 @@ class HandlerPool:
         """
         runner = handler.runner
         gate = runner.gate
+        # A thread waiting at the gate holds no pooled connection meanwhile.
         entered = gate.enter_unlimited() or gate.enter(
-            lambda: self.withdrawn(attempt) or attempt.cancelled.is_set()
+            lambda: self.withdrawn(attempt) or attempt.cancelled.is_set(), release_connections
         )
         try:
             with self.running_lock:

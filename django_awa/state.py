@@ -163,10 +163,13 @@ class RunGate:
         self.running.pop()
         return False
 
-    def enter(self, given_up: Callable[[], bool]) -> bool:
+    def enter(
+        self, given_up: Callable[[], bool], before_wait: Callable[[], object] | None = None
+    ) -> bool:
         """Wait for room and count the caller's handler as running; False, without
         entering, once ``given_up()`` (its attempt will not run: it was cancelled,
-        or given back at shutdown or when the process's slots went)."""
+        or given back at shutdown or when the process's slots went).
+        ``before_wait``: called once, outside the lock, if there is no room at once."""
         if self.enter_unlimited():
             return True
         running = self.running
@@ -175,6 +178,14 @@ class RunGate:
                 if given_up():
                     self.cond.notify()  # a wake-up it took goes on to another waiter
                     return False
+                if before_wait is not None:
+                    self.cond.release()
+                    try:
+                        before_wait()
+                    finally:
+                        self.cond.acquire()
+                    before_wait = None
+                    continue  # room may have come meanwhile
                 self.cond.wait(RUN_GATE_POLL)
             running.append(None)
             return True

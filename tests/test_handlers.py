@@ -89,8 +89,10 @@ def test_a_limit_set_while_handlers_run_counts_them_and_holds_the_next_back() ->
     assert gate.enter(lambda: False) and gate.enter(lambda: False)
     assert gate.lower(1) == 2, "the handlers already running were not counted"
     entered = threading.Event()
+    released: list[int] = []  # the waiting thread gives its pooled connections back once
     third = threading.Thread(
-        target=lambda: gate.enter(lambda: False) and entered.set(), daemon=True
+        target=lambda: gate.enter(lambda: False, lambda: released.append(1)) and entered.set(),
+        daemon=True,
     )
     third.start()
     assert not entered.wait(0.2), "a handler began beyond the limit"
@@ -98,5 +100,7 @@ def test_a_limit_set_while_handlers_run_counts_them_and_holds_the_next_back() ->
     assert not entered.wait(0.2), "a handler began beyond the limit"
     gate.leave()
     assert entered.wait(2), "a freed place did not let the waiting handler begin"
-    assert gate.active == 1
+    assert gate.active == 1 and released == [1]
     third.join(2)
+    gate.set_limit(2)  # room at once: nothing to give back
+    assert gate.enter(lambda: False, lambda: released.append(1)) and released == [1]
