@@ -16,8 +16,9 @@ as it holds usable slots (the queue's ``RunGate``), and claims those and a
 prefetch, with ``sql.CLAIM_UNFLUSHED`` (the plain claim, committed without
 waiting for its WAL flush). Kinds whose
 ``awa.Limit`` is a concurrency limit only (per key with ``by``) are kept by
-per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, no
-lock). A ``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with
+per-key leases taken in the claim statement itself (``sql.CLAIM_KEYED``, after
+the queue's lock, which its claimers try rather than wait for). A
+``rate_limit``, or kinds with an ``awa.Limit(rate=...)``, claim with
 ``sql.CLAIM_LIMITED`` after ``sql.LOCK_LIMITS``; every other queue keeps
 ``sql.CLAIM``. Which one applies is read again once per poll interval, so
 limits set at runtime reach every worker within one. Meanwhile some workers
@@ -239,29 +240,46 @@ def claim_limited(
     # scan): the batch itself is enough. With them, a key's second job does not.
     scan = limit if limits.kinds == "{}" else min(LIMITED_SCAN, max(100, 4 * limit))
     with transaction.atomic(using=alias):
-        with db.cursor(alias) as cursor:
-            cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
-            locked = cursor.fetchone()
-        if not (locked and locked[0]):
+        if not _lock_limits(limits, alias):
             return None
         return _run_claim(sql.CLAIM_LIMITED, limits.params(limit, scan, leased=leased), alias)
 
 
+def _lock_limits(limits: QueueLimits, alias: str) -> bool:
+    """Try the queue's advisory lock (``sql.LOCK_LIMITS``) in the caller's transaction."""
+    with db.cursor(alias) as cursor:
+        cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
+        locked = cursor.fetchone()
+    return bool(locked and locked[0])
+
+
 def claim_keyed(
     limits: QueueLimits, limit: int, alias: str, *, scan: int | None = None
-) -> list[Job]:
+) -> list[Job] | None:
     """Claim up to ``limit`` jobs of a queue whose only kind limits are concurrency
-    limits: one statement (autocommit), each attempt of a limited kind taking a
-    lease of its key (``sql.CLAIM_KEYED``); no lock, so claims of different keys
-    run side by side. A job whose key is full stays available, its attempt unused.
+    limits, each attempt of a limited kind taking a lease of its key
+    (``sql.CLAIM_KEYED``). A job whose key is full stays available, its attempt unused.
+
+    One transaction, as ``claim_limited``: the queue's advisory lock
+    (``sql.LOCK_LIMITS``, tried, never waited for), then the claim, whose snapshot
+    sees every lease the previous holder took. Returns ``None``, claiming
+    nothing, when another claimer holds the lock. Unserialized, two claimers met
+    on the same keys: one skipped the rows the other held locked and went on to
+    the next rows of the same keys (jobs of many keys arrive interleaved), whose
+    leases the other was taking, and claimed nothing after waiting for its
+    commit; in flow_control.py's keyed drain the lock took it from 14,600-15,200
+    to 16,800-18,900 jobs/s. Claimers of other queues never meet it.
 
     ``scan``: how many candidates it reads and locks (default ``limit`` and
-    ``KEYED_SCAN_EXTRA``); other claimers skip those meanwhile.
+    ``KEYED_SCAN_EXTRA``).
     """
     if scan is None:
         scan = min(LIMITED_SCAN, limit + KEYED_SCAN_EXTRA)
     params = {"queue": limits.queue, "kinds": limits.kinds, "limit": limit, "scan": scan}
-    return _run_claim(sql.CLAIM_KEYED, params, alias)
+    with transaction.atomic(using=alias):
+        if not _lock_limits(limits, alias):
+            return None
+        return _run_claim(sql.CLAIM_KEYED, params, alias)
 
 
 def held_back(limits: QueueLimits, alias: str) -> int:
@@ -537,8 +555,10 @@ class Producer:
                     jobs = taken or []
                 elif limits.keyed:
                     started = time.monotonic()
-                    jobs = claim_keyed(limits, want, state.alias)
+                    taken = claim_keyed(limits, want, state.alias)
                     self.claim_took = time.monotonic() - started
+                    skipped = taken is None
+                    jobs = taken or []
                 elif limits.sequenced or self.sequenced:
                     jobs = claim_sequenced(runner.name, want, state.alias)
                 else:

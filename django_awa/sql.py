@@ -720,12 +720,16 @@ CLAIM_UNFLUSHED = _plain_claim(
 
 # ---- Per-key leases of awa.Limit(concurrency=...) (CLAIM_KEYED, CLAIM_LIMITED) ----
 # A queue whose only limits are its kinds' concurrency limits (no rate, no
-# queue rate) claims without LOCK_LIMITS: each attempt of a limited kind holds
-# a lease row of awa_limit_lease, (kind, key, slot) unique with slot 1..c,
-# taken in the claim statement itself. Two claimers of one key at the same
-# instant both insert its free slot: the unique index makes the second wait
-# for the first and find the slot held, so a key never runs more than c at
-# once, while claims of different keys never wait on each other. The lease
+# queue rate) is kept by leases: each attempt of a limited kind holds a lease
+# row of awa_limit_lease, (kind, key, slot) unique with slot 1..c, taken in
+# the claim statement itself. Its claimers take turns (producer.claim_keyed
+# tries LOCK_LIMITS first, as CLAIM_LIMITED's do, and one that finds it held
+# claims nothing this round), so each claim's snapshot sees the leases of the
+# one before. The lock only spares wasted claims; the unique index is what
+# keeps a key: two claims of one key at the same instant, even without the
+# lock (as the tests run them), both insert its free slot, and the index makes
+# the second wait for the first and find the slot held, so a key never runs
+# more than c at once. Finalize and other queues never take the lock. The lease
 # names its attempt (job_id, run_lease) and goes in the transaction that takes
 # the attempt out of running (the RELEASING forms of FINALIZE and COMPLETE,
 # RESCUE, CANCEL_JOBS). A lease whose attempt is no longer running (its job
@@ -735,7 +739,8 @@ CLAIM_UNFLUSHED = _plain_claim(
 
 # -- CLAIM_KEYED --
 # The claim of a queue whose limits are its kinds' concurrency limits only, in
-# one statement and without LOCK_LIMITS. Parameters: %(queue)s; %(kinds)s
+# one statement, run after LOCK_LIMITS in one transaction (see above; the
+# statement is correct without it). Parameters: %(queue)s; %(kinds)s
 # (registry.limits_json(): each entry has "c" and "by"); %(limit)s; %(scan)s;
 # CLAIM's deadlines.
 #   used: attempts running per limited (kind, key), from the rows (fleet-wide;

@@ -254,7 +254,19 @@ def _leases() -> list[tuple[str, str, int, int, int]]:
 def _claim_keyed(
     limits: producer.QueueLimits, limit: int = 10, scan: int | None = None
 ) -> list[int]:
-    return [job.id for job in producer.claim_keyed(limits, limit, "default", scan=scan)]
+    claimed = producer.claim_keyed(limits, limit, "default", scan=scan)
+    assert claimed is not None, "the queue's lock was held"
+    return [job.id for job in claimed]
+
+
+def _claim_keyed_unlocked(
+    limits: producer.QueueLimits, limit: int = 10, scan: int | None = None
+) -> list[int]:
+    """CLAIM_KEYED without the queue's lock: the unique lease index alone must keep
+    its keys (the lock only spares claims that would meet there)."""
+    params = {"queue": limits.queue, "kinds": limits.kinds, "limit": limit,
+              "scan": scan or limit + producer.KEYED_SCAN_EXTRA}  # fmt: skip
+    return [job.id for job in producer._run_claim(sql.CLAIM_KEYED, params, "default")]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -361,7 +373,51 @@ def test_a_held_back_keyed_claimer_waits_a_gap_before_claiming_again(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_keyed_claimers_of_one_queue_take_turns_without_waiting() -> None:
+    # Claimers of one keyed queue try its lock: one that finds it held claims
+    # nothing at once, waiting on no lock; the next claim sees the leases taken.
+    ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
+    limits = producer.queue_limits("bykey", "default")
+    holding, release = threading.Event(), threading.Event()
+    claimed: dict[str, list[Job] | None] = {}
+
+    def first() -> None:
+        try:
+            with transaction.atomic():  # its lease, claim and lock are held until commit
+                claimed["first"] = producer.claim_keyed(limits, 1, "default", scan=1)
+                holding.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    def second() -> None:
+        try:
+            claimed["second"] = producer.claim_keyed(limits, 10, "default")
+            claimed["rated"] = producer.claim_limited(_rated(limits), 10, "default")
+        finally:
+            connection.close()
+
+    one, two = threading.Thread(target=first), threading.Thread(target=second)
+    one.start()
+    try:
+        assert holding.wait(10)
+        two.start()
+        two.join(5)
+        assert not two.is_alive(), "a claimer waited for the queue's lock"
+    finally:
+        release.set()
+        one.join(10)
+    assert [j.id for j in claimed["first"] or []] == [ids[0]]
+    assert claimed["second"] is None and claimed["rated"] is None
+    assert Job.objects.filter(state=JobState.RUNNING).count() == 1
+    # Its lock gone, the next claim sees the first one's lease: key b alone.
+    assert _claim_keyed(limits) == [ids[2]]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_claimers_of_one_key_at_the_same_instant_start_one_and_other_keys_go_on() -> None:
+    # The second claim runs without the queue's lock: the unique lease index alone
+    # keeps key a to one attempt.
     ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
     limits = producer.queue_limits("bykey", "default")
     holding, release = threading.Event(), threading.Event()
@@ -380,7 +436,7 @@ def test_claimers_of_one_key_at_the_same_instant_start_one_and_other_keys_go_on(
 
     def second() -> None:
         try:
-            claimed["second"] = _claim_keyed(limits)
+            claimed["second"] = _claim_keyed_unlocked(limits)
         finally:
             connection.close()
 
@@ -433,7 +489,9 @@ def test_a_locked_and_a_keyed_claim_of_one_key_at_the_same_instant_start_one(fir
 
     def claim(path: str, limit: int) -> list[int]:
         if path == "keyed":  # reading one candidate, it locks a0 alone
-            return _claim_keyed(keyed, limit, scan=limit)
+            # Without the queue's lock (with it, it would find the lock held and
+            # claim nothing): the lease index alone keeps the key.
+            return _claim_keyed_unlocked(keyed, limit, scan=limit)
         return [job.id for job in producer.claim_limited(locked, limit, "default") or []]
 
     def one() -> None:
