@@ -10,6 +10,7 @@ implementation fails them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import itertools
@@ -269,6 +270,30 @@ def _claim_keyed_unlocked(
     return [job.id for job in producer._run_claim(sql.CLAIM_KEYED, params, "default")]
 
 
+def _claimer(
+    claimed: dict[str, Any],
+    name: str,
+    claim: Callable[[], Any],
+    hold: threading.Event | None = None,
+) -> tuple[threading.Thread, threading.Event]:
+    """A thread running ``claim()`` on its own connection, its result in ``claimed[name]``.
+    With ``hold``, in a transaction kept open (its row locks, leases and the queue's
+    lock held) until ``hold`` is set; the event returned is set once it claimed."""
+    claimed_now = threading.Event()
+
+    def run() -> None:
+        try:
+            with transaction.atomic() if hold else contextlib.nullcontext():
+                claimed[name] = claim()
+                claimed_now.set()
+                if hold:
+                    hold.wait(10)
+        finally:
+            connection.close()
+
+    return threading.Thread(target=run), claimed_now
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_keyed_claim_takes_a_lease_per_key_and_the_outcome_gives_it_back() -> None:
     ids = awa.enqueue_many([KeyedSpan(key=k, n=i) for i, k in enumerate("aabca")])
@@ -378,37 +403,30 @@ def test_keyed_claimers_of_one_queue_take_turns_without_waiting() -> None:
     # nothing at once, waiting on no lock; the next claim sees the leases taken.
     ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
     limits = producer.queue_limits("bykey", "default")
-    holding, release = threading.Event(), threading.Event()
-    claimed: dict[str, list[Job] | None] = {}
-
-    def first() -> None:
-        try:
-            with transaction.atomic():  # its lease, claim and lock are held until commit
-                claimed["first"] = producer.claim_keyed(limits, 1, "default", scan=1)
-                holding.set()
-                release.wait(10)
-        finally:
-            connection.close()
-
-    def second() -> None:
-        try:
-            claimed["second"] = producer.claim_keyed(limits, 10, "default")
-            claimed["rated"] = producer.claim_limited(_rated(limits), 10, "default")
-        finally:
-            connection.close()
-
-    one, two = threading.Thread(target=first), threading.Thread(target=second)
+    release = threading.Event()
+    claimed: dict[str, Any] = {}
+    one, holding = _claimer(
+        claimed, "first", lambda: producer.claim_keyed(limits, 1, "default", scan=1), release
+    )
+    two, _ = _claimer(
+        claimed,
+        "second",
+        lambda: (
+            producer.claim_keyed(limits, 10, "default"),
+            producer.claim_limited(_rated(limits), 10, "default"),
+        ),
+    )
     one.start()
     try:
         assert holding.wait(10)
         two.start()
         two.join(5)
-        assert not two.is_alive(), "a claimer waited for the queue's lock"
+        assert not two.is_alive(), "a claimer waited on the claim under way"
     finally:
         release.set()
         one.join(10)
     assert [j.id for j in claimed["first"] or []] == [ids[0]]
-    assert claimed["second"] is None and claimed["rated"] is None
+    assert claimed["second"] == (None, None)  # keyed, and under a rate
     assert Job.objects.filter(state=JobState.RUNNING).count() == 1
     # Its lock gone, the next claim sees the first one's lease: key b alone.
     assert _claim_keyed(limits) == [ids[2]]
@@ -420,29 +438,13 @@ def test_claimers_of_one_key_at_the_same_instant_start_one_and_other_keys_go_on(
     # keeps key a to one attempt.
     ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
     limits = producer.queue_limits("bykey", "default")
-    holding, release = threading.Event(), threading.Event()
+    release = threading.Event()
     claimed: dict[str, list[int]] = {}
-
-    def first() -> None:
-        try:
-            with transaction.atomic():  # its lease and claim are not committed yet
-                # Reading one candidate, it locks a0 only (the others it reads it
-                # would lock until it commits, and the second claimer skip).
-                claimed["first"] = _claim_keyed(limits, 1, scan=1)
-                holding.set()
-                release.wait(10)
-        finally:
-            connection.close()
-
-    def second() -> None:
-        try:
-            claimed["second"] = _claim_keyed_unlocked(limits)
-        finally:
-            connection.close()
-
-    one = threading.Thread(target=first)
+    # Reading one candidate, the first locks a0 only (the others it reads it would
+    # lock until it commits, and the second claimer skip).
+    one, holding = _claimer(claimed, "first", lambda: _claim_keyed(limits, 1, scan=1), release)
+    two, _ = _claimer(claimed, "second", lambda: _claim_keyed_unlocked(limits))
     one.start()
-    two = threading.Thread(target=second)
     try:
         assert holding.wait(10)
         two.start()
@@ -484,7 +486,7 @@ def test_a_locked_and_a_keyed_claim_of_one_key_at_the_same_instant_start_one(fir
     ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1), KeyedSpan(key="b")])
     keyed = producer.queue_limits("bykey", "default")
     locked = _rated(keyed)
-    holding, release = threading.Event(), threading.Event()
+    release = threading.Event()
     claimed: dict[str, list[int]] = {}
 
     def claim(path: str, limit: int) -> list[int]:
@@ -494,22 +496,10 @@ def test_a_locked_and_a_keyed_claim_of_one_key_at_the_same_instant_start_one(fir
             return _claim_keyed_unlocked(keyed, limit, scan=limit)
         return [job.id for job in producer.claim_limited(locked, limit, "default") or []]
 
-    def one() -> None:
-        try:
-            with transaction.atomic():  # its lease and claim are not committed yet
-                claimed["first"] = claim(first, 1)
-                holding.set()
-                release.wait(10)
-        finally:
-            connection.close()
-
-    def two() -> None:
-        try:
-            claimed["second"] = claim("keyed" if first == "locked" else "locked", 10)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=one), threading.Thread(target=two)]
+    one, holding = _claimer(claimed, "first", lambda: claim(first, 1), release)
+    other = "keyed" if first == "locked" else "locked"
+    two, _ = _claimer(claimed, "second", lambda: claim(other, 10))
+    threads = [one, two]
     threads[0].start()
     try:
         assert holding.wait(10)
