@@ -140,7 +140,9 @@ class RunGate:
     entry per handler running, and a deque's ``append`` and ``pop`` are atomic.
     A handler is counted before it looks at ``limit``, and ``lower`` sets
     ``limit`` before it counts, so either ``lower`` counts the handler or the
-    handler sees the limit and waits for room under the lock.
+    handler sees the limit and waits for room under the lock. Under a limit, a
+    handler on its way to the lock is counted for an instant; a waiter that saw
+    it looks again at the next wake-up, at most ``RUN_GATE_POLL`` later.
     """
 
     __slots__ = ("cond", "limit", "running")
