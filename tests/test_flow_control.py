@@ -1276,6 +1276,47 @@ def test_global_concurrency_claims_ahead_runs_within_its_slots_and_follows_a_low
         assert worker.stop() == 0
 
 
+def test_sigterm_gives_back_the_jobs_waiting_at_the_gate_unstarted(start_worker) -> None:
+    # One slot, six places: the worker claims quick jobs ahead of its slot, and they
+    # wait at its RunGate. SIGTERM: the running handler finishes, the waiting jobs go
+    # back available with their attempt unused, and nothing is left running.
+    awa.set_queue_limits("gated", global_concurrency=1)
+    worker = start_worker("--queue", "gated=6")
+    wait_for(lambda: "listening for new jobs" in worker.output(), 30, "the worker did not start")
+    total = 300
+    ids = awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=i, seconds=0.01), queue="gated") for i in range(total)]
+    )
+    # Its handlers' run time measured, it claims ahead: more than its one slot running.
+    wait_for(lambda: FlowRun.objects.filter(ended_at__isnull=False).count() >= 50, 60)
+    wait_for(
+        lambda: Job.objects.filter(queue="gated", state=JobState.RUNNING).count() > 1,
+        30,
+        "the worker never claimed ahead of its slot",
+    )
+    assert worker.stop() == 0
+    assert re.search(r"gave back [1-9]\d* prefetched job\(s\) at shutdown", worker.output()), (
+        "no job waiting at the gate was given back"
+    )
+    jobs = Job.objects.filter(id__in=ids)
+    assert not jobs.filter(state=JobState.RUNNING).exists(), "a job was left running"
+    assert set(jobs.values_list("state", flat=True)) <= {JobState.COMPLETED, JobState.AVAILABLE}
+    # Available: never claimed, or given back with the attempt it was claimed for
+    # unused (snoozed: the next claim runs it under the same number).
+    back = jobs.filter(state=JobState.AVAILABLE)
+    assert not back.exclude(attempt=0, snoozed=False).exclude(attempt=1, snoozed=True)
+    assert back.filter(attempt=1, snoozed=True).exists()
+    # Every completed job ran once; none given back ever began; one at a time.
+    runs = FlowRun.objects.filter(queue="gated")
+    assert runs.count() == jobs.filter(state=JobState.COMPLETED).count()
+    assert not runs.filter(job_id__in=back.values("id")).exists()
+    # A new worker runs the rest, each once, as the first attempt.
+    start_worker("--queue", "gated=6")
+    all_finished("span", total, timeout=60)
+    assert runs.count() == total and set(runs.values_list("attempt", flat=True)) == {1}
+    assert max_overlap("queue = 'gated'") == 1
+
+
 def test_a_finishing_attempt_frees_its_slot_for_waiting_workers_without_a_poll(
     start_worker,
 ) -> None:
