@@ -205,11 +205,19 @@ def claim(queue: str, limit: int, alias: str, *, unflushed: bool = False) -> lis
 def _run_claim(statement: str, params: dict[str, Any], alias: str) -> list[Job]:
     """Run a claim statement (autocommit) with ``params`` and the kinds' deadlines;
     the jobs it started, in claim order."""
+    return _claimed_jobs(_claim_rows(statement, params, alias), alias)
+
+
+def _claim_rows(statement: str, params: dict[str, Any], alias: str) -> list[Any]:
+    """The rows a claim statement started, as fetched: ``_claimed_jobs`` makes them jobs."""
     params["deadlines"] = registry.deadlines_json()
     params["default_deadline"] = awa_settings().default_deadline
     with db.cursor(alias) as cursor:
         cursor.execute(statement, params)
-        rows = cursor.fetchall()
+        return cursor.fetchall()
+
+
+def _claimed_jobs(rows: list[Any], alias: str) -> list[Job]:
     jobs = jobs_from_rows(rows, alias)
     jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
     return jobs
@@ -242,7 +250,8 @@ def claim_limited(
     with transaction.atomic(using=alias):
         if not _lock_limits(limits, alias):
             return None
-        return _run_claim(sql.CLAIM_LIMITED, limits.params(limit, scan, leased=leased), alias)
+        rows = _claim_rows(sql.CLAIM_LIMITED, limits.params(limit, scan, leased=leased), alias)
+    return _claimed_jobs(rows, alias)  # made jobs once the commit let the lock go
 
 
 def _lock_limits(limits: QueueLimits, alias: str) -> bool:
@@ -279,7 +288,8 @@ def claim_keyed(
     with transaction.atomic(using=alias):
         if not _lock_limits(limits, alias):
             return None
-        return _run_claim(sql.CLAIM_KEYED, params, alias)
+        rows = _claim_rows(sql.CLAIM_KEYED, params, alias)
+    return _claimed_jobs(rows, alias)  # made jobs once the commit let the lock go
 
 
 def held_back(limits: QueueLimits, alias: str) -> int:
