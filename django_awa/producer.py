@@ -276,8 +276,8 @@ def claim_keyed(
     on the same keys: one skipped the rows the other held locked and went on to
     the next rows of the same keys (jobs of many keys arrive interleaved), whose
     leases the other was taking, and claimed nothing after waiting for its
-    commit; in flow_control.py's keyed drain the lock took it from 14,600-15,200
-    to 16,800-18,900 jobs/s. Claimers of other queues never meet it.
+    commit; in flow_control.py's keyed drain the lock took it from 14,400-15,200
+    to 16,300-18,400 jobs/s. Claimers of other queues never meet it.
 
     ``scan``: how many candidates it reads and locks (default ``limit`` and
     ``KEYED_SCAN_EXTRA``).
