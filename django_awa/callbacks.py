@@ -206,13 +206,20 @@ def complete_external(
     return _complete(callback_id, payload, using=using)
 
 
-def _complete(
-    callback_id: uuid.UUID | str, payload: Any, *, using: str | None, savepoint: bool = True
-) -> Job:
+def _unstorable(payload: Any) -> str | None:
+    """Why a callback's ``payload`` cannot be stored as JSON; ``None`` when it can."""
     try:
         check_json(payload)
     except (TypeError, ValueError, RecursionError) as exc:
-        raise ValidationError(f"complete_external: payload cannot be stored: {exc}") from exc
+        return str(exc)
+    return None
+
+
+def _complete(
+    callback_id: uuid.UUID | str, payload: Any, *, using: str | None, savepoint: bool = True
+) -> Job:
+    if (why := _unstorable(payload)) is not None:
+        raise ValidationError(f"complete_external: payload cannot be stored: {why}")
     return _external(
         callback_id, CallbackAction.COMPLETE, payload=payload, using=using, savepoint=savepoint
     )
@@ -246,12 +253,10 @@ def complete_external_many(
             raise ValidationError(message) from None
         if cid in payloads:
             raise ValidationError(f"complete_external_many: callback {cid} given twice")
-        try:
-            check_json(payload)
-        except (TypeError, ValueError, RecursionError) as exc:
+        if (why := _unstorable(payload)) is not None:
             raise ValidationError(
-                f"complete_external_many: the payload for {cid} cannot be stored: {exc}"
-            ) from exc
+                f"complete_external_many: the payload for {cid} cannot be stored: {why}"
+            )
         payloads[cid] = payload
     results: dict[uuid.UUID, Job | None] = dict.fromkeys(payloads)
     if not payloads:
@@ -623,10 +628,8 @@ def _batch_check(entry: dict[str, Any]) -> tuple[uuid.UUID, str, Any] | JsonResp
     data = _parse(CallbackAction.COMPLETE, raw)
     if isinstance(data, JsonResponse):
         return data
-    try:
-        check_json(data.get("payload"))
-    except (TypeError, ValueError, RecursionError) as exc:
-        return _error(400, f"complete_external: payload cannot be stored: {exc}")
+    if (why := _unstorable(data.get("payload"))) is not None:
+        return _error(400, f"complete_external: payload cannot be stored: {why}")
     return cid, verified, data.get("payload")
 
 
