@@ -247,19 +247,26 @@ def claim_limited(
     # Without kind limits every candidate fits (the sequence check is made in the
     # scan): the batch itself is enough. With them, a key's second job does not.
     scan = limit if limits.kinds == "{}" else min(LIMITED_SCAN, max(100, 4 * limit))
+    params = limits.params(limit, scan, leased=leased)
+    return _claim_under_lock(limits, sql.CLAIM_LIMITED, params, alias)
+
+
+def _claim_under_lock(
+    limits: QueueLimits, statement: str, params: dict[str, Any], alias: str
+) -> list[Job] | None:
+    """One transaction: try the queue's advisory lock (``sql.LOCK_LIMITS``), then run
+    the claim ``statement``, whose snapshot sees every attempt and lease the
+    previous holder took. ``None``, claiming nothing, when another claimer holds
+    the lock. The rows become jobs after the commit, so the lock is held for the
+    statement alone."""
     with transaction.atomic(using=alias):
-        if not _lock_limits(limits, alias):
+        with db.cursor(alias) as cursor:
+            cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
+            locked = cursor.fetchone()
+        if not (locked and locked[0]):
             return None
-        rows = _claim_rows(sql.CLAIM_LIMITED, limits.params(limit, scan, leased=leased), alias)
-    return _claimed_jobs(rows, alias)  # made jobs once the commit let the lock go
-
-
-def _lock_limits(limits: QueueLimits, alias: str) -> bool:
-    """Try the queue's advisory lock (``sql.LOCK_LIMITS``) in the caller's transaction."""
-    with db.cursor(alias) as cursor:
-        cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
-        locked = cursor.fetchone()
-    return bool(locked and locked[0])
+        rows = _claim_rows(statement, params, alias)
+    return _claimed_jobs(rows, alias)
 
 
 def claim_keyed(
@@ -285,11 +292,7 @@ def claim_keyed(
     if scan is None:
         scan = min(LIMITED_SCAN, limit + KEYED_SCAN_EXTRA)
     params = {"queue": limits.queue, "kinds": limits.kinds, "limit": limit, "scan": scan}
-    with transaction.atomic(using=alias):
-        if not _lock_limits(limits, alias):
-            return None
-        rows = _claim_rows(sql.CLAIM_KEYED, params, alias)
-    return _claimed_jobs(rows, alias)  # made jobs once the commit let the lock go
+    return _claim_under_lock(limits, sql.CLAIM_KEYED, params, alias)
 
 
 def held_back(limits: QueueLimits, alias: str) -> int:
@@ -384,7 +387,7 @@ class Producer:
         self.skipped = False  # the last limited claim found the queue's lock held
         self.slots: Slots | None = None  # its process's slots of a global_concurrency queue
         self.claimed = 0.0  # time.monotonic() when the last claim returned
-        self.claim_took = 0.0  # how long the last keyed claim took, seconds
+        self.claim_took = 0.0  # how long its last claim under the queue's lock took, seconds
 
     def _turn(self) -> contextlib.AbstractContextManager[Any]:
         """Hold the shared connection (a no-op without one)."""
@@ -559,13 +562,13 @@ class Producer:
                 skipped = False
                 if not want:
                     jobs = []
-                elif limits.locked:
-                    taken = claim_limited(limits, want, state.alias, leased=limits.leased)
-                    skipped = taken is None
-                    jobs = taken or []
-                elif limits.keyed:
+                elif limits.gated:  # under the queue's lock, which another may hold
                     started = time.monotonic()
-                    taken = claim_keyed(limits, want, state.alias)
+                    taken = (
+                        claim_limited(limits, want, state.alias, leased=limits.leased)
+                        if limits.locked
+                        else claim_keyed(limits, want, state.alias)
+                    )
                     self.claim_took = time.monotonic() - started
                     skipped = taken is None
                     jobs = taken or []

@@ -171,9 +171,8 @@ class RunGate:
         """Wait for room and count the caller's handler as running; False, without
         entering, once ``given_up()`` (its attempt will not run: it was cancelled,
         or given back at shutdown or when the process's slots went).
-        ``before_wait``: called once, outside the lock, if there is no room at once."""
-        if self.enter_unlimited():
-            return True
+        ``before_wait``: called once, outside the lock, if there is no room at once.
+        A caller on the hot path tries ``enter_unlimited`` first."""
         running = self.running
         with self.cond:
             while self.limit is not None and len(running) >= self.limit:

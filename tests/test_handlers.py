@@ -86,7 +86,7 @@ def test_a_limit_set_while_handlers_run_counts_them_and_holds_the_next_back() ->
     # An unlimited queue's handlers enter without the gate's lock; a limit set at
     # runtime (global_concurrency's slots) must still see them all.
     gate = RunGate()
-    assert gate.enter(lambda: False) and gate.enter(lambda: False)
+    assert gate.enter_unlimited() and gate.enter_unlimited()
     assert gate.lower(1) == 2, "the handlers already running were not counted"
     entered = threading.Event()
     released: list[int] = []  # the waiting thread gives its pooled connections back once
