@@ -62,6 +62,8 @@ DEFAULTS: dict[str, Any] = {
     # Metadata is for small labels and the engine's lineage; data belongs in args.
     "MAX_METADATA_BYTES": 65_536,
     "PREPARED_STATEMENTS": True,
+    # Where autovacuum will not visit awa_job, the maintenance leader vacuums it.
+    "VACUUM_WITHOUT_AUTOVACUUM": True,
     # "" (or absent): the DATABASE alias. None: no direct session (poll, per-tick lock).
     "DIRECT_DATABASE": "",
     # A cap on handler threads shared by all of a process's queues (weighted by
@@ -124,6 +126,11 @@ DESCRIPTIONS: dict[str, str] = {
     "PREPARED_STATEMENTS": (
         "The per-job statements run as prepared statements; turn it off behind a pooler that "
         "cannot keep them (PgBouncer before 1.21 in transaction mode)."
+    ),
+    "VACUUM_WITHOUT_AUTOVACUUM": (
+        "Where autovacuum will not visit `awa_job` (off for the server or the table), the "
+        "maintenance leader runs `VACUUM awa_job` itself once its dead row versions pass "
+        "autovacuum's threshold for it; `False` leaves them to you."
     ),
     "DIRECT_DATABASE": (
         "An alias reaching PostgreSQL directly (not through a transaction-mode pooler), for "
@@ -223,6 +230,7 @@ class AwaSettings:
     max_args_bytes: int
     max_metadata_bytes: int
     prepared_statements: bool
+    vacuum_without_autovacuum: bool
     direct_database: str | None
     worker_concurrency: int | None = None
 
@@ -347,8 +355,9 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
             value = raw[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 found.append((key, f"AWA[{key!r}] must be a positive integer, got {value!r}"))
-    if "PREPARED_STATEMENTS" in raw and not isinstance(raw["PREPARED_STATEMENTS"], bool):
-        found.append(("PREPARED_STATEMENTS", "AWA['PREPARED_STATEMENTS'] must be True or False"))
+    for key in ("PREPARED_STATEMENTS", "VACUUM_WITHOUT_AUTOVACUUM"):
+        if key in raw and not isinstance(raw[key], bool):
+            found.append((key, f"AWA[{key!r}] must be True or False"))
     if "QUEUES" in raw:
         found.extend(_queue_problems(raw["QUEUES"]))
     if raw.get("WORKER_CONCURRENCY") is not None:
@@ -497,6 +506,7 @@ def awa_settings() -> AwaSettings:
         max_args_bytes=merged["MAX_ARGS_BYTES"],
         max_metadata_bytes=merged["MAX_METADATA_BYTES"],
         prepared_statements=merged["PREPARED_STATEMENTS"],
+        vacuum_without_autovacuum=merged["VACUUM_WITHOUT_AUTOVACUUM"],
         direct_database=(
             merged["DATABASE"] if merged["DIRECT_DATABASE"] == "" else merged["DIRECT_DATABASE"]
         ),

@@ -184,19 +184,26 @@ class Maintenance:
 
         Every claim and outcome leaves a dead row version behind. The
         migration tunes autovacuum to visit awa_job at 1% dead rows; with
-        autovacuum off nothing reclaims them, and the claim reads more index
-        and heap pages as they pile up.
+        autovacuum off only ``vacuum`` (unless turned off) reclaims them.
         """
         with connections[self.alias].cursor() as cursor:
             cursor.execute(sql.AUTOVACUUM_STATE)
             server, table = cursor.fetchone()
         if not (server and table):
             where = "on this PostgreSQL server" if not server else "for the awa_job table"
-            logger.warning(
-                "autovacuum is off %s: nothing reclaims awa_job's dead row versions, so "
-                "claims slow down as they pile up; turn it on, or VACUUM awa_job regularly",
-                where,
-            )
+            if self.conf.vacuum_without_autovacuum:
+                logger.warning(
+                    "autovacuum is off %s: the maintenance leader will VACUUM awa_job itself "
+                    "as its dead row versions pile up; turn autovacuum on to leave it that work",
+                    where,
+                )
+            else:
+                logger.warning(
+                    "autovacuum is off %s and AWA['VACUUM_WITHOUT_AUTOVACUUM'] is False: "
+                    "nothing reclaims awa_job's dead row versions, so claims slow down as they "
+                    "pile up; turn it on, or VACUUM awa_job regularly",
+                    where,
+                )
 
     def tick(self, wake: Callable[[set[str]], None] | None = None) -> None:
         """One leader tick: promotion always, the other duties when their interval passed.
@@ -216,6 +223,8 @@ class Maintenance:
             self._duty("fire_periodic", self.fire_periodic)
             self._duty("prune_workers", self.prune_workers)
             self._duty("count_jobs", self.count_jobs)
+            if self.conf.vacuum_without_autovacuum:
+                self._duty("vacuum", self.vacuum)
             self._duty("roll_up_stats", self.roll_up_stats)
             self._duty("prune_attempt_starts", self.prune_attempt_starts)
             woken |= self._duty("restore_parked", self.restore_parked) or set()
@@ -467,6 +476,37 @@ class Maintenance:
         with self._transaction(), connections[self.alias].cursor() as cursor:
             cursor.execute(sql.CLEAR_JOB_COUNTS)
             cursor.execute(sql.COUNT_JOBS)
+
+    def vacuum(self) -> bool:
+        """VACUUM ``awa_job`` when autovacuum will not and its dead rows passed autovacuum's
+        threshold for it; returns whether it ran.
+
+        Every enqueue, claim and outcome leaves a dead row version in
+        ``awa_job``. Left there, they fill the claim index's first pages, which
+        every claim reads, and keep the planner's size of the table (its
+        cached plans) at what it was before they piled up: on a server with
+        autovacuum off, a worker enqueued into at 5,000 jobs/s fell to 150
+        jobs/s within four minutes. VACUUM clears them and updates the table's
+        size, and plans made for the old one are made again. With autovacuum
+        on for the table (the default, tuned by migration 0001) it does
+        nothing. ``AWA["VACUUM_WITHOUT_AUTOVACUUM"] = False`` turns it off. Nor
+        inside a transaction (a tick called in ``atomic()``), where VACUUM cannot run.
+        """
+        if connections[self.alias].in_atomic_block:
+            return False
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.VACUUM_DUE)
+            row = cursor.fetchone()
+            if row is None or not row[0]:
+                return False
+            started = time.monotonic()
+            only = cursor.connection.info.server_version >= 180000
+            cursor.execute(sql.VACUUM_ONLY_JOBS if only else sql.VACUUM_JOBS)
+        logger.debug(
+            "vacuumed awa_job (autovacuum is off for it): %s dead row versions, %.2fs",
+            row[1], time.monotonic() - started,
+        )  # fmt: skip
+        return True
 
     def roll_up_stats(self) -> int:
         """Fold the outcome counts workers flushed into the dashboard's per-minute rollup,

@@ -1618,6 +1618,38 @@ SELECT current_setting('autovacuum')::boolean,
 FROM pg_class AS c WHERE c.oid = 'awa_job'::regclass
 """
 
+# -- VACUUM_DUE --
+# Whether awa_job needs the VACUUM autovacuum would give it but will not: off
+# for the server or the table, and more dead row versions than autovacuum's
+# threshold for it (the table's autovacuum_vacuum_threshold and scale factor,
+# which migration 0001 sets, else the server's), counted by the statistics
+# system. Also the count, for the log line.
+VACUUM_DUE = """
+SELECT NOT (current_setting('autovacuum')::boolean
+            AND coalesce(o.opt ->> 'autovacuum_enabled', 'true')::boolean)
+       AND s.n_dead_tup > coalesce(o.opt ->> 'autovacuum_vacuum_threshold',
+                                   current_setting('autovacuum_vacuum_threshold'))::float8
+           + coalesce(o.opt ->> 'autovacuum_vacuum_scale_factor',
+                      current_setting('autovacuum_vacuum_scale_factor'))::float8
+             * greatest(c.reltuples, 0),
+       s.n_dead_tup
+FROM pg_class AS c
+JOIN pg_stat_user_tables AS s ON s.relid = c.oid
+CROSS JOIN LATERAL (SELECT coalesce(jsonb_object_agg(option_name, option_value), '{}') AS opt
+                    FROM pg_options_to_table(c.reloptions)) AS o
+WHERE c.oid = 'awa_job'::regclass
+"""
+
+# -- VACUUM_JOBS --
+# What autovacuum would run on awa_job. SKIP_LOCKED: a VACUUM already running
+# (another leader's, or an operator's) makes this one a no-op. TRUNCATE
+# false: giving the empty pages at the end back takes an exclusive lock,
+# which would stall every claim meanwhile. ONLY (PostgreSQL 18 vacuums an
+# inheritance parent's children too; the keyword is new there): awa_job_done
+# only takes inserts. Not in a transaction block.
+VACUUM_JOBS = "VACUUM (SKIP_LOCKED, TRUNCATE false) awa_job"
+VACUUM_ONLY_JOBS = "VACUUM (SKIP_LOCKED, TRUNCATE false) ONLY awa_job"
+
 # -- SERVER_CONNECTIONS --
 # What the server lets this login open, read by the worker at start-up and by
 # the system check awa.W101: max_connections and the slots it keeps back

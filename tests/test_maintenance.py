@@ -17,7 +17,7 @@ from django_awa.models import Job, JobState, MaintenanceLease, PendingFollowup, 
 from django_awa.producer import claim
 from django_awa.schedules import fire_due, schedules
 from django_awa.state import WorkerState
-from tests.conftest import make_job
+from tests.conftest import make_job, wait_for
 from tests.testapp.jobs import Act, Echo
 
 pytestmark = pytest.mark.django_db
@@ -478,3 +478,76 @@ def test_the_maintenance_service_leads_ticks_and_wakes_the_queues_it_made_due(ca
     service.run_once()
     assert not service.is_leader
     assert "is no longer the maintenance leader" in caplog.text
+
+
+def dead_job_rows(count: int) -> int:
+    """Leave ``count`` dead row versions in awa_job (rows inserted, then deleted) and
+    wait until the statistics system counts them; returns its count."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO awa_job (kind, queue, args) SELECT 'act', 'default', '{}' "
+            "FROM generate_series(1, %s)",
+            [count],
+        )
+        cursor.execute("DELETE FROM ONLY awa_job WHERE kind = 'act'")
+
+    def counted() -> int:
+        with connection.cursor() as cursor:
+            if connection.pg_version >= 150000:
+                cursor.execute("SELECT pg_stat_force_next_flush()")
+            cursor.execute("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'awa_job'")
+            dead = cursor.fetchone()[0]
+        return dead if dead >= count else 0
+
+    return wait_for(counted, timeout=20, message="awa_job's dead rows uncounted")
+
+
+def vacuums_of_awa_job() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'awa_job'")
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)  # VACUUM cannot run in a transaction
+def test_the_leader_vacuums_awa_job_when_autovacuum_will_not(settings, caplog):
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE awa_job SET (autovacuum_enabled = false)")
+        cursor.execute("VACUUM awa_job")  # no dead rows left by earlier tests
+    try:
+        # Below autovacuum's threshold for it (migration 0001: 1,000 rows and 1%): none.
+        dead_job_rows(500)
+        assert Maintenance().vacuum() is False
+
+        dead_job_rows(2000)
+        vacuumed = vacuums_of_awa_job()
+        settings.AWA = {**settings.AWA, "VACUUM_WITHOUT_AUTOVACUUM": False}
+        off = MaintenanceService(WorkerState.create({"default": 1}))
+        with caplog.at_level("WARNING", logger="django_awa.maintenance"):
+            off.run_once()  # a new leader's first tick runs every duty
+        assert off.is_leader
+        assert "autovacuum is off" in caplog.text and "nothing reclaims" in caplog.text
+        off.maintenance.resign()
+
+        settings.AWA = {**settings.AWA, "VACUUM_WITHOUT_AUTOVACUUM": True}
+        on = MaintenanceService(WorkerState.create({"default": 1}))
+        on.run_once()
+        assert on.is_leader
+        # The statistics system saw one VACUUM (this one), and the dead rows are gone.
+        assert wait_for(lambda: vacuums_of_awa_job() - vacuumed) == 1
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'awa_job'")
+            assert cursor.fetchone()[0] < 500
+        assert Maintenance().vacuum() is False
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE awa_job RESET (autovacuum_enabled)")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_leader_leaves_awa_job_to_autovacuum_when_it_is_on():
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('autovacuum')::boolean")
+        if not cursor.fetchone()[0]:
+            pytest.skip("autovacuum is off on this server")
+    dead_job_rows(3000)
+    assert Maintenance().vacuum() is False
