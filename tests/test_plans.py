@@ -221,3 +221,5 @@ def test_outcomes_and_heartbeats_find_their_attempts_by_primary_key_whatever_the
     assert "awa_job_deadline_idx" not in shown and "awa_job_running_idx" not in shown, shown
     assert "Index Scan using awa_job_pkey on awa_job j " in shown, shown
     assert "Seq Scan on awa_job" not in shown, shown
+    # Nor does it compare each row it finds with every attempt of the batch.
+    assert "Join Filter: ((j.id = d.id)" not in shown, shown
