@@ -1087,6 +1087,18 @@ WHERE state IN {_DELAYED} AND (%(all)s OR run_at <= now())
 _NOT_RUNNING = ", ".join(f"'{state.value}'" for state in JobState if state != JobState.RUNNING)
 _RUNNING_ROW = f"j.state || '' NOT IN ({_NOT_RUNNING})"
 
+# The rows a statement keyed by attempts writes are named twice: by a join with
+# what an earlier part of it locked, and by their ids given (_BATCH_IDS, or
+# _ONE_ID for one attempt). A plan made while awa_job held a page or two
+# (a fresh table, or a queue just drained: the planner counts no fewer rows
+# for it, as it has inheritance children) took both sides of that join for a
+# row and read the whole primary key for each locked row; the table grew by
+# thousands of rows a second meanwhile, and one COMPLETE ran for minutes
+# (benchmarks/sustained.py). With the ids given, no plan reads more of the
+# table than the batch's rows, or the table once (tests/test_plans.py).
+_BATCH_IDS = "j.id = ANY(%(id)s::bigint[])"
+_ONE_ID = "j.id = %(id)s::bigint"
+
 # -- FINALIZE --
 # Record the outcomes of attempts, one row each, in one statement. Guarded by
 # (id, run_lease) and state = 'running': a stale attempt (rescued, cancelled,
@@ -1149,7 +1161,7 @@ FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(state)s::text[],
             %(started_ago)s::float8[], %(result)s::jsonb[])
      AS d(id, run_lease, state, delay, error, traceback, snoozed, reset_attempts, progress,
           started_ago, result)
-WHERE j.id = d.id AND j.id IN (SELECT id FROM held)
+WHERE j.id = d.id AND j.id IN (SELECT id FROM held) AND {_BATCH_IDS}
   AND j.run_lease = d.run_lease AND {_RUNNING_ROW}{{dependents}}
 """
 FINALIZE = _FINALIZE.format(dependents="") + "RETURNING j.id, j.has_dependents"
@@ -1200,10 +1212,10 @@ _ONE_ATTEMPT = f"""%(started_ago)s::float8 AS started_ago,
     WHERE j.id = %(id)s::bigint AND j.run_lease = %(run_lease)s::bigint AND {_RUNNING_ROW}"""
 
 
-def _complete_writes(attempts: str) -> str:
+def _complete_writes(attempts: str, ids: str) -> str:
     """COMPLETE's CTEs (held, kept, gone, moved) for ``attempts`` (``_ATTEMPT_ARRAYS``
-    or ``_ONE_ATTEMPT``); ``{dependents}``, ``{returning_j}`` and ``{returning}`` left
-    to fill."""
+    or ``_ONE_ATTEMPT``) and their ``ids`` (``_BATCH_IDS`` or ``_ONE_ID``);
+    ``{dependents}``, ``{returning_j}`` and ``{returning}`` left to fill."""
     return f"""
 WITH held AS (
     SELECT j.id, {attempts}
@@ -1213,13 +1225,13 @@ kept AS (
     UPDATE ONLY awa_job AS j
     SET {", ".join(f"{column} = {value}" for column, value in _COMPLETED_SET.items())}
     FROM held
-    WHERE j.id = held.id AND held.keeps_key{{dependents}}
+    WHERE j.id = held.id AND {ids} AND held.keeps_key{{dependents}}
     RETURNING {{returning_j}}
 ),
 gone AS (
     DELETE FROM ONLY awa_job AS j
     USING held
-    WHERE j.id = held.id AND NOT held.keeps_key{{dependents}}
+    WHERE j.id = held.id AND {ids} AND NOT held.keeps_key{{dependents}}
     RETURNING {_DONE_ROW}
 ),
 moved AS (
@@ -1229,7 +1241,7 @@ moved AS (
 
 
 _COMPLETE = (
-    _complete_writes(_ATTEMPT_ARRAYS) + "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n"
+    _complete_writes(_ATTEMPT_ARRAYS, _BATCH_IDS) + "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n"
 )
 _STANDALONE = " AND NOT j.has_dependents"
 _ID_FLAG = {"returning_j": "j.id, j.has_dependents", "returning": "id, has_dependents"}
@@ -1255,10 +1267,10 @@ FINALIZE_STANDALONE = _FINALIZE.format(dependents=_STANDALONE) + "RETURNING j.id
 # Returns the completed rows' (id, has_dependents) in the columns of id and
 # has_dependents, the others NULL (claimed false), and the claimed rows
 # (claimed true). Index: as COMPLETE and HAND_ON.
-def _complete_hand_on(attempts: str, keys: str, besides: str) -> str:
+def _complete_hand_on(attempts: str, ids: str, keys: str, besides: str) -> str:
     """COMPLETE_HAND_ON for ``attempts`` (as ``_complete_writes``) and ``keys`` (as
     ``_next_members``); ``besides`` leaves the members it completes out of ``nxt``."""
-    writes = _complete_writes(attempts).format(
+    writes = _complete_writes(attempts, ids).format(
         dependents=_STANDALONE,
         returning_j="j.id, j.has_dependents, j.metadata ->> 'awa_sequence' AS seq",
         returning="id, has_dependents, metadata ->> 'awa_sequence'",
@@ -1275,7 +1287,7 @@ UNION ALL SELECT false, {_null_row_but("d", ("id", "has_dependents"))} FROM done
 
 
 COMPLETE_HAND_ON = _complete_hand_on(
-    _ATTEMPT_ARRAYS, _KEY_ARRAYS, " AND s.id <> ALL(ARRAY(SELECT id FROM done))"
+    _ATTEMPT_ARRAYS, _BATCH_IDS, _KEY_ARRAYS, " AND s.id <> ALL(ARRAY(SELECT id FROM done))"
 )
 
 # -- COMPLETE_HAND_ON_ONE --
@@ -1289,7 +1301,7 @@ COMPLETE_HAND_ON = _complete_hand_on(
 # table of a page or two without statistics that plan reads awa_job whole, as
 # any plan would; the statistics autovacuum then gathers make PostgreSQL plan
 # it again.)
-COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %(id)s::bigint")
+COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_ID, _ONE_KEY, " AND s.id <> %(id)s::bigint")
 
 
 # -- RELEASING --
@@ -1374,10 +1386,10 @@ WITH held AS ({_RUNNING_ATTEMPTS}
 ),
 beat AS (
     UPDATE ONLY awa_job AS j SET heartbeat_at = now()
-    FROM (SELECT id FROM ONLY awa_job WHERE id IN (SELECT id FROM held)
+    FROM (SELECT id FROM ONLY awa_job AS j WHERE id IN (SELECT id FROM held) AND {_BATCH_IDS}
             AND heartbeat_at < now() - make_interval(secs => %(fresh)s)
           ORDER BY id FOR UPDATE SKIP LOCKED) AS l
-    WHERE j.id = l.id
+    WHERE j.id = l.id AND {_BATCH_IDS}
     RETURNING j.id
 )
 SELECT id FROM held
@@ -1416,7 +1428,7 @@ UPDATE ONLY awa_job AS j
 SET attempted_at = statement_timestamp() - make_interval(secs => d.started_ago),
     deadline_at = j.deadline_at + make_interval(secs => d.waited)
 FROM d, l
-WHERE j.id = d.id AND j.id = l.id
+WHERE j.id = d.id AND j.id = l.id AND {_BATCH_IDS}
 RETURNING j.id
 """
 
