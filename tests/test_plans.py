@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import re
+
 import pytest
 from django.db import connection
 
@@ -223,3 +226,67 @@ def test_outcomes_and_heartbeats_find_their_attempts_by_primary_key_whatever_the
     assert "Seq Scan on awa_job" not in shown, shown
     # Nor does it compare each row it finds with every attempt of the batch.
     assert "Join Filter: ((j.id = d.id)" not in shown, shown
+
+
+ATTEMPT_STATEMENTS = [
+    "FINALIZE",
+    "FINALIZE_STANDALONE",
+    "COMPLETE",
+    "COMPLETE_STANDALONE",
+    "COMPLETE_RETURNING_ROWS",
+    "HEARTBEAT",
+    "STILL_HELD",
+    "SET_PROGRESS",
+    "MARK_STARTED",
+]
+
+
+@pytest.mark.django_db(transaction=True)  # VACUUM: awa_job as a drained queue leaves it
+def test_attempt_statements_planned_for_an_empty_table_read_only_their_batch_by_id() -> None:
+    """A queue drained, then vacuumed: the planner counts no rows in awa_job's pages
+    (and no fewer for a table with inheritance children), whatever lands there next.
+    Planned so, each statement keyed by attempts must still name the rows it reads
+    by id; a scan that does not (a whole primary key read once per locked row, in a
+    nested loop) took minutes once the table had grown under it."""
+    from django_awa import db, sql
+
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE awa_job CASCADE")
+        cursor.execute(
+            "INSERT INTO awa_job (kind, queue, args) SELECT 'act', 'default', '{}' "
+            "FROM generate_series(1, 500)"
+        )
+        cursor.execute("DELETE FROM ONLY awa_job")
+        cursor.execute("VACUUM (TRUNCATE false) awa_job")
+        cursor.execute("SELECT reltuples, relpages FROM pg_class WHERE oid = 'awa_job'::regclass")
+        assert cursor.fetchone()[0] == 0
+        cursor.execute(
+            """
+            INSERT INTO awa_job (kind, queue, state, args, attempt, run_lease, heartbeat_at,
+                                 deadline_at)
+            SELECT 'act', 'default', 'running', '{}', 1, 1, now(), now() + interval '1 hour'
+            FROM generate_series(1, %s) RETURNING id
+            """,
+            [BATCH],
+        )
+        ids = sorted(row[0] for row in cursor.fetchall())
+    for name in ATTEMPT_STATEMENTS:
+        params = attempt_params(ids)
+        if name.startswith("COMPLETE"):
+            params.update(
+                id=db.int_array(ids),
+                run_lease=db.int_array(params["run_lease"]),  # type: ignore[arg-type]
+                started_ago=db.float_array(params["started_ago"]),  # type: ignore[arg-type]
+            )
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN " + getattr(sql, name), params)
+            lines = [row[0] for row in cursor.fetchall()]
+        for at, line in enumerate(lines):
+            if re.search(r"Scan (using \S+ )?on awa_job\b", line):
+                conditions = itertools.takewhile(
+                    lambda shown: re.match(r"\s*(Index Cond|Recheck Cond|Filter):", shown),
+                    lines[at + 1 :],
+                )
+                assert any(re.search(r"\bid = ", shown) for shown in conditions), (
+                    name + "\n" + "\n".join(lines)
+                )
