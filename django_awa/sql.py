@@ -1088,8 +1088,8 @@ _NOT_RUNNING = ", ".join(f"'{state.value}'" for state in JobState if state != Jo
 _RUNNING_ROW = f"j.state || '' NOT IN ({_NOT_RUNNING})"
 
 # The rows a statement keyed by attempts writes are named twice: by a join with
-# what an earlier part of it locked, and by their ids given (_BATCH_IDS, or
-# _ONE_ID for one attempt). A plan made while awa_job held a page or two
+# what an earlier part of it locked, and by their ids given (_BATCH_IDS; COMPLETE's
+# forms by the ids they locked, see _complete_writes). A plan made while awa_job held a page or two
 # (a fresh table, or a queue just drained: the planner counts no fewer rows
 # for it, as it has inheritance children) took both sides of that join for a
 # row and read the whole primary key for each locked row; the table grew by
@@ -1100,7 +1100,6 @@ _RUNNING_ROW = f"j.state || '' NOT IN ({_NOT_RUNNING})"
 # index, each lookup of a nested loop sorted the whole array again (400
 # attempts: COMPLETE took twice as long).
 _BATCH_IDS = "j.id + 0 = ANY(%(id)s::bigint[])"
-_ONE_ID = "j.id = %(id)s::bigint"
 
 # -- FINALIZE --
 # Record the outcomes of attempts, one row each, in one statement. Guarded by
@@ -1200,41 +1199,56 @@ _DONE_ROW = ", ".join(
     f'{_COMPLETED_SET.get(f.attname, f"j.{f.attname}")} AS "{f.attname}"'
     for f in Job._meta.concrete_fields
 )
-# The attempts written: three arrays side by side, or (_ONE_ATTEMPT) one
-# attempt's id, run_lease and started_ago, compared by primary key.
-_ATTEMPT_ARRAYS = f"""d.started_ago,
-           j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'completed', false) AS keeps_key
-    FROM ONLY awa_job AS j
-    JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(started_ago)s::float8[])
+# The attempts written, locked: three arrays side by side, or (_ONE_ATTEMPT)
+# one attempt's id, run_lease and started_ago, compared by primary key. The
+# arrays' rows are looked up one by one (LATERAL, which a locking clause keeps
+# from being flattened into a join): joined with the table, a batch of
+# hundreds was hashed against a read of all of it, which the planner prices
+# below as many lookups (400 attempts in a table of 20,000: 5 of COMPLETE's
+# 10 ms). The lookup is a primary key scan in any table of more than a few
+# pages, whatever its statistics say (a read of the whole table costs its pages).
+_KEEPS_KEY = (
+    "j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'completed', false) AS keeps_key"
+)
+_ATTEMPT_ARRAYS = f"""SELECT j.id, d.started_ago, j.keeps_key
+    FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[], %(started_ago)s::float8[])
          AS d(id, run_lease, started_ago)
-      ON j.id = d.id AND j.run_lease = d.run_lease
-    WHERE j.id = ANY(%(id)s::bigint[]) AND {_RUNNING_ROW}"""
-_ONE_ATTEMPT = f"""%(started_ago)s::float8 AS started_ago,
-           j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'completed', false) AS keeps_key
+    CROSS JOIN LATERAL (
+        SELECT j.id, {_KEEPS_KEY}
+        FROM ONLY awa_job AS j
+        WHERE j.id = d.id AND j.run_lease = d.run_lease AND {_RUNNING_ROW}
+        FOR UPDATE OF j SKIP LOCKED
+    ) AS j"""
+_ONE_ATTEMPT = f"""SELECT j.id, %(started_ago)s::float8 AS started_ago, {_KEEPS_KEY}
     FROM ONLY awa_job AS j
-    WHERE j.id = %(id)s::bigint AND j.run_lease = %(run_lease)s::bigint AND {_RUNNING_ROW}"""
+    WHERE j.id = %(id)s::bigint AND j.run_lease = %(run_lease)s::bigint AND {_RUNNING_ROW}
+    FOR UPDATE OF j SKIP LOCKED"""
 
 
-def _complete_writes(attempts: str, ids: str) -> str:
+def _complete_writes(attempts: str) -> str:
     """COMPLETE's CTEs (held, kept, gone, moved) for ``attempts`` (``_ATTEMPT_ARRAYS``
-    or ``_ONE_ATTEMPT``) and their ``ids`` (``_BATCH_IDS`` or ``_ONE_ID``);
-    ``{dependents}``, ``{returning_j}`` and ``{returning}`` left to fill."""
+    or ``_ONE_ATTEMPT``); ``{dependents}``, ``{returning_j}`` and ``{returning}`` left
+    to fill. The rows kept or moved are found by primary key, = ANY of the ids held:
+    joined with ``held`` only, the planner took a batch of hundreds for a hash
+    against a read of the whole table, or, planned while the table looked empty,
+    read its whole primary key once per row held."""
     return f"""
 WITH held AS (
-    SELECT j.id, {attempts}
-    FOR UPDATE OF j SKIP LOCKED
+    {attempts}
 ),
 kept AS (
     UPDATE ONLY awa_job AS j
     SET {", ".join(f"{column} = {value}" for column, value in _COMPLETED_SET.items())}
     FROM held
-    WHERE j.id = held.id AND {ids} AND held.keeps_key{{dependents}}
+    WHERE j.id = ANY(ARRAY(SELECT id FROM held WHERE keeps_key)) AND j.id = held.id
+      AND held.keeps_key{{dependents}}
     RETURNING {{returning_j}}
 ),
 gone AS (
     DELETE FROM ONLY awa_job AS j
     USING held
-    WHERE j.id = held.id AND {ids} AND NOT held.keeps_key{{dependents}}
+    WHERE j.id = ANY(ARRAY(SELECT id FROM held WHERE NOT keeps_key)) AND j.id = held.id
+      AND NOT held.keeps_key{{dependents}}
     RETURNING {_DONE_ROW}
 ),
 moved AS (
@@ -1244,7 +1258,7 @@ moved AS (
 
 
 _COMPLETE = (
-    _complete_writes(_ATTEMPT_ARRAYS, _BATCH_IDS) + "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n"
+    _complete_writes(_ATTEMPT_ARRAYS) + "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n"
 )
 _STANDALONE = " AND NOT j.has_dependents"
 _ID_FLAG = {"returning_j": "j.id, j.has_dependents", "returning": "id, has_dependents"}
@@ -1270,10 +1284,10 @@ FINALIZE_STANDALONE = _FINALIZE.format(dependents=_STANDALONE) + "RETURNING j.id
 # Returns the completed rows' (id, has_dependents) in the columns of id and
 # has_dependents, the others NULL (claimed false), and the claimed rows
 # (claimed true). Index: as COMPLETE and HAND_ON.
-def _complete_hand_on(attempts: str, ids: str, keys: str, besides: str) -> str:
+def _complete_hand_on(attempts: str, keys: str, besides: str) -> str:
     """COMPLETE_HAND_ON for ``attempts`` (as ``_complete_writes``) and ``keys`` (as
     ``_next_members``); ``besides`` leaves the members it completes out of ``nxt``."""
-    writes = _complete_writes(attempts, ids).format(
+    writes = _complete_writes(attempts).format(
         dependents=_STANDALONE,
         returning_j="j.id, j.has_dependents, j.metadata ->> 'awa_sequence' AS seq",
         returning="id, has_dependents, metadata ->> 'awa_sequence'",
@@ -1290,7 +1304,7 @@ UNION ALL SELECT false, {_null_row_but("d", ("id", "has_dependents"))} FROM done
 
 
 COMPLETE_HAND_ON = _complete_hand_on(
-    _ATTEMPT_ARRAYS, _BATCH_IDS, _KEY_ARRAYS, " AND s.id <> ALL(ARRAY(SELECT id FROM done))"
+    _ATTEMPT_ARRAYS, _KEY_ARRAYS, " AND s.id <> ALL(ARRAY(SELECT id FROM done))"
 )
 
 # -- COMPLETE_HAND_ON_ONE --
@@ -1304,7 +1318,7 @@ COMPLETE_HAND_ON = _complete_hand_on(
 # table of a page or two without statistics that plan reads awa_job whole, as
 # any plan would; the statistics autovacuum then gathers make PostgreSQL plan
 # it again.)
-COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_ID, _ONE_KEY, " AND s.id <> %(id)s::bigint")
+COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %(id)s::bigint")
 
 
 # -- RELEASING --
