@@ -189,45 +189,6 @@ def attempt_params(ids: list[int]) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "FINALIZE",
-        "FINALIZE_STANDALONE",
-        "COMPLETE",
-        "COMPLETE_STANDALONE",
-        "HEARTBEAT",
-        "STILL_HELD",
-        "SET_PROGRESS",
-        "MARK_STARTED",
-    ],
-)
-def test_outcomes_and_heartbeats_find_their_attempts_by_primary_key_whatever_the_statistics(
-    running_since_an_idle_analyze: list[int], name: str
-) -> None:
-    """Statistics taken with nothing running must not lead the statements keyed by
-    attempts to read every running row (awa_job_deadline_idx, awa_job_running_idx)
-    for a batch: each attempt is one primary key lookup, at any number running."""
-    from django_awa import db, sql
-
-    ids = running_since_an_idle_analyze
-    params = attempt_params(ids)
-    if name.startswith("COMPLETE"):
-        params.update(
-            id=db.int_array(ids),
-            run_lease=db.int_array(params["run_lease"]),  # type: ignore[arg-type]
-            started_ago=db.float_array(params["started_ago"]),  # type: ignore[arg-type]
-        )
-    with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN " + getattr(sql, name), params)
-        shown = "\n".join(row[0] for row in cursor.fetchall())
-    assert "awa_job_deadline_idx" not in shown and "awa_job_running_idx" not in shown, shown
-    assert re.search(r"Index Scan using awa_job_pkey on awa_job j(_\d+)? ", shown), shown
-    assert "Seq Scan on awa_job" not in shown, shown
-    # Nor does it compare each row it finds with every attempt of the batch.
-    assert "Join Filter: ((j.id = d.id)" not in shown, shown
-
-
 ATTEMPT_STATEMENTS = [
     "FINALIZE",
     "FINALIZE_STANDALONE",
@@ -241,6 +202,37 @@ ATTEMPT_STATEMENTS = [
 ]
 
 
+def explained(name: str, ids: list[int]) -> list[str]:
+    """The plan of statement ``sql.<name>`` for a batch of attempts of ``ids``."""
+    from django_awa import db, sql
+
+    params = attempt_params(ids)
+    if name.startswith("COMPLETE"):
+        params.update(
+            id=db.int_array(ids),
+            run_lease=db.int_array(params["run_lease"]),  # type: ignore[arg-type]
+            started_ago=db.float_array(params["started_ago"]),  # type: ignore[arg-type]
+        )
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + getattr(sql, name), params)
+        return [row[0] for row in cursor.fetchall()]
+
+
+@pytest.mark.parametrize("name", ATTEMPT_STATEMENTS)
+def test_outcomes_and_heartbeats_find_their_attempts_by_primary_key_whatever_the_statistics(
+    running_since_an_idle_analyze: list[int], name: str
+) -> None:
+    """Statistics taken with nothing running must not lead the statements keyed by
+    attempts to read every running row (awa_job_deadline_idx, awa_job_running_idx)
+    for a batch: each attempt is one primary key lookup, at any number running."""
+    shown = "\n".join(explained(name, running_since_an_idle_analyze))
+    assert "awa_job_deadline_idx" not in shown and "awa_job_running_idx" not in shown, shown
+    assert re.search(r"Index Scan using awa_job_pkey on awa_job j(_\d+)? ", shown), shown
+    assert "Seq Scan on awa_job" not in shown, shown
+    # Nor does it compare each row it finds with every attempt of the batch.
+    assert "Join Filter: ((j.id = d.id)" not in shown, shown
+
+
 @pytest.mark.django_db(transaction=True)  # VACUUM: awa_job as a drained queue leaves it
 def test_attempt_statements_planned_for_an_empty_table_read_only_their_batch_by_id() -> None:
     """A queue drained, then vacuumed: the planner counts no rows in awa_job's pages
@@ -248,8 +240,6 @@ def test_attempt_statements_planned_for_an_empty_table_read_only_their_batch_by_
     Planned so, each statement keyed by attempts must still name the rows it reads
     by id; a scan that does not (a whole primary key read once per locked row, in a
     nested loop) took minutes once the table had grown under it."""
-    from django_awa import db, sql
-
     with connection.cursor() as cursor:
         cursor.execute("TRUNCATE awa_job CASCADE")
         cursor.execute(
@@ -271,16 +261,7 @@ def test_attempt_statements_planned_for_an_empty_table_read_only_their_batch_by_
         )
         ids = sorted(row[0] for row in cursor.fetchall())
     for name in ATTEMPT_STATEMENTS:
-        params = attempt_params(ids)
-        if name.startswith("COMPLETE"):
-            params.update(
-                id=db.int_array(ids),
-                run_lease=db.int_array(params["run_lease"]),  # type: ignore[arg-type]
-                started_ago=db.float_array(params["started_ago"]),  # type: ignore[arg-type]
-            )
-        with connection.cursor() as cursor:
-            cursor.execute("EXPLAIN " + getattr(sql, name), params)
-            lines = [row[0] for row in cursor.fetchall()]
+        lines = explained(name, ids)
         for at, line in enumerate(lines):
             if re.search(r"Scan (using \S+ )?on awa_job\b", line):
                 conditions = itertools.takewhile(
