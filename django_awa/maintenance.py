@@ -188,7 +188,7 @@ class Maintenance:
         """
         with connections[self.alias].cursor() as cursor:
             cursor.execute(sql.AUTOVACUUM_STATE)
-            server, table = cursor.fetchone()
+            server, table, _, _ = cursor.fetchone()
         if not (server and table):
             where = "on this PostgreSQL server" if not server else "for the awa_job table"
             if self.conf.vacuum_without_autovacuum:
@@ -495,16 +495,16 @@ class Maintenance:
         if connections[self.alias].in_atomic_block:
             return False
         with connections[self.alias].cursor() as cursor:
-            cursor.execute(sql.VACUUM_DUE)
-            row = cursor.fetchone()
-            if row is None or not row[0]:
+            cursor.execute(sql.AUTOVACUUM_STATE)
+            server, table, due, dead = cursor.fetchone()
+            if (server and table) or not due:
                 return False
             started = time.monotonic()
             only = cursor.connection.info.server_version >= 180000
             cursor.execute(sql.VACUUM_ONLY_JOBS if only else sql.VACUUM_JOBS)
         logger.debug(
             "vacuumed awa_job (autovacuum is off for it): %s dead row versions, %.2fs",
-            row[1], time.monotonic() - started,
+            dead, time.monotonic() - started,
         )  # fmt: skip
         return True
 

@@ -1645,31 +1645,22 @@ ARCHIVE_WATERMARK = "SELECT now() - make_interval(secs => %(margin)s)"
 
 # -- AUTOVACUUM_STATE --
 # Whether autovacuum will visit awa_job: on for the server, and not turned off
-# for the table. Read once by a new maintenance leader, which warns if not.
+# for the table (a new maintenance leader warns if not); and whether awa_job
+# has more dead row versions, counted by the statistics system, than
+# autovacuum's threshold for it (the table's autovacuum_vacuum_threshold and
+# scale factor, which migration 0001 sets, else the server's), and how many:
+# the VACUUM that Maintenance.vacuum runs where autovacuum will not.
 AUTOVACUUM_STATE = """
 SELECT current_setting('autovacuum')::boolean,
-       coalesce((SELECT option_value::boolean FROM pg_options_to_table(c.reloptions)
-                 WHERE option_name = 'autovacuum_enabled'), true)
-FROM pg_class AS c WHERE c.oid = 'awa_job'::regclass
-"""
-
-# -- VACUUM_DUE --
-# Whether awa_job needs the VACUUM autovacuum would give it but will not: off
-# for the server or the table, and more dead row versions than autovacuum's
-# threshold for it (the table's autovacuum_vacuum_threshold and scale factor,
-# which migration 0001 sets, else the server's), counted by the statistics
-# system. Also the count, for the log line.
-VACUUM_DUE = """
-SELECT NOT (current_setting('autovacuum')::boolean
-            AND coalesce(o.opt ->> 'autovacuum_enabled', 'true')::boolean)
-       AND s.n_dead_tup > coalesce(o.opt ->> 'autovacuum_vacuum_threshold',
-                                   current_setting('autovacuum_vacuum_threshold'))::float8
+       coalesce(o.opt ->> 'autovacuum_enabled', 'true')::boolean,
+       coalesce(s.n_dead_tup, 0) > coalesce(o.opt ->> 'autovacuum_vacuum_threshold',
+                                            current_setting('autovacuum_vacuum_threshold'))::float8
            + coalesce(o.opt ->> 'autovacuum_vacuum_scale_factor',
                       current_setting('autovacuum_vacuum_scale_factor'))::float8
              * greatest(c.reltuples, 0),
-       s.n_dead_tup
+       coalesce(s.n_dead_tup, 0)
 FROM pg_class AS c
-JOIN pg_stat_user_tables AS s ON s.relid = c.oid
+LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid
 CROSS JOIN LATERAL (SELECT coalesce(jsonb_object_agg(option_name, option_value), '{}') AS opt
                     FROM pg_options_to_table(c.reloptions)) AS o
 WHERE c.oid = 'awa_job'::regclass
