@@ -144,16 +144,20 @@ class Worker:
 
     def _connections_report(self) -> tuple[str, str | None]:
         """The start-up log's words on connections (see ``db.connections_report``), and
-        a warning when the worker would take the server near its limit."""
+        a warning when the worker would take the server near its limit.
+
+        The connection stays open for the worker's registration that follows
+        (``run`` closes it), unless the read failed: then the registration
+        connects afresh.
+        """
         state = self.state
         need = state.need
         try:
             room = db.server_room(state.alias)
         except DB_ERRORS as exc:
+            connections[state.alias].close()
             told = f"up to {need.most} connections ({need.parts()})"
             return f"{told}; the server's limits could not be read ({exc})", None
-        finally:
-            connections[state.alias].close()  # the main thread holds none while it runs
         return db.connections_report(need, room, self.processes)
 
     def stop(self, *, now: bool = False) -> None:

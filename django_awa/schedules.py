@@ -15,8 +15,8 @@ import json
 import logging
 import zoneinfo
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 from django.db import connections, transaction
 
 from . import sql
@@ -26,10 +26,26 @@ from .exceptions import ScheduleNotFound, ValidationError
 from .kinds import JobArgs, check_priority
 from .models import Job, PeriodicSchedule
 
+if TYPE_CHECKING:
+    from croniter import croniter
+
 logger = logging.getLogger(__name__)
 
 MAX_CATCH_UP = 1000
 MISSED_POLICIES = ("coalesce", "catch_up")
+
+
+def _cron(expression: str, start: dt.datetime | None = None) -> croniter:
+    """A croniter over ``expression`` from ``start``, seconds first when there are six fields.
+
+    croniter is imported on first use, not with this module: its import runs
+    ``file`` on the Python binary (a subprocess, about 15 ms), which every
+    worker would pay at start-up whether or not the project declares a
+    periodic job.
+    """
+    from croniter import croniter
+
+    return croniter(expression, start, second_at_beginning=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,7 +61,7 @@ class Periodic:
     def fires_between(self, after: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
         """Fire times in (after, until], oldest first, at most MAX_CATCH_UP."""
         tz = zoneinfo.ZoneInfo(self.timezone)
-        iterator = croniter(self.cron, after.astimezone(tz), second_at_beginning=True)
+        iterator = _cron(self.cron, after.astimezone(tz))
         fires: list[dt.datetime] = []
         while len(fires) < MAX_CATCH_UP:
             fire: dt.datetime = iterator.get_next(dt.datetime)
@@ -56,7 +72,7 @@ class Periodic:
 
     def next_after(self, moment: dt.datetime) -> dt.datetime:
         tz = zoneinfo.ZoneInfo(self.timezone)
-        iterator = croniter(self.cron, moment.astimezone(tz), second_at_beginning=True)
+        iterator = _cron(self.cron, moment.astimezone(tz))
         fire: dt.datetime = iterator.get_next(dt.datetime)
         return fire.astimezone(dt.UTC)
 
@@ -88,9 +104,11 @@ def periodic(
         raise ValidationError(
             f"{where}: cron must have five fields (or six, seconds first), got {cron!r}"
         )
+    from croniter import CroniterBadCronError, CroniterBadDateError
+
     try:
         # get_next: a cron naming no real date (February 30th) parses, but never fires.
-        croniter(cron, second_at_beginning=True).get_next(dt.datetime)
+        _cron(cron).get_next(dt.datetime)
     except (CroniterBadCronError, CroniterBadDateError, ValueError, KeyError) as exc:
         raise ValidationError(f"{where}: invalid cron expression {cron!r}: {exc}") from exc
     try:
