@@ -172,8 +172,10 @@ def int_array(values: Iterable[int]) -> str:
 
 
 def float_array(values: Iterable[float | None]) -> str:
-    """A PostgreSQL array literal of floats (``None`` as NULL), for ``%(name)s::float8[]``."""
-    return "{" + ",".join("NULL" if v is None else repr(float(v)) for v in values) + "}"
+    """A PostgreSQL array literal of floats to the microsecond (``None`` as NULL), for
+    ``%(name)s::float8[]``: durations in seconds, which need no more (formatted so, a
+    third of the cost of ``repr``, once per job of a batch)."""
+    return "{" + ",".join(["NULL" if v is None else f"{v:.6f}" for v in values]) + "}"
 
 
 @contextmanager

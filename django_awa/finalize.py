@@ -92,6 +92,13 @@ def _heard(outcomes: Iterable[Outcome | None]) -> set[Outcome]:
     return heard
 
 
+def _started_ago(results: Sequence[AttemptResult]) -> str:
+    """Each result's ``started_ago()`` as a batch's ``%(started_ago)s::float8[]``, the
+    clock read once for the batch rather than once a job."""
+    now = time.monotonic()
+    return db.float_array(None if r.started is None else now - r.started for r in results)
+
+
 def _wants_rows(results: Sequence[AttemptResult]) -> bool:
     if any(result.state == JobState.WAITING_EXTERNAL for result in results):
         return True  # to see a callback that arrived early
@@ -120,7 +127,7 @@ def _write(
         params: dict[str, Any] = {
             "id": db.int_array(r.job.id for r in results),
             "run_lease": db.int_array(r.job.run_lease for r in results),
-            "started_ago": db.float_array(r.started_ago() for r in results),
+            "started_ago": _started_ago(results),
         }
     else:
         if rows:
@@ -212,7 +219,7 @@ def _complete_handing_on(
         params = {
             "id": db.int_array(r.job.id for r in results),
             "run_lease": db.int_array(r.job.run_lease for r in results),
-            "started_ago": db.float_array(r.started_ago() for r in results),
+            "started_ago": _started_ago(results),
             "keys": [key for key, _ in keys],
             "places": places,
         }

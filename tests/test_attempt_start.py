@@ -63,6 +63,19 @@ def test_a_claimed_job_is_protected_but_not_started_until_its_handler_takes_it()
     assert done.finalized_at >= done.attempted_at
 
 
+def test_attempted_at_is_when_the_handler_began_not_when_its_outcome_was_written():
+    state, [claimed] = _claim({"action": "sleep", "seconds": 0.3})
+    assert HandlerPool(state).run_once(state.queues["default"], timeout=1)
+    time.sleep(WAIT)  # the outcome waits for the completer meanwhile
+    Completer(state).run_once()
+
+    done = Job.objects.get(id=claimed.id)
+    assert done.state == JobState.COMPLETED
+    # From the handler's start to the outcome's write: its 0.3 s, then the wait.
+    took = (done.finalized_at - done.attempted_at).total_seconds()
+    assert took >= 0.3 + WAIT - 0.05, took
+
+
 def test_an_outcome_with_a_result_other_than_completed_stores_its_start_too():
     state, [claimed] = _claim({"action": "raise"})
     time.sleep(WAIT)
