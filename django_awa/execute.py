@@ -306,7 +306,8 @@ class AttemptResult:
         context = self.context
         return None if context is None else context.outcome
 
-    def params(self) -> dict[str, Any]:
+    def params(self, now: float | None = None) -> dict[str, Any]:
+        """The row of FINALIZE's arrays for this result; ``now`` as in ``started_ago``."""
         return {
             "id": self.job.id,
             "run_lease": self.job.run_lease,
@@ -317,13 +318,16 @@ class AttemptResult:
             "snoozed": self.snoozed,
             "reset_attempts": self.reset_attempts,
             "progress": None if self.progress is None else json.dumps(self.progress),
-            "started_ago": self.started_ago(),
+            "started_ago": self.started_ago(now),
             "result": self.result,
         }
 
-    def started_ago(self) -> float | None:
-        """Seconds since the attempt's handler began, by this process's clock."""
-        return None if self.started is None else max(0.0, time.monotonic() - self.started)
+    def started_ago(self, now: float | None = None) -> float | None:
+        """Seconds since the attempt's handler began, by this process's clock: until
+        ``now`` (a ``time.monotonic()`` reading, one for a whole batch) or until now."""
+        if self.started is None:
+            return None
+        return max(0.0, (time.monotonic() if now is None else now) - self.started)
 
 
 def unstarted(job: Job) -> AttemptResult:

@@ -93,10 +93,10 @@ def _heard(outcomes: Iterable[Outcome | None]) -> set[Outcome]:
 
 
 def _started_ago(results: Sequence[AttemptResult]) -> str:
-    """Each result's ``started_ago()`` as a batch's ``%(started_ago)s::float8[]``, the
+    """Each result's ``started_ago`` as a batch's ``%(started_ago)s::float8[]``, the
     clock read once for the batch rather than once a job."""
     now = time.monotonic()
-    return db.float_array(None if r.started is None else now - r.started for r in results)
+    return db.float_array([r.started_ago(now) for r in results])
 
 
 def _wants_rows(results: Sequence[AttemptResult]) -> bool:
@@ -134,7 +134,8 @@ def _write(
             statement = sql.FINALIZE_RETURNING_ROWS
         else:
             statement = sql.FINALIZE_STANDALONE if standalone else sql.FINALIZE
-        params = db.as_columns([result.params() for result in results])
+        now = time.monotonic()
+        params = db.as_columns([result.params(now) for result in results])
     if _holds_leases(results):
         statement = sql.RELEASING[statement]
     with db.cursor(alias) as cursor:
