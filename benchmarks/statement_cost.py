@@ -1,6 +1,7 @@
 """What each statement of the plain path costs PostgreSQL per job.
 
     python benchmarks/statement_cost.py [--jobs 20000] [--batch 100] [--without-index NAME]
+                                        [--prune {segments,rows}]
 
 Enqueues --jobs no-op jobs into a fresh database (``awa_bench_cost``, dropped
 afterwards), then runs the worker's statements by hand, batch by batch, as a
@@ -13,7 +14,15 @@ table (``pg_stat_user_tables``). Works without ``pg_stat_statements`` (the
 machine's server does not preload it). Execution time under EXPLAIN ANALYZE
 includes the instrumentation's own overhead: compare statements, not absolute
 figures across machines. ``--without-index`` (repeatable) drops the named index
-after migrating, to show what keeping it costs each job. No test asserts a figure.
+after migrating, to show what keeping it costs each job.
+
+Then the jobs' retention passes (``COMPLETED_RETENTION`` 0.5 s) and the script
+removes them: ``--prune segments`` (the default) by the maintenance's
+``prune()``, which drops the completed jobs' segment whole (migration 0016);
+``--prune rows`` as pruning did before it, a DELETE per batch of 1,000 rows
+(PRUNE_ROWS below), then the VACUUM those deletes need. The server CPU time of
+the backend doing it (``/proc/<pid>/stat``) and the WAL it wrote are printed
+per job. No test asserts a figure.
 """
 
 from __future__ import annotations
@@ -64,9 +73,62 @@ def _explain(cursor: psycopg.Cursor, statement: str, params: dict[str, object]) 
 def _table_writes(cursor: psycopg.Cursor) -> dict[str, tuple[int, int, int, int]]:
     cursor.execute(
         "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del FROM pg_stat_user_tables"
-        " WHERE relname IN ('awa_job', 'awa_job_done')"
+        " WHERE relname IN ('awa_job', 'awa_job_done', 'awa_job_done_current')"
     )
     return {row[0]: tuple(row[1:]) for row in cursor.fetchall()}
+
+
+# Pruning as it was before migration 0016 (PRUNE_FINISHED then): completed rows
+# deleted from awa_job and every child, a batch at a time. For --prune rows.
+PRUNE_ROWS = """
+WITH gone AS (
+    DELETE FROM awa_job WHERE id IN (
+        SELECT id FROM awa_job
+        WHERE state = 'completed' AND finalized_at < now() - make_interval(secs => 0.5)
+        LIMIT 1000
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id
+)
+SELECT count(*) FROM gone
+"""
+
+
+def _backend_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of server process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _prune(mode: str) -> tuple[int, float, int]:
+    """Remove the completed jobs past retention; (how many, server CPU s, WAL bytes)."""
+    from django.conf import settings
+    from django.db import connection
+    from django.test.utils import override_settings
+
+    from django_awa.maintenance import Maintenance
+
+    time.sleep(1.0)  # past COMPLETED_RETENTION
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid(), pg_current_wal_insert_lsn()")
+        pid, lsn = cursor.fetchone()
+        started = _backend_cpu(pid)
+        removed = 0
+        if mode == "segments":
+            with override_settings(AWA={**settings.AWA, "COMPLETED_RETENTION": 0.5}):
+                removed = Maintenance().prune()
+        else:
+            for _ in range(100_000):
+                cursor.execute(PRUNE_ROWS)
+                deleted = cursor.fetchone()[0]
+                removed += deleted
+                if deleted < 1000:
+                    break
+            cursor.execute("VACUUM awa_job_done, awa_job_done_current")
+        cpu = _backend_cpu(pid) - started
+        cursor.execute("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)", [lsn])
+        wal = int(cursor.fetchone()[0])
+    return removed, cpu, wal
 
 
 def main() -> None:
@@ -80,6 +142,12 @@ def main() -> None:
         default=[],
         metavar="NAME",
         help="drop this index after migrating (what it costs per job)",
+    )
+    parser.add_argument(
+        "--prune",
+        choices=("segments", "rows"),
+        default="segments",
+        help="remove the finished jobs by dropping their segment (default) or row by row",
     )
     args = parser.parse_args()
 
@@ -145,6 +213,7 @@ def main() -> None:
             cursor = conn.cursor()
             time.sleep(1.1)  # the other connection's counters are flushed at its close
             after = _table_writes(cursor)
+        removed, prune_cpu, prune_wal = _prune(args.prune)
         n = args.jobs
         print(f"{n} jobs, batches of {args.batch}; per job:")
         print(
@@ -158,11 +227,15 @@ def main() -> None:
         all_ms = sum(f["ms"] for f in totals.values()) / n
         all_wal = sum(f["wal_bytes"] for f in totals.values()) / n
         print(f"{'total':<18} {all_ms:>10.4f} {'':>8} {all_wal:>10.1f}")
+        print(
+            f"retention ({args.prune}): {removed} jobs removed, server CPU"
+            f" {prune_cpu * 1000 / n:.4f} ms and {prune_wal / n:.1f} WAL bytes per job"
+        )
         if args.plans:
             for statement, plan in PLANS.items():
                 print(statement, json.dumps(plan, indent=1))
         print("tuples per job (inserted, updated, HOT-updated, deleted):")
-        for table in ("awa_job", "awa_job_done"):
+        for table in ("awa_job", "awa_job_done", "awa_job_done_current"):
             b = before.get(table, (0, 0, 0, 0))
             a = after.get(table, (0, 0, 0, 0))
             print(

@@ -526,7 +526,22 @@ def _sqlstate(result: psycopg.pq.abc.PGresult) -> bytes | None:
 # data: the connection or server failed, or the statement lost a race. Writing
 # the same thing again later may succeed.
 _TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")  # connection, rollback, resources, operator
-_TRANSIENT_CODES = ("55P03", "25006")  # lock_not_available, read_only_sql_transaction
+_LOCK_NOT_AVAILABLE = "55P03"
+_TRANSIENT_CODES = (_LOCK_NOT_AVAILABLE, "25006")  # and read_only_sql_transaction
+
+
+def _psycopg_cause(exc: BaseException) -> psycopg.Error | None:
+    """The psycopg error behind ``exc`` (Django's wraps it), if any."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, psycopg.Error):
+        cause = cause.__cause__
+    return cause
+
+
+def is_lock_timeout(exc: BaseException) -> bool:
+    """Whether database error ``exc`` is a lock not had within ``lock_timeout``."""
+    cause = _psycopg_cause(exc)
+    return cause is not None and cause.sqlstate == _LOCK_NOT_AVAILABLE
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -537,9 +552,7 @@ def is_transient(exc: BaseException) -> bool:
     errors about what was sent (bad data, a constraint, a programming error),
     which fail the same way every time.
     """
-    cause: BaseException | None = exc
-    while cause is not None and not isinstance(cause, psycopg.Error):
-        cause = cause.__cause__
+    cause = _psycopg_cause(exc)
     if cause is None:
         return isinstance(exc, OperationalError | InterfaceError)
     state = cause.sqlstate

@@ -24,7 +24,7 @@ from django.db.models.functions import Now
 from . import dashboard, db, fleet, sequences, sql, wakeups
 from .callbacks import prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
-from .conf import AwaSettings, awa_settings
+from .conf import MAX_RETENTION, AwaSettings, awa_settings
 from .dependencies import after_outcomes, planned_by_index, settle
 from .followups import (
     FollowupError,
@@ -46,6 +46,13 @@ logger = logging.getLogger(__name__)
 
 BATCH = 1000
 PRUNE_EVERY = 60.0
+# awa_job_done_current is renamed once its oldest row is this fraction of
+# COMPLETED_RETENTION old: a completed job is dropped with its segment between
+# the retention and (1 + this) times it after it finished.
+SEGMENT_SPAN = 0.25
+# A retention of None keeps rows for ever: kept rows of such a state are kept
+# for longer than any allowed retention.
+KEEP_ALWAYS = 2 * MAX_RETENTION
 # Finished rows moved per statement, and statements per tick at most: a tick
 # moves up to 100,000 rows, more than a worker here finishes in a second.
 ARCHIVE_BATCH = 5000
@@ -588,8 +595,11 @@ class Maintenance:
         return changed
 
     def prune(self) -> int:
-        """Delete finished rows past retention, in batches; returns how many."""
-        total = 0
+        """Delete finished rows past retention: completed jobs' segments whole
+        (``rotate_finished``), the other rows in batches; returns how many."""
+        # Segments first: the rows a dropped one keeps (others depend on them) are
+        # in awa_job_done then, pruned below with their dependents settled.
+        total = self.rotate_finished()
         for states, retention in (
             ([JobState.COMPLETED], self.conf.completed_retention),
             ([JobState.FAILED, JobState.CANCELLED], self.conf.failed_retention),
@@ -611,6 +621,99 @@ class Maintenance:
         if total:
             logger.info("pruned %s finished job(s)", total)
         return total
+
+    def rotate_finished(self) -> int:
+        """Drop the finished segments past retention, whole; start a new current one
+        when due. Returns how many jobs went with the dropped segments.
+
+        Completed jobs are written into ``awa_job_done_current`` (migration
+        0016). Once its oldest row is ``SEGMENT_SPAN`` of ``COMPLETED_RETENTION``
+        old, it is renamed ``awa_job_done_<timestamp>`` and a new one takes
+        its place; no row enters a renamed segment after that. Once a renamed
+        segment's newest completed row is past retention, the rows that must
+        stay (others depend on them, or they are within their retention) are
+        copied into ``awa_job_done``, the others' dependency edges deleted, and
+        the table dropped, in one transaction. A lock not had within a second
+        (``sql.SEGMENT_LOCK_TIMEOUT``) leaves it for the next pass.
+        """
+        retention = self.conf.completed_retention
+        if retention is None:
+            return 0
+        failed = self.conf.failed_retention
+        keep = (retention, KEEP_ALWAYS if failed is None else failed)
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.FINISHED_SEGMENTS)
+            segments = [row[0] for row in cursor.fetchall()]
+            cursor.execute(sql.CURRENT_SEGMENT_AGE)
+            age = cursor.fetchone()[0]
+        dropped = sum(self._drop_segment(name, *keep) for name in segments)
+        if age is None or age < SEGMENT_SPAN * retention:
+            return dropped
+        name = "awa_job_done_" + time.strftime("%Y%m%d_%H%M%S", time.gmtime())
+        if name in segments:
+            return dropped  # renamed less than a second ago
+
+        def rotate(cursor: Any) -> bool:
+            cursor.execute(sql.ROTATE_SEGMENT.format(segment=self._quoted(name)))
+            cursor.execute(sql.NEW_CURRENT_SEGMENT)
+            return True
+
+        if not self._under_segment_lock(sql.CURRENT_SEGMENT, rotate):
+            return dropped
+        logger.info("finished jobs: %s renamed %s, a new one started", sql.CURRENT_SEGMENT, name)
+        if age >= retention:  # all of it past retention already
+            dropped += self._drop_segment(name, *keep)
+        return dropped
+
+    def _drop_segment(self, name: str, retention: float, failed: float) -> int:
+        """Drop segment ``name`` if its newest completed row is past ``retention``,
+        keeping the rows that must stay; how many jobs went with it."""
+        segment = self._quoted(name)
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.SEGMENT_NEWEST.format(segment=segment))
+            newest, count = cursor.fetchone()
+        rows = int(count)
+        if newest is not None and newest < retention:
+            return 0
+
+        def drop(cursor: Any) -> int:
+            cursor.execute(sql.LOCK_SEGMENT.format(segment=segment))
+            cursor.execute(
+                sql.KEEP_FROM_SEGMENT.format(segment=segment),
+                {"completed": retention, "failed": failed},
+            )
+            kept: int = cursor.rowcount
+            cursor.execute(sql.SEGMENT_EDGES.format(segment=segment))
+            cursor.execute(sql.DROP_SEGMENT.format(segment=segment))
+            return kept
+
+        kept = self._under_segment_lock(name, drop)
+        if kept is None:
+            return 0
+        logger.info(
+            "finished jobs: dropped %s (%s job(s); %s kept in awa_job_done)",
+            name,
+            rows - kept,
+            kept,
+        )
+        return rows - kept
+
+    def _under_segment_lock[T](self, name: str, work: Callable[[Any], T]) -> T | None:
+        """``work(cursor)`` in a duty's transaction whose locks wait at most
+        ``sql.SEGMENT_LOCK_TIMEOUT``; None (rolled back, segment ``name`` left for
+        the next pass) if a lock was not had in time."""
+        try:
+            with self._transaction(), connections[self.alias].cursor() as cursor:
+                cursor.execute(sql.SEGMENT_LOCK_TIMEOUT)
+                return work(cursor)
+        except DatabaseError as exc:
+            if not db.is_lock_timeout(exc):
+                raise
+            logger.info("finished jobs: %s is in use; left for the next pass", name)
+            return None
+
+    def _quoted(self, name: str) -> str:
+        return connections[self.alias].ops.quote_name(name)
 
 
 class MaintenanceService:

@@ -7,10 +7,12 @@ returned here can be turned into ``Job`` instances (``models.jobs_from_rows``).
 
 Finished jobs move from ``awa_job`` into its inheritance child
 ``awa_job_done`` (migration 0003, ``ARCHIVE_FINISHED``), and a row there is
-always finished. Statements about live jobs (claims, outcomes, heartbeats,
-rescue) therefore read ``ONLY awa_job``; those that may meet a finished job
-(retry, pruning, callbacks answered twice, the admin) name ``awa_job`` and
-read both.
+always finished. Completed jobs go straight into ``awa_job_done_current``, a
+child of ``awa_job_done`` renamed and later dropped whole by maintenance
+(migration 0016, *Finished segments*). Statements about live jobs (claims,
+outcomes, heartbeats, rescue) therefore read ``ONLY awa_job``; those that may
+meet a finished job (retry, pruning, callbacks answered twice, the admin)
+name ``awa_job`` or ``awa_job_done`` and read every child.
 """
 
 from __future__ import annotations
@@ -1174,10 +1176,12 @@ FINALIZE = _FINALIZE.format(dependents="") + "RETURNING j.id, j.has_dependents"
 # written, from three arrays (id, run_lease, started_ago). They come as array
 # literals (text) that the server parses, which costs far less than psycopg
 # dumping a list element by element.
-# A completed row is written once, straight into awa_job_done (deleted from
-# awa_job, inserted there with its outcome, in one statement), rather than
-# updated in awa_job and then moved by ARCHIVE_FINISHED: one heap tuple and
-# its index entries fewer per job, and no archive pass over it. Columns go by
+# A completed row is written once, straight into awa_job_done_current, the
+# current segment of awa_job_done (deleted from awa_job, inserted there with
+# its outcome, in one statement), rather than updated in awa_job and then
+# moved by ARCHIVE_FINISHED: one heap tuple and its index entries fewer per
+# job, and no archive pass over it; it leaves with its segment, dropped whole
+# (no DELETE of its own, see *Finished segments*). Columns go by
 # position (_DONE_ROW follows the model). A row that holds its unique key
 # (unique_states includes 'completed') is updated in place instead, as
 # ARCHIVE_FINISHED leaves it: awa_job_unique_idx is on awa_job alone.
@@ -1252,7 +1256,7 @@ gone AS (
     RETURNING {_DONE_ROW}
 ),
 moved AS (
-    INSERT INTO awa_job_done ({JOB_COLUMNS}) SELECT * FROM gone
+    INSERT INTO awa_job_done_current ({JOB_COLUMNS}) SELECT * FROM gone
     RETURNING {{returning}}
 )"""
 
@@ -1575,8 +1579,11 @@ WHERE id IN (
 """
 
 # -- PRUNE_FINISHED --
-# Delete finished rows past retention, one batch per call.
-# Index: awa_job_finalized_idx (state, finalized_at).
+# Delete finished rows past retention, one batch per call, from awa_job and
+# awa_job_done themselves (ONLY: the segments of awa_job_done are dropped
+# whole, see *Finished segments*).
+# Index: awa_job_finalized_idx and awa_job_done_state_finalized_at_idx
+# (state, finalized_at).
 # The pruned jobs' own dependency edges go with them (primary key of
 # awa_job_dependency); edges naming them as a dependency stay until their
 # dependent is pruned, but for a blocked dependent of a pruned completed job
@@ -1589,9 +1596,9 @@ WHERE id IN (
 # awa_dependency_dependents_idx for their dependents'. Returns how many jobs
 # it deleted.
 PRUNE_FINISHED = """
-WITH gone AS (
-    DELETE FROM awa_job WHERE id IN (
-        SELECT id FROM awa_job
+WITH live AS (
+    DELETE FROM ONLY awa_job WHERE id IN (
+        SELECT id FROM ONLY awa_job
         WHERE state = ANY(%(states)s::text[])
           AND finalized_at < now() - make_interval(secs => %(retention)s)
         LIMIT %(limit)s
@@ -1599,6 +1606,17 @@ WITH gone AS (
     )
     RETURNING id, state, has_dependents
 ),
+done AS (
+    DELETE FROM ONLY awa_job_done WHERE id IN (
+        SELECT id FROM ONLY awa_job_done
+        WHERE state = ANY(%(states)s::text[])
+          AND finalized_at < now() - make_interval(secs => %(retention)s)
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id, state, has_dependents
+),
+gone AS (SELECT * FROM live UNION ALL SELECT * FROM done),
 edges AS (
     DELETE FROM awa_job_dependency WHERE job_id = ANY(ARRAY(SELECT id FROM gone))
 ),
@@ -1610,6 +1628,93 @@ met AS (
 )
 SELECT count(*) FROM gone
 """
+
+# ==== Finished segments (migration 0016, Maintenance.rotate_finished) ====
+# COMPLETE writes into awa_job_done_current, a child of awa_job_done. The
+# maintenance leader renames it once its oldest row is old enough
+# (ROTATE_SEGMENT), and drops a renamed one whole once its newest completed
+# row is past retention (KEEP_FROM_SEGMENT, SEGMENT_EDGES, then DROP TABLE):
+# no DELETE per row, no dead rows. Segment names are made by the engine
+# ({segment}: awa_job_done_<UTC timestamp>, quoted), never from input.
+CURRENT_SEGMENT = "awa_job_done_current"
+
+# -- CURRENT_SEGMENT_AGE --
+# Seconds since the oldest completed row of awa_job_done_current finished
+# (NULL: none). Index: its (state, finalized_at), the first entry.
+CURRENT_SEGMENT_AGE = """
+SELECT extract(epoch FROM now() - min(finalized_at))::float8
+FROM ONLY awa_job_done_current WHERE state = 'completed'
+"""
+
+# -- ROTATE_SEGMENT --
+# Rename awa_job_done_current (an ACCESS EXCLUSIVE lock for a moment: an
+# outcome writing into it finishes first, the next waits) and make the new,
+# empty one (awa_job_done_segment(), migration 0016). Prepared statements
+# naming awa_job_done_current are planned again and write into the new one.
+ROTATE_SEGMENT = "ALTER TABLE awa_job_done_current RENAME TO {segment}"
+NEW_CURRENT_SEGMENT = "SELECT awa_job_done_segment('awa_job_done_current')"
+
+# -- FINISHED_SEGMENTS --
+# The renamed segments, oldest first. A catalog read.
+FINISHED_SEGMENTS = """
+SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'awa_job_done'::regclass AND c.relname <> 'awa_job_done_current'
+ORDER BY c.relname
+"""
+
+# -- SEGMENT_NEWEST --
+# Seconds since a segment's newest completed row finished (NULL: none
+# completed), and how many rows it holds (read before its lock: no row enters
+# a renamed segment). Index: its (state, finalized_at), the last entry.
+SEGMENT_NEWEST = """
+SELECT (SELECT extract(epoch FROM now() - max(finalized_at))::float8
+        FROM ONLY {segment} WHERE state = 'completed'),
+       (SELECT count(*) FROM ONLY {segment})
+"""
+
+# -- SEGMENT_LOCK_TIMEOUT --
+# How long the rename and the drop of a segment wait for its lock before
+# giving up until the next pass: every query that asks for the table meanwhile
+# waits behind them.
+SEGMENT_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '1s'"
+
+# -- LOCK_SEGMENT --
+# Before dropping a segment: no one reads or writes it until the drop commits
+# (run with a short lock_timeout: a long read of awa_job holds it off until
+# the next pass).
+LOCK_SEGMENT = "LOCK TABLE ONLY {segment} IN ACCESS EXCLUSIVE MODE"
+
+# -- KEEP_FROM_SEGMENT --
+# The rows of a segment about to be dropped that stay, copied into
+# awa_job_done, where pruning deletes them row by row: those others depend on
+# (pruning settles their blocked dependents), and any still within their
+# state's retention (%(completed)s, %(failed)s seconds). Index: the segment's
+# (id) WHERE has_dependents, and its (state, finalized_at).
+KEEP_FROM_SEGMENT = """
+INSERT INTO awa_job_done
+SELECT * FROM ONLY {segment} WHERE has_dependents
+UNION ALL
+SELECT * FROM ONLY {segment}
+WHERE state = 'completed' AND NOT has_dependents
+  AND finalized_at >= now() - make_interval(secs => %(completed)s)
+UNION ALL
+SELECT * FROM ONLY {segment}
+WHERE state IN ('failed', 'cancelled') AND NOT has_dependents
+  AND finalized_at >= now() - make_interval(secs => %(failed)s)
+"""
+
+# -- SEGMENT_EDGES --
+# The dropped rows' own dependency edges go with them, as PRUNE_FINISHED's
+# do (the kept rows are in awa_job_done by now). Index: the primary key of
+# awa_job_dependency over the segment's id range, then primary key lookups.
+SEGMENT_EDGES = """
+DELETE FROM awa_job_dependency AS e
+WHERE e.job_id BETWEEN (SELECT min(id) FROM ONLY {segment}) AND (SELECT max(id) FROM ONLY {segment})
+  AND EXISTS (SELECT 1 FROM ONLY {segment} AS s WHERE s.id = e.job_id)
+  AND NOT EXISTS (SELECT 1 FROM ONLY awa_job_done AS d WHERE d.id = e.job_id)
+"""
+
+DROP_SEGMENT = "DROP TABLE {segment}"
 
 # -- ARCHIVE_FINISHED --
 # Move a batch of finished rows from awa_job into awa_job_done, so awa_job
@@ -1776,13 +1881,14 @@ COUNTED_QUEUE_STATS = "SELECT queue, state, count FROM awa_job_count"
 
 # -- REVIVE_DONE --
 # Before a retry: move the finished rows among these ids (in these states)
-# from awa_job_done back into awa_job, so the UPDATE that follows reads ONLY
-# awa_job and returns them (awa_job_done's CHECK holds finished rows only;
-# its BEFORE trigger would move a row and skip the update, returning
-# nothing). The DELETE locks each moved row. Index: awa_job_done's primary key.
+# from awa_job_done (or a segment of it) back into awa_job, so the UPDATE that
+# follows reads ONLY awa_job and returns them (awa_job_done's CHECK holds
+# finished rows only; its BEFORE trigger would move a row and skip the update,
+# returning nothing). The DELETE locks each moved row. Index: the primary key
+# of awa_job_done and of each segment.
 REVIVE_DONE = """
 WITH moved AS (
-    DELETE FROM ONLY awa_job_done
+    DELETE FROM awa_job_done
     WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
     RETURNING *
 )
@@ -1973,15 +2079,19 @@ WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
 # ==== The admin (admin.py) ====
 
 # -- TABLE_BYTES --
-# The size of the heaps of awa_job and its finished rows (awa_job_done), from
-# the catalog.
-_JOB_TABLES = "('awa_job'::regclass, to_regclass('awa_job_done'))"
+# The size of the heaps of awa_job and its finished rows (awa_job_done and its
+# segments), from the catalog.
+_DONE_TABLES = """
+    SELECT to_regclass('awa_job_done')
+    UNION ALL
+    SELECT inhrelid::regclass FROM pg_inherits WHERE inhparent = to_regclass('awa_job_done')"""
+_JOB_TABLES = f"(SELECT 'awa_job'::regclass UNION ALL {_DONE_TABLES})"
 TABLE_BYTES = f"SELECT sum(pg_relation_size(oid))::bigint FROM pg_class WHERE oid IN {_JOB_TABLES}"
 
 
 # -- ESTIMATED_ROWS --
-# The planner's row estimate for awa_job and awa_job_done together (-1 while
-# neither has been analyzed; one never analyzed counts as empty).
+# The planner's row estimate for awa_job and its finished rows together (-1
+# while none has been analyzed; one never analyzed counts as empty).
 ESTIMATED_ROWS = f"""
 SELECT CASE WHEN max(reltuples) < 0 THEN -1 ELSE sum(greatest(reltuples, 0)) END::bigint
 FROM pg_class WHERE oid IN {_JOB_TABLES}
@@ -2020,12 +2130,12 @@ SELECT queue FROM queues WHERE queue IS NOT NULL
 # -- SAMPLED_VALUES --
 # Values of one awa_job column in the planner's statistics, as of the last
 # (auto)ANALYZE: most common values and histogram bounds. A catalog read.
-SAMPLED_VALUES = """
-SELECT unnest(coalesce(most_common_vals::text::text[], '{}')
-              || coalesce(histogram_bounds::text::text[], '{}'))
+SAMPLED_VALUES = f"""
+SELECT unnest(coalesce(most_common_vals::text::text[], '{{}}')
+              || coalesce(histogram_bounds::text::text[], '{{}}'))
 FROM pg_stats
-WHERE schemaname = current_schema() AND tablename IN ('awa_job', 'awa_job_done')
-  AND attname = %(column)s
+WHERE schemaname = current_schema() AND attname = %(column)s
+  AND tablename IN (SELECT relname FROM pg_class WHERE oid IN {_JOB_TABLES})
 """
 
 # -- PREPARED --
@@ -2125,10 +2235,13 @@ FROM ONLY awa_job GROUP BY queue, state
 """
 
 # -- DONE_ROWS_ESTIMATE --
-# The planner's estimate of finished rows in awa_job_done (pg_class.reltuples;
-# -1 before it was first analyzed or vacuumed), for <prefix>/metrics.
-DONE_ROWS_ESTIMATE = """
-SELECT coalesce(max(reltuples), -1)::bigint FROM pg_class WHERE oid = to_regclass('awa_job_done')
+# The planner's estimate of finished rows in awa_job_done and its segments
+# (pg_class.reltuples; -1 before any was first analyzed or vacuumed, one never
+# analyzed counting as empty), for <prefix>/metrics.
+DONE_ROWS_ESTIMATE = f"""
+SELECT coalesce(CASE WHEN max(reltuples) < 0 THEN -1 ELSE sum(greatest(reltuples, 0)) END,
+                -1)::bigint
+FROM pg_class WHERE oid IN ({_DONE_TABLES})
 """
 
 # ==== Dashboard and dead letters (dashboard.py, dead_letters.py) ====
@@ -2407,9 +2520,10 @@ RETURNING c.dep_id, c.dep_kind, c.dep_state, {J_JOB_COLUMNS}
 # finishing last in a fan-in of 10,000 would each read ~10,000 finished
 # dependencies (60-100 ms at load 14) before the running ones, while they hold
 # the callback FOR UPDATE; 16-20 ms in this order.
-# Each dependency's state is looked up in awa_job_done first, where a
-# completed job is written at once (and an archived one moves), then in
-# awa_job: one primary key lookup per finished dependency, not two (the
+# Each dependency's state is looked up in awa_job_done_current first, where a
+# completed job is written at once, then in awa_job_done and its older
+# segments (an archived one moves there), then in awa_job: one primary key
+# lookup for a dependency finished since the last rotation, not two (the
 # parent table's lookup would find nothing first), which halves the check
 # that reads all of a fan-in callback's 10,000 dependencies when its last
 # member finishes. OFFSET 0 keeps the lookup from being inlined into the
@@ -2423,7 +2537,8 @@ WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'blocked'
                      WHERE e.job_id = j.id ORDER BY e.depends_on_id DESC) AS e
       CROSS JOIN LATERAL (
           SELECT coalesce(
-              (SELECT f.state FROM ONLY awa_job_done AS f WHERE f.id = e.depends_on_id),
+              (SELECT f.state FROM ONLY awa_job_done_current AS f WHERE f.id = e.depends_on_id),
+              (SELECT f.state FROM awa_job_done AS f WHERE f.id = e.depends_on_id),
               (SELECT l.state FROM ONLY awa_job AS l WHERE l.id = e.depends_on_id))
           OFFSET 0
       ) AS d(state)
@@ -2476,11 +2591,12 @@ SELECT NULL, NULL, NULL WHERE (SELECT count(*) FROM mine) > (SELECT count(*) FRO
 
 # -- REVIVE_CASCADED --
 # Before REOPEN_CASCADED: the dependents it will reopen that maintenance moved
-# to awa_job_done come back into awa_job (see REVIVE_DONE), locked by the
-# DELETE. Index: awa_dependency_dependents_idx, then awa_job_done's primary key.
+# to awa_job_done (or its segments) come back into awa_job (see REVIVE_DONE),
+# locked by the DELETE. Index: awa_dependency_dependents_idx, then the primary
+# key of awa_job_done and of each segment.
 REVIVE_CASCADED = """
 WITH moved AS (
-    DELETE FROM ONLY awa_job_done AS d
+    DELETE FROM awa_job_done AS d
     USING awa_job_dependency AS e
     WHERE e.depends_on_id = ANY(%(ids)s::bigint[])
       AND d.id = e.job_id

@@ -31,7 +31,7 @@ ago = lambda **kw: timezone.now() - dt.timedelta(**kw)  # noqa: E731
 
 
 def table_of(job_id: int) -> str:
-    """The table that physically holds the row: awa_job or awa_job_done."""
+    """The table that physically holds the row: awa_job, awa_job_done or one of its segments."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT tableoid::regclass::text FROM awa_job WHERE id = %s", [job_id])
         rows = cursor.fetchall()
@@ -251,8 +251,8 @@ def test_a_worker_moves_what_it_finished(start_worker):
         message="five jobs completed",
     )
     wait_for(
-        lambda: {table_of(job.id) for job in jobs} == {"awa_job_done"},
-        message="the completed jobs moved to awa_job_done",
+        lambda: {table_of(job.id) for job in jobs} == {"awa_job_done_current"},
+        message="the completed jobs moved to awa_job_done_current",
     )
     assert table_of(waiting.id) == "awa_job"
     assert all(
@@ -416,8 +416,9 @@ def _complete_in_worker(*rows: dict[str, object]) -> list[int]:
 def test_a_completed_batch_is_written_once_straight_into_awa_job_done():
     ids = _complete_in_worker({}, {"errors": [{"attempt": 0, "at": "x", "error": "e"}]}, {})
 
-    # No archive pass has run: the completion itself wrote the rows there.
-    assert {table_of(job_id) for job_id in ids} == {"awa_job_done"}
+    # No archive pass has run: the completion itself wrote the rows into the
+    # current segment of awa_job_done (migration 0016).
+    assert {table_of(job_id) for job_id in ids} == {"awa_job_done_current"}
     for job in Job.objects.filter(id__in=ids):
         assert job.state == JobState.COMPLETED
         assert job.attempt == 1 and job.run_lease == 1
@@ -441,7 +442,7 @@ def test_a_completed_job_that_holds_its_unique_key_stays_in_awa_job_and_keeps_ho
 
     # One COMPLETE wrote all three: the key holder in place, the others moved.
     assert table_of(held) == "awa_job"
-    assert table_of(free) == table_of(plain) == "awa_job_done"
+    assert table_of(free) == table_of(plain) == "awa_job_done_current"
     assert set(Job.objects.filter(id__in=[held, free, plain]).values_list("state", flat=True)) == {
         JobState.COMPLETED
     }
@@ -451,3 +452,87 @@ def test_a_completed_job_that_holds_its_unique_key_stays_in_awa_job_and_keeps_ho
         make_job(**holds)
     # ...and a key the completed job let go of is free again.
     make_job(**frees)
+
+
+# -- segments: completed jobs leave in bulk (migration 0016) ------------------------
+
+
+def segments() -> list[str]:
+    """The renamed segments of awa_job_done, oldest first (the current one left out)."""
+    with connection.cursor() as cursor:
+        cursor.execute(sql.FINISHED_SEGMENTS)
+        return [row[0] for row in cursor.fetchall()]
+
+
+def rows_in(table: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(f'SELECT count(*) FROM ONLY "{table}"')  # noqa: S608 (a table we name)
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db
+def test_completed_jobs_leave_with_their_segment_once_all_of_it_is_past_retention(settings):
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
+    ids = _complete_in_worker({}, {}, {})
+    maintenance = Maintenance()
+
+    # A quarter of the retention old: renamed, a new current one started, nothing dropped.
+    Job.objects.filter(id__in=ids).update(finalized_at=ago(seconds=20))
+    assert maintenance.prune() == 0
+    [segment] = segments()
+    assert segment.startswith("awa_job_done_20")
+    assert {table_of(job_id) for job_id in ids} == {segment}
+    assert rows_in("awa_job_done_current") == 0
+    # The renamed segment is still a part of every query on awa_job.
+    assert Job.objects.filter(id__in=ids, state=JobState.COMPLETED).count() == 3
+    assert awa.queue_stats()["default"]["completed"] == 3
+
+    # New completions go into the new current one.
+    later = _complete_in_worker({})
+    assert table_of(later[0]) == "awa_job_done_current"
+
+    # One row still within retention keeps the whole segment.
+    Job.objects.filter(id__in=ids[:2]).update(finalized_at=ago(seconds=120))
+    assert maintenance.prune() == 0
+    assert segments() == [segment]
+
+    # All past it: dropped whole, every row with it, and nothing else.
+    Job.objects.filter(id=ids[2]).update(finalized_at=ago(seconds=61))
+    assert maintenance.prune() == 3
+    assert segments() == []
+    assert not Job.objects.filter(id__in=ids).exists()
+    assert Job.objects.get(id=later[0]).state == JobState.COMPLETED
+
+
+@pytest.mark.django_db
+def test_a_job_made_live_again_in_a_segment_moves_back_into_awa_job(settings):
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
+    current, renamed = _complete_in_worker({}, {})
+    Job.objects.filter(id=renamed).update(finalized_at=ago(seconds=30))
+    Maintenance().prune()
+    assert table_of(renamed) == segments()[0]
+    # The ORM (or raw SQL) makes each live: the segment's trigger moves it.
+    for job_id in (current, renamed):
+        assert Job.objects.filter(id=job_id).update(state=JobState.AVAILABLE) == 0
+        assert table_of(job_id) == "awa_job"
+        assert Job.objects.get(id=job_id).state == JobState.AVAILABLE
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_segment_in_use_is_left_for_the_next_pass(settings):
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
+    ids = _complete_in_worker({}, {})
+    Job.objects.filter(id__in=ids).update(finalized_at=ago(seconds=120))
+    reader = psycopg.connect(**connection.get_connection_params() | {"autocommit": False})
+    try:
+        # A long read of awa_job holds a lock on every child until it ends:
+        # the rename waits a second for it, then gives up until the next pass.
+        reader.execute("SELECT count(*) FROM awa_job")
+        assert Maintenance().prune() == 0
+        assert segments() == []
+        assert {table_of(job_id) for job_id in ids} == {"awa_job_done_current"}
+    finally:
+        reader.close()
+    assert Maintenance().prune() == 2
+    assert segments() == []
+    assert not Job.objects.filter(id__in=ids).exists()

@@ -590,10 +590,11 @@ def test_the_first_and_last_instants_postgres_stores_are_accepted():
 @pytest.mark.parametrize("value", OUT_OF_RANGE.values(), ids=OUT_OF_RANGE.keys())
 def test_the_database_refuses_timestamps_it_could_not_give_back_in_either_table(column, value):
     # Past enqueue's checks too: the ORM, raw SQL, and rows already moved to
-    # awa_job_done (a child of awa_job: it inherits awa_job's CHECKs).
+    # awa_job_done (a child of awa_job: it inherits awa_job's CHECKs) or written
+    # to its current segment (a child of awa_job_done, made LIKE it).
     with pytest.raises(IntegrityError, match=f"awa_job_{column}_range"), transaction.atomic():
         Job.objects.create(kind="echo", args={"n": 1}, **{column: value})
-    for table in ("awa_job", "awa_job_done"):
+    for table in ("awa_job", "awa_job_done", "awa_job_done_current"):
         with (
             pytest.raises(IntegrityError, match=f"awa_job_{column}_range"),
             transaction.atomic(),
@@ -605,14 +606,18 @@ def test_the_database_refuses_timestamps_it_could_not_give_back_in_either_table(
                 [value],
             )
     assert awa_job_rows() == 0
-    # The constraints were validated (ALTER TABLE ... VALIDATE CONSTRAINT), on both tables.
+    # The constraints were validated (ALTER TABLE ... VALIDATE CONSTRAINT), on every table.
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT conrelid::regclass::text, convalidated FROM pg_constraint "
             "WHERE conname = %s ORDER BY 1",
             [f"awa_job_{column}_range"],
         )
-        assert cursor.fetchall() == [("awa_job", True), ("awa_job_done", True)]
+        assert cursor.fetchall() == [
+            ("awa_job", True),
+            ("awa_job_done", True),
+            ("awa_job_done_current", True),
+        ]
 
 
 @pytest.mark.parametrize("key", ["awa_original_priority", "awa_trigger", "awa_periodic", "awa_"])
