@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 
 import psycopg
 import pytest
@@ -536,3 +537,32 @@ def test_a_segment_in_use_is_left_for_the_next_pass(settings):
     assert Maintenance().prune() == 2
     assert segments() == []
     assert not Job.objects.filter(id__in=ids).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_segments_renamed_and_dropped_under_a_running_worker_lose_no_job(start_worker, settings):
+    # The worker's prepared COMPLETE names awa_job_done_current: each rename
+    # makes it write into the new table, and a drop never takes a job not yet
+    # past retention. Every job is either still there, completed, or was
+    # counted by the prune that dropped its segment.
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 1}
+    worker = start_worker("--queue", "echo")
+    maintenance = Maintenance()
+    enqueued = pruned = 0
+    for _ in range(1000):  # bounded: about 0.03 s a pass, 60 of them enqueueing
+        if enqueued < 3000:
+            with transaction.atomic():
+                awa.enqueue_many([Echo(n=n) for n in range(enqueued, enqueued + 50)])
+            enqueued += 50
+        pruned += maintenance.prune()
+        time.sleep(0.02)
+        if enqueued == 3000 and not Job.objects.exclude(state=JobState.COMPLETED).exists():
+            break
+    assert not Job.objects.exclude(state=JobState.COMPLETED).exists()
+    assert pruned > 0  # segments went while the worker was completing others
+    time.sleep(1.1)  # every job past retention now
+    pruned += maintenance.prune()
+    assert pruned == 3000
+    assert not Job.objects.exists()
+    assert segments() == []
+    assert "could not be stored" not in worker.output()
