@@ -2,19 +2,23 @@
 """Sustained run: enqueue and drain at once for minutes; watch the rate, dead rows and RSS.
 
     python benchmarks/sustained.py [--minutes 10] [--interval 30] [--rate 5000]
+                                   [--completed-retention SECONDS]
 
 A fresh database ``awa_sustained_run`` on 127.0.0.1 (``djbench.settings_awa``),
 one default worker (``python -m django awa_worker --queue bench``) and one
 producer process enqueueing no-op jobs with awa.enqueue_many in batches of
 --batch, paced at --rate jobs/s (--rate 0: as fast as it can), for --minutes.
-Completed rows stay (COMPLETED_RETENTION is a day): the worker's maintenance
-moves them into awa_job_done, which grows all run long, and every job leaves
-dead row versions behind in awa_job (insert, claim, finalize, the move).
+Completed rows stay (COMPLETED_RETENTION is a day) in awa_job_done's current
+segment, which grows all run long, and every job leaves dead row versions
+behind in awa_job (insert, claim, the completion's delete). With
+--completed-retention the worker's maintenance prunes them that many seconds
+after they finished (its prune runs once a minute), so the finished rows'
+size shows whether pruning keeps up.
 
 Every --interval seconds it prints a row: jobs enqueued/s and completed/s in
 that interval, the backlog, n_live_tup / n_dead_tup and the autovacuum count of
 awa_job (pg_stat_user_tables), the table and claim-index sizes, the size of
-awa_job_done (the finished rows, with their indexes and TOAST), the worker
+awa_job_done and its segments (the finished rows, with their indexes and TOAST), the worker
 process tree's RSS (from /proc; the interval's largest sample and the kernel's
 high-water mark), and EXPLAIN (ANALYZE, BUFFERS) of the claim statement with
 the parameters claim() sends (in a transaction that is rolled back). At the end
@@ -224,7 +228,10 @@ class Sampler:
         row["last_autovacuum"] = last_autovacuum.isoformat() if last_autovacuum else None
         table, claim_idx, total, done = conn.execute(
             "SELECT pg_relation_size('awa_job'), pg_relation_size('awa_job_claim_idx'),"
-            " pg_total_relation_size('awa_job'), pg_total_relation_size('awa_job_done')"
+            " pg_total_relation_size('awa_job'),"
+            " (SELECT sum(pg_total_relation_size(t)) FROM ("
+            "     SELECT 'awa_job_done'::regclass AS t UNION ALL SELECT inhrelid::regclass"
+            "     FROM pg_inherits WHERE inhparent = 'awa_job_done'::regclass) AS d)::bigint"
         ).fetchone()
         row["table_bytes"], row["claim_idx_bytes"], row["total_bytes"] = table, claim_idx, total
         row["done_bytes"] = done
@@ -386,6 +393,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--batch", type=int, default=100, help="enqueue_many batch (default 100)")
     parser.add_argument(
+        "--completed-retention",
+        type=float,
+        default=None,
+        help="the worker's COMPLETED_RETENTION in seconds (default: the setting's, a day)",
+    )
+    parser.add_argument(
         "--no-explain",
         action="store_true",
         help="skip the EXPLAIN ANALYZE of the claim at each row (it briefly locks up to "
@@ -499,6 +512,8 @@ def main(argv: list[str]) -> int:
         child_main(argv[1:])
         return 0
     args, lock, facts = begin_run("sustained", parse_args, argv)
+    if args.completed_retention is not None:  # read by djbench.settings_awa
+        os.environ["BENCH_COMPLETED_RETENTION"] = str(args.completed_retention)
 
     seconds = args.minutes * 60
     progress = Progress()

@@ -671,10 +671,11 @@ class Maintenance:
         segment = self._quoted(name)
         with connections[self.alias].cursor() as cursor:
             cursor.execute(sql.SEGMENT_NEWEST.format(segment=segment))
-            newest, count = cursor.fetchone()
-        rows = int(count)
-        if newest is not None and newest < retention:
-            return 0
+            newest = cursor.fetchone()[0]
+            if newest is not None and newest < retention:
+                return 0
+            cursor.execute(sql.SEGMENT_ROWS.format(segment=segment))
+            rows = int(cursor.fetchone()[0])
 
         def drop(cursor: Any) -> int:
             cursor.execute(sql.LOCK_SEGMENT.format(segment=segment))

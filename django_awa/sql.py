@@ -1664,13 +1664,16 @@ ORDER BY c.relname
 
 # -- SEGMENT_NEWEST --
 # Seconds since a segment's newest completed row finished (NULL: none
-# completed), and how many rows it holds (read before its lock: no row enters
-# a renamed segment). Index: its (state, finalized_at), the last entry.
+# completed). Index: its (state, finalized_at), the last entry.
 SEGMENT_NEWEST = """
-SELECT (SELECT extract(epoch FROM now() - max(finalized_at))::float8
-        FROM ONLY {segment} WHERE state = 'completed'),
-       (SELECT count(*) FROM ONLY {segment})
+SELECT extract(epoch FROM now() - max(finalized_at))::float8
+FROM ONLY {segment} WHERE state = 'completed'
 """
+
+# -- SEGMENT_ROWS --
+# How many rows a segment about to be dropped holds, read before its lock (no
+# row enters a renamed segment). A sequential scan, once per segment.
+SEGMENT_ROWS = "SELECT count(*) FROM ONLY {segment}"
 
 # -- SEGMENT_LOCK_TIMEOUT --
 # How long the rename and the drop of a segment wait for its lock before

@@ -1,5 +1,7 @@
 """django-awa: the bench app declares the no-op kind in its jobs.py."""
 
+import os
+
 from djbench.settings_common import *  # noqa: F403
 
 INSTALLED_APPS = [
@@ -14,3 +16,7 @@ INSTALLED_APPS = [
 AWA = {
     "QUEUES": {"bench": {}},
 }
+
+# sustained.py --completed-retention: completed jobs pruned this many seconds on.
+if os.environ.get("BENCH_COMPLETED_RETENTION"):
+    AWA["COMPLETED_RETENTION"] = float(os.environ["BENCH_COMPLETED_RETENTION"])
