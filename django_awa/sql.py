@@ -1595,26 +1595,19 @@ WHERE id IN (
 # and read all 1,000,000 edges of benchmarks/workflows.py --plans),
 # awa_dependency_dependents_idx for their dependents'. Returns how many jobs
 # it deleted.
-PRUNE_FINISHED = """
-WITH live AS (
-    DELETE FROM ONLY awa_job WHERE id IN (
-        SELECT id FROM ONLY awa_job
+_PRUNE_BATCH = """
+    DELETE FROM ONLY {table} WHERE id IN (
+        SELECT id FROM ONLY {table}
         WHERE state = ANY(%(states)s::text[])
           AND finalized_at < now() - make_interval(secs => %(retention)s)
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     )
-    RETURNING id, state, has_dependents
+    RETURNING id, state, has_dependents"""
+PRUNE_FINISHED = f"""
+WITH live AS ({_PRUNE_BATCH.format(table="awa_job")}
 ),
-done AS (
-    DELETE FROM ONLY awa_job_done WHERE id IN (
-        SELECT id FROM ONLY awa_job_done
-        WHERE state = ANY(%(states)s::text[])
-          AND finalized_at < now() - make_interval(secs => %(retention)s)
-        LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
-    )
-    RETURNING id, state, has_dependents
+done AS ({_PRUNE_BATCH.format(table="awa_job_done")}
 ),
 gone AS (SELECT * FROM live UNION ALL SELECT * FROM done),
 edges AS (
