@@ -598,8 +598,9 @@ class Maintenance:
         """Delete finished rows past retention: completed jobs' segments whole
         (``rotate_finished``), the other rows in batches; returns how many."""
         # Segments first: the rows a dropped one keeps (others depend on them) are
-        # in awa_job_done then, pruned below with their dependents settled.
-        total = self.rotate_finished()
+        # in awa_job_done then, pruned below with their dependents settled. Its
+        # failure (logged) leaves the row-by-row pruning to go on.
+        total = self._duty("rotate_finished", self.rotate_finished) or 0
         for states, retention in (
             ([JobState.COMPLETED], self.conf.completed_retention),
             ([JobState.FAILED, JobState.CANCELLED], self.conf.failed_retention),

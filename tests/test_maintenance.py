@@ -82,6 +82,19 @@ def test_prune_deletes_finished_rows_past_retention_only(settings):
     assert ancient_failed.id not in left and old_done.id not in left
 
 
+def test_prune_goes_on_row_by_row_when_the_segments_duty_fails(settings, monkeypatch, caplog):
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
+
+    def broken(self):
+        raise RuntimeError("segments broken")
+
+    monkeypatch.setattr(Maintenance, "rotate_finished", broken)
+    old_done = make_job(state=JobState.COMPLETED, finalized_at=ago(seconds=120))
+    assert Maintenance().prune() == 1
+    assert not Job.objects.filter(id=old_done.id).exists()
+    assert "maintenance duty rotate_finished failed: segments broken" in caplog.text
+
+
 def test_prune_works_in_batches(settings, monkeypatch):
     from django_awa import maintenance
 
