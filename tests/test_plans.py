@@ -57,7 +57,9 @@ def test_a_jobs_followups_are_found_by_the_trigger_index_not_a_primary_key_walk(
 @pytest.fixture
 def old_failures_under_many_completions() -> None:
     """As in production after a bad week: FINISHED rows in awa_job_done, the failed
-    ones (queue 'broken') the oldest ids, then ANALYZE (the planner's view of them)."""
+    ones (queue 'broken') the oldest ids, the newer half of the completed ones in the
+    current segment (where a worker writes them, migration 0016), then ANALYZE (the
+    planner's view of them)."""
     with connection.cursor() as cursor:
         cursor.execute(
             """
@@ -72,7 +74,19 @@ def old_failures_under_many_completions() -> None:
             """,
             {"failed": FINISHED // 100, "total": FINISHED},
         )
+        cursor.execute(
+            """
+            WITH moved AS (
+                DELETE FROM ONLY awa_job_done WHERE state = 'completed'
+                  AND id > (SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY id)
+                            FROM awa_job_done)
+                RETURNING *
+            )
+            INSERT INTO awa_job_done_current SELECT * FROM moved
+            """
+        )
         cursor.execute("VACUUM ANALYZE awa_job_done")
+        cursor.execute("VACUUM ANALYZE awa_job_done_current")
 
 
 @pytest.mark.django_db(transaction=True)  # VACUUM: index-only scans need the visibility map
@@ -127,7 +141,8 @@ def test_a_list_page_reads_its_ids_from_an_index_not_a_primary_key_walk(
         cursor.execute("EXPLAIN " + page_ids[0])
         shown = "\n".join(row[0] for row in cursor.fetchall())
     assert any(name in shown for name in index.split("|")), shown
-    assert "awa_job_done_pkey" not in shown and "Seq Scan on awa_job_done" not in shown, shown
+    # Neither table of finished rows is walked: no primary key, no sequential scan.
+    assert not re.search(r"awa_job_done\w*_pkey|Seq Scan on awa_job_done", shown), shown
     if "error" in query:
         # The error's first line is one of the index's keys, not a filter on its rows.
         conditions = [line for line in shown.splitlines() if "Index Cond" in line]
