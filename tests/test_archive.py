@@ -548,21 +548,25 @@ def test_segments_renamed_and_dropped_under_a_running_worker_lose_no_job(start_w
     settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 1}
     worker = start_worker("--queue", "echo")
     maintenance = Maintenance()
-    enqueued = pruned = 0
-    for _ in range(1000):  # bounded: about 0.03 s a pass, 60 of them enqueueing
-        if enqueued < 3000:
+    awa.enqueue(Echo(n=-1))  # the worker is up and completing before the clock starts
+    wait_for(lambda: Job.objects.filter(state=JobState.COMPLETED).exists(), message="first job")
+    enqueued, pruned = 1, 0
+    # 50 jobs a pass for at least 3 s (three retentions), so segments of jobs
+    # finished early are past retention while the worker completes later ones.
+    for _ in range(1000):  # bounded: at least 0.05 s a pass, 60 of them enqueueing
+        if enqueued < 3001:
             with transaction.atomic():
                 awa.enqueue_many([Echo(n=n) for n in range(enqueued, enqueued + 50)])
             enqueued += 50
         pruned += maintenance.prune()
-        time.sleep(0.02)
-        if enqueued == 3000 and not Job.objects.exclude(state=JobState.COMPLETED).exists():
+        time.sleep(0.05)
+        if enqueued == 3001 and not Job.objects.exclude(state=JobState.COMPLETED).exists():
             break
     assert not Job.objects.exclude(state=JobState.COMPLETED).exists()
     assert pruned > 0  # segments went while the worker was completing others
     time.sleep(1.1)  # every job past retention now
     pruned += maintenance.prune()
-    assert pruned == 3000
+    assert pruned == 3001
     assert not Job.objects.exists()
     assert segments() == []
     assert "could not be stored" not in worker.output()
