@@ -647,24 +647,21 @@ class Maintenance:
             segments = [row[0] for row in cursor.fetchall()]
             cursor.execute(sql.CURRENT_SEGMENT_AGE)
             age = cursor.fetchone()[0]
-        dropped = sum(self._drop_segment(name, *keep) for name in segments)
-        if age is None or age < SEGMENT_SPAN * retention:
-            return dropped
         name = "awa_job_done_" + time.strftime("%Y%m%d_%H%M%S", time.gmtime())
-        if name in segments:
-            return dropped  # renamed less than a second ago
+        due = age is not None and age >= SEGMENT_SPAN * retention
+        if due and name not in segments:  # not renamed in this same second
 
-        def rotate(cursor: Any) -> bool:
-            cursor.execute(sql.ROTATE_SEGMENT.format(segment=self._quoted(name)))
-            cursor.execute(sql.NEW_CURRENT_SEGMENT)
-            return True
+            def rotate(cursor: Any) -> bool:
+                cursor.execute(sql.ROTATE_SEGMENT.format(segment=self._quoted(name)))
+                cursor.execute(sql.NEW_CURRENT_SEGMENT)
+                return True
 
-        if not self._under_segment_lock(sql.CURRENT_SEGMENT, rotate):
-            return dropped
-        logger.info("finished jobs: %s renamed %s, a new one started", sql.CURRENT_SEGMENT, name)
-        if age >= retention:  # all of it past retention already
-            dropped += self._drop_segment(name, *keep)
-        return dropped
+            if self._under_segment_lock(sql.CURRENT_SEGMENT, rotate):
+                logger.info(
+                    "finished jobs: %s renamed %s, a new one started", sql.CURRENT_SEGMENT, name
+                )
+                segments.append(name)  # dropped below if all of it is past retention
+        return sum(self._drop_segment(segment, *keep) for segment in segments)
 
     def _drop_segment(self, name: str, retention: float, failed: float) -> int:
         """Drop segment ``name`` if its newest completed row is past ``retention``,
