@@ -64,9 +64,9 @@ class job_logging:  # lower case: used as a function, ``with job_logging(job):``
         self.job = job
         self.worker = worker
 
-    def __enter__(self) -> dict[str, Any]:
+    def __enter__(self) -> None:
+        # Nothing is built here: a record's fields are read only when one is logged.
         self._token = _job.set((self.job, self.worker))
-        return log_context(self.job, self.worker)
 
     def __exit__(self, *exc_info: object) -> None:
         _job.reset(self._token)

@@ -641,12 +641,10 @@ class Producer:
         if cap is not None:
             capacity = min(capacity, cap)
         with runner.room:
-            if runner.held >= capacity and not runner.room.wait(0.5):
+            if runner.held >= capacity and not runner.wait_for_room(capacity - 1, 0.5):
                 return 0
             if busy:
-                runner.room.wait_for(
-                    lambda: capacity - runner.held >= min(most, capacity) // 2, GATHER_SECONDS
-                )
+                runner.wait_for_room(capacity - min(most, capacity) // 2, GATHER_SECONDS)
             want = max(0, min(most, capacity - runner.held))
             runner.held += want
         if runner.shared is not None and want:

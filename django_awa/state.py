@@ -230,6 +230,9 @@ class QueueRunner:
     wake: threading.Event = field(default_factory=threading.Event)  # claim now
     room: threading.Condition = field(default_factory=threading.Condition)
     held: int = 0  # claimed and not finished: running, or prefetched and waiting
+    # While the producer waits for room (``wait_for_room``): ``held`` at or below
+    # which a finished job wakes it; None while it does not wait.
+    wake_at_held: int | None = None
     run_time: float | None = None  # moving average of handler run time, seconds
     inbox_wait: float | None = None  # moving average of claim-to-start time, seconds
     start_rate: float | None = None  # attempts begun per second, in the last period measured
@@ -322,11 +325,27 @@ class QueueRunner:
             if shared and self.shared is not None:
                 self.shared.give(self.name, n)
 
+    def wait_for_room(self, held: int, timeout: float) -> bool:
+        """Wait, holding ``room``, until ``held`` is at most ``held`` or ``timeout`` seconds
+        passed; whether it got there (the producer's wait, ``Producer.reserve``).
+
+        Only the job that takes ``held`` there wakes it (``finished``), not every
+        finished job while the handlers make room for a batch, each waking it to
+        find the queue still short.
+        """
+        self.wake_at_held = held
+        try:
+            return self.room.wait_for(lambda: self.held <= held, timeout)
+        finally:
+            self.wake_at_held = None
+
     def finished(self) -> None:
         """A held job's place is free again (its handler is done, or it was given up)."""
         with self.room:
             self.held -= 1
-            self.room.notify()
+            wake_at = self.wake_at_held
+            if wake_at is not None and self.held <= wake_at:
+                self.room.notify()
         if self.shared is not None:
             self.shared.give(self.name, 1)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from django_awa.execute import Attempt
@@ -20,6 +22,46 @@ def test_quick_handlers_are_kept_two_claims_ahead_and_slow_ones_none():
     for _ in range(30):
         runner.observe(2.0)
     assert runner.prefetch(0.05, 100) == 0
+
+
+def test_the_producer_waiting_for_room_wakes_once_enough_jobs_finished():
+    # The producer waits for room for a batch, not for each place: a finished job
+    # wakes it only once the queue holds no more than it waits for.
+    runner = QueueRunner(name="q", concurrency=10)
+    runner.held = 10
+    woken = threading.Event()
+    got: list[bool] = []
+
+    def producer() -> None:
+        with runner.room:
+            got.append(runner.wait_for_room(7, timeout=30))
+        woken.set()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    try:
+        for _ in range(2):
+            runner.finished()
+        assert not woken.wait(0.2)  # 8 held: still short of the room it waits for
+        with runner.room:
+            assert runner.wake_at_held == 7
+        runner.finished()
+        assert woken.wait(10)  # woken at once, long before its 30 s timeout
+    finally:
+        with runner.room:
+            runner.held = 0
+            runner.room.notify_all()
+        thread.join(10)
+    assert got == [True]
+    assert runner.wake_at_held is None
+
+
+def test_waiting_for_room_gives_up_after_its_timeout():
+    runner = QueueRunner(name="q", concurrency=1)
+    runner.held = 1
+    with runner.room:
+        assert runner.wait_for_room(0, timeout=0.01) is False
+    assert runner.wake_at_held is None
 
 
 def test_finishing_an_attempt_leaves_a_newer_attempt_of_the_same_job_tracked():
