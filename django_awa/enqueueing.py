@@ -152,15 +152,9 @@ def prepare(
             f"expected JobArgs or awa.EnqueueRequest, got {type(args).__name__}: {args!r}"
         )
     kind = args.kind
-    where = f"job of kind {kind!r}"
-    try:
-        # What the worker will decode: refuse now what it could not.
-        encoded = encode_checked(args)
-    except ArgsDecodeError as exc:
-        raise ValidationError(f"{where}: {exc}") from exc
-    args_json = _ARGS_ENCODER.encode(encoded)
+    where = _where(kind)
     conf = awa_settings()
-    _check_size(args_json, "args", conf.max_args_bytes, "MAX_ARGS_BYTES", where)
+    encoded, args_json = _encoded_args(args, where, conf.max_args_bytes)
     defaults = registry.defaults(kind)
     queue = defaults.queue if queue is None else queue
     if not isinstance(queue, str) or not QUEUE_NAME_RE.match(queue):
@@ -202,6 +196,51 @@ def prepare(
         unique_states=unique_states,
         after=dependency_ids(after, where),
         requires=check_requires(requires, where),
+    )
+
+
+def _where(kind: str) -> str:
+    """How a ``ValidationError`` about a job of ``kind`` begins."""
+    return f"job of kind {kind!r}"
+
+
+def _encoded_args(args: JobArgs, where: str, max_bytes: int) -> tuple[dict[str, Any], str]:
+    """``args`` as the JSON object the worker will decode, and its text; ``ValidationError``
+    if it would not decode back, or its text is over ``max_bytes`` (``MAX_ARGS_BYTES``)."""
+    try:
+        # What the worker will decode: refuse now what it could not.
+        encoded = encode_checked(args)
+    except ArgsDecodeError as exc:
+        raise ValidationError(f"{where}: {exc}") from exc
+    args_json = _ARGS_ENCODER.encode(encoded)
+    _check_size(args_json, "args", max_bytes, "MAX_ARGS_BYTES", where)
+    return encoded, args_json
+
+
+def _shares_kind_part(kind: str) -> bool:
+    """Whether every job of ``kind`` given as plain args prepares to the same row but its
+    args: no unique key and no sequence key of the kind's are made from them."""
+    defaults = registry.defaults(kind)
+    return defaults.unique is None and not defaults.sequence
+
+
+def _like(first: PreparedJob, args: JobArgs, max_bytes: int) -> PreparedJob:
+    """``prepare(args)``, for plain ``args`` of the kind of ``first``, a job ``prepare``
+    made of plain args in the same call, whose kind ``_shares_kind_part``: the kind's
+    queue, priority, attempts and metadata, checked once for ``first``, with ``args``'
+    own args, checked as ``prepare`` checks them."""
+    _, args_json = _encoded_args(args, _where(first.kind), max_bytes)
+    return PreparedJob(
+        kind=first.kind,
+        queue=first.queue,
+        args=args_json,
+        priority=first.priority,
+        max_attempts=first.max_attempts,
+        run_at=None,
+        tags=[],
+        metadata=first.metadata,
+        unique_key=None,
+        unique_states=None,
     )
 
 
@@ -561,6 +600,12 @@ def enqueue_many(
     """
     alias = database_alias(using)
     prepared = []
+    # Jobs given as plain args of one class differ only in their args (unless the
+    # kind makes a unique or sequence key of them): what the kind decides (queue,
+    # priority, attempts, metadata with the enqueuing span) is checked once, for
+    # the first of them, and its job lends it to the others (``_like``).
+    firsts: dict[type[JobArgs], PreparedJob] = {}
+    max_bytes = awa_settings().max_args_bytes
     for index, item in enumerate(items):
         try:
             if isinstance(item, EnqueueRequest):
@@ -570,7 +615,16 @@ def enqueue_many(
                             f"after names a job of database {database!r}, not {alias!r}: "
                             f"a dependency must be in the same database"
                         )
-            prepared.append(prepare(item))
+                prepared.append(prepare(item))
+                continue
+            first = firsts.get(type(item))
+            if first is not None:
+                prepared.append(_like(first, item, max_bytes))
+                continue
+            job = prepare(item)
+            if _shares_kind_part(job.kind):
+                firsts[type(item)] = job
+            prepared.append(job)
         except ValidationError as exc:
             raise ValidationError(f"enqueue_many item {index}: {exc}") from exc
     if not prepared:

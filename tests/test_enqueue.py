@@ -19,7 +19,7 @@ from django_awa.kinds import registry
 from django_awa.listener import listen_params
 from django_awa.models import Job, JobState
 from django_awa.producer import claim
-from tests.testapp.jobs import Echo, Unhandled
+from tests.testapp.jobs import Echo, SequencedSpan, Unhandled
 
 pytestmark = pytest.mark.django_db
 
@@ -331,6 +331,55 @@ def test_enqueue_many_validates_everything_before_writing():
     before = Job.objects.count()
     with pytest.raises(awa.ValidationError, match="item 2"):
         awa.enqueue_many([Echo(n=1), Echo(n=2), awa.EnqueueRequest(Echo(n=3), priority=0)])
+    assert Job.objects.count() == before
+
+
+def test_enqueue_many_writes_each_plain_job_as_enqueue_would():
+    # enqueue_many checks a kind's defaults once for the jobs given as plain args
+    # of one class; each row must still be the one enqueue() writes for its item,
+    # with its own args, and a sequence key made from each job's own args.
+    items: list = [Echo(n=1, note="a"), Unhandled(x=1), Echo(n=2, tags=["t"])]
+    items += [awa.EnqueueRequest(Echo(n=3), queue="other", priority=1, metadata={"k": 1})]
+    items += [Echo(n=4), Unhandled(x=2)]
+    items += [SequencedSpan(key="a", n=1), SequencedSpan(key="b", n=2), SequencedSpan(key="a")]
+    columns = ("kind", "queue", "priority", "max_attempts", "args", "metadata", "tags", "state")
+
+    def written(ids: list[int]) -> list[tuple]:
+        rows = {job.id: job for job in Job.objects.filter(id__in=ids)}
+        return [tuple(getattr(rows[i], c) for c in columns) for i in ids]
+
+    many = written(awa.enqueue_many(items))
+    one_by_one = written([awa.enqueue(item).id for item in items])
+    assert many == one_by_one
+    assert [row[4] for row in many[:3]] == [
+        {"n": 1, "note": "a", "tags": []},
+        {"x": 1},
+        {"n": 2, "note": "", "tags": ["t"]},
+    ]
+    assert many[0][1:4] == ("echo", 2, 5)  # Echo's worker: queue echo, max_attempts 5
+    sequences = [row[5]["awa_sequence"] for row in many[-3:]]
+    assert sequences[0] == sequences[2] != sequences[1]
+
+
+def test_enqueue_many_makes_each_plain_job_its_own_unique_key_from_the_kind(monkeypatch):
+    from django_awa.kinds import KindDefaults
+
+    defaults = registry.defaults
+    unique = KindDefaults(unique=awa.Unique())
+    monkeypatch.setattr(
+        registry, "defaults", lambda kind: unique if kind == "unhandled" else defaults(kind)
+    )
+    ids = awa.enqueue_many([Unhandled(x=1), Unhandled(x=2), Unhandled(x=1)])
+    assert len(ids) == 2  # the third holds the first's key
+    keys = list(Job.objects.filter(id__in=ids).values_list("unique_key", flat=True))
+    assert None not in keys and len(set(keys)) == 2
+
+
+def test_enqueue_many_names_a_later_plain_job_whose_args_are_refused():
+    before = Job.objects.count()
+    refused = r"item 3: job of kind 'echo': .*field 'n': expected an integer, got 'three'"
+    with pytest.raises(awa.ValidationError, match=refused):
+        awa.enqueue_many([Echo(n=1), Unhandled(), Echo(n=2), Echo(n="three")])
     assert Job.objects.count() == before
 
 
