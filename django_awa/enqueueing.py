@@ -225,10 +225,10 @@ def _shares_kind_part(kind: str) -> bool:
 
 
 def _like(first: PreparedJob, args: JobArgs, max_bytes: int) -> PreparedJob:
-    """``prepare(args)``, for plain ``args`` of the kind of ``first``, a job ``prepare``
-    made of plain args in the same call, whose kind ``_shares_kind_part``: the kind's
-    queue, priority, attempts and metadata, checked once for ``first``, with ``args``'
-    own args, checked as ``prepare`` checks them."""
+    """What ``prepare(args)`` would return, given ``first``: what ``prepare`` made, in the
+    same ``enqueue_many`` call, of plain args of the same class, a kind that
+    ``_shares_kind_part``. Only ``args`` themselves are checked and encoded; the
+    rest is ``first``'s."""
     _, args_json = _encoded_args(args, _where(first.kind), max_bytes)
     return PreparedJob(
         kind=first.kind,

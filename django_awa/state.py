@@ -325,17 +325,17 @@ class QueueRunner:
             if shared and self.shared is not None:
                 self.shared.give(self.name, n)
 
-    def wait_for_room(self, held: int, timeout: float) -> bool:
-        """Wait, holding ``room``, until ``held`` is at most ``held`` or ``timeout`` seconds
-        passed; whether it got there (the producer's wait, ``Producer.reserve``).
+    def wait_for_room(self, at_most: int, timeout: float) -> bool:
+        """Wait, holding ``room``, until the queue holds at most ``at_most`` jobs or
+        ``timeout`` seconds passed; whether it got there (``Producer.reserve``).
 
         Only the job that takes ``held`` there wakes it (``finished``), not every
         finished job while the handlers make room for a batch, each waking it to
         find the queue still short.
         """
-        self.wake_at_held = held
+        self.wake_at_held = at_most
         try:
-            return self.room.wait_for(lambda: self.held <= held, timeout)
+            return self.room.wait_for(lambda: self.held <= at_most, timeout)
         finally:
             self.wake_at_held = None
 
