@@ -339,9 +339,12 @@ class System:
         if finish_dir is not None:
             env["BENCH_FINISH_DIR"] = str(finish_dir)
         group = WorkerGroup(log_path=log_path)
+        # Built before the clock starts: an adapter may probe its command first
+        # (django-awa runs `awa_worker --help` once, to see whether it has --processes).
+        commands = self.worker_commands(mode)
         group.started_at = time.perf_counter()
         group.started_wall = time.time()
-        for argv in self.worker_commands(mode):
+        for argv in commands:
             group.procs.append(
                 subprocess.Popen(
                     argv,
