@@ -219,15 +219,12 @@ class Job(models.Model):
                 name="awa_job_due_idx",
                 condition=Q(state__in=JobState.DELAYED),
             ),
-            # Rescue of stale heartbeats and passed deadlines.
+            # Rescue of stale heartbeats and of passed deadlines: the running
+            # rows are few (the fleet's concurrency at most), so both searches
+            # read them through this one index (migration 0017).
             models.Index(
                 fields=["heartbeat_at"],
                 name="awa_job_running_idx",
-                condition=Q(state=JobState.RUNNING),
-            ),
-            models.Index(
-                fields=["deadline_at"],
-                name="awa_job_deadline_idx",
                 condition=Q(state=JobState.RUNNING),
             ),
             models.Index(

@@ -1070,10 +1070,10 @@ WHERE state IN {_DELAYED} AND (%(all)s OR run_at <= now())
 # (id, run_lease) test it: FINALIZE, COMPLETE, HEARTBEAT, STILL_HELD,
 # SET_PROGRESS, MARK_STARTED. Their rows are found by primary key; the state
 # is only checked on each. Written as a plain ``j.state = 'running'`` it
-# matches the predicate of the partial indexes on running rows
-# (awa_job_deadline_idx, awa_job_running_idx), and statistics taken with no
-# job running (an ANALYZE of an idle table) value those at one row: the
-# planner then read every running row through awa_job_deadline_idx for each
+# matches the predicate of the partial index on running rows
+# (awa_job_running_idx), and statistics taken with no
+# job running (an ANALYZE of an idle table) value it at one row: the
+# planner then read every running row through such an index for each
 # batch (hash-joined, or once per attempt in a nested loop), milliseconds to
 # seconds a statement at thousands running. ``|| ''`` hides the predicate
 # from that match. It is written as "none of the other states" (the CHECK on
@@ -1486,7 +1486,8 @@ RETURNING j.queue
 # error entry names the reason. Rows locked with SKIP LOCKED so a worker
 # finishing the same job at this instant either wins (row absent) or loses
 # (its guarded UPDATE then matches nothing).
-# Indexes: awa_job_running_idx, awa_job_deadline_idx, awa_job_callback_idx.
+# Indexes: awa_job_running_idx (both searches of running rows: they are few),
+# awa_job_callback_idx.
 RESCUE = f"""
 WITH candidates AS (
     (SELECT id, 'stale_heartbeat' AS reason, 1 AS rank FROM ONLY awa_job
@@ -2144,7 +2145,7 @@ WHERE schemaname = current_schema() AND attname = %(column)s
 # with the statistics of a quiet table it scanned every running row for each
 # batch instead of looking ids up by primary key, so they are planned on each
 # run. So are HAND_ON and COMPLETE_HAND_ON (a generic plan of the latter read
-# awa_job_deadline_idx for the running rows and scanned awa_job for the next ones),
+# an index of the running rows for them and scanned awa_job for the next ones),
 # but not COMPLETE_HAND_ON_ONE, the same for one member with scalars: its plan for
 # any parameters is its plan for each (primary key, awa_job_sequence_idx), and
 # its parsing and planning took longer than its run (a saturated sequence runs

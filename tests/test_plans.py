@@ -238,10 +238,10 @@ def test_outcomes_and_heartbeats_find_their_attempts_by_primary_key_whatever_the
     running_since_an_idle_analyze: list[int], name: str
 ) -> None:
     """Statistics taken with nothing running must not lead the statements keyed by
-    attempts to read every running row (awa_job_deadline_idx, awa_job_running_idx)
-    for a batch: each attempt is one primary key lookup, at any number running."""
+    attempts to read every running row (awa_job_running_idx) for a batch: each
+    attempt is one primary key lookup, at any number running."""
     shown = "\n".join(explained(name, running_since_an_idle_analyze))
-    assert "awa_job_deadline_idx" not in shown and "awa_job_running_idx" not in shown, shown
+    assert "awa_job_running_idx" not in shown, shown
     assert re.search(r"Index Scan using awa_job_pkey on awa_job j(_\d+)? ", shown), shown
     assert "Seq Scan on awa_job" not in shown, shown
     # Nor does it compare each row it finds with every attempt of the batch.
@@ -286,3 +286,45 @@ def test_attempt_statements_planned_for_an_empty_table_read_only_their_batch_by_
                 assert any(re.search(r"\bid( \+ 0\))? = ", shown) for shown in conditions), (
                     name + "\n" + "\n".join(lines)
                 )
+
+
+def test_the_rescue_finds_passed_deadlines_among_the_running_rows_not_the_whole_table() -> None:
+    """awa_job_deadline_idx is gone (migration 0017): the rescue's search for
+    attempts past their deadline reads the running rows through
+    awa_job_running_idx, however many jobs wait, and still finds them."""
+    from django_awa import sql
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO awa_job (kind, queue, state, args, metadata, errors, tags, priority,
+                                 attempt, max_attempts, run_at, created_at, snoozed,
+                                 has_dependents, run_lease, heartbeat_at, deadline_at)
+            SELECT 'act', 'default', CASE WHEN g <= 50 THEN 'running' ELSE 'available' END,
+                   '{}', '{}', '[]', '{}', 2, 1, 25, now(), now(), false, false, 1,
+                   CASE WHEN g <= 50 THEN now() END,
+                   CASE WHEN g <= 5 THEN now() - interval '1 minute'
+                        WHEN g <= 50 THEN now() + interval '1 hour' END
+            FROM generate_series(1, %s) g
+            """,
+            [FINISHED],
+        )
+        cursor.execute("ANALYZE awa_job")
+        params = {"stale_after": 3600.0, "limit": 1000}
+        cursor.execute("EXPLAIN " + sql.RESCUE, params)
+        shown = "\n".join(row[0] for row in cursor.fetchall())
+        assert "Seq Scan on awa_job" not in shown, shown
+        assert re.search(
+            r"Index Scan using awa_job_running_idx on awa_job \w+ .*\n"
+            r"\s+Filter: \(deadline_at < now\(\)\)",
+            shown,
+        ), shown
+        cursor.execute(sql.RESCUE, params)
+        rescued = cursor.fetchall()
+        # A claim writes an entry in the primary key and in one index of running rows.
+        cursor.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'awa_job'"
+            " AND indexdef LIKE '%%WHERE ((state)::text = ''running''::text)'"
+        )
+        assert [row[0] for row in cursor.fetchall()] == ["awa_job_running_idx"]
+    assert sorted(row[0] for row in rescued) == ["deadline_exceeded"] * 5
