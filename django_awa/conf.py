@@ -64,6 +64,8 @@ DEFAULTS: dict[str, Any] = {
     "PREPARED_STATEMENTS": True,
     # Where autovacuum will not visit awa_job, the maintenance leader vacuums it.
     "VACUUM_WITHOUT_AUTOVACUUM": True,
+    # The maintenance leader rebuilds an index of awa_job that outgrew its rows.
+    "REINDEX_BLOATED": True,
     # "" (or absent): the DATABASE alias. None: no direct session (poll, per-tick lock).
     "DIRECT_DATABASE": "",
     # A cap on handler threads shared by all of a process's queues (weighted by
@@ -131,6 +133,12 @@ DESCRIPTIONS: dict[str, str] = {
         "Where autovacuum will not visit `awa_job` (off for the server or the table), the "
         "maintenance leader runs `VACUUM awa_job` itself once its dead row versions pass "
         "autovacuum's threshold for it; `False` leaves them to you."
+    ),
+    "REINDEX_BLOATED": (
+        "Every 10 minutes the maintenance leader rebuilds (`REINDEX INDEX CONCURRENTLY`, "
+        "in a thread of its own) an index of `awa_job` larger than 32 MB and than four "
+        "times what its live rows need, as a drained backlog of millions of jobs leaves "
+        "them; `False` leaves them to you."
     ),
     "DIRECT_DATABASE": (
         "An alias reaching PostgreSQL directly (not through a transaction-mode pooler), for "
@@ -231,6 +239,7 @@ class AwaSettings:
     max_metadata_bytes: int
     prepared_statements: bool
     vacuum_without_autovacuum: bool
+    reindex_bloated: bool
     direct_database: str | None
     worker_concurrency: int | None = None
 
@@ -355,7 +364,7 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
             value = raw[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 found.append((key, f"AWA[{key!r}] must be a positive integer, got {value!r}"))
-    for key in ("PREPARED_STATEMENTS", "VACUUM_WITHOUT_AUTOVACUUM"):
+    for key in ("PREPARED_STATEMENTS", "VACUUM_WITHOUT_AUTOVACUUM", "REINDEX_BLOATED"):
         if key in raw and not isinstance(raw[key], bool):
             found.append((key, f"AWA[{key!r}] must be True or False"))
     if "QUEUES" in raw:
@@ -507,6 +516,7 @@ def awa_settings() -> AwaSettings:
         max_metadata_bytes=merged["MAX_METADATA_BYTES"],
         prepared_statements=merged["PREPARED_STATEMENTS"],
         vacuum_without_autovacuum=merged["VACUUM_WITHOUT_AUTOVACUUM"],
+        reindex_bloated=merged["REINDEX_BLOATED"],
         direct_database=(
             merged["DATABASE"] if merged["DIRECT_DATABASE"] == "" else merged["DIRECT_DATABASE"]
         ),

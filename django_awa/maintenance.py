@@ -4,13 +4,16 @@ Duties: promote due scheduled and retryable jobs and move finished rows into
 ``awa_job_done`` (every tick), and every ``MAINTENANCE_INTERVAL``: rescue
 stale, overdue and timed-out jobs, insert pending follow-ups, age priorities,
 fire periodic jobs, forget dead workers, count jobs for the metrics, roll up
-the dashboard's outcome counts, prune finished rows.
+the dashboard's outcome counts, prune finished rows, and every ten minutes
+rebuild ``awa_job``'s indexes a drained backlog left large.
 Each duty is a method tests can call directly; ``run_once()`` runs them all.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -65,6 +68,19 @@ ARCHIVE_ROUNDS = 20
 # resolved inside a long transaction).
 ARCHIVE_MARGIN = 60.0
 ARCHIVE_SWEEP_EVERY = 60.0
+# awa_job's indexes are checked every REINDEX_EVERY seconds (Maintenance.reindex),
+# and one is rebuilt once it is larger than REINDEX_MIN_BYTES and than
+# REINDEX_FACTOR times what the table's live rows need at REINDEX_ENTRY_BYTES
+# an entry (more than any of them takes: the widest key, the dead-letter
+# index's first line of an error, is at most 200 characters, and few rows have one).
+REINDEX_EVERY = 600.0
+REINDEX_MIN_BYTES = 32 * 2**20
+REINDEX_ENTRY_BYTES = 100
+REINDEX_FACTOR = 4
+# The names REINDEX ... CONCURRENTLY gives the index it builds and the one it
+# retires: one stopped midway (its connection lost, the server restarted)
+# leaves such an index behind, invalid.
+REINDEX_LEFTOVER = re.compile(r".+_cc(?:new|old)\d*")
 
 
 class LeadershipLost(Exception):
@@ -97,6 +113,8 @@ class Maintenance:
         self._last_prune = 0.0
         self._archived_since: datetime | None = None  # see archive()
         self._last_sweep = 0.0
+        self._last_reindex = float("-inf")
+        self._reindexing: threading.Thread | None = None  # see reindex()
 
     # -- leadership --------------------------------------------------------------
 
@@ -232,6 +250,9 @@ class Maintenance:
             self._duty("count_jobs", self.count_jobs)
             if self.conf.vacuum_without_autovacuum:
                 self._duty("vacuum", self.vacuum)
+            if self.conf.reindex_bloated and now - self._last_reindex >= REINDEX_EVERY:
+                self._last_reindex = now
+                self._duty("reindex", lambda: self.reindex(wait=False))
             self._duty("roll_up_stats", self.roll_up_stats)
             self._duty("prune_attempt_starts", self.prune_attempt_starts)
             woken |= self._duty("restore_parked", self.restore_parked) or set()
@@ -276,6 +297,8 @@ class Maintenance:
         self.prune_attempt_starts()
         self.restore_parked()
         self.settle_orphans()
+        if self.conf.reindex_bloated:
+            self.reindex()
 
     # -- duties ------------------------------------------------------------------------
 
@@ -514,6 +537,91 @@ class Maintenance:
             dead, time.monotonic() - started,
         )  # fmt: skip
         return True
+
+    def reindex(self, *, wait: bool = True) -> list[str]:
+        """Rebuild the indexes of ``awa_job`` that grew far past its rows; returns their names.
+
+        A backlog of millions of jobs, once drained, leaves ``awa_job``'s
+        indexes as large as they grew: VACUUM frees their pages for reuse but
+        never gives them back, and every VACUUM of the table (autovacuum's, or
+        the leader's) reads each index whole. After 5,000,000 jobs had gone
+        through ``awa_job`` (``benchmarks/growth.py``'s table), it held 1.2 GB
+        of indexes and no row, and a VACUUM after 20,000 more jobs took 0.12 to
+        0.27 s, against 0.003 to 0.011 s with the indexes rebuilt.
+
+        An index larger than ``REINDEX_MIN_BYTES`` and than ``REINDEX_FACTOR``
+        times what the live rows need is rebuilt with ``REINDEX INDEX
+        CONCURRENTLY``, which blocks no read or write of the table. An invalid
+        index such a rebuild stopped midway left behind (``<name>_ccnew`` or
+        ``_ccold``) is dropped first, with ``DROP INDEX CONCURRENTLY``: inserts
+        would go on writing into it. Both wait for the transactions that began
+        before them: with ``wait`` False (the leader's tick) they run in a
+        thread of their own, on its own connection, so a long transaction
+        elsewhere holds up no other duty, and a check finds nothing to do while
+        that thread runs; with ``wait``, here, raising what the server raised.
+        Nothing inside a transaction (a tick called in ``atomic()``), where
+        neither statement can run. ``AWA["REINDEX_BLOATED"] = False`` turns
+        the check off.
+        """
+        if connections[self.alias].in_atomic_block:
+            return []
+        if self._reindexing is not None and self._reindexing.is_alive():
+            return []
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(sql.JOB_INDEXES)
+            indexes = cursor.fetchall()
+        leftovers = [
+            name for name, valid, _, _ in indexes if not valid and REINDEX_LEFTOVER.fullmatch(name)
+        ]
+        bloated = [
+            name
+            for name, valid, size, live in indexes
+            if valid and size > max(REINDEX_MIN_BYTES, REINDEX_FACTOR * REINDEX_ENTRY_BYTES * live)
+        ]
+        if not leftovers and not bloated:
+            return []
+        quote = connections[self.alias].ops.quote_name
+        statements = [f"DROP INDEX CONCURRENTLY IF EXISTS {quote(n)}" for n in leftovers]
+        statements += [f"REINDEX INDEX CONCURRENTLY {quote(n)}" for n in bloated]
+        sizes = {name: size for name, _, size, _ in indexes}
+        logger.info(
+            "rebuilding awa_job's indexes that outgrew its %d live rows: %s%s",
+            indexes[0][3],
+            ", ".join(f"{n} ({sizes[n] / 2**20:.0f} MB)" for n in bloated) or "none",
+            f"; dropping what an interrupted rebuild left: {', '.join(leftovers)}"
+            if leftovers
+            else "",
+        )
+        if wait:
+            self._rebuild(statements)
+        else:
+            self._reindexing = threading.Thread(
+                target=self._rebuild_in_thread, args=(statements,), name="awa-reindex", daemon=True
+            )
+            self._reindexing.start()
+        return leftovers + bloated
+
+    def _rebuild(self, statements: list[str]) -> None:
+        started = time.monotonic()
+        with connections[self.alias].cursor() as cursor:
+            for statement in statements:
+                cursor.execute(statement)
+        logger.info("awa_job's indexes rebuilt in %.1fs", time.monotonic() - started)
+
+    def _rebuild_in_thread(self, statements: list[str]) -> None:
+        try:
+            self._rebuild(statements)
+        except DatabaseError as exc:  # a lost connection, a cancel: the next check goes on
+            logger.warning(
+                "rebuilding awa_job's indexes stopped: %s; the next check, in %.0f minutes, "
+                "drops what it left and tries again",
+                exc,
+                REINDEX_EVERY / 60,
+            )
+        except Exception as exc:
+            logger.exception("rebuilding awa_job's indexes failed: %s", exc)
+        finally:
+            connections.close_all()  # this thread's own
 
     def roll_up_stats(self) -> int:
         """Fold the outcome counts workers flushed into the dashboard's per-minute rollup,

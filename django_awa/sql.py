@@ -1778,6 +1778,21 @@ WHERE c.oid = 'awa_job'::regclass
 VACUUM_JOBS = "VACUUM (SKIP_LOCKED, TRUNCATE false) awa_job"
 VACUUM_ONLY_JOBS = "VACUUM (SKIP_LOCKED, TRUNCATE false) ONLY awa_job"
 
+# -- JOB_INDEXES --
+# awa_job's indexes for Maintenance.reindex: each one's name, whether it is
+# valid, its size in bytes, and the table's live rows (the statistics' count,
+# or the last VACUUM's or ANALYZE's estimate if that is larger). Reads only the
+# catalogs; pg_relation_size is a stat() of the index's files.
+JOB_INDEXES = """
+SELECT c.relname, i.indisvalid, pg_relation_size(c.oid),
+       (SELECT greatest(coalesce(s.n_live_tup, 0), t.reltuples::bigint, 0)
+        FROM pg_class AS t LEFT JOIN pg_stat_user_tables AS s ON s.relid = t.oid
+        WHERE t.oid = i.indrelid)
+FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE i.indrelid = 'awa_job'::regclass
+ORDER BY c.relname
+"""
+
 # -- SERVER_CONNECTIONS --
 # What the server lets this login open, read by the worker at start-up and by
 # the system check awa.W101: max_connections and the slots it keeps back

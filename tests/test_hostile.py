@@ -473,6 +473,7 @@ GOOD: dict[str, list[Any]] = {
     "MAX_ARGS_BYTES": [1, 10**6],
     "MAX_METADATA_BYTES": [1, 65536],
     "PREPARED_STATEMENTS": [True, False],
+    "REINDEX_BLOATED": [True, False],
 }
 BAD_DURATION = [
     0,
@@ -521,6 +522,7 @@ BAD: dict[str, list[Any]] = {
     "MAX_ARGS_BYTES": [0, -1, 1.5, "10", False, None],
     "MAX_METADATA_BYTES": [0, -1, 1.5, "10", False, None],
     "PREPARED_STATEMENTS": [1, 0, "yes", None],
+    "REINDEX_BLOATED": [1, "no", None],
 }
 
 

@@ -562,6 +562,114 @@ def test_the_leader_vacuums_awa_job_when_autovacuum_will_not(settings, caplog):
             cursor.execute("ALTER TABLE awa_job RESET (autovacuum_enabled)")
 
 
+def job_indexes() -> dict[str, tuple[str, bool, int]]:
+    """awa_job's indexes: name -> (definition, valid, size in bytes)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relname, pg_get_indexdef(c.oid), i.indisvalid, pg_relation_size(c.oid) "
+            "FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid "
+            "WHERE i.indrelid = 'awa_job'::regclass"
+        )
+        return {name: (definition, valid, size) for name, definition, valid, size in cursor}
+
+
+def backlog(rows: int, *, drained: bool) -> None:
+    """``rows`` available jobs in awa_job; with ``drained``, deleted again and the table
+    vacuumed, as a backlog leaves it once worked off: its indexes as large as they grew."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO awa_job (kind, queue, args) SELECT 'act', 'default', '{}' "
+            "FROM generate_series(1, %s)",
+            [rows],
+        )
+        if drained:
+            cursor.execute("DELETE FROM ONLY awa_job WHERE kind = 'act'")
+        cursor.execute("VACUUM ANALYZE awa_job")
+
+
+@pytest.fixture
+def small_reindex_threshold(monkeypatch):
+    """An index counts as large from 256 kB (32 MB in production), so a backlog of
+    tens of thousands of jobs stands for one of millions."""
+    monkeypatch.setattr("django_awa.maintenance.REINDEX_MIN_BYTES", 256 * 1024)
+
+
+@pytest.mark.django_db(transaction=True)  # REINDEX CONCURRENTLY cannot run in a transaction
+def test_the_leader_rebuilds_the_indexes_a_drained_backlog_left_large(small_reindex_threshold):
+    backlog(30_000, drained=True)
+    before = job_indexes()
+    large = {name for name, (_, _, size) in before.items() if size > 256 * 1024}
+    assert {"awa_job_pkey", "awa_job_claim_idx"} <= large
+    job = make_job()  # a live job goes on being found through them
+
+    assert sorted(Maintenance().reindex()) == sorted(large)
+
+    after = job_indexes()
+    # The same indexes, each valid and as defined, rebuilt small.
+    assert {name: (d, v) for name, (d, v, _) in after.items()} == {
+        name: (d, True) for name, (d, _, _) in before.items()
+    }
+    assert all(after[name][2] < 64 * 1024 for name in large), after
+    assert Job.objects.get(id=job.id).state == JobState.AVAILABLE
+    assert [j.id for j in claim("default", 5, "default")] == [job.id]
+    assert Maintenance().reindex() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_indexes_as_large_as_their_live_rows_need_are_left_alone(small_reindex_threshold):
+    backlog(30_000, drained=False)  # a backlog still waiting: its indexes are its size
+    assert job_indexes()["awa_job_claim_idx"][2] > 256 * 1024
+    assert Maintenance().reindex() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reindex_drops_the_invalid_index_an_interrupted_rebuild_left(small_reindex_threshold):
+    """A REINDEX CONCURRENTLY stopped midway leaves <name>_ccnew behind, invalid, and
+    every insert goes on writing into it. Made here as a failed build leaves one."""
+    make_job(kind="act")
+    make_job(kind="act")
+    with connection.cursor() as cursor:
+        for name in ("awa_job_claim_idx_ccnew", "someone_elses_idx"):
+            with pytest.raises(IntegrityError):
+                cursor.execute(f"CREATE UNIQUE INDEX CONCURRENTLY {name} ON awa_job (kind)")
+    assert job_indexes()["awa_job_claim_idx_ccnew"][1] is False
+
+    assert Maintenance().reindex() == ["awa_job_claim_idx_ccnew"]
+
+    left = job_indexes()
+    assert "awa_job_claim_idx_ccnew" not in left
+    assert left["someone_elses_idx"][1] is False  # not the engine's to drop
+    with connection.cursor() as cursor:
+        cursor.execute("DROP INDEX someone_elses_idx")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_leaders_tick_rebuilds_in_a_thread_of_its_own_every_ten_minutes(
+    small_reindex_threshold, settings
+):
+    backlog(30_000, drained=True)
+    settings.AWA = {**settings.AWA, "REINDEX_BLOATED": False}
+    off = Maintenance()
+    off.tick()
+    assert off._reindexing is None
+    assert job_indexes()["awa_job_pkey"][2] > 256 * 1024
+
+    settings.AWA = {**settings.AWA, "REINDEX_BLOATED": True}
+    leader = Maintenance()
+    leader.tick()
+    rebuilding = leader._reindexing
+    assert rebuilding is not None and rebuilding.name == "awa-reindex"
+    rebuilding.join(timeout=60)
+    assert not rebuilding.is_alive()
+    assert job_indexes()["awa_job_pkey"][2] < 64 * 1024
+
+    backlog(30_000, drained=True)
+    leader._last_full = 0.0  # the tick's other duties are due again; the check is not
+    leader.tick()
+    assert leader._reindexing is rebuilding
+    assert job_indexes()["awa_job_pkey"][2] > 256 * 1024
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_leader_leaves_awa_job_to_autovacuum_when_it_is_on():
     with connection.cursor() as cursor:
