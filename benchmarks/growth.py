@@ -9,7 +9,10 @@ finished jobs (completed, failed and cancelled, with the columns django-awa
 leaves on them), then VACUUM ANALYZE. By default (``--fill lifecycle``) they
 go in as the engine writes them: enqueued as available rows, then claimed
 and finished 100 per transaction, so they lie in the pages as a real queue's
-do; ``--fill direct`` inserts them finished in one INSERT ... SELECT.
+do; ``--fill direct`` inserts them finished in one INSERT ... SELECT. Then
+they are moved into ``awa_job_done``, and the indexes of ``awa_job`` they
+left large are rebuilt, as a worker's maintenance does (``archive()``, then
+``reindex()``, which its leader runs every ten minutes).
 Each repeat measures, on the empty table and on the full one in turn:
 
   drain  enqueue --jobs no-op jobs (awa.enqueue_many, batches of --batch),
@@ -424,15 +427,21 @@ def child_claim(n: int, limit: int, explain: int) -> None:
 
 
 def child_archive() -> None:
-    """Move the filled finished rows into awa_job_done, as a worker's maintenance does."""
+    """Move the filled finished rows into awa_job_done, as a worker's maintenance does,
+    then rebuild the awa_job indexes they left large, as its leader does within ten
+    minutes (Maintenance.reindex)."""
     django_setup()
+    from django.db import connection
+
     from django_awa.maintenance import Maintenance
 
     maintenance = Maintenance()
     moved = 0
     while batch := maintenance.archive():
         moved += batch
-    emit(moved=moved)
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM awa_job")
+    emit(moved=moved, rebuilt=maintenance.reindex())
 
 
 def child_main(argv: list[str]) -> None:
@@ -929,8 +938,11 @@ def main(argv: list[str]) -> int:
         # A worker's maintenance moves finished rows into awa_job_done within
         # a tick of their outcome; a table that has run for a while has them there.
         progress.step("move the finished rows into awa_job_done (as maintenance does)")
-        moved = run_child(script, cases["full"].dbname, "archive", timeout=3600)["moved"]
-        progress.note(f"moved {moved:,} finished rows into awa_job_done")
+        archived = run_child(script, cases["full"].dbname, "archive", timeout=3600)
+        progress.note(
+            f"moved {archived['moved']:,} finished rows into awa_job_done; rebuilt the "
+            f"indexes of awa_job they left large: {', '.join(archived['rebuilt']) or 'none'}"
+        )
         for case in cases.values():
             case.reset()
             sizes[case.key] = case.sizes()
