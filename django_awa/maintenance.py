@@ -78,9 +78,9 @@ REINDEX_MIN_BYTES = 32 * 2**20
 REINDEX_ENTRY_BYTES = 100
 REINDEX_FACTOR = 4
 # The names REINDEX ... CONCURRENTLY gives the index it builds and the one it
-# retires: one stopped midway (its connection lost, the server restarted)
-# leaves such an index behind, invalid.
-REINDEX_LEFTOVER = re.compile(r".+_cc(?:new|old)\d*")
+# retires, after the index's own: one stopped midway (its connection lost,
+# the server restarted) leaves such an index behind, invalid.
+REINDEX_LEFTOVER = re.compile(r"(.+)_cc(?:new|old)\d*")
 
 
 class LeadershipLost(Exception):
@@ -570,8 +570,13 @@ class Maintenance:
         with connections[self.alias].cursor() as cursor:
             cursor.execute(sql.JOB_INDEXES)
             indexes = cursor.fetchall()
+        names = {name for name, _, _, _ in indexes}
         leftovers = [
-            name for name, valid, _, _ in indexes if not valid and REINDEX_LEFTOVER.fullmatch(name)
+            name
+            for name, valid, _, _ in indexes
+            if not valid
+            and (rebuilt := REINDEX_LEFTOVER.fullmatch(name))
+            and rebuilt.group(1) in names
         ]
         bloated = [
             name
