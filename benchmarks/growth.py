@@ -439,6 +439,9 @@ def child_archive() -> None:
     moved = 0
     while batch := maintenance.archive():
         moved += batch
+    # reindex() weighs the indexes against the larger of the statistics' live rows
+    # and the last VACUUM's count, which is the fill's 5,000,000 until a VACUUM
+    # counts them gone (in a worker, the leader's or autovacuum's during the drain).
     with connection.cursor() as cursor:
         cursor.execute("VACUUM awa_job")
     emit(moved=moved, rebuilt=maintenance.reindex())

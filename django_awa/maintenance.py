@@ -591,7 +591,7 @@ class Maintenance:
         sizes = {name: size for name, _, size, _ in indexes}
         logger.info(
             "rebuilding awa_job's indexes that outgrew its %d live rows: %s%s",
-            indexes[0][3],
+            indexes[0][3],  # the same on every row
             ", ".join(f"{n} ({sizes[n] / 2**20:.0f} MB)" for n in bloated) or "none",
             f"; dropping what an interrupted rebuild left: {', '.join(leftovers)}"
             if leftovers

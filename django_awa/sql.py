@@ -1784,11 +1784,11 @@ VACUUM_ONLY_JOBS = "VACUUM (SKIP_LOCKED, TRUNCATE false) ONLY awa_job"
 # or the last VACUUM's or ANALYZE's estimate if that is larger). Reads only the
 # catalogs; pg_relation_size is a stat() of the index's files.
 JOB_INDEXES = """
-SELECT c.relname, i.indisvalid, pg_relation_size(c.oid),
-       (SELECT greatest(coalesce(s.n_live_tup, 0), t.reltuples::bigint, 0)
-        FROM pg_class AS t LEFT JOIN pg_stat_user_tables AS s ON s.relid = t.oid
-        WHERE t.oid = i.indrelid)
+SELECT c.relname, i.indisvalid, pg_relation_size(c.oid), live.n
 FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+CROSS JOIN (SELECT greatest(coalesce(s.n_live_tup, 0), t.reltuples::bigint, 0) AS n
+            FROM pg_class AS t LEFT JOIN pg_stat_user_tables AS s ON s.relid = t.oid
+            WHERE t.oid = 'awa_job'::regclass) AS live
 WHERE i.indrelid = 'awa_job'::regclass
 ORDER BY c.relname
 """
