@@ -117,18 +117,32 @@ def _write(
     if not results:
         return []
     by_id = {r.job.id: r for r in results}
+    leased = _holds_leases(results)
     if all(
         r.state == JobState.COMPLETED and r.progress is None and r.result is None for r in results
     ):
-        if rows:
-            statement = sql.COMPLETE_RETURNING_ROWS
+        if len(results) == 1 and not leased:
+            # An atomic handler's outcome, or a batch of one: the prepared form.
+            (only,) = results
+            if rows:
+                statement = sql.COMPLETE_ONE_RETURNING_ROWS
+            else:
+                statement = sql.COMPLETE_ONE_STANDALONE if standalone else sql.COMPLETE_ONE
+            params: dict[str, Any] = {
+                "id": only.job.id,
+                "run_lease": only.job.run_lease,
+                "started_ago": only.started_ago(),
+            }
         else:
-            statement = sql.COMPLETE_STANDALONE if standalone else sql.COMPLETE
-        params: dict[str, Any] = {
-            "id": db.int_array(r.job.id for r in results),
-            "run_lease": db.int_array(r.job.run_lease for r in results),
-            "started_ago": _started_ago(results),
-        }
+            if rows:
+                statement = sql.COMPLETE_RETURNING_ROWS
+            else:
+                statement = sql.COMPLETE_STANDALONE if standalone else sql.COMPLETE
+            params = {
+                "id": db.int_array(r.job.id for r in results),
+                "run_lease": db.int_array(r.job.run_lease for r in results),
+                "started_ago": _started_ago(results),
+            }
     else:
         if rows:
             statement = sql.FINALIZE_RETURNING_ROWS
@@ -136,7 +150,7 @@ def _write(
             statement = sql.FINALIZE_STANDALONE if standalone else sql.FINALIZE
         now = time.monotonic()
         params = db.as_columns([result.params(now) for result in results])
-    if _holds_leases(results):
+    if leased:
         statement = sql.RELEASING[statement]
     with db.cursor(alias) as cursor:
         cursor.execute(statement, params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -168,3 +169,24 @@ def make_job(**fields: Any) -> Job:
 def due_job(**fields: Any) -> Job:
     """An available job due a second ago: in a test's transaction, now() is when it began."""
     return make_job(run_at=timezone.now() - dt.timedelta(seconds=1), **fields)
+
+
+def generic_plan(statement: str, params: dict[str, Any]) -> str:
+    """``EXPLAIN`` of ``statement`` prepared and planned for any parameters (the plan
+    PostgreSQL may keep for a prepared statement after its fifth run)."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    text = statement
+    for number, name in enumerate(names, 1):
+        text = text.replace(f"%({name})s", f"${number}")
+    with connection.cursor() as cursor:
+        cursor.execute("SET plan_cache_mode = force_generic_plan")
+        try:
+            cursor.execute("PREPARE awa_generic AS " + text)
+            cursor.execute(
+                f"EXPLAIN EXECUTE awa_generic({', '.join(['%s'] * len(names))})",
+                [params[name] for name in names],
+            )
+            return "\n".join(row[0] for row in cursor.fetchall())
+        finally:
+            cursor.execute("DEALLOCATE awa_generic")
+            cursor.execute("RESET plan_cache_mode")

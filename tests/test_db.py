@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import datetime as dt
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -140,8 +141,16 @@ def test_an_execute_wrapper_sees_claim_finalize_and_heartbeat():
 
     with recording() as seen:
         assert len(finalize([completed(job)], "default")) == 1
-    assert ours(seen) in ([sql.COMPLETE_STANDALONE], [sql.COMPLETE_RETURNING_ROWS])
+    # One completion: the prepared form for one.
+    assert ours(seen) in ([sql.COMPLETE_ONE_STANDALONE], [sql.COMPLETE_ONE_RETURNING_ROWS])
     assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+
+    # A batch: the form with arrays.
+    awa.enqueue_many([Echo(n=2), Echo(n=3)])
+    pair = claim("echo", 10, "default")
+    with recording() as seen:
+        assert len(finalize([completed(j) for j in pair], "default")) == 2
+    assert ours(seen) in ([sql.COMPLETE_STANDALONE], [sql.COMPLETE_RETURNING_ROWS])
 
 
 @pytest.mark.django_db
@@ -152,7 +161,7 @@ def test_an_execute_wrapper_sees_a_finalize_that_reports_locked_rows():
     with recording() as seen:
         assert finalize([completed(stale)], "default") == []
     assert ours(seen)[1:] == [sql.STILL_HELD]
-    assert ours(seen)[0] in (sql.COMPLETE_STANDALONE, sql.COMPLETE_RETURNING_ROWS)
+    assert ours(seen)[0] in (sql.COMPLETE_ONE_STANDALONE, sql.COMPLETE_ONE_RETURNING_ROWS)
 
 
 # -- what counts queries --------------------------------------------------------------
@@ -315,3 +324,55 @@ def test_every_statement_is_a_named_constant_of_sql_py():
             ):
                 found.append(f"{relative}:{node.lineno}")
     assert not found, f"SQL text outside sql.py: {found}"
+
+
+# -- one completion, prepared ------------------------------------------------------
+
+
+def _as_sent(statement: str) -> str:
+    """``statement`` as psycopg sends it to be prepared: ``$n`` for each ``%(name)s``."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    for number, name in enumerate(names, 1):
+        statement = statement.replace(f"%({name})s", f"${number}")
+    return statement
+
+
+def _prepared_completions() -> list[tuple[int, int]]:
+    """(generic_plans, custom_plans) of this session's prepared one-completion statements."""
+    forms = [sql.COMPLETE_ONE, sql.COMPLETE_ONE_STANDALONE, sql.COMPLETE_ONE_RETURNING_ROWS]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement = ANY(%s)",
+            [[_as_sent(form) for form in forms]],
+        )
+        return cursor.fetchall()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_completions_written_one_at_a_time_reuse_one_prepared_statement():
+    # A worker whose jobs finish one at a time writes each outcome alone (a
+    # completer's batch of one, an atomic handler's own transaction): parsed and
+    # planned once, not for every job, and each job ends as a batch would leave it.
+    ids = awa.enqueue_many([Echo(n=i) for i in range(7)])
+    for job in claim("echo", 10, "default"):
+        assert [r.job.id for r in finalize([completed(job)], "default")] == [job.id]
+    assert sum(generic + custom for generic, custom in _prepared_completions()) == 7
+    done = Job.objects.filter(id__in=ids)
+    assert sorted(done.values_list("id", flat=True)) == sorted(ids)
+    assert set(done.values_list("state", flat=True)) == {JobState.COMPLETED}
+    assert not done.filter(finalized_at=None).exists()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM ONLY awa_job_done_current WHERE id = ANY(%s)", [ids])
+        assert cursor.fetchone()[0] == 7  # moved, as COMPLETE moves them
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_completion_is_not_prepared_where_prepared_statements_are_off(settings: Any):
+    # Behind a pooler that cannot keep prepared statements: written all the same.
+    settings.AWA = {**settings.AWA, "PREPARED_STATEMENTS": False}
+    awa.enqueue(Echo(n=1))
+    (job,) = claim("echo", 10, "default")
+    assert len(finalize([completed(job)], "default")) == 1
+    assert _prepared_completions() == []
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED

@@ -46,7 +46,7 @@ from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, LimitLease
 from django_awa.sequences import HandOn
 from django_awa.state import SharedConcurrency, WorkerState
-from tests.conftest import WorkerProcess, wait_for
+from tests.conftest import WorkerProcess, generic_plan, wait_for
 from tests.testapp.jobs import (
     CappedSpan,
     KeyedSpan,
@@ -868,27 +868,6 @@ def test_a_batch_of_completions_hands_each_of_its_sequences_on() -> None:
     assert _parked(rows[a[2]]) and _parked(rows[b[2]])
 
 
-def _generic_plan(statement: str, params: dict[str, Any]) -> str:
-    """``EXPLAIN`` of ``statement`` prepared and planned for any parameters (the plan
-    PostgreSQL may keep for a prepared statement after its fifth run)."""
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
-    text = statement
-    for number, name in enumerate(names, 1):
-        text = text.replace(f"%({name})s", f"${number}")
-    with connection.cursor() as cursor:
-        cursor.execute("SET plan_cache_mode = force_generic_plan")
-        try:
-            cursor.execute("PREPARE awa_generic AS " + text)
-            cursor.execute(
-                f"EXPLAIN EXECUTE awa_generic({', '.join(['%s'] * len(names))})",
-                [params[name] for name in names],
-            )
-            return "\n".join(row[0] for row in cursor.fetchall())
-        finally:
-            cursor.execute("DEALLOCATE awa_generic")
-            cursor.execute("RESET plan_cache_mode")
-
-
 @pytest.mark.django_db(transaction=True)
 def test_the_prepared_hand_on_of_one_member_keeps_its_index_plan_when_planned_generically(
     settings,
@@ -907,7 +886,7 @@ def test_the_prepared_hand_on_of_one_member_keeps_its_index_plan_when_planned_ge
         cursor.execute("ANALYZE awa_job")
     ids = awa.enqueue_many([SequencedSpan(key="p", n=i) for i in range(8)])
     (head,) = producer.claim_sequenced("seq", 10, "default")
-    plan = _generic_plan(
+    plan = generic_plan(
         sql.COMPLETE_HAND_ON_ONE,
         {
             "id": head.id,

@@ -328,3 +328,28 @@ def test_the_rescue_finds_passed_deadlines_among_the_running_rows_not_the_whole_
         )
         assert [row[0] for row in cursor.fetchall()] == ["awa_job_running_idx"]
     assert sorted(row[0] for row in rescued) == ["deadline_exceeded"] * 5
+
+
+ONE_COMPLETION_STATEMENTS = [
+    "COMPLETE_ONE",
+    "COMPLETE_ONE_STANDALONE",
+    "COMPLETE_ONE_RETURNING_ROWS",
+]
+
+
+@pytest.mark.parametrize("name", ONE_COMPLETION_STATEMENTS)
+def test_the_prepared_completion_of_one_attempt_reads_it_by_primary_key_when_planned_generically(
+    running_since_an_idle_analyze: list[int], name: str
+) -> None:
+    """An atomic handler's outcome and a batch of one are written with a prepared
+    statement, which PostgreSQL may plan once for any parameters after its fifth
+    run: that plan must still find the one row by primary key, with statistics that
+    say nothing is running, never read the running rows or the table."""
+    from django_awa import sql
+    from tests.conftest import generic_plan
+
+    params = {"id": running_since_an_idle_analyze[0], "run_lease": 1, "started_ago": 0.01}
+    shown = generic_plan(getattr(sql, name), params)
+    assert "awa_job_running_idx" not in shown, shown
+    assert re.search(r"Index Scan using awa_job_pkey on awa_job j(_\d+)? ", shown), shown
+    assert "Seq Scan on awa_job" not in shown, shown
