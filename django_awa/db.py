@@ -12,6 +12,7 @@ connection, in its current transaction, by one of three routes:
   itself.
 * **``cursor(alias)``**, a psycopg cursor on the same connection: the
   statements run per job and per batch: CLAIM (claim.py); FINALIZE, COMPLETE
+  (and their prepared forms for one outcome, FINALIZE_ONE and COMPLETE_ONE)
   and STILL_HELD (finalize.py); HEARTBEAT; SET_PROGRESS (execute.py); an
   enqueue inside a transaction (INSERT_ONE, INSERT_ONE_UNIQUE,
   FIND_UNIQUE_HOLDER); enqueue_many's RESERVE_IDS, COPY_AVAILABLE(_UNNUMBERED),

@@ -122,7 +122,7 @@ def _write(
         r.state == JobState.COMPLETED and r.progress is None and r.result is None for r in results
     ):
         if len(results) == 1 and not leased:
-            # An atomic handler's outcome, or a batch of one: the prepared form.
+            # An atomic handler's outcome, or a batch of one: prepared.
             (only,) = results
             if rows:
                 statement = sql.COMPLETE_ONE_RETURNING_ROWS
@@ -143,6 +143,13 @@ def _write(
                 "run_lease": db.int_array(r.job.run_lease for r in results),
                 "started_ago": _started_ago(results),
             }
+    elif len(results) == 1 and not leased:
+        # One outcome of another kind (a retry, a failure, a result): prepared.
+        if rows:
+            statement = sql.FINALIZE_ONE_RETURNING_ROWS
+        else:
+            statement = sql.FINALIZE_ONE_STANDALONE if standalone else sql.FINALIZE_ONE
+        params = results[0].params()
     else:
         if rows:
             statement = sql.FINALIZE_RETURNING_ROWS

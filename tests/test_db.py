@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import datetime as dt
+import itertools
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -26,7 +27,7 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa import db, sql
 from django_awa.enqueueing import COPY_THRESHOLD
-from django_awa.execute import Attempt, completed
+from django_awa.execute import Attempt, completed, errored, failed_terminally, with_result
 from django_awa.finalize import finalize
 from django_awa.heartbeat import Heartbeat
 from django_awa.models import Job, JobState
@@ -337,9 +338,14 @@ def _as_sent(statement: str) -> str:
     return statement
 
 
-def _prepared_completions() -> list[tuple[int, int]]:
-    """(generic_plans, custom_plans) of this session's prepared one-completion statements."""
-    forms = [sql.COMPLETE_ONE, sql.COMPLETE_ONE_STANDALONE, sql.COMPLETE_ONE_RETURNING_ROWS]
+def _prepared_completions(
+    forms: tuple[str, ...] = (
+        sql.COMPLETE_ONE,
+        sql.COMPLETE_ONE_STANDALONE,
+        sql.COMPLETE_ONE_RETURNING_ROWS,
+    ),
+) -> list[tuple[int, int]]:
+    """(generic_plans, custom_plans) of this session's prepared statements among ``forms``."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
@@ -376,3 +382,33 @@ def test_one_completion_is_not_prepared_where_prepared_statements_are_off(settin
     assert len(finalize([completed(job)], "default")) == 1
     assert _prepared_completions() == []
     assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+
+
+_WRITTEN = ("state", "attempt", "snoozed", "result", "progress", "callback_id", "deadline_at")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_written_alone_leaves_its_row_as_a_batch_leaves_its_twin():
+    # Retried, exhausted, completed with a result: each written alone (the prepared
+    # FINALIZE_ONE) and, for a twin job, in a batch of two (FINALIZE's arrays).
+    outcomes = [
+        lambda job: errored(job, "boom", "Traceback: boom"),
+        lambda job: failed_terminally(job, "gone", "Traceback: gone"),
+        lambda job: with_result(job, {"total": 3}),
+    ]
+    awa.enqueue_many([Echo(n=i) for i in range(3 * len(outcomes))])
+    jobs = claim("echo", 100, "default")
+    for make, (alone, twin, other) in zip(outcomes, itertools.batched(jobs, 3), strict=True):
+        assert [r.job.id for r in finalize([make(alone)], "default")] == [alone.id]
+        batch = [make(twin), completed(other)]
+        assert {r.job.id for r in finalize(batch, "default")} == {twin.id, other.id}
+        rows = Job.objects.in_bulk([alone.id, twin.id])
+        written, expected = rows[alone.id], rows[twin.id]
+        assert [getattr(written, f) for f in _WRITTEN] == [getattr(expected, f) for f in _WRITTEN]
+        assert [e["error"] for e in written.errors] == [e["error"] for e in expected.errors]
+        assert (written.finalized_at is None) == (expected.finalized_at is None)
+        assert (written.run_at > timezone.now()) == (expected.run_at > timezone.now())
+    states = sorted(Job.objects.filter(id__in=[j.id for j in jobs]).values_list("state", flat=True))
+    assert states.count(JobState.RETRYABLE) == 2 and states.count(JobState.FAILED) == 2
+    forms = (sql.FINALIZE_ONE, sql.FINALIZE_ONE_STANDALONE, sql.FINALIZE_ONE_RETURNING_ROWS)
+    assert sum(generic + custom for generic, custom in _prepared_completions(forms)) == 3

@@ -330,15 +330,18 @@ def test_the_rescue_finds_passed_deadlines_among_the_running_rows_not_the_whole_
     assert sorted(row[0] for row in rescued) == ["deadline_exceeded"] * 5
 
 
-ONE_COMPLETION_STATEMENTS = [
+ONE_OUTCOME_STATEMENTS = [
     "COMPLETE_ONE",
     "COMPLETE_ONE_STANDALONE",
     "COMPLETE_ONE_RETURNING_ROWS",
+    "FINALIZE_ONE",
+    "FINALIZE_ONE_STANDALONE",
+    "FINALIZE_ONE_RETURNING_ROWS",
 ]
 
 
-@pytest.mark.parametrize("name", ONE_COMPLETION_STATEMENTS)
-def test_the_prepared_completion_of_one_attempt_reads_it_by_primary_key_when_planned_generically(
+@pytest.mark.parametrize("name", ONE_OUTCOME_STATEMENTS)
+def test_the_prepared_outcome_of_one_attempt_reads_it_by_primary_key_when_planned_generically(
     running_since_an_idle_analyze: list[int], name: str
 ) -> None:
     """An atomic handler's outcome and a batch of one are written with a prepared
@@ -348,7 +351,8 @@ def test_the_prepared_completion_of_one_attempt_reads_it_by_primary_key_when_pla
     from django_awa import sql
     from tests.conftest import generic_plan
 
-    params = {"id": running_since_an_idle_analyze[0], "run_lease": 1, "started_ago": 0.01}
+    batch = attempt_params(running_since_an_idle_analyze)
+    params = {key: value[0] for key, value in batch.items() if isinstance(value, list)}
     shown = generic_plan(getattr(sql, name), params)
     assert "awa_job_running_idx" not in shown, shown
     assert re.search(r"Index Scan using awa_job_pkey on awa_job j(_\d+)? ", shown), shown
