@@ -171,13 +171,19 @@ def due_job(**fields: Any) -> Job:
     return make_job(run_at=timezone.now() - dt.timedelta(seconds=1), **fields)
 
 
+def as_prepared(statement: str) -> tuple[str, list[str]]:
+    """``statement`` as psycopg prepares it, ``$n`` for each ``%(name)s``, and the names
+    in the order of their numbers."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    for number, name in enumerate(names, 1):
+        statement = statement.replace(f"%({name})s", f"${number}")
+    return statement, names
+
+
 def generic_plan(statement: str, params: dict[str, Any]) -> str:
     """``EXPLAIN`` of ``statement`` prepared and planned for any parameters (the plan
     PostgreSQL may keep for a prepared statement after its fifth run)."""
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
-    text = statement
-    for number, name in enumerate(names, 1):
-        text = text.replace(f"%({name})s", f"${number}")
+    text, names = as_prepared(statement)
     with connection.cursor() as cursor:
         cursor.execute("SET plan_cache_mode = force_generic_plan")
         try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import datetime as dt
 import itertools
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -33,7 +32,7 @@ from django_awa.heartbeat import Heartbeat
 from django_awa.models import Job, JobState
 from django_awa.producer import claim
 from django_awa.state import WorkerState
-from tests.conftest import make_job
+from tests.conftest import as_prepared, make_job
 from tests.testapp.jobs import Echo
 
 
@@ -327,32 +326,29 @@ def test_every_statement_is_a_named_constant_of_sql_py():
     assert not found, f"SQL text outside sql.py: {found}"
 
 
-# -- one completion, prepared ------------------------------------------------------
+# -- one outcome, prepared ---------------------------------------------------------
+
+_COMPLETE_ONE_FORMS = (
+    sql.COMPLETE_ONE,
+    sql.COMPLETE_ONE_STANDALONE,
+    sql.COMPLETE_ONE_RETURNING_ROWS,
+)
+_FINALIZE_ONE_FORMS = (
+    sql.FINALIZE_ONE,
+    sql.FINALIZE_ONE_STANDALONE,
+    sql.FINALIZE_ONE_RETURNING_ROWS,
+)
 
 
-def _as_sent(statement: str) -> str:
-    """``statement`` as psycopg sends it to be prepared: ``$n`` for each ``%(name)s``."""
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
-    for number, name in enumerate(names, 1):
-        statement = statement.replace(f"%({name})s", f"${number}")
-    return statement
-
-
-def _prepared_completions(
-    forms: tuple[str, ...] = (
-        sql.COMPLETE_ONE,
-        sql.COMPLETE_ONE_STANDALONE,
-        sql.COMPLETE_ONE_RETURNING_ROWS,
-    ),
-) -> list[tuple[int, int]]:
-    """(generic_plans, custom_plans) of this session's prepared statements among ``forms``."""
+def _runs_prepared(forms: tuple[str, ...]) -> int:
+    """How many times this session ran its prepared statements among ``forms``."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
-            "WHERE statement = ANY(%s)",
-            [[_as_sent(form) for form in forms]],
+            "SELECT coalesce(sum(generic_plans + custom_plans), 0) "
+            "FROM pg_prepared_statements WHERE statement = ANY(%s)",
+            [[as_prepared(form)[0] for form in forms]],
         )
-        return cursor.fetchall()
+        return int(cursor.fetchone()[0])
 
 
 @pytest.mark.django_db(transaction=True)
@@ -363,7 +359,7 @@ def test_completions_written_one_at_a_time_reuse_one_prepared_statement():
     ids = awa.enqueue_many([Echo(n=i) for i in range(7)])
     for job in claim("echo", 10, "default"):
         assert [r.job.id for r in finalize([completed(job)], "default")] == [job.id]
-    assert sum(generic + custom for generic, custom in _prepared_completions()) == 7
+    assert _runs_prepared(_COMPLETE_ONE_FORMS) == 7
     done = Job.objects.filter(id__in=ids)
     assert sorted(done.values_list("id", flat=True)) == sorted(ids)
     assert set(done.values_list("state", flat=True)) == {JobState.COMPLETED}
@@ -380,7 +376,7 @@ def test_one_completion_is_not_prepared_where_prepared_statements_are_off(settin
     awa.enqueue(Echo(n=1))
     (job,) = claim("echo", 10, "default")
     assert len(finalize([completed(job)], "default")) == 1
-    assert _prepared_completions() == []
+    assert _runs_prepared(_COMPLETE_ONE_FORMS) == 0
     assert Job.objects.get(id=job.id).state == JobState.COMPLETED
 
 
@@ -410,5 +406,4 @@ def test_an_outcome_written_alone_leaves_its_row_as_a_batch_leaves_its_twin():
         assert (written.run_at > timezone.now()) == (expected.run_at > timezone.now())
     states = sorted(Job.objects.filter(id__in=[j.id for j in jobs]).values_list("state", flat=True))
     assert states.count(JobState.RETRYABLE) == 2 and states.count(JobState.FAILED) == 2
-    forms = (sql.FINALIZE_ONE, sql.FINALIZE_ONE_STANDALONE, sql.FINALIZE_ONE_RETURNING_ROWS)
-    assert sum(generic + custom for generic, custom in _prepared_completions(forms)) == 3
+    assert _runs_prepared(_FINALIZE_ONE_FORMS) == 3
