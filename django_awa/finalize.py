@@ -105,6 +105,17 @@ def _wants_rows(results: Sequence[AttemptResult]) -> bool:
     return bool(_heard(result.outcome for result in results))
 
 
+# The statements _write runs, by (every outcome a plain completion, one outcome
+# written alone): the form for a transaction, the standalone one (autocommit,
+# jobs with dependents left out), and the one returning whole rows.
+_FORMS = {
+    (True, False): (sql.COMPLETE, sql.COMPLETE_STANDALONE, sql.COMPLETE_RETURNING_ROWS),
+    (True, True): (sql.COMPLETE_ONE, sql.COMPLETE_ONE_STANDALONE, sql.COMPLETE_ONE_RETURNING_ROWS),
+    (False, False): (sql.FINALIZE, sql.FINALIZE_STANDALONE, sql.FINALIZE_RETURNING_ROWS),
+    (False, True): (sql.FINALIZE_ONE, sql.FINALIZE_ONE_STANDALONE, sql.FINALIZE_ONE_RETURNING_ROWS),
+}
+
+
 def _write(
     results: Sequence[AttemptResult], alias: str, *, rows: bool, standalone: bool = False
 ) -> list[AttemptResult]:
@@ -118,43 +129,28 @@ def _write(
         return []
     by_id = {r.job.id: r for r in results}
     leased = _holds_leases(results)
-    if all(
+    plain = all(
         r.state == JobState.COMPLETED and r.progress is None and r.result is None for r in results
-    ):
-        if len(results) == 1 and not leased:
-            # An atomic handler's outcome, or a batch of one: prepared.
-            (only,) = results
-            if rows:
-                statement = sql.COMPLETE_ONE_RETURNING_ROWS
-            else:
-                statement = sql.COMPLETE_ONE_STANDALONE if standalone else sql.COMPLETE_ONE
-            params: dict[str, Any] = {
-                "id": only.job.id,
-                "run_lease": only.job.run_lease,
-                "started_ago": only.started_ago(),
-            }
-        else:
-            if rows:
-                statement = sql.COMPLETE_RETURNING_ROWS
-            else:
-                statement = sql.COMPLETE_STANDALONE if standalone else sql.COMPLETE
-            params = {
-                "id": db.int_array(r.job.id for r in results),
-                "run_lease": db.int_array(r.job.run_lease for r in results),
-                "started_ago": _started_ago(results),
-            }
-    elif len(results) == 1 and not leased:
-        # One outcome of another kind (a retry, a failure, a result): prepared.
-        if rows:
-            statement = sql.FINALIZE_ONE_RETURNING_ROWS
-        else:
-            statement = sql.FINALIZE_ONE_STANDALONE if standalone else sql.FINALIZE_ONE
-        params = results[0].params()
+    )
+    # An atomic handler's outcome, or a batch of one: the prepared form for one.
+    one = len(results) == 1 and not leased
+    in_transaction, alone, with_rows = _FORMS[plain, one]
+    statement = with_rows if rows else alone if standalone else in_transaction
+    params: dict[str, Any]
+    if one:
+        (only,) = results
+        params = (
+            {"id": only.job.id, "run_lease": only.job.run_lease, "started_ago": only.started_ago()}
+            if plain
+            else only.params()
+        )
+    elif plain:
+        params = {
+            "id": db.int_array(r.job.id for r in results),
+            "run_lease": db.int_array(r.job.run_lease for r in results),
+            "started_ago": _started_ago(results),
+        }
     else:
-        if rows:
-            statement = sql.FINALIZE_RETURNING_ROWS
-        else:
-            statement = sql.FINALIZE_STANDALONE if standalone else sql.FINALIZE
         now = time.monotonic()
         params = db.as_columns([result.params(now) for result in results])
     if leased:

@@ -1235,9 +1235,11 @@ _ATTEMPT_ARRAYS = f"""SELECT j.id, d.started_ago, j.keeps_key
         WHERE j.id = d.id AND j.run_lease = d.run_lease AND {_RUNNING_ROW}
         FOR UPDATE OF j SKIP LOCKED
     ) AS j"""
+# One attempt's row, by %(id)s and %(run_lease)s, still running it.
+_ONE_RUNNING = f"j.id = %(id)s::bigint AND j.run_lease = %(run_lease)s::bigint AND {_RUNNING_ROW}"
 _ONE_ATTEMPT = f"""SELECT j.id, %(started_ago)s::float8 AS started_ago, {_KEEPS_KEY}
     FROM ONLY awa_job AS j
-    WHERE j.id = %(id)s::bigint AND j.run_lease = %(run_lease)s::bigint AND {_RUNNING_ROW}
+    WHERE {_ONE_RUNNING}
     FOR UPDATE OF j SKIP LOCKED"""
 
 
@@ -1295,7 +1297,7 @@ _FINALIZE_ONE = _finalize(
     f"""
 WITH held AS (
     SELECT j.id FROM ONLY awa_job AS j
-    WHERE j.id = %(id)s::bigint AND j.run_lease = %(run_lease)s::bigint AND {_RUNNING_ROW}
+    WHERE {_ONE_RUNNING}
     FOR UPDATE OF j SKIP LOCKED
 )""",
     """(SELECT %(id)s::bigint, %(run_lease)s::bigint, %(state)s::text, %(delay)s::float8,
