@@ -510,35 +510,58 @@ def _log_all(applied: Sequence[AttemptResult]) -> None:
             _log(result)
 
 
-def finalize_atomic(result: AttemptResult, handler_savepoint: str) -> bool:
+def finalize_atomic(result: AttemptResult) -> bool:
     """Finalize an ``atomic=True`` attempt inside its handler's open transaction.
 
-    On a follow-up failure the handler's writes are rolled back with the
-    transition (to ``handler_savepoint``) before the fallback is written.
+    A follow-up that fails raises ``_FollowupsRolledBack``: the transaction
+    rolls back whole, the handler's writes with the transition, and
+    ``run_atomic_attempt`` writes the fallback in a transaction of its own.
     """
     alias = result.job._state.db or "default"
     if not _has_followups(result):
         applied = _write([result], alias, rows=_wants_rows([result]))
     else:
-        savepoint = savepoint_create(using=alias)
         try:
             applied = _apply_with_followups([result], alias)
-            transaction.savepoint_commit(savepoint, using=alias)
         except (_FollowupsFailed, DatabaseError) as failure:
-            transaction.savepoint_rollback(handler_savepoint, using=alias)
-            transaction.set_rollback(False, using=alias)
-            applied = _fallback(result, _first_error(failure), alias)
+            raise _FollowupsRolledBack(result, _first_error(failure)) from failure
+    _after_atomic(applied, alias)
+    return bool(applied)
+
+
+def _after_atomic(applied: Sequence[AttemptResult], alias: str) -> None:
+    """What follows an atomic attempt's write, in its transaction: dependents
+    settled, sequences handed on, early callbacks, signals, the log line."""
     _settle_dependents(applied, alias)
     hand_off(finished_keys(applied), alias)
     _apply_early_callbacks(applied, alias)
     _send_signals(applied, alias)
     for done in applied:
         _log(done)
-    return bool(applied)
 
 
 class StaleAttempt(Exception):
     """The attempt's guarded finalize matched no row: roll its writes back."""
+
+
+class _HandlerRaised(Exception):
+    """Leaves an atomic attempt's transaction, rolling the handler's writes back,
+    for its outcome (``result``, a retry or a failure) to be written in a
+    transaction of its own."""
+
+    def __init__(self, result: AttemptResult) -> None:
+        super().__init__(result)
+        self.result = result
+
+
+class _FollowupsRolledBack(Exception):
+    """An atomic attempt's follow-ups failed (``error``): its transaction rolls back,
+    the handler's writes with it, and the fallback is written in a new one."""
+
+    def __init__(self, result: AttemptResult, error: Exception) -> None:
+        super().__init__(result, error)
+        self.result = result
+        self.error = error
 
 
 def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> AttemptResult | None:
@@ -546,31 +569,44 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
 
     The handler's writes, the state change and its follow-ups commit together.
     If the handler raises (a ``BaseException`` too, see ``handler_raised``),
-    its writes roll back before the retry is recorded.
+    its transaction rolls back, its writes with it, and the retry is recorded
+    in a transaction of its own; so is the fallback when the follow-ups of
+    either fail. The handler runs in the transaction itself, not in a
+    savepoint: no subtransaction for its writes, and one round trip less.
     Returns the written result, or ``None`` when the attempt was stale.
     """
     alias = attempt.alias
+    context = JobContext(attempt, args, flush_progress=lambda _a: None)
     try:
-        with transaction.atomic(using=alias):
-            handler_savepoint = savepoint_create(using=alias)
-            context = JobContext(attempt, args, flush_progress=lambda _a: None)
-            try:
-                value = spec.handler(context)
-            except BaseException as exc:  # the handler boundary, as run_attempt's
-                if not handler_raised(exc):
-                    raise  # the transaction rolls back as it leaves atomic()
-                transaction.savepoint_rollback(handler_savepoint, using=alias)
-                transaction.set_rollback(False, using=alias)
-                result = from_exception(attempt.job, exc)
-            else:
-                result = from_value(attempt, value)
-            result.progress = attempt.progress
-            result.started = attempt.started
-            if not _finalize_atomic_waiting(result, handler_savepoint):
-                raise StaleAttempt
-            return result
+        try:
+            with transaction.atomic(using=alias):
+                try:
+                    value = spec.handler(context)
+                except BaseException as exc:  # the handler boundary, as run_attempt's
+                    if not handler_raised(exc):
+                        raise  # the transaction rolls back as it leaves atomic()
+                    raise _HandlerRaised(from_exception(attempt.job, exc)) from exc
+                return _finalize_atomic_attempt(attempt, from_value(attempt, value))
+        except _HandlerRaised as raised:
+            with transaction.atomic(using=alias):
+                return _finalize_atomic_attempt(attempt, raised.result)
     except StaleAttempt:
         return None
+    except _FollowupsRolledBack as failed:
+        with transaction.atomic(using=alias):
+            applied = _fallback(failed.result, failed.error, alias)
+            _after_atomic(applied, alias)
+        return failed.result if applied else None
+
+
+def _finalize_atomic_attempt(attempt: Attempt, result: AttemptResult) -> AttemptResult:
+    """Write ``result``, ``attempt``'s outcome, in the open transaction; raise
+    ``StaleAttempt`` (rolling it back) when the attempt is no longer the row's."""
+    result.progress = attempt.progress
+    result.started = attempt.started
+    if not _finalize_atomic_waiting(result):
+        raise StaleAttempt
+    return result
 
 
 # Waits, in seconds, before writing an atomic attempt's outcome again when its
@@ -580,7 +616,7 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
 ATOMIC_LOCKED_RETRIES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
-def _finalize_atomic_waiting(result: AttemptResult, handler_savepoint: str) -> bool:
+def _finalize_atomic_waiting(result: AttemptResult) -> bool:
     """``finalize_atomic``, written again while the row is only locked, not stale.
 
     FINALIZE skips locked rows (so a batch never waits on one): for the one row
@@ -589,7 +625,7 @@ def _finalize_atomic_waiting(result: AttemptResult, handler_savepoint: str) -> b
     and leave the job running until rescue.
     """
     for wait in (*ATOMIC_LOCKED_RETRIES, None):
-        if finalize_atomic(result, handler_savepoint):
+        if finalize_atomic(result):
             return True
         if not result.locked:
             return False  # stale: rescued, cancelled or claimed again

@@ -42,7 +42,7 @@ from django_awa.producer import claim
 from stress import audit
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.followups import CALLS, FAIL
-from tests.testapp.jobs import Act, Echo, Pay
+from tests.testapp.jobs import Act, Echo, Pay, Stamp
 from tests.testapp.models import Ledger, Order
 
 db = pytest.mark.django_db
@@ -460,6 +460,47 @@ def test_atomic_handler_writes_roll_back_when_it_or_its_followup_fails(reference
     assert not Order.objects.filter(reference=reference).exists()
     assert not Ledger.objects.filter(job_id=job.id).exists()
     assert notes(job.id) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_atomic_handler_that_raised_and_whose_retry_followup_failed_keeps_nothing_of_it():
+    # Three transactions: the handler's (rolled back), its retry's (rolled back:
+    # the follow-up raised), and the fallback's, whose own follow-up (the same
+    # one) is kept for maintenance to retry.
+    from django_awa.execute import resolve_handler
+    from django_awa.finalize import run_atomic_attempt
+
+    job = awa.enqueue(Pay(reference="bad-retry-1", fail=True))
+    (claimed,) = claim("default", 1, "default")
+    spec, args = resolve_handler(claimed)
+    written = run_atomic_attempt(Attempt(job=claimed, alias="default"), spec, args)
+    assert written is not None and written.state == JobState.RETRYABLE
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.RETRYABLE and row.attempt == 1
+    assert "retry follow-up exploded" in row.errors[-1]["error"]
+    assert not Order.objects.filter(reference="bad-retry-1").exists()
+    assert not Ledger.objects.filter(job_id=job.id).exists()
+    (kept,) = PendingFollowup.objects.filter(job_id=job.id)
+    assert kept.outcome == "retried" and "retry follow-up exploded" in kept.last_error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_atomic_handler_writes_in_its_transaction_itself_not_a_subtransaction():
+    # A savepoint around the handler would give its writes a subtransaction's id
+    # (a second XID a job, pg_subtrans lookups for every reader of its rows).
+    from django_awa.execute import resolve_handler
+    from django_awa.finalize import run_atomic_attempt
+
+    job = awa.enqueue(Stamp(n=1))
+    (claimed,) = claim("default", 1, "default")
+    spec, args = resolve_handler(claimed)
+    run_atomic_attempt(Attempt(job=claimed, alias="default"), spec, args)
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT note, xmin::text FROM testapp_ledger WHERE job_id = %s", [job.id])
+        ((note, xmin),) = cursor.fetchall()
+    top_level = int(note.removeprefix("xid:")) % 2**32  # xid8 to the row's 32-bit xid
+    assert int(xmin) == top_level
 
 
 @pytest.mark.django_db(transaction=True)

@@ -495,6 +495,7 @@ def test_errors_while_loading_a_handler_or_finalizing_are_the_attempts_error(sta
         args={"args": [], "kwargs": {}, "backend": "default"},
     )
     severed = awa.enqueue(Severed(n=1))
+    quietly_severed = awa.enqueue(Severed(n=2, quiet=True))
     after = awa.enqueue(Act(action="ok"))
     start_worker("--queue", "default=1")
 
@@ -518,7 +519,15 @@ def test_errors_while_loading_a_handler_or_finalizing_are_the_attempts_error(sta
     unknown = wait_for_state(missing.id, JobState.FAILED, timeout=3)
     assert "unknown job kind" in unknown.errors[-1]["error"]
 
+    # The handler's error is its attempt's: written on a new connection once its
+    # transaction (and its dead one) is gone.
     lost = wait_for_state(severed.id, JobState.FAILED, timeout=3)
+    entry = lost.errors[-1]
+    assert "OperationalError" in entry["error"], entry
+    assert "terminating connection" in entry["error"] and "Traceback" in entry["traceback"]
+    assert "rescued" not in entry["error"]
+    # A handler that swallowed it returns, and its outcome cannot be written there.
+    lost = wait_for_state(quietly_severed.id, JobState.FAILED, timeout=3)
     entry = lost.errors[-1]
     assert "could not be finalized" in entry["error"] and "Traceback" in entry["traceback"]
     assert "rescued" not in entry["error"]

@@ -111,6 +111,13 @@ def pay_completed(args: Pay, job):
     return Echo(n=job.id, note=f"receipt:{args.reference}")
 
 
+@on_retried(Pay)
+def pay_retried(args: Pay, job, error, attempt, next_run_at):
+    if args.reference.startswith("bad-retry"):
+        raise RuntimeError("retry follow-up exploded")
+    return None
+
+
 @on_retried(Poison)
 def poison_retried(args: Poison, job, error, attempt, next_run_at):
     return Echo(n=job.id, note=f"poison-retried:{error}")

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db import connection
+from django.db import OperationalError, connection
 from django.utils import timezone
 
 import django_awa as awa
@@ -78,10 +78,19 @@ class Bailout(awa.JobArgs):
 
 
 @dataclass
-class Severed(awa.JobArgs):
-    """An atomic kind whose handler kills its own database session."""
+class Stamp(awa.JobArgs):
+    """An atomic kind whose ``Ledger`` row notes its transaction's id."""
 
     n: int = 0
+
+
+@dataclass
+class Severed(awa.JobArgs):
+    """An atomic kind whose handler kills its own database session; ``quiet``: it
+    swallows the error and returns, leaving the worker a dead connection."""
+
+    n: int = 0
+    quiet: bool = False
 
 
 class Bail(BaseException):
@@ -254,11 +263,23 @@ def bailout(job: awa.JobContext):
     raise base_exception(job.args.exc)
 
 
+@awa.worker(Stamp, atomic=True)
+def stamp(job: awa.JobContext):
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_current_xact_id()::text")
+        (xid,) = cursor.fetchone()
+    _ledger(job, f"xid:{xid}")
+
+
 @awa.worker(Severed, atomic=True, max_attempts=1)
 def severed(job: awa.JobContext):
     # Its transaction can then neither be rolled back nor committed.
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    except OperationalError:
+        if not job.args.quiet:
+            raise
 
 
 # -- async handlers and timeouts ---------------------------------------------------
