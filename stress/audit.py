@@ -161,6 +161,30 @@ def ledger_duplicates(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
     return _rows(cursor, _LEDGER_DUPLICATES, ids)
 
 
+# An atomic=True ``Pay`` job's handler writes an ``Order`` (by its reference) and a
+# ``Ledger`` row, committed with its outcome or not at all: a completed job has
+# exactly one of each, any other none, however many attempts were cut short.
+_ATOMIC_EFFECTS = """
+SELECT j.id, j.state, e.orders, e.runs FROM awa_job AS j
+CROSS JOIN LATERAL (
+    SELECT (SELECT count(*) FROM testapp_order AS o WHERE o.reference = j.args ->> 'reference')
+               AS orders,
+           (SELECT count(*) FROM testapp_ledger AS l WHERE l.job_id = j.id) AS runs
+) AS e
+WHERE j.id = ANY(%(ids)s) AND j.kind = 'pay'
+  AND (e.orders, e.runs) IS DISTINCT FROM
+      (CASE WHEN j.state = 'completed' THEN 1 ELSE 0 END,
+       CASE WHEN j.state = 'completed' THEN 1 ELSE 0 END)
+ORDER BY j.id
+"""
+
+
+def atomic_effects(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
+    """(id, state, orders, runs) of each atomic ``Pay`` job whose committed writes are
+    not exactly one for a completed job and none for any other."""
+    return _rows(cursor, _ATOMIC_EFFECTS, ids)
+
+
 def not_final(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
     return _rows(cursor, _NOT_FINAL, ids)
 

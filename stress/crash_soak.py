@@ -9,6 +9,8 @@ enqueues ``--jobs`` jobs of the test kinds (tests/testapp), most of them
 succeeding, some failing at random (retried, exhausted, terminal, cancelled),
 some parking on a callback that a sender thread answers with
 ``awa.complete_external`` (or ``fail_external``); every one has follow-ups.
+One in twenty is an ``atomic=True`` ``Pay`` job (a fifth of them raising), whose
+``Order`` and ``Ledger`` rows commit with its outcome or not at all.
 Three ``awa_worker`` processes run them while a controller SIGKILLs a random
 worker every ``--kill-every`` seconds (jittered) and starts it again.
 
@@ -33,9 +35,10 @@ nothing.
 
 At the end it prints, counted in SQL: jobs by final state, workers killed,
 handler runs duplicated within one (job, attempt) (must be 0), triggers whose
-follow-ups differ from their committed outcomes (must be 0), and jobs not
-final. It exits 1 on any of these, or when ``--timeout`` passes first, and
-drops its database unless ``--keep``.
+follow-ups differ from their committed outcomes (must be 0), atomic jobs
+whose writes committed other than once for a completed job and never for
+any other (must be 0), and jobs not final. It exits 1 on any of these, or
+when ``--timeout`` passes first, and drops its database unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -218,11 +221,11 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
 
     import django_awa as awa
     from stress import audit
-    from tests.testapp.jobs import POISON_ACTIONS, Act, Parked, Poison
+    from tests.testapp.jobs import POISON_ACTIONS, Act, Parked, Pay, Poison
 
     # -- enqueue ------------------------------------------------------------------------
     requests = []
-    for _ in range(opts.jobs):
+    for number in range(opts.jobs):
         roll = rng.random()
         if rng.random() < opts.poison:
             action = rng.choice(POISON_ACTIONS)
@@ -239,6 +242,10 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
             )
         elif roll < 0.28:
             requests.append(awa.EnqueueRequest(Parked(timeout=120.0), max_attempts=10))
+        elif roll < 0.33:
+            # atomic=True: its Order and Ledger rows commit with its outcome or not at all.
+            fail = rng.random() < 0.2
+            requests.append(awa.EnqueueRequest(Pay(reference=f"soak-{number}", fail=fail)))
         else:
             seconds = rng.choice([0.0, 0.0, 0.01, 0.05, 0.2])
             requests.append(
@@ -366,6 +373,7 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
         mismatches = audit.outcome_mismatches(cursor, ids)
         left = audit.not_final(cursor, ids + followups)
         poison = audit.unreadable_poison(cursor, ids)
+        atomic = audit.atomic_effects(cursor, ids)
         cursor.execute(
             "SELECT args ->> 'action' || ' ' || state, count(*) FROM awa_job "
             "WHERE id = ANY(%(ids)s) AND kind = 'poison' GROUP BY 1 ORDER BY 1",
@@ -392,6 +400,7 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
     print(f"ledger duplicates per (job, attempt): {len(dups)} {dups[:10]}")  # noqa: T201
     print(f"outcome vs follow-up mismatches: {len(mismatches)} {mismatches[:10]}")  # noqa: T201
     print(f"jobs not final: {len(left)} {left[:10]}")  # noqa: T201
+    print(f"atomic jobs whose writes are not exactly once: {len(atomic)} {atomic[:10]}")  # noqa: T201
     if opts.poison:
         print(f"poison jobs by action and state: {poison_by_state}")  # noqa: T201
         print(f"poison jobs left wrong or unreadable: {len(poison)} {poison[:10]}")  # noqa: T201
@@ -402,6 +411,7 @@ def soak(opts: argparse.Namespace, rng: random.Random, env: dict[str, str]) -> i
         or bool(dups)
         or bool(mismatches)
         or bool(left)
+        or bool(atomic)
         or bool(poison)
         or bool(accepted)
         or timed_out
