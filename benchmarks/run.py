@@ -109,6 +109,13 @@ def metrics(args: argparse.Namespace) -> list[Metric]:
             "drain", f"drain {n:,} queued jobs (worker start -> all finished)", "s", False, ".2f"
         ),
         Metric(
+            "drain_steady",
+            "  same, steady: jobs/s from the first job finished to the last (no start-up)",
+            "jobs/s",
+            True,
+            ",.0f",
+        ),
+        Metric(
             "enqueue_single",
             f"enqueue {single:,} jobs, one transaction each",
             "jobs/s",
@@ -396,6 +403,8 @@ def run_drain(system, args, progress: Progress, results: Results, mode: str = "d
     if mode == "drain":
         results.add(system.name, "drain", seconds)
         results.add(system.name, "drain_rss", peak / 2**20)
+        if cpu and not cpu.get("with_startup"):
+            results.add(system.name, "drain_steady", cpu["jobs"] / cpu["seconds"])
         add_cpu(results, system, "drain", cpu)
     return seconds
 
