@@ -165,17 +165,17 @@ def ledger_duplicates(cursor: Any, ids: list[int]) -> list[tuple[Any, ...]]:
 # ``Ledger`` row, committed with its outcome or not at all: a completed job has
 # exactly one of each, any other none, however many attempts were cut short.
 _ATOMIC_EFFECTS = """
-SELECT j.id, j.state, e.orders, e.runs FROM awa_job AS j
-CROSS JOIN LATERAL (
-    SELECT (SELECT count(*) FROM testapp_order AS o WHERE o.reference = j.args ->> 'reference')
+SELECT id, state, orders, runs FROM (
+    SELECT j.id, j.state,
+           (SELECT count(*) FROM testapp_order AS o WHERE o.reference = j.args ->> 'reference')
                AS orders,
-           (SELECT count(*) FROM testapp_ledger AS l WHERE l.job_id = j.id) AS runs
+           (SELECT count(*) FROM testapp_ledger AS l WHERE l.job_id = j.id) AS runs,
+           (j.state = 'completed')::int AS once
+    FROM awa_job AS j
+    WHERE j.id = ANY(%(ids)s) AND j.kind = 'pay'
 ) AS e
-WHERE j.id = ANY(%(ids)s) AND j.kind = 'pay'
-  AND (e.orders, e.runs) IS DISTINCT FROM
-      (CASE WHEN j.state = 'completed' THEN 1 ELSE 0 END,
-       CASE WHEN j.state = 'completed' THEN 1 ELSE 0 END)
-ORDER BY j.id
+WHERE (orders, runs) IS DISTINCT FROM (once, once)
+ORDER BY id
 """
 
 

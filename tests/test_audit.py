@@ -11,7 +11,8 @@ import pytest
 from django.db import connection
 
 from stress import audit
-from tests.testapp.models import Ledger
+from tests.conftest import make_job
+from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db
 
@@ -37,3 +38,31 @@ def test_a_run_that_saw_its_attempt_cancelled_is_one_run() -> None:
     Ledger.objects.create(job_id=3, attempt=2, run_lease=2, note="sleep")
 
     assert _duplicates([3]) == []
+
+
+def test_an_atomic_job_whose_writes_committed_other_than_with_its_completion_is_reported():
+    # Completed: exactly one Order and one Ledger row. Any other state: none.
+    def pay(reference: str, state: str) -> int:
+        return make_job(kind="pay", state=state, args={"reference": reference}).id
+
+    good = pay("good", "completed")
+    Order.objects.create(reference="good")
+    Ledger.objects.create(job_id=good, attempt=1, run_lease=1, note="pay")
+    twice = pay("twice", "completed")
+    Order.objects.create(reference="twice")
+    Order.objects.create(reference="twice")
+    Ledger.objects.create(job_id=twice, attempt=1, run_lease=1, note="pay")
+    lost = pay("lost", "completed")  # completed, its writes rolled back
+    failed = pay("failed", "failed")  # failed, its writes committed anyway
+    Order.objects.create(reference="failed")
+    Ledger.objects.create(job_id=failed, attempt=1, run_lease=1, note="pay")
+    retryable = pay("retryable", "retryable")
+
+    with connection.cursor() as cursor:
+        found = audit.atomic_effects(cursor, [good, twice, lost, failed, retryable])
+
+    assert found == [
+        (twice, "completed", 2, 1),
+        (lost, "completed", 0, 0),
+        (failed, "failed", 1, 1),
+    ]
