@@ -404,7 +404,7 @@ def run_drain(system, args, progress: Progress, results: Results, mode: str = "d
         results.add(system.name, "drain", seconds)
         results.add(system.name, "drain_rss", peak / 2**20)
         if cpu and not cpu.get("with_startup"):
-            results.add(system.name, "drain_steady", cpu["jobs"] / cpu["seconds"])
+            results.add(system.name, "drain_steady", cpu["jobs_per_s"])
         add_cpu(results, system, "drain", cpu)
     return seconds
 
@@ -708,7 +708,7 @@ def run_scaling(systems: list, args: argparse.Namespace, progress: Progress) -> 
                     row = out.setdefault(system.name, {}).setdefault(processes, {})
                     values = {
                         "rate": args.jobs / seconds,
-                        "steady": cpu["jobs"] / cpu["seconds"],
+                        "steady": cpu["jobs_per_s"],
                         **{k: cpu[k] for k in ("worker_ms", "database_ms")},
                         **{k: cpu[k] for k in ("worker_cores", "database_cores")},
                     }

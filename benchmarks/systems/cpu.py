@@ -128,7 +128,7 @@ class CpuMeter:
 
 
 def per_job(first: Sample, last: Sample) -> dict[str, float] | None:
-    """Between two samples: CPU ms per job finished, and cores kept busy.
+    """Between two samples: jobs finished a second, CPU ms per job, and cores kept busy.
 
     None if no job finished between them.
     """
@@ -141,6 +141,7 @@ def per_job(first: Sample, last: Sample) -> dict[str, float] | None:
     out: dict[str, float] = {
         "jobs": jobs,
         "seconds": wall,
+        "jobs_per_s": jobs / wall,
         "sessions": last.sessions - first.sessions,
     }
     for part in ("worker", "database", "broker"):
