@@ -45,7 +45,7 @@ from .followups import (
     Retried,
 )
 from .kinds import JobArgs, WorkerSpec, registry
-from .models import Job, JobState
+from .models import ClaimedJob, Job, JobRow, JobState
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Flag:
 class Attempt:
     """One claimed attempt as the worker tracks it (shared with its handler thread)."""
 
-    job: Job
+    job: JobRow
     alias: str
     cancelled: Flag = field(default_factory=lambda: Flag())
     progress: dict[str, Any] | None = None
@@ -156,6 +156,14 @@ class Attempt:
     @property
     def key(self) -> tuple[int, int]:
         return (self.job.id, self.job.run_lease)
+
+    def instance(self) -> Job:
+        """The attempt's job as a ``Job``: built from its claimed row on first use, then
+        kept (``JobContext.row`` gives the handler the same instance each time)."""
+        job = self.job
+        if isinstance(job, ClaimedJob):
+            job = self.job = job.instance(self.alias)
+        return job
 
 
 class JobContext:
@@ -175,7 +183,7 @@ class JobContext:
 
     @property
     def row(self) -> Job:
-        return self._attempt.job
+        return self._attempt.instance()
 
     id = property(lambda self: self._attempt.job.id)
     kind = property(lambda self: self._attempt.job.kind)
@@ -209,7 +217,7 @@ class JobContext:
 
     def dependencies(self) -> list[Job]:
         """The jobs this one waited for, each with its ``result``, in ``after`` order."""
-        return self._attempt.job.dependencies()
+        return self._attempt.instance().dependencies()
 
     @property
     def workflow_id(self) -> uuid.UUID | None:
@@ -243,7 +251,7 @@ class JobContext:
                 self._attempt.cancelled.set()
                 raise TerminalError(f"job {job.id} is no longer running this attempt")
         self._attempt.callback_id = callback_id
-        job.callback_id = callback_id
+        self._attempt.instance().callback_id = callback_id
         return CallbackToken(id=callback_id, timeout_at_seconds=seconds)
 
     async def aregister_callback(self, timeout: float | dt.timedelta) -> CallbackToken:
@@ -276,7 +284,7 @@ def write_progress(attempts: list[Attempt]) -> None:
 class AttemptResult:
     """The outcome of one attempt, to be written by ``finalize``."""
 
-    job: Job
+    job: JobRow
     state: JobState
     # The outcome and what its follow-ups and signal get; None: no outcome
     # (a Snooze), so neither.
@@ -330,17 +338,17 @@ class AttemptResult:
         return max(0.0, (time.monotonic() if now is None else now) - self.started)
 
 
-def unstarted(job: Job) -> AttemptResult:
+def unstarted(job: JobRow) -> AttemptResult:
     """A claimed job no handler started, given back: available at once, its attempt
     unused (the next claim runs it under the same attempt number)."""
     return AttemptResult(job=job, state=JobState.AVAILABLE, delay=0.0, snoozed=True)
 
 
-def completed(job: Job) -> AttemptResult:
+def completed(job: JobRow) -> AttemptResult:
     return AttemptResult(job=job, state=JobState.COMPLETED, context=COMPLETED)
 
 
-def failed_terminally(job: Job, error: str, tb: str = "") -> AttemptResult:
+def failed_terminally(job: JobRow, error: str, tb: str = "") -> AttemptResult:
     error = escape_text(error, MAX_ERROR_CHARS)
     return AttemptResult(
         job=job,
@@ -351,7 +359,7 @@ def failed_terminally(job: Job, error: str, tb: str = "") -> AttemptResult:
     )
 
 
-def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
+def errored(job: JobRow, error: str, tb: str = "") -> AttemptResult:
     """The handler failed: retry after the backoff, or exhaust on the last attempt.
 
     The backoff is drawn by the database as the outcome is written (FINALIZE):
@@ -369,7 +377,7 @@ def errored(job: Job, error: str, tb: str = "") -> AttemptResult:
     )
 
 
-def timed_out(job: Job, timeout: float, ran: float | None = None) -> AttemptResult:
+def timed_out(job: JobRow, timeout: float, ran: float | None = None) -> AttemptResult:
     """The attempt ran past its kind's ``timeout``: a failed attempt, retried per the policy."""
     ran_text = f", ran {ran:.1f}s" if ran is not None else ""
     return errored(
@@ -406,7 +414,7 @@ def describe(exc: BaseException) -> str:
 
 
 def from_exception(
-    job: Job, exc: BaseException, *, during: str = "", need: db.ConnectionNeed | None = None
+    job: JobRow, exc: BaseException, *, during: str = "", need: db.ConnectionNeed | None = None
 ) -> AttemptResult:
     """The attempt failed with ``exc``: ``TerminalError`` fails it now, anything else retries.
 
@@ -467,7 +475,7 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
             return with_result(job, value)
 
 
-def with_result(job: Job, value: Any) -> AttemptResult:
+def with_result(job: JobRow, value: Any) -> AttemptResult:
     """The handler returned ``value``: completed with it as ``Job.result`` (SPEC §11), or,
     when it cannot be stored as JSON, a failed attempt naming its type."""
     try:
@@ -500,7 +508,7 @@ def safe_repr(value: object) -> str:
         return f"<{type(value).__qualname__} object (its repr() raised)>"
 
 
-def resolve_handler(job: Job) -> tuple[WorkerSpec, JobArgs] | AttemptResult:
+def resolve_handler(job: JobRow) -> tuple[WorkerSpec, JobArgs] | AttemptResult:
     """The kind's handler and decoded args, or the attempt's result explaining why not.
 
     An unknown kind or undecodable args fail the job terminally. Anything else

@@ -510,14 +510,13 @@ def _log_all(applied: Sequence[AttemptResult]) -> None:
             _log(result)
 
 
-def finalize_atomic(result: AttemptResult) -> bool:
-    """Finalize an ``atomic=True`` attempt inside its handler's open transaction.
+def finalize_atomic(result: AttemptResult, alias: str) -> bool:
+    """Finalize an ``atomic=True`` attempt inside its handler's open transaction on ``alias``.
 
     A follow-up that fails raises ``_FollowupsRolledBack``: the transaction
     rolls back whole, the handler's writes with the transition, and
     ``run_atomic_attempt`` writes the fallback in a transaction of its own.
     """
-    alias = result.job._state.db or "default"
     if not _has_followups(result):
         applied = _write([result], alias, rows=_wants_rows([result]))
     else:
@@ -604,7 +603,7 @@ def _finalize_atomic_attempt(attempt: Attempt, result: AttemptResult) -> Attempt
     ``StaleAttempt`` (rolling it back) when the attempt is no longer the row's."""
     result.progress = attempt.progress
     result.started = attempt.started
-    if not _finalize_atomic_waiting(result):
+    if not _finalize_atomic_waiting(result, attempt.alias):
         raise StaleAttempt
     return result
 
@@ -616,7 +615,7 @@ def _finalize_atomic_attempt(attempt: Attempt, result: AttemptResult) -> Attempt
 ATOMIC_LOCKED_RETRIES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
-def _finalize_atomic_waiting(result: AttemptResult) -> bool:
+def _finalize_atomic_waiting(result: AttemptResult, alias: str) -> bool:
     """``finalize_atomic``, written again while the row is only locked, not stale.
 
     FINALIZE skips locked rows (so a batch never waits on one): for the one row
@@ -625,7 +624,7 @@ def _finalize_atomic_waiting(result: AttemptResult) -> bool:
     and leave the job running until rescue.
     """
     for wait in (*ATOMIC_LOCKED_RETRIES, None):
-        if finalize_atomic(result):
+        if finalize_atomic(result, alias):
             return True
         if not result.locked:
             return False  # stale: rescued, cancelled or claimed again

@@ -52,7 +52,7 @@ from .execute import (
 from .finalize import run_atomic_attempt
 from .kinds import JobArgs, WorkerSpec
 from .logs import job_logging
-from .models import Job
+from .models import JobRow
 from .otel import instrumentation
 from .state import DB_ERRORS, QueueRunner, WorkerState, log_context, reset_connection
 
@@ -224,7 +224,7 @@ def connection_gate(state: WorkerState) -> ConnectionGate | None:
     return ConnectionGate(slots, state.halt)
 
 
-def _deadline_seconds(job: Job) -> float | None:
+def _deadline_seconds(job: JobRow) -> float | None:
     """The attempt's deadline as a duration, both ends read on the database clock at claim.
 
     The claim sets ``heartbeat_at`` and ``deadline_at`` from the same ``now()``

@@ -21,7 +21,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .models import Job
+    from .models import JobRow
 
 # The fields a job's records carry, in the order JsonFormatter writes them.
 JOB_FIELDS = ("job_id", "kind", "queue", "attempt", "worker")
@@ -31,7 +31,7 @@ JOB_FIELDS = ("job_id", "kind", "queue", "attempt", "worker")
 _worker: ContextVar[str] = ContextVar("awa_worker", default="")
 # The job is kept as it is, and its fields are read only when a record is
 # about it: most attempts log nothing, and building them was per-job work.
-_job: ContextVar[tuple[Job, str | None] | None] = ContextVar("awa_job", default=None)
+_job: ContextVar[tuple[JobRow, str | None] | None] = ContextVar("awa_job", default=None)
 
 
 def set_worker(name: str) -> None:
@@ -39,7 +39,7 @@ def set_worker(name: str) -> None:
     _worker.set(name)
 
 
-def log_context(job: Job, worker: str | None = None) -> dict[str, Any]:
+def log_context(job: JobRow, worker: str | None = None) -> dict[str, Any]:
     """The ``extra`` of a record about ``job``; ``worker`` defaults to this thread's."""
     return {
         "job_id": job.id,
@@ -60,7 +60,7 @@ class job_logging:  # lower case: used as a function, ``with job_logging(job):``
 
     __slots__ = ("_token", "job", "worker")
 
-    def __init__(self, job: Job, worker: str | None = None) -> None:
+    def __init__(self, job: JobRow, worker: str | None = None) -> None:
         self.job = job
         self.worker = worker
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import json.scanner
+import operator
+import uuid
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from django.db import models, transaction
 from django.db.models import F, Q
@@ -547,18 +549,93 @@ def jobs_from_rows(
     holds its value already.
     """
     if json_text:
-        converted_rows = []
-        for values in rows:
-            converted = list(values)
-            for i in _JSON_FIELDS:
-                text = converted[i]
-                if isinstance(text, str):
-                    converted[i] = load_json(text)
-            converted_rows.append(converted)
-        rows = converted_rows
+        rows = [_json_parsed(values) for values in rows]
     if _plain_init():
         return [_job(zip(JOB_ATTNAMES, row, strict=True), using) for row in rows]
     return [Job.from_db(using, JOB_ATTNAMES, row) for row in rows]
+
+
+class ClaimedJob(NamedTuple):
+    """A claimed row as the worker carries it: the ``Job``'s column values, by field.
+
+    Every claimed row is one of these rather than a ``Job``: the producer,
+    the handler threads and the completer read a few of its values (id,
+    run_lease, kind, queue, args, metadata) and nothing else, and building a
+    model instance for each row, then freeing it once its outcome is written,
+    was about a sixth of a worker's CPU for each job (``benchmarks/``, README).
+    A handler that asks for the row (``JobContext.row``) gets a ``Job``, built
+    then (``instance``). Its JSON columns hold their parsed values, as a
+    ``Job``'s do. Its fields are ``JOB_ATTNAMES``, in order.
+    """
+
+    id: int
+    kind: str
+    queue: str
+    args: Any
+    state: str
+    priority: int
+    attempt: int
+    max_attempts: int
+    run_lease: int
+    run_at: datetime
+    created_at: datetime
+    attempted_at: datetime | None
+    heartbeat_at: datetime | None
+    deadline_at: datetime | None
+    finalized_at: datetime | None
+    errors: list[Any]
+    metadata: dict[str, Any]
+    tags: list[Any]
+    progress: Any
+    callback_id: uuid.UUID | None
+    callback_timeout_at: datetime | None
+    snoozed: bool
+    unique_key: str | None
+    unique_states: list[str] | None
+    result: Any
+    workflow_id: uuid.UUID | None
+    has_dependents: bool
+
+    # Compared and hashed as a Job is, by its id, not by its values (a tuple's
+    # way: args may hold a dict, which has no hash).
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ClaimedJob) and other.id == self.id
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def instance(self, using: str) -> Job:
+        """This row as a ``Job`` read on connection ``using``."""
+        (job,) = jobs_from_rows((self,), using, json_text=False)
+        return job
+
+
+# What the worker carries for an attempt: a claimed row, or a Job (a sequence's
+# next member claimed with its predecessor's outcome, a job run in-process).
+type JobRow = Job | ClaimedJob
+
+_CLAIM_ORDER = operator.itemgetter(*(JOB_ATTNAMES.index(f) for f in ("priority", "run_at", "id")))
+
+
+def claimed_jobs(rows: list[Sequence[Any]]) -> list[ClaimedJob]:
+    """Rows of a claim (every column in ``sql.JOB_COLUMNS`` order, JSON as text) as
+    ``ClaimedJob``, in the order their handlers start: priority, run_at, id."""
+    rows.sort(key=_CLAIM_ORDER)
+    return [ClaimedJob._make(_json_parsed(values)) for values in rows]
+
+
+def _json_parsed(values: Sequence[Any]) -> list[Any]:
+    """A row's values with its JSON columns given as text parsed (Django reads jsonb
+    as text, and the Job's JSON fields use no custom decoder)."""
+    converted = list(values)
+    for i in _JSON_FIELDS:
+        text = converted[i]
+        if isinstance(text, str):
+            converted[i] = load_json(text)
+    return converted
 
 
 def _plain_init() -> bool:
@@ -569,9 +646,9 @@ def _plain_init() -> bool:
 def _job(values: Iterable[tuple[str, Any]], using: str) -> Job:
     """A ``Job`` built as unpickling builds one, from ``(attname, value)`` for every column.
 
-    The worker builds a ``Job`` for every claimed row, and ``Model.__init__``
-    (a ``setattr`` per field, between two signals) was most of a claim's
-    Python time. Only for ``Job`` without ``pre_init``/``post_init``
+    A ``Job`` is built for every row a statement returns (an outcome's, a
+    rescue's), and ``Model.__init__`` (a ``setattr`` per field, between two
+    signals) was most of that Python time. Only for ``Job`` without ``pre_init``/``post_init``
     receivers (``_plain_init``): the values go straight into ``__dict__``,
     with a ``ModelState`` saying where the row was read.
     """

@@ -37,7 +37,7 @@ from .conf import awa_settings
 
 if TYPE_CHECKING:
     from .execute import AttemptResult
-    from .models import Job
+    from .models import Job, JobRow
 
 # How many attempts' span contexts are kept for their follow-ups to link to.
 LINKS_KEPT = 10_000
@@ -274,7 +274,7 @@ class Instrumentation:
 
     # -- attempts ----------------------------------------------------------------
 
-    def start(self, job: Job, worker: str) -> Traced:
+    def start(self, job: JobRow, worker: str) -> Traced:
         """Begin the attempt's span and make it current in this thread (until ``finish``).
 
         Per attempt this costs one ``start_span`` (its attributes passed in the

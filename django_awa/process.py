@@ -40,7 +40,7 @@ from .heartbeat import Heartbeat
 from .listener import Listener
 from .logs import set_worker
 from .maintenance import MaintenanceService
-from .models import Job, JobState
+from .models import JobRow, JobState
 from .otel import instrumentation
 from .producer import Producer, SharedConnection
 from .state import DB_ERRORS, WorkerState
@@ -274,7 +274,7 @@ class Worker:
             connections.close_all()
 
     @staticmethod
-    def _given_back(job: Job, started: bool) -> AttemptResult:
+    def _given_back(job: JobRow, started: bool) -> AttemptResult:
         if not started:
             return unstarted(job)
         result = errored(job, INTERRUPTED)

@@ -44,7 +44,7 @@ from .conf import AwaSettings, Rate, awa_settings
 from .execute import Attempt, unstarted
 from .finalize import finalize
 from .kinds import registry
-from .models import Job, jobs_from_rows
+from .models import ClaimedJob, claimed_jobs
 from .slots import SHORT_RETRY, Slots
 from .state import DB_ERRORS, QueueRunner, WorkerState, log_context
 
@@ -189,7 +189,7 @@ def queue_limits(queue: str, alias: str, conf: AwaSettings | None = None) -> Que
     )
 
 
-def claim(queue: str, limit: int, alias: str, *, unflushed: bool = False) -> list[Job]:
+def claim(queue: str, limit: int, alias: str, *, unflushed: bool = False) -> list[ClaimedJob]:
     """Claim up to ``limit`` runnable jobs of ``queue``, in priority, run_at, id order.
 
     Each claimed row is ``running`` with a new ``run_lease``: the attempt's
@@ -202,10 +202,10 @@ def claim(queue: str, limit: int, alias: str, *, unflushed: bool = False) -> lis
     return _run_claim(statement, {"queue": queue, "limit": limit}, alias)
 
 
-def _run_claim(statement: str, params: dict[str, Any], alias: str) -> list[Job]:
+def _run_claim(statement: str, params: dict[str, Any], alias: str) -> list[ClaimedJob]:
     """Run a claim statement (autocommit) with ``params`` and the kinds' deadlines;
     the jobs it started, in claim order."""
-    return _claimed_jobs(_claim_rows(statement, params, alias), alias)
+    return claimed_jobs(_claim_rows(statement, params, alias))
 
 
 def _claim_rows(statement: str, params: dict[str, Any], alias: str) -> list[Any]:
@@ -217,13 +217,7 @@ def _claim_rows(statement: str, params: dict[str, Any], alias: str) -> list[Any]
         return cursor.fetchall()
 
 
-def _claimed_jobs(rows: list[Any], alias: str) -> list[Job]:
-    jobs = jobs_from_rows(rows, alias)
-    jobs.sort(key=lambda j: (j.priority, j.run_at, j.id))
-    return jobs
-
-
-def claim_sequenced(queue: str, limit: int, alias: str) -> list[Job]:
+def claim_sequenced(queue: str, limit: int, alias: str) -> list[ClaimedJob]:
     """``claim`` for a queue that holds sequence members: the same jobs, and the
     members passed over because an earlier member is unfinished are parked
     (``sql.CLAIM_SEQUENCED``), so the next claims of the queue do not read them
@@ -234,7 +228,7 @@ def claim_sequenced(queue: str, limit: int, alias: str) -> list[Job]:
 
 def claim_limited(
     limits: QueueLimits, limit: int, alias: str, *, leased: bool = False
-) -> list[Job] | None:
+) -> list[ClaimedJob] | None:
     """Claim up to ``limit`` jobs of a limited queue, as many as its limits allow now.
 
     One transaction: the advisory lock of the queue (``sql.LOCK_LIMITS``), then
@@ -253,7 +247,7 @@ def claim_limited(
 
 def _claim_under_lock(
     limits: QueueLimits, statement: str, params: dict[str, Any], alias: str
-) -> list[Job] | None:
+) -> list[ClaimedJob] | None:
     """One transaction: try the queue's advisory lock (``sql.LOCK_LIMITS``), then run
     the claim ``statement``, whose snapshot sees every attempt and lease the
     previous holder took. ``None``, claiming nothing, when another claimer holds
@@ -266,12 +260,12 @@ def _claim_under_lock(
         if not (locked and locked[0]):
             return None
         rows = _claim_rows(statement, params, alias)
-    return _claimed_jobs(rows, alias)
+    return claimed_jobs(rows)
 
 
 def claim_keyed(
     limits: QueueLimits, limit: int, alias: str, *, scan: int | None = None
-) -> list[Job] | None:
+) -> list[ClaimedJob] | None:
     """Claim up to ``limit`` jobs of a queue whose only kind limits are concurrency
     limits, each attempt of a limited kind taking a lease of its key
     (``sql.CLAIM_KEYED``). A job whose key is full stays available, its attempt unused.
@@ -522,7 +516,7 @@ class Producer:
         )  # fmt: skip
         return len(attempts)
 
-    def run_once(self) -> list[Job] | None:
+    def run_once(self) -> list[ClaimedJob] | None:
         """Claim one batch, as much as the queue has room for, and put it in the inbox.
 
         Returns the jobs claimed, or ``None`` when the queue had no room

@@ -35,7 +35,7 @@ __all__ = ["DB_ERRORS", "QueueRunner", "WorkerState", "log_context", "reset_conn
 
 if TYPE_CHECKING:
     from .execute import Attempt, AttemptResult
-    from .models import Job
+    from .models import JobRow
 
 DB_ERRORS = (DatabaseError, InterfaceError, psycopg.Error)
 
@@ -418,7 +418,7 @@ class WorkerState:
             backlog_limit=max(1000, 2 * sum(queues.values())),
         )
 
-    def forget(self, job: Job) -> None:
+    def forget(self, job: JobRow) -> None:
         """Stop tracking this attempt of ``job``: its outcome is written.
 
         Only this attempt: once its outcome is written (a snooze, say) the job
@@ -427,7 +427,7 @@ class WorkerState:
         """
         self.forget_all((job,))
 
-    def forget_all(self, jobs: Iterable[Job]) -> None:
+    def forget_all(self, jobs: Iterable[JobRow]) -> None:
         """``forget`` each of ``jobs``, under one hold of ``running_lock`` (a written batch:
         a hold per job contended with the handler threads for every job)."""
         running = self.running

@@ -117,11 +117,13 @@ def test_model_init_signals_still_fire_for_rows_the_engine_reads():
     post_init.connect(receiver, sender=Job)
     try:
         job = awa.enqueue(Echo(n=1))
-        claimed = claim("echo", 10, "default")
+        [claimed] = claim("echo", 10, "default")
+        assert seen == [job.id]  # a claimed row is no Job until its handler asks for one
+        row = claimed.instance("default")  # what JobContext.row gives the handler
     finally:
         post_init.disconnect(receiver, sender=Job)
     assert seen == [job.id, job.id]
-    assert [c.id for c in claimed] == [job.id] and claimed[0].state == JobState.RUNNING
+    assert isinstance(row, Job) and (row.id, row.state) == (job.id, JobState.RUNNING)
 
 
 def test_a_row_made_with_the_orm_alone_is_a_valid_available_job():

@@ -6,12 +6,14 @@ import threading
 
 import pytest
 
+import django_awa as awa
 from django_awa.execute import Attempt
 from django_awa.handlers import HandlerPool
-from django_awa.models import JobState
+from django_awa.models import JOB_ATTNAMES, ClaimedJob, Job, JobState
 from django_awa.producer import Producer
 from django_awa.state import RunGate, WorkerState
 from tests.conftest import due_job
+from tests.testapp.jobs import ROWS_SEEN, RowProbe
 from tests.testapp.models import Ledger
 
 pytestmark = pytest.mark.django_db
@@ -104,3 +106,28 @@ def test_a_limit_set_while_handlers_run_counts_them_and_holds_the_next_back() ->
     third.join(2)
     gate.set_limit(2)  # room at once: nothing to give back
     assert gate.enter(lambda: False, lambda: released.append(1)) and released == [1]
+
+
+def test_a_handlers_row_is_its_claimed_job_as_a_job_instance_the_same_each_time():
+    ROWS_SEEN.clear()
+    job = awa.enqueue(RowProbe(n=3), queue="probe", tags=["t"], metadata={"m": 1}, priority=1)
+    state = WorkerState.create({"probe": 1})
+    runner = state.queues["probe"]
+    Producer(state, runner).run_once()
+    claimed = Job.objects.get(id=job.id)  # as the claim left it: running, a new lease
+
+    assert HandlerPool(state).run_once(runner, timeout=0)
+
+    [(row, again)] = ROWS_SEEN
+    assert isinstance(row, Job)
+    assert row is again
+    assert row._state.db == "default"
+    assert not row._state.adding
+    fields = [f.attname for f in Job._meta.concrete_fields]
+    assert {f: getattr(row, f) for f in fields} == {f: getattr(claimed, f) for f in fields}
+    assert (row.state, row.args, row.tags, row.metadata) == ("running", {"n": 3}, ["t"], {"m": 1})
+
+
+def test_a_claimed_row_holds_every_job_field_in_column_order():
+    # The claim's rows are read by position: a field added to Job must be added here too.
+    assert ClaimedJob._fields == tuple(JOB_ATTNAMES)

@@ -547,3 +547,19 @@ awa.worker(CappedSpan, queue="capped", limit=awa.Limit(concurrency=2))(span)
 awa.worker(PairedSpan, queue="paired", limit=awa.Limit(concurrency=2, by="key"))(span)
 awa.worker(RatedSpan, queue="keyrate", limit=awa.Limit(rate="4/s", by="key"))(span)
 awa.worker(SequencedSpan, queue="seq", max_attempts=3, sequence="key")(span)
+
+
+@dataclass
+class RowProbe(awa.JobArgs):
+    """Its handler keeps what ``job.row`` gave it, twice (``ROWS_SEEN``)."""
+
+    n: int = 0
+
+
+# (job.row, job.row) for each RowProbe attempt run in this process.
+ROWS_SEEN: list[tuple[object, object]] = []
+
+
+@awa.worker(RowProbe, queue="probe")
+def row_probe(job: awa.JobContext):
+    ROWS_SEEN.append((job.row, job.row))
