@@ -1,0 +1,165 @@
+"""The instructions one awa_worker spends per job, counted by valgrind's callgrind.
+
+    .venv/bin/python benchmarks/instructions.py [--jobs 2000,8000] [--repeats 2] [--base DIR]
+
+On a shared machine a drain's time and CPU move by 10 to 30% from one run to the
+next; an instruction count does not (callgrind counts what the process executes,
+whatever else the machine is doing), so a change of a few percent in the
+worker's own work shows here when the drain's time cannot show it.
+
+Each run drains N no-op jobs with ``awa_worker --queue bench`` (the defaults)
+under ``valgrind --tool=callgrind`` and reads the total it prints. The jobs are
+enqueued before the worker starts, by a process outside valgrind; the worker
+gets SIGTERM once every job is completed (polled every 0.2 s) and shuts down as
+usual. Start-up, shutdown and idle time cost the same at any N, so the runs of
+the two sizes in ``--jobs`` give the cost of a job as the difference of their
+totals divided by the difference of their sizes. Under valgrind the worker runs
+about fifty times slower and one thread at a time: the count is the work of the
+worker's Python code (and the libraries it calls), not a prediction of its speed.
+
+``--base DIR`` (a second checkout, e.g. ``git worktree add DIR main``) runs
+DIR's django_awa too, alternating with this checkout's: before and after in one
+run. Needs valgrind (Debian's package) and PostgreSQL on 127.0.0.1:5432 (user
+postgres, trust); runs in the benchmarks' virtualenv or the repository's. Each
+run gets a fresh database copied from a migrated template; all are dropped at
+the end. No test asserts a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+DB = "awa_bench_instr"
+DSN = "postgresql://postgres@127.0.0.1:5432/"
+POLL = 0.2
+ENQUEUE = """
+import sys
+import django
+django.setup()
+from django.db import transaction
+import django_awa as awa
+from djbench.awa_app.jobs import Noop
+n = int(sys.argv[1])
+with transaction.atomic():
+    for start in range(0, n, 1000):
+        awa.enqueue_many([Noop(n=i) for i in range(start, min(n, start + 1000))])
+"""
+
+
+def _env(db: str, code: Path) -> dict[str, str]:
+    """A process running ``code``'s django_awa (the bench app and settings are this checkout's)."""
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "djbench.settings_awa",
+        "BENCH_DB": db,
+        "PYTHONPATH": os.pathsep.join([str(BENCH), str(code)]),
+    }
+
+
+def _admin(*statements: str) -> None:
+    with psycopg.connect(DSN + "postgres", autocommit=True) as admin:
+        for statement in statements:
+            admin.execute(statement)
+
+
+def _completed(db: str) -> int:
+    with psycopg.connect(DSN + db, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM awa_job WHERE queue = 'bench' AND state = 'completed'"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def drain(code: Path, jobs: int, template: str, timeout: float) -> int:
+    """Instructions callgrind counted in a worker of ``code`` draining ``jobs`` jobs."""
+    _admin(
+        f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", f"CREATE DATABASE {DB} TEMPLATE {template}"
+    )
+    env = _env(DB, code)
+    subprocess.run([sys.executable, "-c", ENQUEUE, str(jobs)], env=env, cwd=code, check=True)
+    worker = subprocess.Popen(
+        [
+            "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+            sys.executable, "-m", "django", "awa_worker", "--queue", "bench",
+        ],
+        env=env,
+        cwd=code,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + timeout
+        while _completed(DB) < jobs:
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the worker of {code} did not drain {jobs} jobs")
+            time.sleep(POLL)
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=timeout)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    found = re.search(r"Collected : (\d+)", err)
+    if found is None:
+        raise RuntimeError(f"no instruction count from callgrind:\n{err[-2000:]}")
+    return int(found.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--jobs", default="2000,8000", help="the two drain sizes (default 2000,8000)"
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="pairs of drains per checkout")
+    parser.add_argument("--base", type=Path, help="a second checkout to count too")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per drain")
+    args = parser.parse_args()
+    small, large = sorted(int(n) for n in args.jobs.split(","))
+    if not 0 < small < large or args.repeats < 1:
+        parser.error("--jobs needs two different positive sizes, --repeats at least 1")
+    if shutil.which("valgrind") is None:
+        sys.exit("instructions.py needs valgrind (apt-get install valgrind)")
+    codes = {"this checkout": ROOT}
+    if args.base is not None:
+        codes = {f"base ({args.base})": args.base.resolve(), **codes}
+    template = f"{DB}_tmpl"
+    _admin(f"DROP DATABASE IF EXISTS {template} WITH (FORCE)", f"CREATE DATABASE {template}")
+    per_job: dict[str, list[float]] = {name: [] for name in codes}
+    try:
+        migrate = [sys.executable, "-m", "django", "migrate", "-v0"]
+        subprocess.run(migrate, env=_env(template, ROOT), cwd=ROOT, check=True)
+        for repeat in range(args.repeats):
+            names = list(codes) if repeat % 2 == 0 else list(reversed(codes))
+            for name in names:
+                counts = {n: drain(codes[name], n, template, args.timeout) for n in (small, large)}
+                cost = (counts[large] - counts[small]) / (large - small)
+                per_job[name].append(cost)
+                print(
+                    f"repeat {repeat + 1} {name}: {counts[small]:,} and {counts[large]:,} "
+                    f"instructions for {small:,} and {large:,} jobs: {cost:,.0f} a job",
+                    flush=True,
+                )
+    finally:
+        _admin(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
+        _admin(f"DROP DATABASE IF EXISTS {template} WITH (FORCE)")
+    print(f"\nworker instructions per job (median of {args.repeats}):")
+    for name, costs in per_job.items():
+        print(f"  {name:<40} {statistics.median(costs):>10,.0f}")
+
+
+if __name__ == "__main__":
+    main()
