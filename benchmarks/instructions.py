@@ -1,28 +1,32 @@
 """The instructions one awa_worker spends per job, counted by valgrind's callgrind.
 
-    .venv/bin/python benchmarks/instructions.py [--jobs 2000,8000] [--repeats 2] [--base DIR]
+    .venv/bin/python benchmarks/instructions.py [--jobs 2000,8000] [--repeats 3] [--base DIR]
 
 On a shared machine a drain's time and CPU move by 10 to 30% from one run to the
-next; an instruction count does not (callgrind counts what the process executes,
-whatever else the machine is doing), so a change of a few percent in the
-worker's own work shows here when the drain's time cannot show it.
+next. Callgrind counts what the process executes, whatever else the machine is
+doing; what still moves the count is how the drain went (how the claims and
+the outcome batches fell, and the maintenance thread's periodic work during the
+longer drain, which lands in the difference below), so take the median of a
+few repeats. A change of some percent in the worker's own work then shows here
+when the drain's time cannot show it.
 
 Each run drains N no-op jobs with ``awa_worker --queue bench`` (the defaults)
 under ``valgrind --tool=callgrind`` and reads the total it prints. The jobs are
 enqueued before the worker starts, by a process outside valgrind; the worker
 gets SIGTERM once every job is completed (polled every 0.2 s) and shuts down as
-usual. Start-up, shutdown and idle time cost the same at any N, so the runs of
-the two sizes in ``--jobs`` give the cost of a job as the difference of their
-totals divided by the difference of their sizes. Under valgrind the worker runs
+usual. Start-up and shutdown cost the same at any N, so the runs of the two
+sizes in ``--jobs`` give the cost of a job as the difference of their totals
+divided by the difference of their sizes. Under valgrind the worker runs
 about fifty times slower and one thread at a time: the count is the work of the
 worker's Python code (and the libraries it calls), not a prediction of its speed.
 
 ``--base DIR`` (a second checkout, e.g. ``git worktree add DIR main``) runs
 DIR's django_awa too, alternating with this checkout's: before and after in one
-run. Needs valgrind (Debian's package) and PostgreSQL on 127.0.0.1:5432 (user
-postgres, trust); runs in the benchmarks' virtualenv or the repository's. Each
-run gets a fresh database copied from a migrated template; all are dropped at
-the end. No test asserts a figure.
+run. Each checkout runs its own bench project, and each drain gets a fresh
+database copied from a template that checkout's migrations made; all are
+dropped at the end. Needs valgrind (Debian's package) and PostgreSQL on
+127.0.0.1:5432 (user postgres, trust); runs in the benchmarks' virtualenv or the
+repository's. No test asserts a figure.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ from pathlib import Path
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "benchmarks"
 DB = "awa_bench_instr"
 DSN = "postgresql://postgres@127.0.0.1:5432/"
 POLL = 0.2
@@ -60,12 +63,12 @@ with transaction.atomic():
 
 
 def _env(db: str, code: Path) -> dict[str, str]:
-    """A process running ``code``'s django_awa (the bench app and settings are this checkout's)."""
+    """A process running ``code``'s django_awa and bench project (``benchmarks/djbench``)."""
     return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "djbench.settings_awa",
         "BENCH_DB": db,
-        "PYTHONPATH": os.pathsep.join([str(BENCH), str(code)]),
+        "PYTHONPATH": os.pathsep.join([str(code / "benchmarks"), str(code)]),
     }
 
 
@@ -124,7 +127,7 @@ def main() -> None:
     parser.add_argument(
         "--jobs", default="2000,8000", help="the two drain sizes (default 2000,8000)"
     )
-    parser.add_argument("--repeats", type=int, default=2, help="pairs of drains per checkout")
+    parser.add_argument("--repeats", type=int, default=3, help="pairs of drains per checkout")
     parser.add_argument("--base", type=Path, help="a second checkout to count too")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per drain")
     args = parser.parse_args()
@@ -136,15 +139,20 @@ def main() -> None:
     codes = {"this checkout": ROOT}
     if args.base is not None:
         codes = {f"base ({args.base})": args.base.resolve(), **codes}
-    template = f"{DB}_tmpl"
-    _admin(f"DROP DATABASE IF EXISTS {template} WITH (FORCE)", f"CREATE DATABASE {template}")
+    templates = {name: f"{DB}_tmpl{i}" for i, name in enumerate(codes)}
     per_job: dict[str, list[float]] = {name: [] for name in codes}
     try:
-        migrate = [sys.executable, "-m", "django", "migrate", "-v0"]
-        subprocess.run(migrate, env=_env(template, ROOT), cwd=ROOT, check=True)
+        for name, template in templates.items():
+            _admin(
+                f"DROP DATABASE IF EXISTS {template} WITH (FORCE)", f"CREATE DATABASE {template}"
+            )
+            migrate = [sys.executable, "-m", "django", "migrate", "-v0"]
+            env = _env(template, codes[name])
+            subprocess.run(migrate, env=env, cwd=codes[name], check=True)
         for repeat in range(args.repeats):
             names = list(codes) if repeat % 2 == 0 else list(reversed(codes))
             for name in names:
+                template = templates[name]
                 counts = {n: drain(codes[name], n, template, args.timeout) for n in (small, large)}
                 cost = (counts[large] - counts[small]) / (large - small)
                 per_job[name].append(cost)
@@ -154,8 +162,8 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        _admin(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
-        _admin(f"DROP DATABASE IF EXISTS {template} WITH (FORCE)")
+        for database in (DB, *templates.values()):
+            _admin(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
     print(f"\nworker instructions per job (median of {args.repeats}):")
     for name, costs in per_job.items():
         print(f"  {name:<40} {statistics.median(costs):>10,.0f}")
