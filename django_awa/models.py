@@ -561,8 +561,9 @@ class ClaimedJob(NamedTuple):
     Every claimed row is one of these rather than a ``Job``: the producer,
     the handler threads and the completer read a few of its values (id,
     run_lease, kind, queue, args, metadata) and nothing else, and building a
-    model instance for each row, then freeing it once its outcome is written,
-    was about a sixth of a worker's CPU for each job (``benchmarks/``, README).
+    model instance for each row, then freeing it once its outcome was written,
+    cost a no-op job 15% of the worker's instructions
+    (``benchmarks/instructions.py``, README).
     A handler that asks for the row (``JobContext.row``) gets a ``Job``, built
     then (``instance``). Its JSON columns hold their parsed values, as a
     ``Job``'s do. Its fields are ``JOB_ATTNAMES``, in order.
@@ -647,10 +648,11 @@ def _job(values: Iterable[tuple[str, Any]], using: str) -> Job:
     """A ``Job`` built as unpickling builds one, from ``(attname, value)`` for every column.
 
     A ``Job`` is built for every row a statement returns (an outcome's, a
-    rescue's), and ``Model.__init__`` (a ``setattr`` per field, between two
-    signals) was most of that Python time. Only for ``Job`` without ``pre_init``/``post_init``
-    receivers (``_plain_init``): the values go straight into ``__dict__``,
-    with a ``ModelState`` saying where the row was read.
+    rescue's, a handler's ``job.row``), and ``Model.__init__`` (a ``setattr``
+    per field, between two signals) was most of that Python time. Only for
+    ``Job`` without ``pre_init``/``post_init`` receivers (``_plain_init``): the
+    values go straight into ``__dict__``, with a ``ModelState`` saying where
+    the row was read.
     """
     job = Job.__new__(Job)
     job.__dict__.update(values)
