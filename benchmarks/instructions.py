@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 
 import psycopg
+from systems.base import admin_execute, dsn_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DB = "awa_bench_instr"
-DSN = "postgresql://postgres@127.0.0.1:5432/"
 POLL = 0.2
 ENQUEUE = """
 import sys
@@ -72,14 +72,12 @@ def _env(db: str, code: Path) -> dict[str, str]:
     }
 
 
-def _admin(*statements: str) -> None:
-    with psycopg.connect(DSN + "postgres", autocommit=True) as admin:
-        for statement in statements:
-            admin.execute(statement)
+def _drop(db: str) -> None:
+    admin_execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
 
 
 def _completed(db: str) -> int:
-    with psycopg.connect(DSN + db, autocommit=True) as conn:
+    with psycopg.connect(dsn_for(db), autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM awa_job WHERE queue = 'bench' AND state = 'completed'"
         ).fetchone()
@@ -88,9 +86,8 @@ def _completed(db: str) -> int:
 
 def drain(code: Path, jobs: int, template: str, timeout: float) -> int:
     """Instructions callgrind counted in a worker of ``code`` draining ``jobs`` jobs."""
-    _admin(
-        f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", f"CREATE DATABASE {DB} TEMPLATE {template}"
-    )
+    _drop(DB)
+    admin_execute(f"CREATE DATABASE {DB} TEMPLATE {template}")
     env = _env(DB, code)
     subprocess.run([sys.executable, "-c", ENQUEUE, str(jobs)], env=env, cwd=code, check=True)
     worker = subprocess.Popen(
@@ -143,9 +140,8 @@ def main() -> None:
     per_job: dict[str, list[float]] = {name: [] for name in codes}
     try:
         for name, template in templates.items():
-            _admin(
-                f"DROP DATABASE IF EXISTS {template} WITH (FORCE)", f"CREATE DATABASE {template}"
-            )
+            _drop(template)
+            admin_execute(f"CREATE DATABASE {template}")
             migrate = [sys.executable, "-m", "django", "migrate", "-v0"]
             env = _env(template, codes[name])
             subprocess.run(migrate, env=env, cwd=codes[name], check=True)
@@ -163,7 +159,7 @@ def main() -> None:
                 )
     finally:
         for database in (DB, *templates.values()):
-            _admin(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+            _drop(database)
     print(f"\nworker instructions per job (median of {args.repeats}):")
     for name, costs in per_job.items():
         print(f"  {name:<40} {statistics.median(costs):>10,.0f}")

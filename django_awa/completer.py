@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from . import db, sql, wakeups
 from .execute import Attempt, AttemptResult, errored, unstarted
 from .finalize import finalize
-from .models import Job, JobState
+from .models import ClaimedJob, JobState
 from .otel import instrumentation
 from .sequences import SEQUENCE_KEY, HandOn
 from .state import DB_ERRORS, WorkerState, log_context, reset_connection
@@ -146,7 +146,7 @@ def start_handed_on(state: WorkerState, hand_on: HandOn) -> None:
         state.queues[job.queue].inbox.put(attempt)
 
 
-def give_back_unstarted(state: WorkerState, jobs: list[Job]) -> None:
+def give_back_unstarted(state: WorkerState, jobs: list[ClaimedJob]) -> None:
     """Make ``jobs``, claimed for this worker and never started, available again at
     once with their attempt unused; their places are freed. Should the write fail,
     maintenance rescues them."""

@@ -55,7 +55,7 @@ from .followups import (
 )
 from .kinds import JobArgs, WorkerSpec, registry
 from .logs import log_context
-from .models import Job, JobState, jobs_from_rows
+from .models import ClaimedJob, JobState, claimed_jobs, jobs_from_rows
 from .pending import keep_pending
 from .sequences import (
     HAS_DEPENDENTS_COLUMN,
@@ -208,7 +208,7 @@ def _mark_locked(
 
 def _complete_handing_on(
     results: Sequence[AttemptResult], alias: str, hand_on: HandOn | None
-) -> tuple[list[AttemptResult], list[Job]]:
+) -> tuple[list[AttemptResult], list[ClaimedJob]]:
     """Write completions (``sql.COMPLETE``'s kind of batch) and hand their sequences
     on in one statement, its own transaction (``sql.COMPLETE_HAND_ON``).
 
@@ -252,7 +252,7 @@ def _complete_handing_on(
         result = by_id[row[1 + ID_COLUMN]]
         result.has_dependents = row[1 + HAS_DEPENDENTS_COLUMN]
         applied.append(result)
-    return applied, jobs_from_rows([row[1:] for row in rows if row[0]], alias)
+    return applied, claimed_jobs(row[1:] for row in rows if row[0])
 
 
 def _settle_dependents(applied: Sequence[AttemptResult], alias: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import json.scanner
-import operator
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
@@ -614,17 +613,14 @@ class ClaimedJob(NamedTuple):
         return job
 
 
-# What the worker carries for an attempt: a claimed row, or a Job (a sequence's
-# next member claimed with its predecessor's outcome, a job run in-process).
+# What the worker carries for an attempt: a claimed row, or a Job (a job run
+# in-process by django_awa.testing.perform_job, or built by hand in a test).
 type JobRow = Job | ClaimedJob
 
-_CLAIM_ORDER = operator.itemgetter(*(JOB_ATTNAMES.index(f) for f in ("priority", "run_at", "id")))
 
-
-def claimed_jobs(rows: list[Sequence[Any]]) -> list[ClaimedJob]:
-    """Rows of a claim (every column in ``sql.JOB_COLUMNS`` order, JSON as text) as
-    ``ClaimedJob``, in the order their handlers start: priority, run_at, id."""
-    rows.sort(key=_CLAIM_ORDER)
+def claimed_jobs(rows: Iterable[Sequence[Any]]) -> list[ClaimedJob]:
+    """Rows a claim started (every column in ``sql.JOB_COLUMNS`` order, JSON as
+    text) as ``ClaimedJob``, in the order given."""
     return [ClaimedJob._make(_json_parsed(values)) for values in rows]
 
 

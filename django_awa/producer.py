@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -205,16 +206,26 @@ def claim(queue: str, limit: int, alias: str, *, unflushed: bool = False) -> lis
 def _run_claim(statement: str, params: dict[str, Any], alias: str) -> list[ClaimedJob]:
     """Run a claim statement (autocommit) with ``params`` and the kinds' deadlines;
     the jobs it started, in claim order."""
-    return claimed_jobs(_claim_rows(statement, params, alias))
+    return _in_claim_order(claimed_jobs(_claim_rows(statement, params, alias)))
 
 
 def _claim_rows(statement: str, params: dict[str, Any], alias: str) -> list[Any]:
-    """The rows a claim statement started, as fetched: ``_claimed_jobs`` makes them jobs."""
+    """The rows a claim statement started, as fetched (``claimed_jobs`` makes them jobs)."""
     params["deadlines"] = registry.deadlines_json()
     params["default_deadline"] = awa_settings().default_deadline
     with db.cursor(alias) as cursor:
         cursor.execute(statement, params)
         return cursor.fetchall()
+
+
+# The order a claim's jobs start in, as its statement picked them.
+_CLAIM_ORDER = operator.attrgetter("priority", "run_at", "id")
+
+
+def _in_claim_order(jobs: list[ClaimedJob]) -> list[ClaimedJob]:
+    """``jobs`` sorted as their handlers start them: priority, run_at, id."""
+    jobs.sort(key=_CLAIM_ORDER)
+    return jobs
 
 
 def claim_sequenced(queue: str, limit: int, alias: str) -> list[ClaimedJob]:
@@ -260,7 +271,7 @@ def _claim_under_lock(
         if not (locked and locked[0]):
             return None
         rows = _claim_rows(statement, params, alias)
-    return claimed_jobs(rows)
+    return _in_claim_order(claimed_jobs(rows))
 
 
 def claim_keyed(

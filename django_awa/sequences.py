@@ -26,7 +26,7 @@ from . import db, sql, wakeups
 from .conf import awa_settings
 from .execute import AttemptResult
 from .kinds import registry
-from .models import JOB_ATTNAMES, Job, JobState, jobs_from_rows
+from .models import JOB_ATTNAMES, ClaimedJob, Job, JobState, claimed_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ class HandOn:
     ``finalize`` claimed into them."""
 
     places: dict[str, int]
-    claimed: list[Job] = field(default_factory=list)
+    claimed: list[ClaimedJob] = field(default_factory=list)
 
-    def took(self, claimed: list[Job]) -> None:
+    def took(self, claimed: list[ClaimedJob]) -> None:
         """``claimed`` (committed) fill places: add them, take their places off."""
         for job in claimed:
             self.places[job.queue] -= 1
@@ -82,7 +82,7 @@ def places_of(keys: list[tuple[str, str]], hand_on: HandOn | None) -> list[str |
 
 def hand_off(
     keys: list[tuple[str, str]], alias: str, hand_on: HandOn | None = None
-) -> tuple[list[str], list[Job]]:
+) -> tuple[list[str], list[ClaimedJob]]:
     """Hand each sequence of ``keys`` ((key, queue of the member that finished)) on to
     its first unfinished member.
 
@@ -110,7 +110,7 @@ def hand_off(
             },
         )
         rows = cursor.fetchall()
-    claimed = jobs_from_rows([row[1:] for row in rows if row[0]], alias)
+    claimed = claimed_jobs(row[1:] for row in rows if row[0])
     restored = [row[1 + QUEUE_COLUMN] for row in rows if not row[0]]
     return restored, claimed
 
