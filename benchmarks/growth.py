@@ -105,9 +105,11 @@ def admin_execute(statement: str) -> None:
         conn.execute(statement)  # type: ignore[arg-type]
 
 
-def create_database(dbname: str) -> None:
+def create_database(dbname: str, template: str | None = None) -> None:
+    """``dbname`` made afresh (dropped first if it exists): empty, or a copy of ``template``."""
     drop_database(dbname)
-    admin_execute(f'CREATE DATABASE "{dbname}"')
+    copy = "" if template is None else f' TEMPLATE "{template}"'
+    admin_execute(f'CREATE DATABASE "{dbname}"{copy}')
 
 
 def drop_database(dbname: str) -> None:

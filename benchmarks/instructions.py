@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from systems.base import admin_execute, dsn_for
+from growth import create_database, drop_database, dsn
 
 ROOT = Path(__file__).resolve().parent.parent
 DB = "awa_bench_instr"
@@ -72,12 +72,8 @@ def _env(db: str, code: Path) -> dict[str, str]:
     }
 
 
-def _drop(db: str) -> None:
-    admin_execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
-
-
 def _completed(db: str) -> int:
-    with psycopg.connect(dsn_for(db), autocommit=True) as conn:
+    with psycopg.connect(dsn(db), autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM awa_job WHERE queue = 'bench' AND state = 'completed'"
         ).fetchone()
@@ -86,8 +82,7 @@ def _completed(db: str) -> int:
 
 def drain(code: Path, jobs: int, template: str, timeout: float) -> int:
     """Instructions callgrind counted in a worker of ``code`` draining ``jobs`` jobs."""
-    _drop(DB)
-    admin_execute(f"CREATE DATABASE {DB} TEMPLATE {template}")
+    create_database(DB, template)
     env = _env(DB, code)
     subprocess.run([sys.executable, "-c", ENQUEUE, str(jobs)], env=env, cwd=code, check=True)
     worker = subprocess.Popen(
@@ -140,8 +135,7 @@ def main() -> None:
     per_job: dict[str, list[float]] = {name: [] for name in codes}
     try:
         for name, template in templates.items():
-            _drop(template)
-            admin_execute(f"CREATE DATABASE {template}")
+            create_database(template)
             migrate = [sys.executable, "-m", "django", "migrate", "-v0"]
             env = _env(template, codes[name])
             subprocess.run(migrate, env=env, cwd=codes[name], check=True)
@@ -159,7 +153,7 @@ def main() -> None:
                 )
     finally:
         for database in (DB, *templates.values()):
-            _drop(database)
+            drop_database(database)
     print(f"\nworker instructions per job (median of {args.repeats}):")
     for name, costs in per_job.items():
         print(f"  {name:<40} {statistics.median(costs):>10,.0f}")
