@@ -46,33 +46,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def server_cpu_seconds(server: Server) -> float:
-    """CPU seconds used so far by the server: the postmaster, its live processes, and
-    (in the postmaster's children times) the backends that have exited."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            cmdline = (stat.parent / "cmdline").read_bytes()
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if str(server.data).encode() in cmdline:  # the postmaster
-            total += sum(int(f) for f in fields[11:15]) / tick
-        elif _child_of_server(stat.parent, server):
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
-def _child_of_server(proc: Path, server: Server) -> bool:
-    try:
-        ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
-    except (OSError, ValueError):
-        return False
-    return str(server.data).encode() in parent
-
-
 def main() -> int:
     opts = parse_args()
     if os.geteuid() != 0:
@@ -128,7 +101,7 @@ def measure(opts: argparse.Namespace, counts: list[int], hosts: Hosts, server: S
                 "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", [DATABASE]
             )
             commits = cursor.fetchone()[0]
-        cpu = server_cpu_seconds(server)
+        cpu = server.cpu_seconds()
         procs = []
         started = time.monotonic()
         for w in range(n):
@@ -179,7 +152,7 @@ def measure(opts: argparse.Namespace, counts: list[int], hosts: Hosts, server: S
                 "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", [DATABASE]
             )
             commits = cursor.fetchone()[0] - commits
-        used = (server_cpu_seconds(server) - cpu) / elapsed / cores
+        used = (server.cpu_seconds() - cpu) / elapsed / cores
         print(f"{n:>8} {opts.jobs / running:>8.0f} {commits / elapsed:>10.0f} {used:>10.0%}")
     from django.db import connections
 

@@ -12,7 +12,9 @@ Everything is removed by ``close()``, also after a failure; the addresses
 exist only inside what is made here.
 
 ``Server`` is a private PostgreSQL 15 (initdb under a temp dir, run as the
-``postgres`` user) listening on 127.0.0.1 and on the hosts' gateways.
+``postgres`` user) listening on 127.0.0.1 and on the hosts' gateways, with
+any settings of one's own (``benchmarks/where_time_goes.py`` preloads
+``pg_stat_statements``).
 Needs root and ``iproute2``.
 """
 
@@ -112,7 +114,10 @@ def skew_env(seconds: float, pythonpath: str = "") -> dict[str, str]:
 class Server:
     """A private PostgreSQL 15 on ``SERVER_PORT``, listening on loopback and ``addresses``."""
 
-    def __init__(self, addresses: list[str], port: int = SERVER_PORT) -> None:
+    def __init__(
+        self, addresses: list[str], port: int = SERVER_PORT, settings: dict[str, str] | None = None
+    ) -> None:
+        """``settings``: more ``postgresql.conf`` lines (name to value, written as given)."""
         if not port_free(port):
             raise RuntimeError(f"port {port} is in use")
         self.port = port
@@ -127,6 +132,7 @@ class Server:
                 f"unix_socket_directories = '{self.dir}'\nmax_connections = 300\n"
                 "autovacuum = on\n"
             )
+            conf.writelines(f"{name} = {value}\n" for name, value in (settings or {}).items())
         with (self.data / "pg_hba.conf").open("a") as hba:
             hba.write(f"host all all {SUBNET} trust\n")
         self.started = False
@@ -142,6 +148,25 @@ class Server:
             PG_BIN / "pg_ctl", "-D", self.data, "-l", self.dir / "log", "-w", "-t", "60", "start"
         )
         self.started = True
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by the server: the postmaster, its live processes, and
+        (in the postmaster's children times) the backends that have exited."""
+        tick = os.sysconf("SC_CLK_TCK")
+        data = str(self.data).encode()
+        total = 0.0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                cmdline = (stat.parent / "cmdline").read_bytes()
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                parent = Path(f"/proc/{fields[1]}/cmdline").read_bytes()
+            except (OSError, IndexError):
+                continue
+            if data in cmdline:  # the postmaster
+                total += sum(int(f) for f in fields[11:15]) / tick
+            elif data in parent:
+                total += (int(fields[11]) + int(fields[12])) / tick
+        return total
 
     def url(self, database: str, host: str = "127.0.0.1") -> str:
         return (
