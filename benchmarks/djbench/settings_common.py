@@ -21,7 +21,8 @@ DATABASES = {
         "NAME": os.environ.get("BENCH_DB", "awa_bench"),
         "USER": "postgres",
         "HOST": "127.0.0.1",
-        "PORT": "5432",
+        # Another server of this machine's (where_time_goes.py starts its own).
+        "PORT": os.environ.get("BENCH_PG_PORT", "5432"),
         # Persistent connections: with Django's default (0) db_worker's
         # close_old_connections() reconnects for every task.
         "CONN_MAX_AGE": None,
