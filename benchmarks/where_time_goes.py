@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
-from stress.cluster import stop_process, wait_until  # noqa: E402
+from stress.cluster import stop_process  # noqa: E402
 from stress.hosts import Server  # noqa: E402
 
 DATABASE = "awa_where"
@@ -144,31 +144,52 @@ def measure(opts: argparse.Namespace, server: Server, py_spy: str | None) -> int
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE EXTENSION pg_stat_statements")
         conn.execute("SELECT pg_stat_statements_reset()")
-    profile = Path(tempfile.mkdtemp(prefix="awa-where-")) / "worker.txt"
+    work = Path(tempfile.mkdtemp(prefix="awa-where-"))
+    try:
+        return drain(opts, server, py_spy, env, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def drain(
+    opts: argparse.Namespace, server: Server, py_spy: str | None, env: dict[str, str], work: Path
+) -> int:
+    """Drain the queued jobs with one worker (sampled by py-spy unless ``py_spy`` is None)
+    and print where the time went."""
+    import psycopg
+
+    profile, log = work / "worker.txt", work / "worker.log"
     worker = [sys.executable, "-m", "django", "awa_worker", "--queue", "bench"]
     if py_spy is not None:
         sampler = [py_spy, "record", "--gil", "--nonblocking", "--format", "raw"]
         worker = [*sampler, "--rate", "500", "--output", str(profile), "--", *worker]
+    url = server.url(DATABASE)
     cpu = server.cpu_seconds()
     started = time.monotonic()
-    proc = subprocess.Popen(
-        worker, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        start_new_session=True,
-    )  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            worker, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
     try:
         with psycopg.connect(url, autocommit=True) as conn:
 
             def drained() -> bool:
                 row = conn.execute(POLL).fetchone()
-                return row is not None and row[0]
+                return bool(row and row[0])
 
-            wait_until(drained, opts.timeout, f"the drain of {opts.jobs:,} jobs", 0.05)
+            while not drained():
+                if proc.poll() is not None or time.monotonic() - started > opts.timeout:
+                    tail = log.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"the drain of {opts.jobs:,} jobs did not finish:\n{tail}")
+                time.sleep(0.05)
             seconds = time.monotonic() - started
             server_cpu = server.cpu_seconds() - cpu
-            worker_cpu = _process_cpu(_worker_pid(proc, sampled=py_spy is not None))
+            pid = _worker_pid(proc, sampled=py_spy is not None)
+            worker_cpu = _process_cpu(pid)
             rows = conn.execute(STATEMENTS, [DATABASE]).fetchall()
         # SIGTERM to the worker alone: py-spy writes its profile once its child exits.
-        os.kill(_worker_pid(proc, sampled=py_spy is not None), signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
         proc.wait(opts.timeout)
     finally:
         stop_process(proc)
@@ -181,7 +202,6 @@ def measure(opts: argparse.Namespace, server: Server, py_spy: str | None) -> int
     print_statements(rows, opts.jobs, server_cpu, opts.top)
     if py_spy is not None:
         print_profile(profile, opts.top)
-    shutil.rmtree(profile.parent, ignore_errors=True)
     return 0
 
 
