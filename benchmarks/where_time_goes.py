@@ -52,6 +52,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
+from instructions import ENQUEUE  # noqa: E402
+from systems.cpu import own_seconds  # noqa: E402
+
 from stress.cluster import stop_process  # noqa: E402
 from stress.hosts import Server  # noqa: E402
 
@@ -62,16 +65,6 @@ SETTINGS = {
     "pg_stat_statements.track_planning": "on",
     "autovacuum": "off",
 }
-ENQUEUE = """
-import sys
-import django
-django.setup()
-import django_awa as awa
-from djbench.awa_app.jobs import Noop
-n = int(sys.argv[1])
-for start in range(0, n, 1000):
-    awa.enqueue_many([Noop(n=i) for i in range(start, min(n, start + 1000))])
-"""
 # This script's own poll (left out of the statements' shares): completed jobs are
 # not in awa_job's own pages, so it reads what is left there, not 20,000 rows.
 POLL = "SELECT NOT EXISTS (SELECT FROM ONLY awa_job WHERE state <> 'completed')"
@@ -129,15 +122,15 @@ def measure(opts: argparse.Namespace, server: Server, py_spy: str | None) -> int
 
     with psycopg.connect(server.url("postgres"), autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{DATABASE}"')
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "djbench.settings_awa",
-        "BENCH_DB": DATABASE,
-        "BENCH_PG_PORT": str(server.port),
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]),
-    }
-    os.environ.update(env)  # this process reads the statements' names in sql.py
-    run = {"env": env, "cwd": ROOT, "check": True, "timeout": 600}
+    # The bench project on this server, for the processes started here and for this
+    # one, which reads the statements' names in sql.py.
+    os.environ.update(
+        DJANGO_SETTINGS_MODULE="djbench.settings_awa",
+        BENCH_DB=DATABASE,
+        BENCH_PG_PORT=str(server.port),
+        PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]),
+    )
+    run = {"cwd": ROOT, "check": True, "timeout": 600}
     subprocess.run([sys.executable, "-m", "django", "migrate", "-v0"], **run)
     subprocess.run([sys.executable, "-c", ENQUEUE, str(opts.jobs)], **run)
     url = server.url(DATABASE)
@@ -146,14 +139,12 @@ def measure(opts: argparse.Namespace, server: Server, py_spy: str | None) -> int
         conn.execute("SELECT pg_stat_statements_reset()")
     work = Path(tempfile.mkdtemp(prefix="awa-where-"))
     try:
-        return drain(opts, server, py_spy, env, work)
+        return drain(opts, server, py_spy, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def drain(
-    opts: argparse.Namespace, server: Server, py_spy: str | None, env: dict[str, str], work: Path
-) -> int:
+def drain(opts: argparse.Namespace, server: Server, py_spy: str | None, work: Path) -> int:
     """Drain the queued jobs with one worker (sampled by py-spy unless ``py_spy`` is None)
     and print where the time went."""
     import psycopg
@@ -168,7 +159,7 @@ def drain(
     started = time.monotonic()
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            worker, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            worker, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
     try:
@@ -186,7 +177,7 @@ def drain(
             seconds = time.monotonic() - started
             server_cpu = server.cpu_seconds() - cpu
             pid = _worker_pid(proc, sampled=py_spy is not None)
-            worker_cpu = _process_cpu(pid)
+            worker_cpu = own_seconds(pid) or 0.0
             rows = conn.execute(STATEMENTS, [DATABASE]).fetchall()
         # SIGTERM to the worker alone: py-spy writes its profile once its child exits.
         os.kill(pid, signal.SIGTERM)
@@ -215,11 +206,6 @@ def _worker_pid(proc: subprocess.Popen[bytes], *, sampled: bool) -> int:
     return int(children[0])
 
 
-def _process_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # -- PostgreSQL's side ---------------------------------------------------------------
 
 
@@ -243,7 +229,7 @@ def statement_names() -> dict[tuple[str, ...], str]:
     for name, value in vars(sql).items():
         if name.isupper() and isinstance(value, str):
             named.setdefault(_words(value), name)
-    for plain, releasing in getattr(sql, "RELEASING", {}).items():
+    for plain, releasing in sql.RELEASING.items():
         if plain_name := named.get(_words(plain)):
             named.setdefault(_words(releasing), f"{plain_name} (releasing)")
     return named
