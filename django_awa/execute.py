@@ -219,6 +219,10 @@ class JobContext:
         """The jobs this one waited for, each with its ``result``, in ``after`` order."""
         return self._attempt.instance().dependencies()
 
+    async def adependencies(self) -> list[Job]:
+        """``dependencies`` for ``async def`` handlers (it reads the database)."""
+        return await sync_to_async(self.dependencies)()
+
     @property
     def workflow_id(self) -> uuid.UUID | None:
         return self._attempt.job.workflow_id
@@ -618,16 +622,49 @@ def call_handler(
     if not spec.is_async:
         return spec.handler(context)
     attempt = context._attempt
-    if loop is None:
-        return async_to_sync(supervise)(spec.handler(context), attempt, timeout)
-    future = asyncio.run_coroutine_threadsafe(
-        _own_thread(supervise(spec.handler(context), attempt, timeout)), loop
-    )
     try:
-        return future.result()
-    except concurrent.futures.CancelledError:
-        # The loop itself cancelled the supervisor: it is stopping, at shutdown.
-        raise AttemptLost("cancelled: the worker's event loop stopped") from None
+        if loop is None:
+            return async_to_sync(supervise)(spec.handler(context), attempt, timeout)
+        future = asyncio.run_coroutine_threadsafe(
+            _own_thread(supervise(spec.handler(context), attempt, timeout)), loop
+        )
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            # The loop itself cancelled the supervisor: it is stopping, at shutdown.
+            raise AttemptLost("cancelled: the worker's event loop stopped") from None
+    except _Raised as carried:
+        raise carried.exc from None
+
+
+class _Raised(Exception):
+    """What an async handler raised that asyncio would not treat as the task's error.
+
+    A task re-raises ``SystemExit`` and ``KeyboardInterrupt`` out of the event
+    loop, which would stop the worker's loop for every other async handler;
+    and a ``CancelledError`` the handler raised itself (no one cancelled its
+    task: a cancelled inner task's, say) would read as its attempt being lost.
+    Carried to the handler's thread inside this, they are raised there again,
+    and recorded as any other exception a handler raises.
+    """
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(exc)
+        self.exc = exc
+
+
+async def _carried(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Await the handler's ``coro``, with what it raises that asyncio would not
+    treat as a task's error carried in ``_Raised``."""
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise _Raised(exc) from None
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # cancelled by supervise (a lost attempt, a timeout) or at shutdown
+        raise _Raised(exc) from None
 
 
 async def _own_thread(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -654,7 +691,7 @@ async def supervise(coro: Coroutine[Any, Any, Any], attempt: Attempt, timeout: f
     handler pool replaces such threads within a bound); the worker does not
     wait for it past ``SHUTDOWN_TIMEOUT``.
     """
-    task = asyncio.ensure_future(coro)
+    task = asyncio.ensure_future(_carried(coro))
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     while True:

@@ -44,6 +44,7 @@ from .completer import notify_freed
 from .execute import (
     Attempt,
     AttemptResult,
+    describe,
     from_exception,
     resolve_handler,
     run_attempt,
@@ -67,6 +68,9 @@ STUCK_GRACE_MIN = 5.0
 ENGINE_RESERVE = 2
 # How often a thread waiting at the gate looks whether the worker halted, seconds.
 GATE_HALT_POLL = 0.5
+# At shutdown, how long async handlers still running get to end once cancelled,
+# seconds, before the event loop stops (the process's threads get 3 s in all).
+LOOP_GRACE = 1.0
 
 _thread = threading.local()
 
@@ -524,10 +528,19 @@ class HandlerPool:
             return self.loop
 
     def stop_loop(self) -> None:
-        """Stop the event loop thread (at shutdown); a handler still on it is left there."""
+        """Stop the event loop thread (at shutdown), once the handlers still on it are done.
+
+        Their attempts were given back: each is cancelled now (its handler sees
+        ``CancelledError``, its ``except`` and ``finally`` run) rather than left
+        to its supervisor's next look at the attempt, which a stopped loop would
+        never take. The loop stops when they are done, or after ``LOOP_GRACE``
+        seconds for a handler that goes on regardless.
+        """
         with self.loop_lock:
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self.loop.stop)
+            loop = self.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # its thread is gone, the loop closed
+                asyncio.run_coroutine_threadsafe(_cancel_and_stop(loop), loop)
 
     # -- the main thread's ---------------------------------------------------------
 
@@ -662,10 +675,35 @@ class HandlerPool:
         )  # fmt: skip
 
 
+async def _cancel_and_stop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every other task on ``loop``, wait up to ``LOOP_GRACE`` for them, stop it."""
+    try:
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=LOOP_GRACE)
+    finally:
+        loop.stop()
+
+
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """The body of the ``awa-asyncio`` thread."""
+    """The body of the ``awa-asyncio`` thread: the loop runs until ``stop_loop``.
+
+    A task re-raises ``SystemExit`` and ``KeyboardInterrupt`` out of the loop.
+    A handler's own come to its thread instead (``execute.call_handler``); one
+    from a task a handler started is logged, and the loop goes on for the
+    other handlers on it.
+    """
     asyncio.set_event_loop(loop)
     try:
-        loop.run_forever()
+        while True:
+            try:
+                loop.run_forever()
+                return
+            except (SystemExit, KeyboardInterrupt) as exc:
+                logger.error(
+                    "a task on the worker's event loop raised %s; the loop goes on", describe(exc)
+                )
     finally:
         loop.close()

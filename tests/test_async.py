@@ -68,6 +68,50 @@ def test_async_handlers_follow_the_outcome_table(start_worker):
     assert runs == [1, 1]
 
 
+def test_what_asyncio_would_not_treat_as_an_error_is_the_async_handlers_error(start_worker):
+    # SystemExit and KeyboardInterrupt escape an asyncio task and stop its loop; a
+    # CancelledError nobody asked for reads as a cancelled task. From a handler, each
+    # is its attempt's error, as from a sync one, and the worker's loop runs on.
+    raising = {
+        "system_exit": "SystemExit: 3",
+        "keyboard_interrupt": "KeyboardInterrupt",
+        "own_cancel": "CancelledError: my own cancel",
+        "inner_cancel": "CancelledError",
+    }
+    jobs = {action: awa.enqueue(AsyncAct(action=action)) for action in raising}
+    start_worker("--queue", "default=1")  # one place: each runs after the one before
+    for action, error in raising.items():
+        row = wait_for_state(jobs[action].id, JobState.RETRYABLE)
+        assert row.attempt == 1 and row.errors[-1]["error"] == error, row.errors
+    later = awa.enqueue(AsyncAct(action="value", n=4))
+    assert wait_for_state(later.id, JobState.COMPLETED).result == {"doubled": 8}
+
+
+def test_an_async_handler_reads_its_dependencies_results(start_worker):
+    first = awa.enqueue(AsyncAct(action="value", n=21))
+    dependent = awa.enqueue(AsyncAct(action="dependencies"), after=[first])
+    start_worker("--queue", "default")
+    done = wait_for_state(dependent.id, JobState.COMPLETED)
+    assert done.result == [{"doubled": 42}]
+
+
+@pytest.mark.slow
+def test_shutdown_cancels_an_async_handler_still_running(start_worker):
+    # Run five times: the cancellation once raced the loop's stop and was lost.
+    for _ in range(5):
+        job = awa.enqueue(AsyncAct(action="sleep", seconds=60))
+        worker = start_worker("--queue", "default", "--shutdown-timeout", "0.5")
+        wait_for(lambda job=job: _ran(job.id, "async:sleep"))
+        began = time.monotonic()
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(20) == 0
+        assert time.monotonic() - began < 3.5, worker.output()
+        assert _ran(job.id, "async-cancelled")  # its except ran, and wrote
+        back = Job.objects.get(id=job.id)
+        assert back.state == JobState.AVAILABLE, back.state
+        Job.objects.filter(id=job.id).delete()
+
+
 def test_an_async_handlers_progress_shows_and_heartbeats_keep_it_alive(start_worker):
     # 4.5 s: past STALE_AFTER (3 s in tests), so only heartbeats keep it from a rescue.
     job = awa.enqueue(AsyncAct(action="progress", seconds=4.5))

@@ -335,6 +335,19 @@ async def async_act(job: awa.JobContext):
         case "enqueue":
             await awa.aenqueue(Echo(n=args.n, note="from-async-handler"))
             return None
+        case "dependencies":
+            return [dependency.result for dependency in await job.adependencies()]
+        case "system_exit":
+            raise SystemExit(3)
+        case "keyboard_interrupt":
+            raise KeyboardInterrupt
+        case "own_cancel":
+            raise asyncio.CancelledError("my own cancel")
+        case "inner_cancel":
+            inner = asyncio.ensure_future(asyncio.sleep(60))
+            asyncio.get_running_loop().call_soon(inner.cancel)
+            await inner  # its CancelledError is the handler's error, not a lost attempt
+            return None
         case "sleep":
             try:
                 await asyncio.sleep(args.seconds)
