@@ -241,6 +241,11 @@ class JobContext:
         seconds = callback_timeout(timeout, "register_callback: timeout")
         callback_id = uuid.uuid4()
         job = self._attempt.job
+        if isinstance(job, Job) and job._state.adding:
+            raise RuntimeError(
+                f"register_callback: job {job.id} has no row to store the callback on "
+                "(perform_job runs a handler without one); test a callback with run_jobs"
+            )
         with connections[self._attempt.alias].cursor() as cursor:
             cursor.execute(
                 sql.REGISTER_CALLBACK,

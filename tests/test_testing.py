@@ -78,6 +78,15 @@ class AssertEnqueuedTests(TestCase):
         Job.objects.filter(id=job.id).update(state=JobState.RETRYABLE)
         assert_enqueued(Echo)
 
+    def test_a_workflow_step_waiting_for_its_dependencies_is_enqueued(self):
+        flow = awa.Workflow("steps")
+        first = flow.add(Echo(n=1))
+        flow.add(Echo(n=2), after=[first])
+        flow.enqueue()
+        [blocked] = assert_enqueued(Echo, n=2)
+        assert blocked.state == JobState.BLOCKED
+        assert [j.args["n"] for j in enqueued(Echo)] == [1, 2]
+
     def test_bad_questions_are_refused_by_name(self):
         with pytest.raises(TypeError, match=r"Echo has no field\(s\) \['nn'\]"):
             assert_enqueued(Echo, nn=1)
@@ -245,6 +254,10 @@ class PerformJobTests(TestCase):
             perform_job(Act(), atempt=2)
         with pytest.raises(LookupError, match="no handler is registered for kind 'unhandled'"):
             perform_job(Unhandled())
+        with pytest.raises(ValueError, match="attempt must be a whole number from 1, got 0"):
+            perform_job(Act(), attempt=0)
+        with pytest.raises(RuntimeError, match=r"no row to store the callback on.*run_jobs"):
+            perform_job(Act(action="callback"))
 
 
 class AsyncTestCaseTests(TestCase):

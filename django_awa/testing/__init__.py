@@ -56,8 +56,9 @@ __all__ = [
     "run_jobs",
 ]
 
-# The states of a job that is enqueued: waiting for its next (or first) run.
-ENQUEUED_STATES = (JobState.AVAILABLE, JobState.SCHEDULED, JobState.RETRYABLE)
+# The states of a job that is enqueued: waiting for its next (or first) run, a
+# workflow step's for its dependencies too.
+ENQUEUED_STATES = (JobState.AVAILABLE, JobState.SCHEDULED, JobState.RETRYABLE, JobState.BLOCKED)
 # Jobs claimed together by one round of run_jobs.
 ROUND_SIZE = 100
 # Jobs listed at most in a failure message.
@@ -106,7 +107,7 @@ def _encode_fields(cls: type[JobArgs], values: dict[str, Any], where: str) -> di
 def enqueued(
     args_cls: type[JobArgs] | None = None, *, queue: str | None = None, using: str | None = None
 ) -> list[Job]:
-    """The jobs waiting to run (available, scheduled or retryable), oldest first.
+    """The jobs waiting to run (available, scheduled, retryable or blocked), oldest first.
 
     Only those of ``args_cls``'s kind and of ``queue`` when given. Reads on
     connection ``using`` (default ``AWA["DATABASE"]``): inside a test's
@@ -409,6 +410,9 @@ def perform_job(args: JobArgs, **context: Any) -> Any:
         raise TypeError(
             f"perform_job(): unknown context field(s) {unknown}; allowed: {sorted(_CONTEXT_FIELDS)}"
         )
+    attempt = context.get("attempt", 1)
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise ValueError(f"perform_job(): attempt must be a whole number from 1, got {attempt!r}")
     spec = registry.handler_for(args.kind)
     if spec is None:
         raise LookupError(f"perform_job(): no handler is registered for kind {args.kind!r}")
@@ -421,7 +425,7 @@ def perform_job(args: JobArgs, **context: Any) -> Any:
         args=encoded,
         state=JobState.RUNNING,
         priority=context.get("priority", spec.priority),
-        attempt=context.get("attempt", 1),
+        attempt=attempt,
         max_attempts=context.get("max_attempts", spec.max_attempts),
         metadata=context.get("metadata", {}),
         tags=list(context.get("tags", [])),
@@ -429,5 +433,5 @@ def perform_job(args: JobArgs, **context: Any) -> Any:
         attempted_at=now,
     )
     job.id = context.get("id", 0)
-    attempt = Attempt(job=job, alias=database_alias(None))
-    return call_handler(spec, JobContext(attempt, decoded, _keep_progress))
+    running = Attempt(job=job, alias=database_alias(None))
+    return call_handler(spec, JobContext(running, decoded, _keep_progress))
