@@ -72,6 +72,7 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
     """
     alias = database_alias(using)
     params: dict[str, Any] = {"ids": [job_id], "states": list(JobState.RETRIABLE)}
+    reopening = False
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
             # A finished row in awa_job_done comes back into awa_job first.
@@ -94,10 +95,17 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [job.queue]})
             # Its dependents that its failure cancelled wait for it again, and
             # it waits for its own dependencies again (SPEC §11).
+            reopening = True
             reopen(job, alias)
             if job.state == JobState.AVAILABLE:
                 job.refresh_from_db(using=alias, fields=["state"])
     except IntegrityError as exc:
+        if reopening:
+            raise UniqueConflict(
+                f"job {job_id} cannot be retried: a job that waits for it, cancelled with "
+                f"it and waiting again once it is retried, has a unique key another job "
+                f"holds now"
+            ) from exc
         raise UniqueConflict(
             f"job {job_id} cannot be retried: another job holds its unique key"
         ) from exc

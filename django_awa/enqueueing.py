@@ -253,6 +253,13 @@ def check_requires(requires: Any, where: str) -> str:
     return requires
 
 
+# The states a blocked job is released into (SPEC §11).
+BLOCKED = JobState.BLOCKED.value
+RELEASED_INTO = frozenset((JobState.AVAILABLE.value, JobState.SCHEDULED.value))
+# The largest id a job can have (awa_job.id is a bigint).
+MAX_JOB_ID = 2**63 - 1
+
+
 def dependency_ids(after: Any, where: str, *, alias: str | None = None) -> list[int]:
     """The ids of the jobs named in ``after`` (``Job`` rows or ids), in order, each once.
 
@@ -273,6 +280,9 @@ def dependency_ids(after: Any, where: str, *, alias: str | None = None) -> list[
                 )
             job_id = item.id
         elif isinstance(item, int) and not isinstance(item, bool):
+            if not 1 <= item <= MAX_JOB_ID:
+                # Refused here: the database would fail on it rather than find no job.
+                raise ValidationError(f"{where}: after names job id {item}, which does not exist")
             job_id = item
         else:
             raise ValidationError(
@@ -441,6 +451,12 @@ def _unique_key(
     bad = [s for s in states if not isinstance(s, str) or s not in JobState.values]
     if bad or not states:
         raise ValidationError(f"{where}: Unique.states has invalid states {bad or states!r}")
+    if BLOCKED not in states and any(s in RELEASED_INTO for s in states):
+        # A blocked job is released in the transaction of its last dependency's
+        # outcome, which must not fail on the job's key: where it would hold its
+        # key once released, it holds it while it waits too, and a clash shows
+        # when it is enqueued (or reopened by a retry).
+        states.append(BLOCKED)
     parts: list[Any] = [kind]
     if unique.by_args:
         parts.append(encoded)

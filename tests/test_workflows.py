@@ -449,6 +449,48 @@ def test_a_unique_clash_in_a_workflow_writes_none_of_it():
     assert _counts() == before
 
 
+@db
+def test_a_dependent_whose_unique_states_leave_out_blocked_holds_its_key_while_it_waits():
+    # states= copied from SPEC §3's list, without "blocked": the dependent would
+    # take its key only when its dependency's outcome released it, and a clash
+    # there failed that outcome. It holds the key while it waits instead, so the
+    # clash shows when it is enqueued.
+    unique = awa.Unique(states=("scheduled", "available", "running", "retryable", "completed"))
+    later = timezone.now() + dt.timedelta(hours=1)
+    held = awa.enqueue(Node(name="mail"), unique=unique, run_at=later)
+    first = awa.enqueue(Node(name="charge"))
+    with pytest.raises(awa.UniqueConflict):
+        awa.enqueue(Node(name="mail"), unique=unique, after=[first])
+    Job.objects.filter(id=held.id).delete()
+    waiting = awa.enqueue(Node(name="mail"), unique=unique, after=[first])
+    assert waiting.state == JobState.BLOCKED and "blocked" in waiting.unique_states
+    with pytest.raises(awa.UniqueConflict):
+        awa.enqueue(Node(name="mail"), unique=unique, run_at=later)
+    assert run_all() == [first.id, waiting.id]
+    assert state(first) == JobState.COMPLETED
+
+
+@db
+def test_a_retry_refused_for_a_dependents_unique_key_says_so():
+    unique = awa.Unique(by_args=True)
+    bad = awa.enqueue(Node(name="bad", action="terminal"))
+    child = awa.enqueue(Node(name="child"), unique=unique, after=[bad])
+    run_next()
+    assert state(child) == JobState.CANCELLED
+    # Cancelled, the child no longer holds its key: another job takes it.
+    awa.enqueue(Node(name="child"), unique=unique)
+    with pytest.raises(awa.UniqueConflict, match=r"a job that waits for it.*has a unique key"):
+        awa.retry(bad.id)
+    assert state(bad) == JobState.FAILED
+
+
+@db
+def test_an_after_id_no_job_can_have_is_refused_as_unknown():
+    with pytest.raises(awa.ValidationError, match=f"after names job id {2**63}, which does not"):
+        awa.enqueue(Node(name="x"), after=[2**63])
+    assert not Job.objects.exists()
+
+
 def _order_flow(n: int, *, before: Job | None = None) -> awa.Workflow:
     """A diamond: ``charge``, then ``pack`` and ``invoice``, then ``ship`` (after
     ``before`` too, when given)."""
