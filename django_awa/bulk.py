@@ -175,12 +175,22 @@ def run(
     if up_to is None:
         return result
     apply = _BATCH[operation]
-    ids_query = targets(queryset, operation).filter(id__lte=up_to).order_by("id")
-    last = 0
+    ids_query = targets(queryset, operation).filter(id__lte=up_to)
+    # A cancel goes from the newest job back: a job's dependents are newer than
+    # it (added after it to its workflow, or enqueued after it), so each batch
+    # reaches them before their dependencies, whose cancellation would
+    # otherwise release a requires="finished" dependent to run before its own
+    # batch came.
+    newest_first = operation is Operation.CANCEL
+    ids_query = ids_query.order_by("-id" if newest_first else "id")
+    last: int | None = None
     # Bounded: each round starts past the last id of the one before, and ids
-    # stop at up_to.
+    # stop at up_to (and at 1).
     while True:
-        ids = list(ids_query.filter(id__gt=last).values_list("id", flat=True)[:batch_size])
+        page = ids_query
+        if last is not None:
+            page = page.filter(id__lt=last) if newest_first else page.filter(id__gt=last)
+        ids = list(page.values_list("id", flat=True)[:batch_size])
         if not ids:
             break
         last = ids[-1]

@@ -58,6 +58,25 @@ def test_cancel_over_a_filter_in_batches_cascades_and_inserts_on_cancelled_follo
     assert Job.objects.get(id=acts[1].id).errors[-1]["error"].endswith("drained")
 
 
+def test_cancelling_a_workflow_in_batches_never_releases_its_all_done_step():
+    flow = awa.Workflow("cancelled in batches")
+    root = flow.add(Node(name="root"))
+    members = [flow.add(Node(name=f"member{i}"), after=[root]) for i in range(5)]
+    report = flow.add(Node(name="report"), after=members, requires="finished")
+    flow.enqueue()
+    seen = []
+
+    def after_batch(result: bulk.Result) -> None:
+        seen.append(Job.objects.get(id=report.job.id).state)
+
+    jobs = Job.objects.filter(workflow_id=root.job.workflow_id)
+    up_to = max(jobs.values_list("id", flat=True))
+    bulk.run(jobs, bulk.Operation.CANCEL, up_to=up_to, batch_size=2, on_batch=after_batch)
+    # Cancelled in its own batch, before its dependencies: never released to run.
+    assert seen and set(seen) == {JobState.CANCELLED}
+    assert set(jobs.values_list("state", flat=True)) == {JobState.CANCELLED}
+
+
 def test_retry_over_a_filter_brings_archived_rows_back_and_reopens_their_dependents():
     acts = [awa.enqueue(Act(action="ok"), queue="bulkq") for _ in range(4)]
     dependent = awa.enqueue(Node(name="after"), after=[acts[0]])
