@@ -83,6 +83,8 @@ class PreparedJob:
     workflow_id: uuid.UUID | None = None
     id: int | None = None
     has_dependents: bool = False
+    # Its sequence's key (metadata["awa_sequence"]), if it has one.
+    sequence_key: str | None = None
 
     def params(self) -> dict[str, Any]:
         return {
@@ -196,6 +198,7 @@ def prepare(
         unique_states=unique_states,
         after=dependency_ids(after, where),
         requires=check_requires(requires, where),
+        sequence_key=sequence_key,
     )
 
 

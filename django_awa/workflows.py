@@ -251,6 +251,7 @@ class Workflow:
             edges[step.index] = list(dict.fromkeys(steps_before))
             prepared.append(job)
         _check_acyclic(self, edges)
+        _check_sequences(self, edges, [job.sequence_key for job in prepared])
         return prepared
 
     def _number(self, prepared: list[PreparedJob], ids: list[int]) -> None:
@@ -322,6 +323,49 @@ def _check_acyclic(workflow: Workflow, edges: dict[int, list[int]]) -> None:
         path.append(following)
     names = " -> ".join(repr(workflow.steps[i]) for i in reversed(cycle))
     raise ValidationError(f"{workflow!r} has a cycle: {names}; nothing was enqueued")
+
+
+def _check_sequences(
+    workflow: Workflow, edges: dict[int, list[int]], keys: list[str | None]
+) -> None:
+    """``ValidationError`` if a step waits, directly or not, for a later step of its
+    own sequence: that step cannot start before this one finishes (SPEC §12), so
+    neither would ever run. The steps are in add() order, their sequences' order.
+    """
+    shared = {key for key in keys if key is not None and keys.count(key) > 1}
+    if not shared:
+        return
+    # For each step, the latest step of each shared sequence among those it waits
+    # for, through every path: steps taken in an order where dependencies come first.
+    latest: dict[int, dict[str, int]] = {}
+    pending = {index: set(deps) for index, deps in edges.items()}
+    dependents: dict[int, list[int]] = {}
+    for index, deps in edges.items():
+        for dep in deps:
+            dependents.setdefault(dep, []).append(index)
+    ready = [index for index, deps in pending.items() if not deps]
+    while ready:  # bounded: each step is taken once (the graph has no cycle)
+        index = ready.pop()
+        mine: dict[str, int] = {}
+        for dep in edges[index]:
+            for seen, step in latest[dep].items():
+                mine[seen] = max(mine.get(seen, -1), step)
+            dep_key = keys[dep]
+            if dep_key is not None and dep_key in shared:
+                mine[dep_key] = max(mine.get(dep_key, -1), dep)
+        latest[index] = mine
+        own = keys[index]
+        if own is not None and mine.get(own, -1) > index:
+            later = workflow.steps[mine[own]]
+            raise ValidationError(
+                f"{workflow!r}: {workflow.steps[index]!r} waits for {later!r}, which comes "
+                f"after it in sequence {own!r} and cannot start before it finishes; "
+                f"nothing was enqueued"
+            )
+        for dependent in dependents.get(index, ()):
+            pending[dependent].discard(index)
+            if not pending[dependent]:
+                ready.append(dependent)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -485,6 +485,26 @@ def test_a_retry_refused_for_a_dependents_unique_key_says_so():
 
 
 @db
+def test_a_step_waiting_for_a_later_step_of_its_own_sequence_is_refused():
+    def member(name: str) -> awa.EnqueueRequest:
+        return awa.EnqueueRequest(Node(name=name), sequence="account-1")
+
+    flow = awa.Workflow("deadlocked")
+    flow.add(member("first"), after=["middle"])
+    flow.add(Node(name="middle"), name="middle", after=["second"])
+    flow.add(member("second"), name="second")
+    with pytest.raises(awa.ValidationError, match="comes after it in sequence 'account-1'"):
+        flow.enqueue()
+    assert not Job.objects.exists()
+    # The other way round is the sequence's own order: both run.
+    flow = awa.Workflow("in order")
+    first = flow.add(member("first"))
+    flow.add(member("second"), after=[first])
+    flow.enqueue()
+    assert len(run_all()) == 2
+
+
+@db
 def test_an_after_id_no_job_can_have_is_refused_as_unknown():
     with pytest.raises(awa.ValidationError, match=f"after names job id {2**63}, which does not"):
         awa.enqueue(Node(name="x"), after=[2**63])
