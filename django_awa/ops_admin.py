@@ -26,7 +26,6 @@ from django.db.models import QuerySet
 from django.http import (
     HttpRequest,
     HttpResponse,
-    HttpResponseBadRequest,
     HttpResponseRedirect,
     JsonResponse,
 )
@@ -35,6 +34,7 @@ from django.urls import URLPattern, path, reverse
 
 from . import bulk, dashboard, sql
 from .admin_base import ModelAdmin as _ModelAdmin
+from .admin_base import bad_request
 from .conf import awa_settings
 from .models import (
     ERROR_LINE_CHARS,
@@ -113,7 +113,7 @@ class DashboardAdmin(_PageAdmin[Dashboard]):
             raise PermissionDenied
         window = request.GET.get("window", "hour")
         if window not in dashboard.WINDOWS:
-            return HttpResponseBadRequest(
+            return bad_request(
                 f"window must be one of {', '.join(sorted(dashboard.WINDOWS))}, not {window!r}"
             )
         try:
@@ -121,7 +121,7 @@ class DashboardAdmin(_PageAdmin[Dashboard]):
         except ValueError:
             refresh = -1.0
         if not 1 <= refresh <= 300:
-            return HttpResponseBadRequest("refresh must be a number of seconds from 1 to 300")
+            return bad_request("refresh must be a number of seconds from 1 to 300")
         context = {
             **self.admin_site.each_context(request),
             "title": "Dashboard",
@@ -255,16 +255,14 @@ class DeadLetterAdmin(_PageAdmin[DeadLetter]):
         operation = request.POST.get("operation")
         needs = {"retry": "change", "purge": "delete"}.get(operation or "")
         if needs is None:
-            return HttpResponseBadRequest(f"operation must be retry or purge, not {operation!r}")
+            return bad_request(f"operation must be retry or purge, not {operation!r}")
         if not _can(request, needs):
             raise PermissionDenied
         missing = [f for f in ("queue", "kind", "error") if f not in request.POST]
         if missing:
-            return HttpResponseBadRequest(f"missing field(s): {', '.join(missing)}")
+            return bad_request(f"missing field(s): {', '.join(missing)}")
         if operation == "purge" and request.POST.get("confirm") != "yes":
-            return HttpResponseBadRequest(
-                "purging deletes the jobs: tick 'delete them' (confirm=yes)"
-            )
+            return bad_request("purging deletes the jobs: tick 'delete them' (confirm=yes)")
         queue, kind, error = (request.POST[f] for f in ("queue", "kind", "error"))
         label = f"{kind} on {queue} ({error or 'no error text'})"
         if operation == "retry":
