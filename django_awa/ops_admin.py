@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, unquote, urlencode
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
@@ -235,6 +235,11 @@ class DeadLetterAdmin(_PageAdmin[DeadLetter]):
             query = {"state__exact": JobState.FAILED, "queue": group["queue"]}
             query |= {"kind": group["kind"], "error": group["error"]}
             group["url"] = f"{jobs_url}?{urlencode(query)}"
+            # The form carries the error line percent-encoded: a browser reads a
+            # "\r" in an attribute as "\n" and posts either as "\r\n", so the
+            # line as text (an exception message with CRLF, cut at "\n") would
+            # come back as a key no job has.
+            group["error_key"] = quote(group["error"], safe="")
             group["count_text"] = f"{group['count']:,}"
         context = {
             **self.admin_site.each_context(request),
@@ -263,7 +268,11 @@ class DeadLetterAdmin(_PageAdmin[DeadLetter]):
             return bad_request(f"missing field(s): {', '.join(missing)}")
         if operation == "purge" and request.POST.get("confirm") != "yes":
             return bad_request("purging deletes the jobs: tick 'delete them' (confirm=yes)")
-        queue, kind, error = (request.POST[f] for f in ("queue", "kind", "error"))
+        queue, kind = request.POST["queue"], request.POST["kind"]
+        error = unquote(request.POST["error"])  # the page's error_key
+        if "\x00" in queue + kind + error:
+            # PostgreSQL cannot compare with it (DataError); nothing could match.
+            return bad_request("queue, kind and error cannot hold a NUL character")
         label = f"{kind} on {queue} ({error or 'no error text'})"
         if operation == "retry":
             done, problems = retry_group(alias, queue, kind, error)
