@@ -1460,14 +1460,17 @@ class QueueAdmin(AwaModelAdmin[Queue]):
             return bad_request("queue and operation (pause or resume) are required")
         if not holdable(name):
             return bad_request("a queue name cannot hold NUL or invalid text")
-        if operation == "pause":
-            control.pause_queue(name, using=_alias())
-            self.message_user(request, f"Paused queue {name}: workers stop claiming from it.")
-        else:
-            control.resume_queue(name, using=_alias())
-            self.message_user(request, f"Resumed queue {name}.")
+        changelist = HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))
+        pause = operation == "pause"
+        try:
+            (control.pause_queue if pause else control.resume_queue)(name, using=_alias())
+        except ValidationError as exc:
+            self.message_user(request, f"{exc}; nothing changed.", messages.ERROR)
+            return changelist
+        done = "Paused queue {}: workers stop claiming from it." if pause else "Resumed queue {}."
+        self.message_user(request, done.format(name))
         logger.info("queue %s %sd in admin by %s", name, operation, request.user.get_username())
-        return HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))
+        return changelist
 
     def _set_limits(self, request: HttpRequest) -> HttpResponse:
         """Change a queue's rate_limit and global_concurrency (blank: none) for every

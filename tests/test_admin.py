@@ -691,6 +691,21 @@ def test_a_400_quoting_the_request_is_plain_text(
     assert "<script>" in response.content.decode()  # named, so the operator sees what was wrong
 
 
+@pytest.mark.parametrize("operation", ["pause", "resume"])
+def test_pausing_a_queue_name_enqueue_refuses_shows_the_error_and_writes_nothing(
+    client: Any, superuser: User, operation: str
+) -> None:
+    client.force_login(superuser)
+    response = client.post(QUEUES_URL, {"queue": "<b>sp ace", "operation": operation}, follow=True)
+    assert response.status_code == 200
+    shown = [(m.level_tag, str(m)) for m in response.context["messages"]]
+    assert shown == [
+        ("error", f"{operation}_queue: invalid queue name '<b>sp ace'; nothing changed.")
+    ]
+    assert escape("'<b>sp ace'") in response.content.decode()
+    assert not Queue.objects.exists()
+
+
 @pytest.mark.parametrize("depth", [950, 5000])
 def test_deeply_nested_json_is_shown_and_the_list_still_loads(
     client: Any, superuser: User, depth: int

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa.maintenance import Maintenance
-from django_awa.models import Worker
+from django_awa.models import Queue, Worker
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.jobs import Act, Echo
 
@@ -99,7 +99,8 @@ def test_job_counts_come_from_the_leaders_rollup_and_a_scrape_reads_no_job_row()
 
 
 def test_label_values_are_escaped():
-    awa.pause_queue('we"ird\\queue')
+    # A row no current name could make (pause_queue refuses it), as an older release wrote.
+    Queue.objects.create(name='we"ird\\queue', paused=True)
     text = staff_client().get(METRICS).content.decode()
     assert 'awa_queue_paused{queue="we\\"ird\\\\queue"} 1' in text.splitlines()
 
