@@ -1491,7 +1491,9 @@ def test_set_queue_limits_validates_and_keeps_what_it_is_not_given() -> None:
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("name", ["sp ace", "<b>", 'x"y\\z\nw', "ü日本", "", "q" * 129])
+@pytest.mark.parametrize(
+    "name", ["sp ace", "<b>", 'x"y\\z\nw', "ü日本", "", "q" * 129, "default\n"]
+)
 @pytest.mark.parametrize("operation", ["pause_queue", "resume_queue"])
 def test_pause_and_resume_refuse_a_queue_name_enqueue_refuses(operation: str, name: str) -> None:
     with pytest.raises(awa.ValidationError, match="invalid queue name"):
