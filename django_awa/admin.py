@@ -51,6 +51,7 @@ from django.utils.translation import gettext, ngettext
 from . import bulk, control, sql
 from . import schedules as schedule_steering
 from .admin_base import ModelAdmin as _ModelAdmin
+from .admin_base import bad_request
 from .bulk_admin import BulkOperationsMixin
 from .codec import check_text
 from .conf import awa_settings
@@ -164,7 +165,7 @@ def unholdable_parameter(request: HttpRequest) -> HttpResponseBadRequest | None:
     """
     for name, values in request.GET.lists():
         if not all(holdable(text) for text in (name, *values)):
-            return HttpResponseBadRequest(
+            return bad_request(
                 f"query parameter {name!r} holds a NUL character or invalid text, "
                 f"which PostgreSQL cannot hold: nothing can match it"
             )
@@ -957,11 +958,11 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
             return refused
         trigger = request.GET.get(TriggerFilter.parameter_name)
         if trigger is not None and job_id(trigger) is None:
-            return HttpResponseBadRequest(f"trigger must be a job id, got {trigger!r}")
+            return bad_request(f"trigger must be a job id, got {trigger!r}")
         selected = request.POST.getlist(helpers.ACTION_CHECKBOX_NAME)
         odd = [value for value in selected if job_id(value) is None]
         if odd:
-            return HttpResponseBadRequest(f"selected jobs must be job ids, got {odd[0]!r}")
+            return bad_request(f"selected jobs must be job ids, got {odd[0]!r}")
         return None
 
     def changelist_view(
@@ -1309,7 +1310,7 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
             raise PermissionDenied
         number = job_id(object_id)
         if number is None:
-            return HttpResponseBadRequest(f"job id must be a number, got {object_id!r}")
+            return bad_request(f"job id must be a number, got {object_id!r}")
         self._operate(request, self.get_queryset(request).filter(id=number), operation)
         return HttpResponseRedirect(reverse("admin:django_awa_job_change", args=[object_id]))
 
@@ -1456,17 +1457,20 @@ class QueueAdmin(AwaModelAdmin[Queue]):
         name = request.POST.get("queue", "")
         operation = request.POST.get("operation", "")
         if not name or len(name) > 128 or operation not in ("pause", "resume"):
-            return HttpResponseBadRequest("queue and operation (pause or resume) are required")
+            return bad_request("queue and operation (pause or resume) are required")
         if not holdable(name):
-            return HttpResponseBadRequest("a queue name cannot hold NUL or invalid text")
-        if operation == "pause":
-            control.pause_queue(name, using=_alias())
-            self.message_user(request, f"Paused queue {name}: workers stop claiming from it.")
-        else:
-            control.resume_queue(name, using=_alias())
-            self.message_user(request, f"Resumed queue {name}.")
+            return bad_request("a queue name cannot hold NUL or invalid text")
+        changelist = HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))
+        pause = operation == "pause"
+        try:
+            (control.pause_queue if pause else control.resume_queue)(name, using=_alias())
+        except ValidationError as exc:
+            self.message_user(request, f"{exc}; nothing changed.", messages.ERROR)
+            return changelist
+        done = "Paused queue {}: workers stop claiming from it." if pause else "Resumed queue {}."
+        self.message_user(request, done.format(name))
         logger.info("queue %s %sd in admin by %s", name, operation, request.user.get_username())
-        return HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))
+        return changelist
 
     def _set_limits(self, request: HttpRequest) -> HttpResponse:
         """Change a queue's rate_limit and global_concurrency (blank: none) for every
@@ -1475,7 +1479,7 @@ class QueueAdmin(AwaModelAdmin[Queue]):
             raise PermissionDenied
         name = request.POST.get("queue", "")
         if not name or len(name) > 128 or not holdable(name):
-            return HttpResponseBadRequest("a queue name is required")
+            return bad_request("a queue name is required")
         rate = request.POST.get("rate_limit", "").strip() or None
         concurrency_text = request.POST.get("global_concurrency", "").strip()
         changelist = HttpResponseRedirect(reverse("admin:django_awa_queue_changelist"))

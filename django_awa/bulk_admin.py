@@ -21,7 +21,6 @@ from django.http import (
     Http404,
     HttpRequest,
     HttpResponse,
-    HttpResponseBadRequest,
     HttpResponseRedirect,
 )
 from django.template.response import TemplateResponse
@@ -30,6 +29,7 @@ from django.utils.decorators import method_decorator
 
 from . import bulk
 from .admin_base import ModelAdmin as _ModelAdmin
+from .admin_base import bad_request
 from .exceptions import ValidationError
 from .kinds import PRIORITY_MAX, PRIORITY_MIN
 from .models import Job
@@ -92,11 +92,11 @@ class BulkOperationsMixin(_ModelAdmin[Job]):
         if not self.has_view_permission(request) or not self.bulk_permitted(request, op):
             raise PermissionDenied
         if request.method not in ("GET", "POST"):
-            return HttpResponseBadRequest(f"{request.method} is not allowed here")
+            return bad_request(f"{request.method} is not allowed here")
         try:
             jobs = self.bulk_queryset(request)
         except IncorrectLookupParameters as exc:
-            return HttpResponseBadRequest(f"the list's filters are not valid: {exc}")
+            return bad_request(f"the list's filters are not valid: {exc}")
         query = request.GET.urlencode()
         back = reverse("admin:django_awa_job_changelist") + (f"?{query}" if query else "")
         if request.method == "POST":
@@ -133,7 +133,7 @@ class BulkOperationsMixin(_ModelAdmin[Job]):
             self.message_user(request, f"No job to {op}: none matched.", messages.WARNING)
             return HttpResponseRedirect(back)
         if not (up_to_text.isascii() and up_to_text.isdigit()):
-            return HttpResponseBadRequest(f"up_to must be a job id, got {up_to_text!r}")
+            return bad_request(f"up_to must be a job id, got {up_to_text!r}")
         queue = request.POST.get("queue") if op == bulk.Operation.MOVE else None
         priority: Any = None
         if op == bulk.Operation.PRIORITY:
@@ -149,7 +149,7 @@ class BulkOperationsMixin(_ModelAdmin[Job]):
                 reason=f"cancelled in admin by {request.user.get_username()} (bulk)",
             )
         except ValidationError as exc:
-            return HttpResponseBadRequest(str(exc))
+            return bad_request(str(exc))
         past = bulk.PAST[op]
         self.message_user(
             request,

@@ -26,7 +26,8 @@ from .exceptions import ConfigurationError, ValidationError
 MIN_CALLBACK_TIMEOUT = 1.0
 MAX_CALLBACK_TIMEOUT = 365 * 86400.0
 
-QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+# \Z, not $: "$" also matches before a final newline, which no queue name holds.
+QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
 DEFAULT_CONCURRENCY = 10
 # A rate: N attempt starts per second, minute or hour (a sliding window).
 RATE_RE = re.compile(r"^\s*([0-9]+)\s*/\s*([smh])\s*$")

@@ -112,8 +112,19 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
     return job
 
 
+def _check_queue_name(name: Any, where: str) -> None:
+    """``ValidationError`` unless ``name`` is a queue name enqueue accepts: a row
+    for any other would pause or limit a queue no job can be in."""
+    if not isinstance(name, str) or not QUEUE_NAME_RE.match(name):
+        raise ValidationError(f"{where}: invalid queue name {name!r}")
+
+
 def pause_queue(name: str, *, using: str | None = None) -> None:
-    """Stop workers claiming from queue ``name`` (running jobs finish)."""
+    """Stop workers claiming from queue ``name`` (running jobs finish).
+
+    Raises ``ValidationError`` naming an invalid queue name, nothing written.
+    """
+    _check_queue_name(name, "pause_queue")
     alias = database_alias(using)
     now = timezone.now()
     Queue.objects.using(alias).update_or_create(
@@ -122,7 +133,11 @@ def pause_queue(name: str, *, using: str | None = None) -> None:
 
 
 def resume_queue(name: str, *, using: str | None = None) -> None:
-    """Let workers claim from queue ``name`` again, and wake them."""
+    """Let workers claim from queue ``name`` again, and wake them.
+
+    Raises ``ValidationError`` naming an invalid queue name, nothing written.
+    """
+    _check_queue_name(name, "resume_queue")
     alias = database_alias(using)
     with transaction.atomic(using=alias):
         Queue.objects.using(alias).update_or_create(
@@ -158,8 +173,7 @@ def set_queue_limits(
     ``ValidationError`` naming a bad value, nothing written.
     """
     where = f"set_queue_limits({name!r})"
-    if not isinstance(name, str) or not QUEUE_NAME_RE.match(name):
-        raise ValidationError(f"set_queue_limits: invalid queue name {name!r}")
+    _check_queue_name(name, "set_queue_limits")
     changes: dict[str, Any] = {}
     if rate_limit is not KEEP:
         if rate_limit is None:

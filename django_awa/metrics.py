@@ -80,8 +80,13 @@ def exposition(alias: str, conf: AwaSettings) -> str:
     """The metrics text, read on connection ``alias``."""
     out = _Exposition()
     with connections[alias].cursor() as cursor:
-        cursor.execute(sql.DATABASE_NOW)
-        now: datetime = cursor.fetchone()[0]
+        # From every registry row, as /health reads it: the leader that ran the
+        # last tick may be dead, and the age must keep growing while nobody runs
+        # maintenance (live workers only would leave no value to alert on).
+        cursor.execute(sql.LAST_MAINTAINED)
+        maintenance_age: float | None
+        now: datetime
+        maintenance_age, now = cursor.fetchone()
         cursor.execute(sql.DONE_ROWS_ESTIMATE)
         done_estimate = cursor.fetchone()[0]
     counts = list(JobCount.objects.using(alias).order_by("queue", "state"))
@@ -130,11 +135,10 @@ def exposition(alias: str, conf: AwaSettings) -> str:
         "Handler threads of each live worker, over all its queues.",
         (({"worker": w.name}, w.concurrency) for w in workers),
     )
-    maintained = max((w.maintained_at for w in workers if w.maintained_at), default=None)
     out.family(
         "awa_maintenance_age_seconds",
-        "Seconds since a maintenance leader last ran a tick (NaN: none recorded).",
-        [({}, (now - maintained).total_seconds() if maintained else math.nan)],
+        "Seconds since a maintenance leader last ran a tick, live or not (NaN: none recorded).",
+        [({}, math.nan if maintenance_age is None else maintenance_age)],
     )
     return out.text()
 

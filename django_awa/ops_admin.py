@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, unquote, urlencode
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
@@ -26,7 +26,6 @@ from django.db.models import QuerySet
 from django.http import (
     HttpRequest,
     HttpResponse,
-    HttpResponseBadRequest,
     HttpResponseRedirect,
     JsonResponse,
 )
@@ -35,6 +34,7 @@ from django.urls import URLPattern, path, reverse
 
 from . import bulk, dashboard, sql
 from .admin_base import ModelAdmin as _ModelAdmin
+from .admin_base import bad_request
 from .conf import awa_settings
 from .models import (
     ERROR_LINE_CHARS,
@@ -113,7 +113,7 @@ class DashboardAdmin(_PageAdmin[Dashboard]):
             raise PermissionDenied
         window = request.GET.get("window", "hour")
         if window not in dashboard.WINDOWS:
-            return HttpResponseBadRequest(
+            return bad_request(
                 f"window must be one of {', '.join(sorted(dashboard.WINDOWS))}, not {window!r}"
             )
         try:
@@ -121,7 +121,7 @@ class DashboardAdmin(_PageAdmin[Dashboard]):
         except ValueError:
             refresh = -1.0
         if not 1 <= refresh <= 300:
-            return HttpResponseBadRequest("refresh must be a number of seconds from 1 to 300")
+            return bad_request("refresh must be a number of seconds from 1 to 300")
         context = {
             **self.admin_site.each_context(request),
             "title": "Dashboard",
@@ -235,6 +235,11 @@ class DeadLetterAdmin(_PageAdmin[DeadLetter]):
             query = {"state__exact": JobState.FAILED, "queue": group["queue"]}
             query |= {"kind": group["kind"], "error": group["error"]}
             group["url"] = f"{jobs_url}?{urlencode(query)}"
+            # The form carries the error line percent-encoded: a browser reads a
+            # "\r" in an attribute as "\n" and posts either as "\r\n", so the
+            # line as text (an exception message with CRLF, cut at "\n") would
+            # come back as a key no job has.
+            group["error_key"] = quote(group["error"], safe="")
             group["count_text"] = f"{group['count']:,}"
         context = {
             **self.admin_site.each_context(request),
@@ -255,17 +260,19 @@ class DeadLetterAdmin(_PageAdmin[DeadLetter]):
         operation = request.POST.get("operation")
         needs = {"retry": "change", "purge": "delete"}.get(operation or "")
         if needs is None:
-            return HttpResponseBadRequest(f"operation must be retry or purge, not {operation!r}")
+            return bad_request(f"operation must be retry or purge, not {operation!r}")
         if not _can(request, needs):
             raise PermissionDenied
         missing = [f for f in ("queue", "kind", "error") if f not in request.POST]
         if missing:
-            return HttpResponseBadRequest(f"missing field(s): {', '.join(missing)}")
+            return bad_request(f"missing field(s): {', '.join(missing)}")
         if operation == "purge" and request.POST.get("confirm") != "yes":
-            return HttpResponseBadRequest(
-                "purging deletes the jobs: tick 'delete them' (confirm=yes)"
-            )
-        queue, kind, error = (request.POST[f] for f in ("queue", "kind", "error"))
+            return bad_request("purging deletes the jobs: tick 'delete them' (confirm=yes)")
+        queue, kind = request.POST["queue"], request.POST["kind"]
+        error = unquote(request.POST["error"])  # the page's error_key
+        if "\x00" in queue + kind + error:
+            # PostgreSQL cannot compare with it (DataError); nothing could match.
+            return bad_request("queue, kind and error cannot hold a NUL character")
         label = f"{kind} on {queue} ({error or 'no error text'})"
         if operation == "retry":
             done, problems = retry_group(alias, queue, kind, error)

@@ -661,6 +661,51 @@ def test_a_queue_name_postgres_cannot_hold_is_400(client: Any, superuser: User) 
     assert not Queue.objects.exists()
 
 
+SCRIPT = "<script>alert(document.cookie)</script>"
+QUOTED_SCRIPT = "%3Cscript%3Ealert(document.cookie)%3C/script%3E"
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "data"),
+    [
+        ("get", f"/admin/django_awa/dashboard/?window={QUOTED_SCRIPT}", None),
+        ("get", f"{JOBS_URL}?trigger={QUOTED_SCRIPT}", None),
+        ("get", f"{JOBS_URL}?{QUOTED_SCRIPT}%00=1", None),
+        ("get", f"/admin/django_awa/periodicschedule/?{QUOTED_SCRIPT}%00=1", None),
+        ("get", f"/admin/django_awa/pendingfollowup/?{QUOTED_SCRIPT}%00=1", None),
+        ("get", f"{JOBS_URL}bulk/retry/?{QUOTED_SCRIPT}=1", None),
+        ("post", f"{JOBS_URL}bulk/retry/", {"up_to": SCRIPT}),
+        ("post", JOBS_URL, {"action": "retry_jobs", "index": "0", "_selected_action": SCRIPT}),
+        ("post", "/admin/django_awa/deadletter/", {"operation": SCRIPT}),
+    ],
+)
+def test_a_400_quoting_the_request_is_plain_text(
+    client: Any, superuser: User, method: str, url: str, data: dict[str, str] | None
+) -> None:
+    """A refusal names what was sent, as text: never HTML a link could put a script in."""
+    make_job()
+    client.force_login(superuser)
+    response = getattr(client, method)(url, data)
+    assert response.status_code == 400, response.content[:300]
+    assert response["Content-Type"] == "text/plain; charset=utf-8"
+    assert "<script>" in response.content.decode()  # named, so the operator sees what was wrong
+
+
+@pytest.mark.parametrize("operation", ["pause", "resume"])
+def test_pausing_a_queue_name_enqueue_refuses_shows_the_error_and_writes_nothing(
+    client: Any, superuser: User, operation: str
+) -> None:
+    client.force_login(superuser)
+    response = client.post(QUEUES_URL, {"queue": "<b>sp ace", "operation": operation}, follow=True)
+    assert response.status_code == 200
+    shown = [(m.level_tag, str(m)) for m in response.context["messages"]]
+    assert shown == [
+        ("error", f"{operation}_queue: invalid queue name '<b>sp ace'; nothing changed.")
+    ]
+    assert escape("'<b>sp ace'") in response.content.decode()
+    assert not Queue.objects.exists()
+
+
 @pytest.mark.parametrize("depth", [950, 5000])
 def test_deeply_nested_json_is_shown_and_the_list_still_loads(
     client: Any, superuser: User, depth: int

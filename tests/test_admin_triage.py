@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import html
 import os
+import re
 import uuid
 from typing import Any
 
@@ -164,6 +166,44 @@ def test_dead_letter_retry_needs_change_job_and_purge_needs_delete_job(client: A
     assert client.post(DEAD_LETTERS_URL, purge).status_code == 302
     assert not Job.objects.filter(id__in=[j.id for j in again]).exists()
     assert Job.objects.filter(id__in=[j.id for j in jobs]).count() == 2  # retried: not failed
+
+
+def _posted_forms(page: str) -> list[dict[str, str]]:
+    """The hidden fields of each form on ``page``, as a browser posts them: its HTML
+    parser reads a "\r" (or "\r\n") in an attribute as "\n", and form submission
+    sends every line break as "\r\n"."""
+    forms = re.findall(r'<form method="post"[^>]*>(.*?)</form>', page, re.S)
+    hidden = r'<input type="hidden" name="([^"]*)" value="([^"]*)"'
+    return [
+        {name: re.sub(r"\r\n?|\n", "\r\n", html.unescape(value)) for name, value in fields}
+        for fields in (re.findall(hidden, form) for form in forms)
+    ]
+
+
+def test_dead_letter_retry_and_purge_all_find_a_group_whose_error_line_ends_in_cr(
+    client: Any,
+    superuser: Any,  # noqa: F811
+):
+    """An exception message with CRLF is cut at "\n", so its line ends in "\r"."""
+    gateway = "upstream said 502 Bad Gateway\r\n<html><body>bad gateway</body></html>"
+    retried = _failed("default", "act", gateway, n=2)
+    client.force_login(superuser)
+    retry, _ = _posted_forms(client.get(DEAD_LETTERS_URL).content.decode())
+    assert retry["operation"] == "retry"
+    response = client.post(DEAD_LETTERS_URL, retry, follow=True)
+    assert "Retried 2 failed job(s)" in " ".join(map(str, response.context["messages"]))
+    assert set(
+        Job.objects.filter(id__in=[j.id for j in retried]).values_list("state", flat=True)
+    ) == {JobState.AVAILABLE}
+
+    purged = _failed("default", "act", gateway, n=3)
+    _, purge = _posted_forms(client.get(DEAD_LETTERS_URL).content.decode())
+    assert purge["operation"] == "purge"
+    response = client.post(DEAD_LETTERS_URL, {**purge, "confirm": "yes"}, follow=True)
+    assert "Purged 3 failed job(s)" in " ".join(map(str, response.context["messages"]))
+    assert not Job.objects.filter(id__in=[j.id for j in purged]).exists()
+    nul = client.post(DEAD_LETTERS_URL, {**retry, "error": "%00"})
+    assert nul.status_code == 400 and b"NUL" in nul.content
 
 
 def test_dead_letters_read_only_the_newest_failed_rows_through_the_finalized_index(

@@ -43,7 +43,7 @@ from django_awa.finalize import finalize
 from django_awa.followups import WAITING_FOR_CALLBACK
 from django_awa.kinds import registry
 from django_awa.maintenance import Maintenance
-from django_awa.models import Job, JobState, LimitLease
+from django_awa.models import Job, JobState, LimitLease, Queue
 from django_awa.sequences import HandOn
 from django_awa.state import SharedConcurrency, WorkerState
 from tests.conftest import WorkerProcess, generic_plan, wait_for
@@ -1488,6 +1488,19 @@ def test_set_queue_limits_validates_and_keeps_what_it_is_not_given() -> None:
     assert limits.rate_limit is None and limits.global_concurrency == 3
     assert awa.set_queue_limits("q", reset=True) == {}
     assert not producer.queue_limits("q", "default").limited
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "name", ["sp ace", "<b>", 'x"y\\z\nw', "ü日本", "", "q" * 129, "default\n"]
+)
+@pytest.mark.parametrize("operation", ["pause_queue", "resume_queue"])
+def test_pause_and_resume_refuse_a_queue_name_enqueue_refuses(operation: str, name: str) -> None:
+    with pytest.raises(awa.ValidationError, match="invalid queue name"):
+        awa.enqueue(Span(), queue=name)
+    with pytest.raises(awa.ValidationError, match=rf"{operation}: invalid queue name"):
+        getattr(awa, operation)(name)
+    assert not Queue.objects.exists()  # no phantom queue
 
 
 @pytest.mark.django_db(transaction=True)
