@@ -190,8 +190,18 @@ class Rate:
     text: str
 
 
+# The largest limits accepted. A fleet-wide limit is kept in rows (a slot row
+# per place of a global_concurrency, a lease row per place of an awa.Limit's,
+# a row per start in a rate's window), and a queue's concurrency is that many
+# threads in every worker process: past these a value is a mistake, and it
+# would stall the queue rather than limit it.
+MAX_RATE = 1_000_000
+MAX_GLOBAL_CONCURRENCY = 10_000
+MAX_CONCURRENCY = 1_000
+
+
 def parse_rate(value: Any, what: str) -> Rate:
-    """A rate from ``"N/s"``, ``"N/m"`` or ``"N/h"`` (N a positive integer);
+    """A rate from ``"N/s"``, ``"N/m"`` or ``"N/h"`` (N from 1 to ``MAX_RATE``);
     ``ValidationError`` beginning with ``what`` otherwise."""
     match = RATE_RE.match(value) if isinstance(value, str) else None
     if match is None:
@@ -199,11 +209,21 @@ def parse_rate(value: Any, what: str) -> Rate:
     count = int(match.group(1))
     if count < 1:
         raise ValidationError(f"{what} must allow at least one start per period, got {value!r}")
+    if count > MAX_RATE:
+        raise ValidationError(
+            f"{what} allows at most {MAX_RATE:,} starts per period, got {value!r}"
+        )
     return Rate(count=count, period=RATE_PERIODS[match.group(2)], text=f"{count}/{match.group(2)}")
 
 
-def positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def positive_int(value: Any, most: int | None = None) -> bool:
+    """Whether ``value`` is an integer from 1 (to ``most``, when given)."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= 1
+        and (most is None or value <= most)
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -403,13 +423,13 @@ def _queue_problems(queues: Any) -> list[tuple[str, str]]:
                 parse_rate(options["rate_limit"], f"AWA['QUEUES'][{name!r}]['rate_limit']")
             except ValidationError as exc:
                 found.append(("QUEUES", str(exc)))
-        for opt in ("global_concurrency", "weight"):
-            if options.get(opt) is not None and not positive_int(options[opt]):
+        for opt, most in (("global_concurrency", MAX_GLOBAL_CONCURRENCY), ("weight", None)):
+            if options.get(opt) is not None and not positive_int(options[opt], most):
+                upto = "a positive integer" if most is None else f"an integer from 1 to {most:,}"
                 found.append(
                     (
                         "QUEUES",
-                        f"AWA['QUEUES'][{name!r}][{opt!r}] must be a positive integer, "
-                        f"got {options[opt]!r}",
+                        f"AWA['QUEUES'][{name!r}][{opt!r}] must be {upto}, got {options[opt]!r}",
                     )
                 )
         low = options.get("min")
@@ -421,12 +441,12 @@ def _queue_problems(queues: Any) -> list[tuple[str, str]]:
                 )
             )
         concurrency = options.get("concurrency", DEFAULT_CONCURRENCY)
-        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+        if not positive_int(concurrency, MAX_CONCURRENCY):
             found.append(
                 (
                     "QUEUES",
-                    f"AWA['QUEUES'][{name!r}]['concurrency'] must be a positive integer, "
-                    f"got {concurrency!r}",
+                    f"AWA['QUEUES'][{name!r}]['concurrency'] must be an integer from 1 to "
+                    f"{MAX_CONCURRENCY:,}, got {concurrency!r}",
                 )
             )
     return found

@@ -13,7 +13,7 @@ from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
 from . import sql
-from .conf import QUEUE_NAME_RE, parse_rate, positive_int
+from .conf import MAX_GLOBAL_CONCURRENCY, QUEUE_NAME_RE, parse_rate, positive_int
 from .dependencies import after_outcomes, reopen
 from .enqueueing import database_alias
 from .exceptions import JobNotFound, UniqueConflict, ValidationError
@@ -182,10 +182,12 @@ def set_queue_limits(
             rate = parse_rate(rate_limit, f"{where}: rate_limit")
             changes.update(rate_limit=rate.text, rate_count=rate.count, rate_period=rate.period)
     if global_concurrency is not KEEP:
-        if global_concurrency is not None and not positive_int(global_concurrency):
+        if global_concurrency is not None and not positive_int(
+            global_concurrency, MAX_GLOBAL_CONCURRENCY
+        ):
             raise ValidationError(
-                f"{where}: global_concurrency must be a positive integer or None, "
-                f"got {global_concurrency!r}"
+                f"{where}: global_concurrency must be an integer from 1 to "
+                f"{MAX_GLOBAL_CONCURRENCY:,}, or None, got {global_concurrency!r}"
             )
         changes["global_concurrency"] = global_concurrency
     alias = database_alias(using)

@@ -18,7 +18,15 @@ from typing import Any, ClassVar, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .conf import MAX_DURATION, QUEUE_NAME_RE, Rate, parse_rate, positive_int, to_seconds
+from .conf import (
+    MAX_DURATION,
+    MAX_GLOBAL_CONCURRENCY,
+    QUEUE_NAME_RE,
+    Rate,
+    parse_rate,
+    positive_int,
+    to_seconds,
+)
 from .exceptions import ValidationError
 
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
@@ -99,9 +107,12 @@ class Limit:
     def __post_init__(self) -> None:
         if self.concurrency is None and self.rate is None:
             raise ValidationError("awa.Limit() needs concurrency=, rate= or both")
-        if self.concurrency is not None and not positive_int(self.concurrency):
+        if self.concurrency is not None and not positive_int(
+            self.concurrency, MAX_GLOBAL_CONCURRENCY
+        ):
             raise ValidationError(
-                f"awa.Limit(concurrency=) must be a positive integer, got {self.concurrency!r}"
+                f"awa.Limit(concurrency=) must be an integer from 1 to "
+                f"{MAX_GLOBAL_CONCURRENCY:,}, got {self.concurrency!r}"
             )
         if self.rate is not None:
             parse_rate(self.rate, "awa.Limit(rate=)")

@@ -1400,7 +1400,10 @@ def test_pausing_stops_claims_on_every_worker_within_a_poll_interval(start_worke
         ({"q": {"rate_limit": "0/s"}}, {}, "QUEUES", "at least one start"),
         ({"q": {"rate_limit": 50}}, {}, "QUEUES", '"N/s", "N/m" or "N/h"'),
         ({"q": {"global_concurrency": 0}}, {}, "QUEUES", "['q']['global_concurrency']"),
-        ({"q": {"global_concurrency": True}}, {}, "QUEUES", "positive integer"),
+        ({"q": {"global_concurrency": True}}, {}, "QUEUES", "an integer from 1 to 10,000"),
+        ({"q": {"global_concurrency": 2**31}}, {}, "QUEUES", "an integer from 1 to 10,000"),
+        ({"q": {"rate_limit": "3000000000/s"}}, {}, "QUEUES", "at most 1,000,000 starts"),
+        ({"q": {"concurrency": 10**12}}, {}, "QUEUES", "['q']['concurrency'] must be an"),
         ({"q": {"weight": -1}}, {}, "QUEUES", "['q']['weight']"),
         ({"q": {"min": -1}}, {}, "QUEUES", "['q']['min']"),
         ({"q": {"min": 5}}, {"WORKER_CONCURRENCY": 4}, "WORKER_CONCURRENCY", "more than"),
@@ -1436,7 +1439,9 @@ def test_queue_limits_in_the_settings_are_parsed(settings) -> None:
     ("options", "words"),
     [
         ({}, "needs concurrency=, rate= or both"),
-        ({"concurrency": 0}, "concurrency=) must be a positive integer, got 0"),
+        ({"concurrency": 0}, "concurrency=) must be an integer from 1 to 10,000, got 0"),
+        ({"concurrency": 2**40}, "concurrency=) must be an integer from 1 to 10,000"),
+        ({"rate": "99999999999/s"}, "rate=) allows at most 1,000,000 starts per period"),
         ({"rate": "5 per second"}, "rate=) must be a rate"),
         ({"concurrency": 1, "by": ""}, "by=) takes a field name"),
         ({"concurrency": 1, "by": ["key"]}, "by=) takes a field name"),
@@ -1474,8 +1479,17 @@ def test_a_limited_kind_is_refused_on_another_queue_and_bad_sequence_keys() -> N
 def test_set_queue_limits_validates_and_keeps_what_it_is_not_given() -> None:
     with pytest.raises(awa.ValidationError, match=r"set_queue_limits\('q'\): rate_limit"):
         awa.set_queue_limits("q", rate_limit="fast")
-    with pytest.raises(awa.ValidationError, match="global_concurrency must be a positive"):
+    with pytest.raises(awa.ValidationError, match="global_concurrency must be an integer from"):
         awa.set_queue_limits("q", global_concurrency=-2)
+    # Past the bounds a value would stall the queue rather than limit it.
+    with pytest.raises(awa.ValidationError, match="from 1 to 10,000, or None, got 2147483648"):
+        awa.set_queue_limits("q", global_concurrency=2**31)
+    with pytest.raises(awa.ValidationError, match="at most 1,000,000 starts per period"):
+        awa.set_queue_limits("q", rate_limit="2147483648/s")
+    assert awa.set_queue_limits("q", rate_limit="1000000/s", global_concurrency=10_000) == {
+        "rate_limit": "1000000/s", "rate_count": 1_000_000, "rate_period": 1.0,
+        "global_concurrency": 10_000}  # fmt: skip
+    awa.set_queue_limits("q", reset=True)
     with pytest.raises(awa.ValidationError, match="invalid queue name"):
         awa.set_queue_limits("no spaces")
     assert awa.set_queue_limits("q", rate_limit="5/s") == {

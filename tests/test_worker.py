@@ -399,6 +399,18 @@ def test_startup_log_names_queues_concurrency_database_and_pid(start_worker):
     assert re.search(rf":{worker.pid}\b", line)
 
 
+def test_a_queue_concurrency_past_the_bound_is_refused_by_name():
+    from django.core.management.base import CommandError
+
+    from django_awa.management.commands.awa_worker import parse_queue
+
+    assert parse_queue("q=1000") == ("q", 1000)
+    for value in ("q=0", "q=1001", f"q={10**12}"):
+        words = rf"--queue '{value}': concurrency must be 1 to 1,000"
+        with pytest.raises(CommandError, match=words):
+            parse_queue(value)
+
+
 def test_bad_queue_option_is_refused(start_worker):
     worker = start_worker("--queue", "bad name")
     assert worker.wait(20) != 0

@@ -18,7 +18,13 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 
-from django_awa.conf import DEFAULT_CONCURRENCY, QUEUE_NAME_RE, AwaSettings, awa_settings
+from django_awa.conf import (
+    DEFAULT_CONCURRENCY,
+    MAX_CONCURRENCY,
+    QUEUE_NAME_RE,
+    AwaSettings,
+    awa_settings,
+)
 from django_awa.db import database_alias
 from django_awa.exceptions import ConfigurationError
 from django_awa.logs import JobContextFilter
@@ -37,8 +43,8 @@ def parse_queue(value: str) -> tuple[str, int | None]:
         n = int(concurrency)
     except ValueError:
         raise CommandError(f"--queue {value!r}: concurrency must be a whole number") from None
-    if n < 1:
-        raise CommandError(f"--queue {value!r}: concurrency must be at least 1")
+    if not 1 <= n <= MAX_CONCURRENCY:
+        raise CommandError(f"--queue {value!r}: concurrency must be 1 to {MAX_CONCURRENCY:,}")
     return name, n
 
 
