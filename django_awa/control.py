@@ -169,7 +169,8 @@ def set_queue_limits(
     limit, an argument left out keeps what was there. ``reset=True`` first drops
     every runtime value, so the settings apply again. Stored in the database
     (``awa_queue.limits``) in the caller's transaction; each worker applies it
-    within one ``POLL_INTERVAL`` of the commit (woken by NOTIFY, sooner). Raises
+    as soon as the commit's NOTIFY reaches it, and within one ``POLL_INTERVAL``
+    if it does not (its listener reconnecting, say). Raises
     ``ValidationError`` naming a bad value, nothing written.
     """
     where = f"set_queue_limits({name!r})"
@@ -202,6 +203,7 @@ def set_queue_limits(
         queue.updated_at = timezone.now()
         queue.save(update_fields=["limits", "updated_at"])
         with connections[alias].cursor() as cursor:
+            cursor.execute(sql.NOTIFY_LIMITS, {"queue": name})
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [name]})
     return limits
 

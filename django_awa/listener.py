@@ -77,6 +77,7 @@ class Listener:
         try:
             conn.execute(sql.LISTEN_JOBS)
             conn.execute(sql.LISTEN_CANCELS)
+            conn.execute(sql.LISTEN_LIMITS)
             selector = selectors.DefaultSelector()
             selector.register(conn.fileno(), selectors.EVENT_READ)
             selector.register(self.state.outbox.attach(), selectors.EVENT_READ, "outbox")
@@ -149,6 +150,11 @@ class Listener:
         if channel == sql.NOTIFY_CHANNEL:
             runner = self.state.queues.get(payload)
             if runner is not None:
+                runner.wake.set()
+        elif channel == sql.LIMITS_CHANNEL:
+            runner = self.state.queues.get(payload)
+            if runner is not None:
+                runner.limits_changed = True
                 runner.wake.set()
         elif channel == sql.CANCEL_CHANNEL:
             with contextlib.suppress(ValueError):

@@ -449,11 +449,27 @@ class Producer:
         return max(0.0, pause - (time.monotonic() - self.claimed))
 
     def current_limits(self) -> QueueLimits:
-        """The queue's limits, read again when a poll interval has passed since the last read."""
+        """The queue's limits, read again when a poll interval has passed since the last
+        read, or at once when ``set_queue_limits`` changed them (``limits_changed``,
+        set by the listener). A changed ``global_concurrency`` rebalances the slots
+        at once too."""
         now = time.monotonic()
-        if self.limits is None or now - self.limits_read >= self.state.conf.poll_interval:
-            self.limits = queue_limits(self.runner.name, self.state.alias, self.state.conf)
+        runner = self.runner
+        if (
+            self.limits is None
+            or runner.limits_changed
+            or now - self.limits_read >= self.state.conf.poll_interval
+        ):
+            runner.limits_changed = False  # a change notified during the read reads again
+            before = self.limits
+            self.limits = queue_limits(runner.name, self.state.alias, self.state.conf)
             self.limits_read = now
+            if (
+                self.slots is not None
+                and before is not None
+                and before.global_concurrency != self.limits.global_concurrency
+            ):
+                self.slots.checked = float("-inf")  # due now (Slots.due)
             # Any limit keeps the completer from handing a sequence on into this
             # queue; only a queue claimed under its lock or with key leases has the
             # fleet's claimers woken when room frees (slot leases need no wake-up

@@ -26,12 +26,15 @@ J_JOB_COLUMNS = ", ".join(f'j."{f.column}"' for f in Job._meta.concrete_fields)
 
 # ==== Channels, LISTEN and NOTIFY ====
 
-# -- NOTIFY_CHANNEL, CANCEL_CHANNEL --
+# -- NOTIFY_CHANNEL, CANCEL_CHANNEL, LIMITS_CHANNEL --
 # The LISTEN/NOTIFY channels. On NOTIFY_CHANNEL the payload is a queue name:
 # a job became available there (INSERT_ONE, NOTIFY_QUEUES). On CANCEL_CHANNEL
-# it is a job id whose running attempt was cancelled (NOTIFY_CANCEL).
+# it is a job id whose running attempt was cancelled (NOTIFY_CANCEL). On
+# LIMITS_CHANNEL it is a queue name whose runtime limits changed
+# (NOTIFY_LIMITS).
 NOTIFY_CHANNEL = "awa_job"
 CANCEL_CHANNEL = "awa_cancel"
+LIMITS_CHANNEL = "awa_limits"
 
 # -- LISTEN_JOBS, LISTEN_CANCELS --
 # The worker's listener subscribes to both channels, on a psycopg connection
@@ -40,6 +43,7 @@ CANCEL_CHANNEL = "awa_cancel"
 # identifier, which LISTEN takes no parameter for: these are fixed names.
 LISTEN_JOBS = f"LISTEN {NOTIFY_CHANNEL}"
 LISTEN_CANCELS = f"LISTEN {CANCEL_CHANNEL}"
+LISTEN_LIMITS = f"LISTEN {LIMITS_CHANNEL}"
 
 # -- LISTENER_PING --
 # Sent by the listener after a quiet second, so a connection that died
@@ -180,6 +184,12 @@ COPY_AVAILABLE_UNNUMBERED = f"COPY awa_job ({_COPY_COLUMNS}) FROM STDIN"
 # Wake workers of these queues at commit. Postgres folds identical
 # notifications within one transaction into one.
 NOTIFY_QUEUES = f"SELECT pg_notify('{NOTIFY_CHANNEL}', q) FROM unnest(%(queues)s::text[]) AS q"
+
+# -- NOTIFY_LIMITS --
+# A queue's runtime limits changed (set_queue_limits): its producers read them
+# again at once, rather than at their next poll interval. Sent at the caller's
+# commit, as any NOTIFY.
+NOTIFY_LIMITS = f"SELECT pg_notify('{LIMITS_CHANNEL}', %(queue)s)"
 
 # -- NOTIFY_QUEUES_AFTER --
 # Wake workers of these queues after the engine's own transaction committed

@@ -240,6 +240,7 @@ class QueueRunner:
     drained: bool = False  # since starts_since, a handler took the inbox's last attempt
     starts_since: float = field(default_factory=time.monotonic)
     limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
+    limits_changed: bool = False  # set_queue_limits changed them: read them again now
     wake_fleet: bool = False  # claimed under the queue's lock: room it frees wakes every worker
     shared: SharedConcurrency | None = None  # AWA["WORKER_CONCURRENCY"], when set
     gate: RunGate = field(default_factory=RunGate)  # handlers running at once, when limited

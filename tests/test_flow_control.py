@@ -1371,6 +1371,33 @@ def test_limits_changed_at_runtime_reach_every_worker_within_a_poll_interval(
     assert not producer.queue_limits("runtime", "default").limited
 
 
+def test_a_limit_lowered_at_runtime_applies_at_once_not_at_the_next_poll(start_worker) -> None:
+    # A 30 s poll interval: only set_queue_limits' NOTIFY can bring the change in time.
+    awa.set_queue_limits("runtime", global_concurrency=8)
+    start_three(start_worker, "runtime=4", AWA_TEST_POLL_INTERVAL="30")
+    total = 80
+    awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=i, seconds=0.2), queue="runtime") for i in range(total)]
+    )
+    wait_for(lambda: FlowRun.objects.filter(ended_at__isnull=True).count() >= 6, 20)
+    awa.set_queue_limits("runtime", global_concurrency=1)
+    changed = _scalar("SELECT clock_timestamp()")
+    # The handlers running then (0.2 s) return; a producer waiting for room looks
+    # again within 0.5 s. At the old limit, the 80 jobs would be done in about 2 s.
+    applied = changed + dt.timedelta(seconds=1.0)
+    wait_for(lambda: FlowRun.objects.filter(attempted_at__gt=applied).count() >= 5, 30)
+    crowded = _scalar(
+        """SELECT count(*) FROM testapp_flowrun AS a JOIN testapp_flowrun AS b
+           ON a.id <> b.id AND b.started_at <= a.started_at AND b.ended_at > a.started_at
+           WHERE a.attempted_at > %s""",
+        [applied],
+    )
+    assert crowded == 0, "an attempt started beside another a second after the limit fell to 1"
+    assert max_overlap("queue = 'runtime' AND attempted_at < %s", [changed]) >= 6
+    awa.set_queue_limits("runtime", reset=True)  # unlimited again: the rest drains
+    all_finished("span", total, timeout=60)
+
+
 def test_pausing_stops_claims_on_every_worker_within_a_poll_interval(start_worker) -> None:
     poll = 0.2  # tests.settings POLL_INTERVAL
     start_three(start_worker, "flow=3")
