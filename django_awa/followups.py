@@ -186,9 +186,15 @@ class FollowupRegistry:
 
     def add(self, spec: FollowupSpec) -> None:
         kind = getattr(spec.trigger, "kind", None)
-        # A re-imported followups.py (autoreload, tests) declares the same functions again.
+        # A re-imported followups.py (autoreload, tests) declares the same functions
+        # again: the same function, outcome and trigger replace the declaration. One
+        # function may be declared for several kinds (stacked decorators, a loop).
         for existing in self.all:
-            if existing.outcome == spec.outcome and existing.name == spec.name:
+            if (
+                existing.outcome == spec.outcome
+                and existing.name == spec.name
+                and getattr(existing.trigger, "kind", None) == kind
+            ):
                 self._remove(existing)
                 break
         self.all.append(spec)

@@ -556,6 +556,21 @@ def test_checks_report_followups_for_non_jobargs_and_misfit_signatures():
     assert "args, job" in ids["awa.E202"].msg
 
 
+def test_one_function_declared_for_two_kinds_follows_both_and_a_redeclaration_replaces():
+    def audit(args, job):
+        return None
+
+    try:
+        on_completed(Act)(on_completed(Echo)(audit))  # stacked decorators
+        assert [s.function for s in followup_registry.get(Outcome.COMPLETED, "act")][-1:] == [audit]
+        assert [s.function for s in followup_registry.get(Outcome.COMPLETED, "echo")] == [audit]
+        # followups.py imported again (autoreload): the same declarations, not twice.
+        on_completed(Act)(on_completed(Echo)(audit))
+        assert sum(s.function is audit for s in followup_registry.all) == 2
+    finally:
+        _unregister(audit)
+
+
 def _unregister(function) -> None:
     for spec in list(followup_registry.all):
         if spec.function is function:
