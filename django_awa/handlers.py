@@ -440,13 +440,24 @@ class HandlerPool:
             if tracing is None:
                 self._run_logged(attempt)
                 return
-            traced = tracing.start(attempt.job, self.state.name)
+            # Tracing that fails costs the attempt its span, never its run (nor
+            # the handler thread).
+            try:
+                traced = tracing.start(attempt.job, self.state.name)
+            except Exception:
+                logger.exception("could not start job %s's span; it runs untraced", attempt.job.id)
+                self._run_logged(attempt)
+                return
             try:
                 result = self._run_logged(attempt)
             except BaseException as exc:
-                tracing.finish(traced, None, exc)
+                with contextlib.suppress(Exception):
+                    tracing.finish(traced, None, exc)
                 raise
-            tracing.finish(traced, result)
+            try:
+                tracing.finish(traced, result)
+            except Exception:
+                logger.exception("could not end job %s's span", attempt.job.id)
 
     def _run_logged(self, attempt: Attempt) -> AttemptResult | None:
         """Run it; the result handed on or written (None: a stale atomic attempt)."""

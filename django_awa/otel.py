@@ -27,11 +27,11 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from django.core.signals import setting_changed
 from django.dispatch import receiver
+from django.utils import timezone
 
 from .conf import awa_settings
 
@@ -306,7 +306,8 @@ class Instrumentation:
         if job.run_at is not None:
             # The handler begins now (attempted_at is written later, with the
             # outcome); the worker's clock against the database's run_at.
-            traced.waited = max(0.0, (datetime.now(UTC) - job.run_at).total_seconds())
+            # timezone.now() is naive, as run_at is, in a project without USE_TZ.
+            traced.waited = max(0.0, (timezone.now() - job.run_at).total_seconds())
         traced.started = time.perf_counter()
         return traced
 

@@ -193,6 +193,35 @@ def test_metrics_count_outcomes_time_attempts_and_waits_and_gauge_jobs_per_state
     assert gauge[("default", "completed")] == 1 and gauge[("default", "failed")] == 1
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_project_without_time_zones_is_traced():
+    # USE_TZ = False: a connection made then reads the claimed row's run_at naive.
+    from django.db import connections
+    from django.test import override_settings
+
+    with override_settings(USE_TZ=False):
+        connections.close_all()
+        try:
+            job = awa.enqueue(Act(action="ok", tag="none"))
+            run_queue("default")
+            assert Job.objects.get(id=job.id).state == "completed"
+        finally:
+            connections.close_all()
+    [span] = job_spans("act")
+    assert span.status.status_code != StatusCode.ERROR
+
+
+def test_a_span_that_cannot_start_costs_the_job_its_span_not_its_run(monkeypatch):
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("exporter misconfigured")
+
+    monkeypatch.setattr(otel.instrumentation(), "start", broken)
+    job = awa.enqueue(Act(action="ok", tag="none"))
+    run_queue("default")
+    assert Job.objects.get(id=job.id).state == "completed"
+    assert not job_spans("act")
+
+
 def test_disabled_it_records_nothing():
     from django.conf import settings
     from django.test import override_settings
