@@ -45,6 +45,7 @@ from .execute import (
     Attempt,
     AttemptResult,
     describe,
+    errored,
     from_exception,
     resolve_handler,
     run_attempt,
@@ -107,6 +108,55 @@ def _writable(conn: Any) -> bool:
         return db.is_writable(conn)
     except Exception:  # noqa: BLE001 - a broken connection: close it
         return False
+
+
+def transaction_marks() -> list[tuple[int, bool]]:
+    """Where this thread's connections stand before a handler runs: each one's depth
+    of atomic blocks, and its autocommit (what connecting gives, if not connected)."""
+    return [
+        (
+            len(conn.atomic_blocks),
+            conn.autocommit if conn.connection is not None else conn.settings_dict["AUTOCOMMIT"],
+        )
+        for conn, _pooled in _thread_connections()
+    ]
+
+
+def discard_open_transactions(marks: list[tuple[int, bool]]) -> list[str]:
+    """After a handler: close this thread's connections it left inside a transaction.
+
+    ``marks``: ``transaction_marks()`` from before the handler ran. An atomic
+    block entered and never exited, or autocommit turned off, would hold the
+    transaction open into the thread's next jobs: their writes would join it,
+    never to commit, and its row locks would keep outcomes from being written.
+    Closing the connection has the server roll that transaction back; the
+    alias gets a new connection object, the old one still being marked as
+    inside the block. Returns the aliases discarded.
+    """
+    left = []
+    for (conn, _pooled), (depth, autocommit) in zip(_thread_connections(), marks, strict=True):
+        if conn.connection is None or (
+            len(conn.atomic_blocks) <= depth and (conn.autocommit or not autocommit)
+        ):
+            continue
+        left.append(conn.alias)
+        with contextlib.suppress(Exception):
+            conn.connection.close()
+        del connections[conn.alias]
+    if left:
+        _thread.connections = None  # the thread's connection objects, found again
+    return left
+
+
+def left_open(job: JobRow, aliases: list[str]) -> AttemptResult:
+    """The attempt's outcome when its handler left a transaction open: it failed."""
+    names = ", ".join(repr(alias) for alias in aliases)
+    return errored(
+        job,
+        f"the handler left a transaction open on database {names} (an atomic block it "
+        f"entered and never exited, or autocommit turned off): it was rolled back, the "
+        f"handler's writes in it with it, and the connection closed",
+    )
 
 
 def release_connections(keep: bool = False) -> bool:
@@ -462,6 +512,7 @@ class HandlerPool:
     def _run_logged(self, attempt: Attempt) -> AttemptResult | None:
         """Run it; the result handed on or written (None: a stale atomic attempt)."""
         result: AttemptResult | None
+        marks = transaction_marks()
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
@@ -470,9 +521,11 @@ class HandlerPool:
             spec, args = resolved
             attempt.timeout = spec.timeout  # tend() applies it from now on
             if spec.atomic:
-                return self._run_atomic(attempt, spec, args)
+                return self._run_atomic(attempt, spec, args, marks)
             loop = self.event_loop() if spec.is_async else None
             result = run_attempt(attempt, self._mark_progress, resolved, self.state.need, loop=loop)
+            if left := discard_open_transactions(marks):
+                result = self._left_open(attempt, left)
             self._put(attempt, result)
             return result
         except BaseException as exc:  # no signal reaches a handler thread
@@ -491,19 +544,34 @@ class HandlerPool:
             # Kept for the thread's next job, if it has one; run() gives it back when idle.
             _thread.pooled = release_connections(keep=True)
 
+    def _left_open(self, attempt: Attempt, aliases: list[str]) -> AttemptResult:
+        job = attempt.job
+        logger.error(
+            "job %s kind=%s left a transaction open on %s: rolled back, connection closed",
+            job.id, job.kind, ", ".join(aliases), extra=log_context(job, self.state.name),
+        )  # fmt: skip
+        result = left_open(job, aliases)
+        result.progress = attempt.progress
+        return result
+
     def _put(self, attempt: Attempt, result: AttemptResult) -> None:
         """Hand ``result`` to the completer, with when its handler began."""
         result.started = attempt.started
         self.results.put(result)
 
     def _run_atomic(
-        self, attempt: Attempt, spec: WorkerSpec, args: JobArgs
+        self, attempt: Attempt, spec: WorkerSpec, args: JobArgs, marks: list[tuple[int, bool]]
     ) -> AttemptResult | None:
         try:
             # The handler's transaction is the engine's: its follow-ups' queues
             # are woken after it commits (wakeups.py), not by a NOTIFY inside it.
             with wakeups.after_commit(attempt.alias, self.state.outbox):
                 written = run_atomic_attempt(attempt, spec, args)
+            if left := discard_open_transactions(marks):
+                # The handler's block swallowed the worker's: nothing was committed.
+                result = self._left_open(attempt, left)
+                self._put(attempt, result)
+                return result
             if written is not None:
                 notify_freed(self.state, [written])
                 self.state.tally.record([written], self.state.running)

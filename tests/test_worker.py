@@ -16,7 +16,7 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa.models import Job, JobState, MaintenanceLease
 from tests.conftest import make_job, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Bailout, Echo, Severed, Unhandled
+from tests.testapp.jobs import Act, Bailout, Echo, LeakyAtomic, Severed, Unhandled
 from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -397,6 +397,33 @@ def test_startup_log_names_queues_concurrency_database_and_pid(start_worker):
     assert "default=3" in line and "other=10" in line
     assert connection.settings_dict["NAME"] in line
     assert re.search(rf":{worker.pid}\b", line)
+
+
+def test_a_handler_leaving_a_transaction_open_fails_alone_and_the_next_jobs_commit(
+    start_worker,
+):
+    # One handler thread: every job after the leaky ones runs on its connection.
+    leaky = [
+        awa.enqueue(Act(action="leave_atomic")),
+        awa.enqueue(Act(action="leave_autocommit")),
+        awa.enqueue(LeakyAtomic(reference="atomic-leak")),
+    ]
+    after = [awa.enqueue(Act(action="ok", tag=f"after{i}")) for i in range(3)]
+    start_worker("--queue", "default=1")
+    for job in after:
+        wait_for_state(job.id, JobState.COMPLETED)
+        assert Ledger.objects.filter(job_id=job.id, note="ok").exists()  # committed
+    expected = (JobState.RETRYABLE, JobState.RETRYABLE, JobState.FAILED)
+    for job, state in zip(leaky, expected, strict=True):
+        row = wait_for_state(job.id, state)
+        assert "left a transaction open on database 'default'" in row.errors[0]["error"]
+    assert not Order.objects.filter(reference__contains="leak").exists()  # rolled back
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND state LIKE 'idle in transaction%%'"
+        )
+        assert cursor.fetchone()[0] == 0
 
 
 def test_a_queue_concurrency_past_the_bound_is_refused_by_name():

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
@@ -164,6 +164,15 @@ def act(job: awa.JobContext):
         case "log":
             logging.getLogger("tests.testapp.jobs").warning("handler says %s", args.tag)
             return None
+        case "leave_atomic":
+            # A transaction entered and never left (a context manager's __exit__ skipped).
+            transaction.atomic().__enter__()
+            Order.objects.create(reference=f"leaked-{job.id}")
+            return None
+        case "leave_autocommit":
+            transaction.set_autocommit(False)
+            Order.objects.create(reference=f"leaked-{job.id}")
+            return None
         case "modules":
             # Whether this process imported OpenTelemetry (tests/test_otel.py).
             loaded = any(m.split(".")[0] == "opentelemetry" for m in sys.modules)
@@ -280,6 +289,19 @@ def severed(job: awa.JobContext):
     except OperationalError:
         if not job.args.quiet:
             raise
+
+
+@dataclass
+class LeakyAtomic(awa.JobArgs):
+    """An atomic kind whose handler enters a transaction it never leaves."""
+
+    reference: str = ""
+
+
+@awa.worker(LeakyAtomic, atomic=True, max_attempts=1)
+def leaky_atomic(job: awa.JobContext):
+    transaction.atomic().__enter__()
+    Order.objects.create(reference=job.args.reference)
 
 
 # -- async handlers and timeouts ---------------------------------------------------
