@@ -51,6 +51,14 @@ class JobArgs:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        annotation = inspect.get_annotations(cls).get("kind")
+        if annotation is not None and "ClassVar" not in str(annotation):
+            # A field named kind would be the instance's kind: jobs of this class
+            # stored under whatever kind their args named.
+            raise ImproperlyConfigured(
+                f"{cls.__qualname__}: a JobArgs field cannot be named 'kind', the job's "
+                f"kind; rename the field, or name the kind with kind: ClassVar[str] = '...'"
+            )
         if "kind" not in cls.__dict__:
             cls.kind = snake_case(cls.__name__)
         if not isinstance(cls.kind, str) or not KIND_RE.match(cls.kind):

@@ -42,6 +42,19 @@ def test_kind_is_snake_case_of_the_class_name_unless_overridden():
     assert registry.args_classes["charge_card"] is ChargeCard
 
 
+def test_a_field_named_kind_is_refused_when_the_class_is_declared():
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured, match="a JobArgs field cannot be named 'kind'"):
+
+        @dataclass
+        class Notify(awa.JobArgs):
+            kind: str
+            to: str = ""
+
+    assert "notify" not in registry.args_classes
+
+
 def test_enqueue_returns_the_available_row_with_the_kinds_defaults():
     job = awa.enqueue(Echo(n=3, note="hi", tags=["a"]))
     assert isinstance(job, Job) and isinstance(job.id, int)
