@@ -142,6 +142,9 @@ def test_move_and_priority_over_a_filter_with_a_dry_run_first():
         ("awa_jobs", "retry", "--queue", "a", "--batch-size", "0"),
         ("awa_jobs", "retry", "12", "--dry-run"),
         ("awa_jobs", "discard", "--queue", "a"),  # needs --yes
+        ("awa_jobs", "retry", "--queue", "bad!name"),
+        ("awa_jobs", "cancel", "--queue", "bad!name"),
+        ("awa_jobs", "list", "--queue", "bad!name"),
     ],
 )
 def test_bad_bulk_arguments_are_exit_2_and_change_nothing(args: tuple[str, ...]):

@@ -16,7 +16,7 @@ from django.core.management.base import CommandParser
 from django.db.models import QuerySet
 
 from django_awa import bulk, control
-from django_awa.conf import awa_settings
+from django_awa.conf import QUEUE_NAME_RE, awa_settings
 from django_awa.exceptions import ValidationError
 from django_awa.management.operator import OperatorCommand, nothing, table, usage
 from django_awa.models import Job, JobState
@@ -126,6 +126,9 @@ class Command(OperatorCommand):
             raise usage(f"unknown state {bad[0]!r}; states: {', '.join(JobState.values)}")
         if options.get("limit", 1) < 1:
             raise usage(f"--limit must be at least 1, got {options['limit']}")
+        bad = [q for q in options["queue"] if not QUEUE_NAME_RE.match(q)]
+        if bad:
+            raise usage(f"invalid queue name {bad[0]!r}")
         jobs = Job.objects.using(self.alias).all()
         if options["state"]:
             jobs = jobs.filter(state__in=options["state"])
