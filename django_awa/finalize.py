@@ -371,6 +371,12 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
     """
     error = _error_text(exc)
     tb = "".join(traceback.format_exception(exc))
+    if result.error:
+        # The outcome whose follow-up failed was itself an error (a retry or an
+        # exhaustion): both go in the attempt's one errors entry.
+        error = f"{error}; the attempt's own error: {result.error}"
+        if result.traceback:
+            tb = f"{result.traceback}\nThen its follow-up failed:\n{tb}"
     fallback = errored(result.job, error, tb)
     fallback.progress = result.progress
     logger.warning(

@@ -478,6 +478,10 @@ def test_atomic_handler_that_raised_and_whose_retry_followup_failed_keeps_nothin
     row = Job.objects.get(id=job.id)
     assert row.state == JobState.RETRYABLE and row.attempt == 1
     assert "retry follow-up exploded" in row.errors[-1]["error"]
+    # The handler's own error stays on record beside its follow-up's.
+    assert "the attempt's own error: RuntimeError: card declined" in row.errors[-1]["error"]
+    assert "Then its follow-up failed" in row.errors[-1]["traceback"]
+    assert len(row.errors) == 1
     assert not Order.objects.filter(reference="bad-retry-1").exists()
     assert not Ledger.objects.filter(job_id=job.id).exists()
     (kept,) = PendingFollowup.objects.filter(job_id=job.id)
