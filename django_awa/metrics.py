@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import hmac
 import math
+from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime
+from typing import Any
 
 from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -29,7 +31,7 @@ from django.views.decorators.http import require_GET
 from . import sql
 from .conf import AwaSettings, awa_settings
 from .fleet import live
-from .models import JobCount, PendingFollowup, Queue
+from .models import JobCount, PendingFollowup, Queue, Worker
 from .state import DB_ERRORS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -123,17 +125,18 @@ def exposition(alias: str, conf: AwaSettings) -> str:
         "Committed outcomes whose follow-ups maintenance is still retrying.",
         [({}, PendingFollowup.objects.using(alias).count())],
     )
-    workers = list(live(alias, conf.stale_after).order_by("name"))
+    workers = list(live(alias, conf.stale_after).order_by("name", "id"))
+    labels = _worker_labels(workers)
     out.family("awa_workers", "Live worker processes.", [({}, len(workers))])
     out.family(
         "awa_worker_running_jobs",
         "Jobs whose handlers run in each live worker, as of its last heartbeat.",
-        (({"worker": w.name}, w.running) for w in workers),
+        (({"worker": labels[w.id]}, w.running) for w in workers),
     )
     out.family(
         "awa_worker_concurrency",
         "Handler threads of each live worker, over all its queues.",
-        (({"worker": w.name}, w.concurrency) for w in workers),
+        (({"worker": labels[w.id]}, w.concurrency) for w in workers),
     )
     out.family(
         "awa_maintenance_age_seconds",
@@ -141,6 +144,14 @@ def exposition(alias: str, conf: AwaSettings) -> str:
         [({}, math.nan if maintenance_age is None else maintenance_age)],
     )
     return out.text()
+
+
+def _worker_labels(workers: list[Worker]) -> dict[Any, str]:
+    """Each worker's ``worker`` label: its name (``host:pid``), or, for workers that
+    share one (containers that each run as pid 1 on one host name), the name and
+    the start of its id, so that no two series of a family share their labels."""
+    counts = Counter(w.name for w in workers)
+    return {w.id: w.name if counts[w.name] == 1 else f"{w.name}/{str(w.id)[:8]}" for w in workers}
 
 
 def _authorized(request: HttpRequest, conf: AwaSettings) -> HttpResponse | None:

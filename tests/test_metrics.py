@@ -105,6 +105,22 @@ def test_label_values_are_escaped():
     assert 'awa_queue_paused{queue="we\\"ird\\\\queue"} 1' in text.splitlines()
 
 
+def test_workers_sharing_a_name_get_a_series_each():
+    # Containers on one host name, each its own pid 1: the same host:pid.
+    boxes = {uuid.uuid4(): 3, uuid.uuid4(): 5}
+    for worker_id, running in boxes.items():
+        Worker.objects.create(
+            id=worker_id, name="box:1", host="box", pid=1, running=running, concurrency=10
+        )
+    Worker.objects.create(id=uuid.uuid4(), name="other:7", host="other", pid=7, running=1)
+    lines = staff_client().get(METRICS).content.decode().splitlines()
+    running = sorted(line for line in lines if line.startswith("awa_worker_running_jobs{"))
+    expected = [
+        f'awa_worker_running_jobs{{worker="box:1/{str(i)[:8]}"}} {n}' for i, n in boxes.items()
+    ]
+    assert running == sorted([*expected, 'awa_worker_running_jobs{worker="other:7"} 1'])
+
+
 def test_the_maintenance_age_keeps_growing_once_the_leader_is_dead():
     """The dead leader's row is left until a new leader prunes it: its last tick
     ages on in the metrics, as in /health, and an alert on it fires."""
