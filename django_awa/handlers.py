@@ -112,7 +112,11 @@ def _writable(conn: Any) -> bool:
 
 def transaction_marks() -> list[tuple[int, bool]]:
     """Where this thread's connections stand before a handler runs: each one's depth
-    of atomic blocks, and its autocommit (what connecting gives, if not connected)."""
+    of atomic blocks, and its autocommit (what connecting gives, if not connected).
+
+    Only where a handler may start inside a transaction (``run_once``, called
+    in a test's); a handler thread's connections are outside any between jobs.
+    """
     return [
         (
             len(conn.atomic_blocks),
@@ -122,23 +126,32 @@ def transaction_marks() -> list[tuple[int, bool]]:
     ]
 
 
-def discard_open_transactions(marks: list[tuple[int, bool]]) -> list[str]:
+def discard_open_transactions(marks: list[tuple[int, bool]] | None) -> list[str]:
     """After a handler: close this thread's connections it left inside a transaction.
 
-    ``marks``: ``transaction_marks()`` from before the handler ran. An atomic
+    ``marks``: ``transaction_marks()`` from before the handler ran; None in a
+    handler thread, whose connections were outside any transaction. An atomic
     block entered and never exited, or autocommit turned off, would hold the
     transaction open into the thread's next jobs: their writes would join it,
     never to commit, and its row locks would keep outcomes from being written.
     Closing the connection has the server roll that transaction back; the
     alias gets a new connection object, the old one still being marked as
-    inside the block. Returns the aliases discarded.
+    inside the block. Returns the aliases discarded. Every job pays this
+    check: attribute reads, no query.
     """
     left = []
-    for (conn, _pooled), (depth, autocommit) in zip(_thread_connections(), marks, strict=True):
-        if conn.connection is None or (
-            len(conn.atomic_blocks) <= depth and (conn.autocommit or not autocommit)
-        ):
+    for index, (conn, _pooled) in enumerate(_thread_connections()):
+        if conn.connection is None:
             continue
+        if marks is None:
+            if not conn.in_atomic_block and (
+                conn.autocommit or not conn.settings_dict["AUTOCOMMIT"]
+            ):
+                continue
+        else:
+            depth, autocommit = marks[index]
+            if len(conn.atomic_blocks) <= depth and (conn.autocommit or not autocommit):
+                continue
         left.append(conn.alias)
         with contextlib.suppress(Exception):
             conn.connection.close()
@@ -374,6 +387,7 @@ class HandlerPool:
         inbox = runner.inbox
         gate = self.gate
         slot = False
+        _thread.handler_thread = True  # its connections are outside any transaction between jobs
         try:
             while not handler.abandoned:
                 if gate is not None and handler.on_pool and not slot:
@@ -512,7 +526,7 @@ class HandlerPool:
     def _run_logged(self, attempt: Attempt) -> AttemptResult | None:
         """Run it; the result handed on or written (None: a stale atomic attempt)."""
         result: AttemptResult | None
-        marks = transaction_marks()
+        marks = None if getattr(_thread, "handler_thread", False) else transaction_marks()
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
@@ -560,7 +574,11 @@ class HandlerPool:
         self.results.put(result)
 
     def _run_atomic(
-        self, attempt: Attempt, spec: WorkerSpec, args: JobArgs, marks: list[tuple[int, bool]]
+        self,
+        attempt: Attempt,
+        spec: WorkerSpec,
+        args: JobArgs,
+        marks: list[tuple[int, bool]] | None,
     ) -> AttemptResult | None:
         try:
             # The handler's transaction is the engine's: its follow-ups' queues
