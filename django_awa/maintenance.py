@@ -25,7 +25,7 @@ from django.db import DatabaseError, connections, transaction
 from django.db.models.functions import Now
 
 from . import dashboard, db, fleet, sequences, sql, wakeups
-from .callbacks import prune_receipts
+from .callbacks import EARLY_KEY, apply_early, prune_receipts
 from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import MAX_RETENTION, AwaSettings, awa_settings
 from .dependencies import after_outcomes, planned_by_index, settle
@@ -40,7 +40,7 @@ from .followups import (
 )
 from .kinds import registry
 from .logs import log_context
-from .models import JobState, PendingFollowup, jobs_from_rows
+from .models import Job, JobState, PendingFollowup, jobs_from_rows
 from .pending import keep_pending, restore
 from .schedules import fire_due
 from .state import DB_ERRORS, WorkerState
@@ -244,6 +244,7 @@ class Maintenance:
             self._last_full = now
             woken |= self._duty("rescue", self.rescue) or set()
             self._duty("replay_pending", self.replay_pending)
+            self._duty("apply_early_callbacks", self.apply_early_callbacks)
             self._duty("age_priorities", self.age_priorities)
             self._duty("fire_periodic", self.fire_periodic)
             self._duty("prune_workers", self.prune_workers)
@@ -288,6 +289,7 @@ class Maintenance:
         self.rescue()
         self.archive()
         self.replay_pending(now)
+        self.apply_early_callbacks()
         self.age_priorities()
         self.fire_periodic(now)
         self.prune_workers()
@@ -411,6 +413,30 @@ class Maintenance:
             if cursor.rowcount:
                 logger.debug("freed %s stale limit lease(s)", cursor.rowcount)
         return queues
+
+    def apply_early_callbacks(self) -> int:
+        """Apply the early callback answers still kept on parked jobs; returns how many.
+
+        An answer that came while its job's handler ran was accepted (200) and is
+        applied when the job parks; if its follow-ups failed then, the job waits
+        with the answer kept, and its sender, told it was accepted, will not send
+        it again. It is tried again here every interval until it applies, or the
+        callback times out and the rescue takes the job.
+        """
+        applied = 0
+        with self._transaction():
+            parked = list(
+                Job.objects.using(self.alias)
+                .select_for_update(skip_locked=True)
+                .filter(state=JobState.WAITING_EXTERNAL, metadata__has_key=EARLY_KEY)
+                .order_by("id")[:BATCH]
+            )
+            for row in parked:
+                if apply_early(row, self.alias) is not None:
+                    applied += 1
+        if applied:
+            logger.info("applied %s early callback answer(s) kept on parked jobs", applied)
+        return applied
 
     def replay_pending(self, now: datetime | None = None) -> int:
         """Insert the pending follow-ups due at ``now`` (default: the database clock's);

@@ -575,6 +575,27 @@ def test_an_early_callback_whose_followup_fails_leaves_the_job_parked():
     assert awa.complete_external(job.callback_id, {"ok": 1}).state == JobState.COMPLETED
 
 
+def test_maintenance_applies_an_early_answer_whose_followups_failed_at_the_park():
+    # The sender was told 200 and will not send it again: maintenance tries it again.
+    job = parked_row(state=JobState.RUNNING, run_lease=1)
+    awa.complete_external(job.callback_id, {"late": "but accepted"})
+    FAIL["parked_completed"] = True
+    assert _park_in_process(job.id).state == JobState.WAITING_EXTERNAL
+    Maintenance().run_once()  # the follow-up still fails: the answer is kept
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.WAITING_EXTERNAL and EARLY_KEY in row.metadata
+    FAIL["parked_completed"] = False
+    assert Maintenance().apply_early_callbacks() == 1
+    row = Job.objects.get(id=job.id)
+    assert row.state == JobState.COMPLETED and row.metadata == {
+        RESULT_KEY: {"late": "but accepted"}
+    }
+    assert [f[2]["note"] for f in followups(job.id)] == [
+        f"waiting:{job.callback_id}",
+        "parked-completed",
+    ]
+
+
 # -- callback timeout -----------------------------------------------------------------
 
 

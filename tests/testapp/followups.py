@@ -19,7 +19,13 @@ from django_awa.followups import (
 from .jobs import Act, Echo, Forever, Node, Parked, Pay, Poison
 
 # Tests flip these to make follow-up functions misbehave.
-FAIL = {"completed": False, "rescued_times": 0, "exhausted": False, "retried": False}
+FAIL = {
+    "completed": False,
+    "rescued_times": 0,
+    "exhausted": False,
+    "retried": False,
+    "parked_completed": False,
+}
 CALLS = {"rescued": 0}
 
 
@@ -84,7 +90,8 @@ def parked_waiting(args: Parked, job):
 
 @on_completed(Parked)
 def parked_completed(args: Parked, job):
-    if (job.metadata.get("awa_callback_result") or {}) == {"explode": True}:
+    exploding = (job.metadata.get("awa_callback_result") or {}) == {"explode": True}
+    if exploding or FAIL["parked_completed"]:
         raise RuntimeError("parked completion follow-up exploded")
     return Echo(n=job.id, note="parked-completed")
 
