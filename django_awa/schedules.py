@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import logging
 import zoneinfo
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,21 +61,57 @@ class Periodic:
 
     def fires_between(self, after: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
         """Fire times in (after, until], oldest first, at most MAX_CATCH_UP."""
-        tz = zoneinfo.ZoneInfo(self.timezone)
-        iterator = _cron(self.cron, after.astimezone(tz))
+        iterator = self._fires(after)
         fires: list[dt.datetime] = []
         while len(fires) < MAX_CATCH_UP:
-            fire: dt.datetime = iterator.get_next(dt.datetime)
+            fire = next(iterator)
             if fire > until:
                 break
-            fires.append(fire.astimezone(dt.UTC))
+            fires.append(fire)
         return fires
 
+    def last_fire_between(self, after: dt.datetime, until: dt.datetime) -> dt.datetime | None:
+        """The latest fire time in (after, until], however many come before it (what
+        ``coalesce`` enqueues after a long outage); None if there is none."""
+        fires = self.fires_between(after, until)
+        if len(fires) < MAX_CATCH_UP:
+            return fires[-1] if fires else None
+        # More than the catch-up's worth: from the last of them on, at most one
+        # MAX_CATCH_UP at a time (each a bounded walk), to the last before until.
+        last = fires[-1]
+        for _ in range(10_000):  # bounded: 10,000,000 fires, years of every second
+            more = self.fires_between(last, until)
+            if not more:
+                return last
+            last = more[-1]
+            if len(more) < MAX_CATCH_UP:
+                return last
+        return last
+
     def next_after(self, moment: dt.datetime) -> dt.datetime:
+        return next(self._fires(moment))
+
+    def _fires(self, after: dt.datetime) -> Iterator[dt.datetime]:
+        """The fire times after ``after``, in UTC, oldest first.
+
+        When clocks go back an hour, a local time comes twice. As cron does, a
+        schedule with a fixed hour (``30 2 * * *``) fires once at it, at its first
+        coming; one whose hour is a wildcard (``*/15 * * * *``) fires at each.
+        """
         tz = zoneinfo.ZoneInfo(self.timezone)
-        iterator = _cron(self.cron, moment.astimezone(tz))
-        fire: dt.datetime = iterator.get_next(dt.datetime)
-        return fire.astimezone(dt.UTC)
+        local_after = after.astimezone(tz)
+        iterator = _cron(self.cron, local_after)
+        fields = self.cron.split()
+        hour = fields[2] if len(fields) == 6 else fields[1]
+        fixed_hour = not hour.startswith("*")
+        previous = local_after.replace(tzinfo=None)
+        while True:
+            fire: dt.datetime = iterator.get_next(dt.datetime)
+            wall = fire.replace(tzinfo=None)
+            if fixed_hour and wall <= previous:
+                continue  # the repeated hour: this wall-clock time came already
+            previous = wall
+            yield fire.astimezone(dt.UTC)
 
 
 schedules: dict[str, Periodic] = {}
@@ -153,9 +190,11 @@ def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
         changed = (row.cron, row.timezone) != (schedule.cron, schedule.timezone)
         if changed:
             row.cron, row.timezone, row.kind = schedule.cron, schedule.timezone, schedule.args.kind
-        fires = schedule.fires_between(row.last_fire_at or now, now)
         if schedule.missed == "coalesce":
-            fires = fires[-1:]
+            last = schedule.last_fire_between(row.last_fire_at or now, now)
+            fires = [] if last is None else [last]
+        else:
+            fires = schedule.fires_between(row.last_fire_at or now, now)
         for fire_at in fires:
             request = EnqueueRequest(
                 schedule.args, queue=schedule.queue, priority=schedule.priority, run_at=fire_at

@@ -294,6 +294,42 @@ def test_periodic_fires_once_per_due_time_and_coalesces_missed_fires(periodic_sc
     assert jobs[-1].run_at == fire_at and fire_at.second == 0
 
 
+def test_coalesce_enqueues_only_the_last_fire_after_more_missed_than_a_catch_up(
+    periodic_schedule,
+):
+    periodic_schedule("every-second", "* * * * * *", Report(day="s"))
+    start = timezone.now().replace(microsecond=0)
+    fire_due("default", now=start)
+    # 40 minutes down: 2,400 missed fires, more than MAX_CATCH_UP (1,000).
+    later = start + dt.timedelta(minutes=40, microseconds=500_000)
+    assert fire_due("default", now=later) == 1
+    assert fire_due("default", now=later + dt.timedelta(milliseconds=100)) == 0
+    [job] = Job.objects.filter(kind="report", args__day="s")
+    assert job.run_at == later.replace(microsecond=0)
+
+
+def test_a_fixed_hour_fires_once_when_the_clocks_go_back(periodic_schedule):
+    # Paris, 2026-10-25: 03:00 CEST becomes 02:00 CET, and 02:30 comes twice.
+    nightly = periodic_schedule(
+        "nightly-dst", "30 2 * * *", Report(day="n"), timezone="Europe/Paris"
+    )
+    quarterly = periodic_schedule(
+        "quarter-dst", "*/30 * * * *", Report(day="q"), timezone="Europe/Paris"
+    )
+    before = dt.datetime(2026, 10, 24, 12, 0, tzinfo=dt.UTC)
+    nights = nightly.fires_between(before, before + dt.timedelta(days=2))
+    assert [f.isoformat() for f in nights] == [
+        "2026-10-25T00:30:00+00:00",  # 02:30 CEST
+        "2026-10-26T01:30:00+00:00",  # 02:30 CET the next night
+    ]
+    # A wildcard hour fires at each coming of the repeated hour, as cron does.
+    first_pass = dt.datetime(2026, 10, 25, 0, 0, tzinfo=dt.UTC)  # 02:00 CEST
+    halves = quarterly.fires_between(first_pass, first_pass + dt.timedelta(hours=2))
+    assert len(halves) == 4  # 02:30 CEST, 02:00 and 02:30 CET, 03:00 CET
+    # The fire after the first 02:30 is the next night's, not the second 02:30.
+    assert nightly.next_after(nights[0]) == nights[1]
+
+
 def test_periodic_catch_up_enqueues_every_missed_fire(periodic_schedule):
     periodic_schedule("catch", "*/10 * * * * *", Report(day="x"), missed="catch_up")
     start = timezone.now().replace(microsecond=0)
