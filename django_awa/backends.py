@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.db import connections
+from django.utils import timezone
 
 if TYPE_CHECKING:
     # Typed by django-stubs' django.tasks; the backport has the same names.
@@ -29,20 +30,20 @@ if TYPE_CHECKING:
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import Task, TaskError
     from django.tasks.exceptions import TaskResultDoesNotExist
-    from django.tasks.signals import task_enqueued, task_started
+    from django.tasks.signals import task_enqueued, task_finished, task_started
 else:
     try:  # Django 6
         from django.tasks import TaskContext, TaskResult, TaskResultStatus
         from django.tasks.backends.base import BaseTaskBackend
         from django.tasks.base import Task, TaskError
         from django.tasks.exceptions import TaskResultDoesNotExist
-        from django.tasks.signals import task_enqueued, task_started
+        from django.tasks.signals import task_enqueued, task_finished, task_started
     except ImportError:  # Django 5.2 with the django-tasks backport
         from django_tasks import TaskContext, TaskResult, TaskResultStatus
         from django_tasks.backends.base import BaseTaskBackend
         from django_tasks.base import Task, TaskError
         from django_tasks.exceptions import TaskResultDoesNotExist
-        from django_tasks.signals import task_enqueued, task_started
+        from django_tasks.signals import task_enqueued, task_finished, task_started
 
 from . import sql
 from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, prepare
@@ -53,6 +54,7 @@ from .models import Job, JobState
 KIND_PREFIX = "task"
 RETURN_KEY = "awa_task_return"
 ERRORS_KEY = "awa_task_errors"
+PRIORITY_KEY = "awa_task_priority"
 
 STATUS = {
     JobState.SCHEDULED: TaskResultStatus.READY,
@@ -95,7 +97,12 @@ class AwaTask(_Task):
     def __post_init__(self) -> None:
         check_max_attempts(self.max_attempts, f"@task {self.func.__qualname__}")
         Task.__post_init__(self)  # not super(): slots=True makes a new class
-        _tasks[self.module_path] = self
+        # The task as declared: not a copy made by .using() (the same function
+        # with other options), which would give every row read back its options.
+        # A module imported again declares a new function, which replaces it.
+        known = _tasks.get(self.module_path)
+        if known is None or known.func is not self.func:
+            _tasks[self.module_path] = self
 
 
 @dataclass
@@ -168,8 +175,9 @@ def _run_task(job: JobContext) -> Any:
             value = task.call(TaskContext(task_result=result), *call.args, **call.kwargs)
         else:
             value = task.call(*call.args, **call.kwargs)
-        json.dumps(value)  # what Job.result cannot hold is the task's error
-    except Exception as exc:
+        # What Job.result cannot hold (NaN too) is the task's error.
+        json.dumps(value, allow_nan=False)
+    except BaseException as exc:  # as Django's own backend records them (the worker's too)
         error = {
             "exception_class_path": f"{type(exc).__module__}.{type(exc).__qualname__}",
             "traceback": "".join(traceback.format_exception(exc)),
@@ -179,9 +187,34 @@ def _run_task(job: JobContext) -> Any:
                 sql.RECORD_TASK_ERROR,
                 {"error": json.dumps([error]), "id": job.id, "run_lease": job.row.run_lease},
             )
+        if job.attempt >= job.max_attempts:  # no retry: the task is finished
+            errors = [*result.errors, TaskError(**error)]
+            _send_finished(backend, result, TaskResultStatus.FAILED, errors=errors)
         raise
+    _send_finished(backend, result, TaskResultStatus.SUCCESSFUL, value=value)
     # Stored as Job.result by the completing transaction (SPEC §9, §11).
     return value
+
+
+def _send_finished(
+    backend: AwaTaskBackend,
+    result: TaskResult[..., Any],
+    status: TaskResultStatus,
+    *,
+    value: Any = None,
+    errors: list[TaskError] | None = None,
+) -> None:
+    """Django's ``task_finished``, as its own backends send it: once the function
+    returned, or raised on its last attempt. The worker writes the outcome next."""
+    finished = dataclasses.replace(
+        result,
+        status=status,
+        finished_at=timezone.now(),
+        errors=result.errors if errors is None else errors,
+    )
+    if status == TaskResultStatus.SUCCESSFUL:
+        object.__setattr__(finished, "_return_value", value)
+    task_finished.send(sender=type(backend), task_result=finished)
 
 
 class AwaTaskBackend(BaseTaskBackend):
@@ -209,7 +242,9 @@ class AwaTaskBackend(BaseTaskBackend):
                 priority=awa_priority(task.priority),
                 run_at=task.run_after,
                 max_attempts=getattr(task, "max_attempts", 1),
-            )
+            ),
+            # Django's priority (-100 to 100): awa's own keeps only its quarter.
+            metadata_json=json.dumps({PRIORITY_KEY: task.priority}),
         )
         prepared.kind = f"{KIND_PREFIX}:{task.module_path}"
         job = enqueue_prepared(prepared, alias)
@@ -230,6 +265,13 @@ class AwaTaskBackend(BaseTaskBackend):
 
     def result_from_job[**P, R](self, job: Job, task: Task[P, R]) -> TaskResult[P, R]:
         metadata = job.metadata or {}
+        call = job.args or {}
+        # The task as this job was enqueued: its queue, and its priority if stored.
+        priority = metadata.get(PRIORITY_KEY)
+        if job.queue != task.queue_name or (priority is not None and priority != task.priority):
+            task = task.using(
+                queue_name=job.queue, priority=task.priority if priority is None else priority
+            )
         values = {
             "task": task,
             "id": str(job.id),
@@ -238,8 +280,8 @@ class AwaTaskBackend(BaseTaskBackend):
             "started_at": job.attempted_at,
             "finished_at": job.finalized_at,
             "last_attempted_at": job.attempted_at,
-            "args": (job.args or {}).get("args", []),
-            "kwargs": (job.args or {}).get("kwargs", {}),
+            "args": call.get("args", []),
+            "kwargs": call.get("kwargs", {}),
             "backend": self.alias,
             "errors": [
                 TaskError(

@@ -77,6 +77,46 @@ def test_max_attempts_asks_for_retries(start_worker):
     assert result.return_value == 2 and result.attempts == 2
 
 
+def test_task_finished_is_sent_as_each_task_ends_with_its_errors_recorded():
+    from django_awa.testing import run_jobs
+
+    try:
+        from django.tasks.signals import task_finished
+    except ImportError:
+        from django_tasks.signals import task_finished
+    finished = {}
+
+    def receiver(sender, task_result, **kwargs):
+        finished[task_result.id] = task_result
+
+    results = [tasks.add.enqueue(2, 3), tasks.explode.enqueue(), tasks.leave.enqueue()]
+    results.append(tasks.not_a_number.enqueue())
+    task_finished.connect(receiver)
+    try:
+        run_jobs()
+    finally:
+        task_finished.disconnect(receiver)
+    added, exploded, left, nan = (finished[r.id] for r in results)
+    assert added.status == TaskResultStatus.SUCCESSFUL and added.return_value == 5
+    assert added.finished_at is not None
+    assert exploded.status == TaskResultStatus.FAILED
+    assert [e.exception_class_path for e in exploded.errors] == ["builtins.ValueError"]
+    # What Django's own backend records: BaseException too, and a value JSON cannot hold.
+    for result, path in ((left, "builtins.SystemExit"), (nan, "builtins.ValueError")):
+        assert result.status == TaskResultStatus.FAILED
+        stored = tasks.add.get_backend().get_result(result.id)
+        assert [e.exception_class_path for e in stored.errors] == [path]
+
+
+def test_a_result_read_back_names_the_task_as_it_was_enqueued():
+    special = tasks.add.using(priority=80).enqueue(1, 2)
+    plain = tasks.add.enqueue(1, 1)
+    backend = tasks.add.get_backend()
+    assert backend.get_result(plain.id).task.priority == 0
+    assert backend.get_result(special.id).task.priority == 80
+    assert backend.get_result(special.id).task.func is tasks.add.func
+
+
 def test_context_and_unknown_results(start_worker):
     result = tasks.with_context.enqueue("ctx")
     start_worker("--queue", "default")

@@ -37,3 +37,13 @@ def flaky(marker: str) -> int:
 @task(takes_context=True)
 def with_context(context, label: str) -> str:
     return f"{label}:{context.attempt}"
+
+
+@task()
+def leave() -> None:
+    raise SystemExit(3)
+
+
+@task()
+def not_a_number() -> float:
+    return float("nan")
