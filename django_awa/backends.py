@@ -254,9 +254,12 @@ class AwaTaskBackend(BaseTaskBackend):
 
     def get_result(self, result_id: str) -> TaskResult[..., Any]:
         alias = database_alias(self.database)
+        # Only the ids enqueue gives out: int() would take " 5 ", "1_0" or "٣" too.
+        if not (isinstance(result_id, str) and result_id.isascii() and result_id.isdigit()):
+            raise TaskResultDoesNotExist(result_id)
         try:
             job = Job.objects.using(alias).get(id=int(result_id), kind__startswith="task:")
-        except (ValueError, Job.DoesNotExist):
+        except (ValueError, OverflowError, Job.DoesNotExist):
             raise TaskResultDoesNotExist(result_id) from None
         task = _task_for(job.kind.partition(":")[2])
         if task is None:

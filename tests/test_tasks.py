@@ -124,6 +124,10 @@ def test_context_and_unknown_results(start_worker):
     assert tasks.with_context.get_result(result.id).return_value == "ctx:1"
     with pytest.raises(TaskResultDoesNotExist):
         tasks.add.get_backend().get_result("999999999")
+    # Only an id as enqueue gives it: not int()'s other spellings of one.
+    for spelled in (f" {result.id} ", f"{result.id}_0", "٣", None, str(2**64)):
+        with pytest.raises(TaskResultDoesNotExist):
+            tasks.add.get_backend().get_result(spelled)
 
 
 def test_a_run_after_postgres_cannot_store_is_refused_and_nothing_is_written():
