@@ -993,3 +993,12 @@ def is_writable(wrapper: Any) -> bool:
         cursor.execute(sql.WRITABLE_SERVER)
         row = cursor.fetchone()
     return bool(row and row[0])
+
+
+def listen_params(alias: str) -> dict[str, Any]:
+    """libpq parameters of Django connection ``alias``, for a dedicated psycopg connection
+    (the listener's, or one that must commit apart from the thread's transaction)."""
+    params = connections[alias].get_connection_params()
+    for key in ("cursor_factory", "context", "prepare_threshold", "pool"):
+        params.pop(key, None)
+    return params

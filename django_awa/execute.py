@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from asgiref.sync import ThreadSensitiveContext, async_to_sync, sync_to_async
 from django.db import connections
 
@@ -246,19 +247,26 @@ class JobContext:
                 f"register_callback: job {job.id} has no row to store the callback on "
                 "(perform_job runs a handler without one); test a callback with run_jobs"
             )
-        with connections[self._attempt.alias].cursor() as cursor:
-            cursor.execute(
-                sql.REGISTER_CALLBACK,
-                {
-                    "callback_id": callback_id,
-                    "timeout": seconds,
-                    "id": job.id,
-                    "run_lease": job.run_lease,
-                },
-            )
-            if cursor.fetchone() is None:
-                self._attempt.cancelled.set()
-                raise TerminalError(f"job {job.id} is no longer running this attempt")
+        alias = self._attempt.alias
+        params: dict[str, Any] = {
+            "callback_id": callback_id,
+            "timeout": seconds,
+            "id": job.id,
+            "run_lease": job.run_lease,
+        }
+        registered = None
+        if connections[alias].in_atomic_block:
+            # Inside a transaction (atomic=True, or the handler's own atomic block)
+            # the id would show only once it commits: an answer sent before that
+            # would find no job waiting on it. It is stored apart, at once.
+            registered = _register_apart(alias, params)
+        if registered is None:
+            with connections[alias].cursor() as cursor:
+                cursor.execute(sql.REGISTER_CALLBACK, params)
+                registered = cursor.fetchone() is not None
+        if not registered:
+            self._attempt.cancelled.set()
+            raise TerminalError(f"job {job.id} is no longer running this attempt")
         self._attempt.callback_id = callback_id
         self._attempt.instance().callback_id = callback_id
         return CallbackToken(id=callback_id, timeout_at_seconds=seconds)
@@ -266,6 +274,23 @@ class JobContext:
     async def aregister_callback(self, timeout: float | dt.timedelta) -> CallbackToken:
         """``register_callback`` for ``async def`` handlers (it writes to the database)."""
         return await sync_to_async(self.register_callback)(timeout)
+
+
+# How long a callback registered apart from the handler's transaction waits for the
+# job's row: the transaction may hold it (a handler that wrote its own row).
+REGISTER_APART_LOCK_TIMEOUT = "1s"
+
+
+def _register_apart(alias: str, params: dict[str, Any]) -> bool | None:
+    """``REGISTER_CALLBACK`` committed at once on a connection of its own; whether it
+    matched the attempt, or None if it could not be written there (the row locked
+    by the handler's own transaction, or no connection), to be written in it."""
+    try:
+        with psycopg.connect(**db.listen_params(alias), autocommit=True) as conn:
+            conn.execute(f"SET lock_timeout = '{REGISTER_APART_LOCK_TIMEOUT}'")
+            return conn.execute(sql.REGISTER_CALLBACK, params).fetchone() is not None
+    except psycopg.Error:
+        return None
 
 
 def write_progress(attempts: list[Attempt]) -> None:

@@ -23,20 +23,12 @@ import time
 from typing import Any
 
 import psycopg
-from django.db import connections
 
 from . import db, sql, wakeups
+from .db import listen_params
 from .state import WorkerState
 
 logger = logging.getLogger(__name__)
-
-
-def listen_params(alias: str) -> dict[str, Any]:
-    """libpq parameters of Django connection ``alias``, for a dedicated psycopg connection."""
-    params = connections[alias].get_connection_params()
-    for key in ("cursor_factory", "context", "prepare_threshold", "pool"):
-        params.pop(key, None)
-    return params
 
 
 class Listener:

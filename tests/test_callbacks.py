@@ -50,7 +50,7 @@ from django_awa.maintenance import Maintenance
 from django_awa.models import CallbackReceipt, Job, JobState
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.followups import FAIL
-from tests.testapp.jobs import Parked
+from tests.testapp.jobs import AtomicEarlyAnswer, Parked
 from tests.testapp.models import Ledger
 
 # Resolution commits (or not) on its own or with the caller: every test here commits.
@@ -493,6 +493,16 @@ def test_early_complete_is_applied_once_the_job_parks(start_worker):
     assert Ledger.objects.filter(job_id=job.id).count() == 1
     with pytest.raises(awa.CallbackNotFound):
         awa.complete_external(running.callback_id)
+
+
+def test_an_atomic_handlers_callback_can_be_answered_before_it_returns(start_worker):
+    # The id is stored apart from the handler's transaction, so the outside system's
+    # answer, sent while that transaction is open, finds the job and is kept for it.
+    start_worker("--queue", "default")
+    job = awa.enqueue(AtomicEarlyAnswer(payload="quick"))
+    row = wait_for_state(job.id, JobState.COMPLETED, timeout=20)
+    assert Ledger.objects.get(job_id=job.id).note == "answer:['accepted']"
+    assert row.metadata[RESULT_KEY] == {"answer": "quick"} and EARLY_KEY not in row.metadata
 
 
 def test_early_fail_over_http_is_applied_once_the_job_parks(start_worker):

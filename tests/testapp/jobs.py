@@ -10,11 +10,12 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from django.db import OperationalError, connection, transaction
+from django.db import OperationalError, connection, connections, transaction
 from django.utils import timezone
 
 import django_awa as awa
@@ -289,6 +290,34 @@ def severed(job: awa.JobContext):
     except OperationalError:
         if not job.args.quiet:
             raise
+
+
+@dataclass
+class AtomicEarlyAnswer(awa.JobArgs):
+    """An atomic kind whose outside system answers its callback before it returns."""
+
+    payload: str = "early"
+
+
+@awa.worker(AtomicEarlyAnswer, atomic=True, max_attempts=1)
+def atomic_early_answer(job: awa.JobContext):
+    token = job.register_callback(timeout=60)
+    answered: list[str] = []
+
+    def outside_system() -> None:  # another thread: a connection, and a session, of its own
+        try:
+            awa.complete_external(token.id, {"answer": job.args.payload})
+            answered.append("accepted")
+        except Exception as exc:  # noqa: BLE001 - the test reads what it was
+            answered.append(type(exc).__name__)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=outside_system)
+    thread.start()
+    thread.join(10)
+    _ledger(job, f"answer:{answered}")
+    return awa.WaitForCallback(token)
 
 
 @dataclass
