@@ -69,6 +69,9 @@ STUCK_GRACE_MIN = 5.0
 ENGINE_RESERVE = 2
 # How often a thread waiting at the gate looks whether the worker halted, seconds.
 GATE_HALT_POLL = 0.5
+# A handler thread's connection unused this long is checked before its next job
+# (close_dead_connections), seconds.
+IDLE_CHECK_AFTER = 1.0
 # At shutdown, how long async handlers still running get to end once cancelled,
 # seconds, before the event loop stops (the process's threads get 3 s in all).
 LOOP_GRACE = 1.0
@@ -87,12 +90,17 @@ def _thread_connections() -> list[tuple[Any, bool]]:
     return wrappers
 
 
-def close_connections_after_outage() -> None:
-    """Before a job: close this thread's connections if the worker saw an outage since.
+def close_dead_connections() -> None:
+    """Before a job: close this thread's connections that are most likely dead.
 
-    Its other threads found the database gone meanwhile, so these
-    connections are most likely dead; finding out by running the job would
-    cost the job an attempt. One comparison of two ints otherwise.
+    All of them if the worker saw an outage since the thread's last job: its
+    other threads found the database gone meanwhile. One unused for
+    ``IDLE_CHECK_AFTER`` seconds or more if it no longer reaches a writable
+    server (one round trip): servers and poolers close idle connections
+    (``idle_session_timeout``, PgBouncer's ``client_idle_timeout``), and after a
+    failover one may be left on a standby. Finding out by running the job
+    would cost the job an attempt. Under load, two comparisons and nothing
+    more.
     """
     wrappers = _thread_connections()
     if _thread.outages != db.outage_count:
@@ -100,6 +108,18 @@ def close_connections_after_outage() -> None:
         for conn, _pooled in wrappers:
             with contextlib.suppress(Exception):
                 conn.close()
+        return
+    if time.monotonic() - getattr(_thread, "last_job_at", 0.0) < IDLE_CHECK_AFTER:
+        return
+    for conn, _pooled in wrappers:
+        # Outside a transaction only: a test's (run_once) is not the worker's to close.
+        if conn.connection is not None and not conn.in_atomic_block and not _writable(conn):
+            conn.close()
+
+
+def job_done() -> None:
+    """After a job: when this thread's connections were last used (``close_dead_connections``)."""
+    _thread.last_job_at = time.monotonic()
 
 
 def _writable(conn: Any) -> bool:
@@ -498,7 +518,7 @@ class HandlerPool:
         Records logged meanwhile in this thread are about the attempt's job
         (``logs.JobContextFilter``).
         """
-        close_connections_after_outage()
+        close_dead_connections()
         tracing = instrumentation()  # None without the otel extra
         with job_logging(attempt.job, self.state.name):
             if tracing is None:
@@ -557,6 +577,7 @@ class HandlerPool:
         finally:
             # Kept for the thread's next job, if it has one; run() gives it back when idle.
             _thread.pooled = release_connections(keep=True)
+            job_done()
 
     def _left_open(self, attempt: Attempt, aliases: list[str]) -> AttemptResult:
         job = attempt.job

@@ -426,6 +426,21 @@ def test_a_handler_leaving_a_transaction_open_fails_alone_and_the_next_jobs_comm
         assert cursor.fetchone()[0] == 0
 
 
+def test_a_handler_threads_connection_closed_while_idle_costs_no_attempt(start_worker):
+    # A server or pooler closing an idle connection (idle_session_timeout, PgBouncer's
+    # client_idle_timeout) closes the handler thread's alone: the worker sees no outage.
+    start_worker("--queue", "default=1")
+    first = awa.enqueue(Act(action="backend_pid"))
+    wait_for_state(first.id, JobState.COMPLETED)
+    note = Ledger.objects.get(job_id=first.id, note__startswith="backend:").note
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [int(note.partition(":")[2])])
+    time.sleep(1.5)  # idle past IDLE_CHECK_AFTER
+    second = awa.enqueue(Act(action="ok"), max_attempts=1)
+    row = wait_for_state(second.id, JobState.COMPLETED)
+    assert row.attempt == 1 and row.errors == []
+
+
 def test_a_queue_concurrency_past_the_bound_is_refused_by_name():
     from django.core.management.base import CommandError
 

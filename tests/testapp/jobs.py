@@ -182,6 +182,11 @@ def act(job: awa.JobContext):
         case "pid":
             _ledger(job, f"pid:{os.getpid()}")
             return None
+        case "backend_pid":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                _ledger(job, f"backend:{cursor.fetchone()[0]}")
+            return None
         case "bad_return":
             return {"a set": {1, 2}}
         case "result":
