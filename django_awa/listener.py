@@ -65,7 +65,9 @@ class Listener:
         """Open the LISTEN connection, then wake every queue: what was enqueued meanwhile."""
         self.close()
         direct = self.state.conf.direct_database or self.state.alias
-        conn = psycopg.connect(**listen_params(direct), autocommit=True)
+        # Never prepared: nothing to gain on this connection's few statements, and
+        # a transaction-mode pooler before it may not keep prepared statements.
+        conn = psycopg.connect(**listen_params(direct), autocommit=True, prepare_threshold=None)
         try:
             conn.execute(sql.LISTEN_JOBS)
             conn.execute(sql.LISTEN_CANCELS)

@@ -97,7 +97,7 @@ class Worker:
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
                 signal.signal(signum, self._on_signal)
         settings_dict = connections[state.alias].settings_dict
-        connections_told, warning = self._connections_report()
+        connections_told, warnings = self._connections_report()
         logger.info(
             "awa worker %s starting: queues %s; database %r (%s:%s/%s); %s",
             state.name,
@@ -108,8 +108,8 @@ class Worker:
             settings_dict.get("NAME"),
             connections_told,
         )
-        if warning is not None:
-            logger.warning("%s (awa.W101)", warning)
+        for warning in warnings:
+            logger.warning("%s", warning)
         tracing = instrumentation()
         if tracing is not None:
             tracing.observe_job_counts(state.alias)  # the awa.jobs gauge, with the otel extra
@@ -142,9 +142,10 @@ class Worker:
         finally:
             self._drain(producers, completer)
 
-    def _connections_report(self) -> tuple[str, str | None]:
+    def _connections_report(self) -> tuple[str, list[str]]:
         """The start-up log's words on connections (see ``db.connections_report``), and
-        a warning when the worker would take the server near its limit.
+        its warnings: the worker would take the server near its limit (awa.W101), or
+        its listener would LISTEN through a pooler.
 
         The connection stays open for the worker's registration that follows
         (``run`` closes it), unless the read failed: then the registration
@@ -157,8 +158,19 @@ class Worker:
         except DB_ERRORS as exc:
             connections[state.alias].close()
             told = f"up to {need.most} connections ({need.parts()})"
-            return f"{told}; the server's limits could not be read ({exc})", None
-        return db.connections_report(need, room, self.processes)
+            return f"{told}; the server's limits could not be read ({exc})", []
+        told, budget = db.connections_report(need, room, self.processes)
+        warnings = [] if budget is None else [f"{budget} (awa.W101)"]
+        if state.conf.direct_database == state.alias and db.behind_pooler(state.alias, room):
+            # A transaction-mode pooler hands each statement to any server connection:
+            # the LISTEN lands on one, the notifications go nowhere.
+            warnings.append(
+                f"the listener LISTENs through the pooler in front of database {state.alias!r} "
+                f"(AWA['DIRECT_DATABASE'] is that alias): in transaction mode it receives no "
+                f"notifications, and jobs wait for the next poll; set AWA['DIRECT_DATABASE'] "
+                f"to an alias that reaches the server itself, or to None to poll"
+            )
+        return told, warnings
 
     def stop(self, *, now: bool = False) -> None:
         """Stop claiming; in-flight attempts may finish within SHUTDOWN_TIMEOUT.

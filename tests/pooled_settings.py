@@ -21,5 +21,8 @@ AWA = {
     **AWA,
     # PgBouncer before 1.21 cannot keep prepared statements in transaction mode.
     "PREPARED_STATEMENTS": False,
-    "DIRECT_DATABASE": None if os.environ.get("AWA_TEST_DIRECT") == "none" else "direct",
+    # AWA_TEST_DIRECT: "none" polls; "pooler" leaves LISTEN on the pooled alias.
+    "DIRECT_DATABASE": {"none": None, "pooler": "default"}.get(
+        os.environ.get("AWA_TEST_DIRECT", ""), "direct"
+    ),
 }

@@ -153,6 +153,18 @@ def test_enqueue_and_work_through_pgbouncer_with_a_direct_listen_connection(
     newest = Job.objects.filter(kind="act").order_by("-id").first()
     wait_for_state(newest.id, JobState.COMPLETED, timeout=10)
     assert time.monotonic() - started < 10  # not the 30 s poll
+    assert "LISTENs through the pooler" not in worker.output()
+
+
+def test_a_listener_left_on_the_pooler_is_warned_about(pooled_url, start_worker):
+    worker = start_worker(
+        "--queue", "default=2", env=_pooled_env(pooled_url, AWA_TEST_DIRECT="pooler")
+    )
+    wait_for(lambda: "listening for new jobs" in worker.output(), timeout=30)
+    assert "the listener LISTENs through the pooler in front of database 'default'" in (
+        worker.output()
+    )
+    assert "AWA['DIRECT_DATABASE']" in worker.output()
 
 
 def test_without_a_direct_connection_the_worker_polls_and_still_maintains(pooled_url, start_worker):
