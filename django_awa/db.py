@@ -924,8 +924,8 @@ class Reconnect:
         if first:
             _outage_logger.warning(
                 "django-awa: database %r unavailable (%s: %s); every worker thread "
-                "reconnects by itself, backing off up to %.0fs",
-                self.alias, self.service, _one_line(exc), RECONNECT_MOST,
+                "reconnects by itself, backing off up to %.0fs%s",
+                self.alias, self.service, _one_line(exc), RECONNECT_MOST, _cause_hint(exc),
             )  # fmt: skip
         else:
             _outage_logger.debug(
@@ -993,6 +993,20 @@ def is_writable(wrapper: Any) -> bool:
         cursor.execute(sql.WRITABLE_SERVER)
         row = cursor.fetchone()
     return bool(row and row[0])
+
+
+def _cause_hint(exc: BaseException) -> str:
+    """What to do, for the errors that read as an outage but are the setup's: they come
+    back on every try, and only the first is logged above DEBUG."""
+    text = str(exc)
+    if 'prepared statement "' in text:
+        return (
+            ". A transaction-mode pooler that keeps no prepared statements (PgBouncer "
+            "before 1.21) refuses them: set AWA['PREPARED_STATEMENTS'] = False"
+        )
+    if 'relation "awa_' in text and "does not exist" in text:
+        return ". django-awa's tables are missing from this database: run manage.py migrate"
+    return ""
 
 
 def listen_params(alias: str) -> dict[str, Any]:

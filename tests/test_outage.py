@@ -216,6 +216,28 @@ def test_one_warning_per_outage_and_one_info_line_once_every_thread_is_back(capl
     assert "outage-test" not in db._outages
 
 
+@pytest.mark.parametrize(
+    ("error", "hint"),
+    [
+        ('prepared statement "_pg3_0" already exists', "AWA['PREPARED_STATEMENTS'] = False"),
+        ('relation "awa_lease" does not exist', "run manage.py migrate"),
+        ("server closed the connection unexpectedly", None),
+    ],
+)
+def test_a_setup_error_that_reads_as_an_outage_says_what_to_do(caplog, monkeypatch, error, hint):
+    monkeypatch.setattr(db, "RECONNECT_FIRST", 0.001)
+    reconnect = db.Reconnect("producer", f"hint-test-{hint}")
+    with caplog.at_level(logging.WARNING, logger="django_awa.outage"):
+        reconnect.failed(DjangoOperationalError(error))
+    [warning] = caplog.records
+    assert error in warning.getMessage()
+    if hint is None:
+        assert warning.getMessage().endswith("backing off up to 5s")
+    else:
+        assert hint in warning.getMessage()
+    db._outages.pop(f"hint-test-{hint}", None)
+
+
 def test_the_backoff_doubles_to_its_bound():
     stop = threading.Event()
     stop.set()  # waits return at once
