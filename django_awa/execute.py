@@ -254,13 +254,11 @@ class JobContext:
             "id": job.id,
             "run_lease": job.run_lease,
         }
-        registered = None
-        if connections[alias].in_atomic_block:
-            # Inside a transaction (atomic=True, or the handler's own atomic block)
-            # the id would show only once it commits: an answer sent before that
-            # would find no job waiting on it. It is stored apart, at once.
-            registered = _register_apart(alias, params)
-        if registered is None:
+        # Inside a transaction (atomic=True, or the handler's own atomic block) the
+        # id would show only once it commits: an answer sent before that would find
+        # no job waiting on it. It is stored apart, at once, where it can be.
+        registered = connections[alias].in_atomic_block and _register_apart(alias, params)
+        if not registered:
             with connections[alias].cursor() as cursor:
                 cursor.execute(sql.REGISTER_CALLBACK, params)
                 registered = cursor.fetchone() is not None
@@ -281,16 +279,17 @@ class JobContext:
 REGISTER_APART_LOCK_TIMEOUT = "1s"
 
 
-def _register_apart(alias: str, params: dict[str, Any]) -> bool | None:
-    """``REGISTER_CALLBACK`` committed at once on a connection of its own; whether it
-    matched the attempt, or None if it could not be written there (the row locked
-    by the handler's own transaction, or no connection), to be written in it."""
+def _register_apart(alias: str, params: dict[str, Any]) -> bool:
+    """``REGISTER_CALLBACK`` committed at once on a connection of its own; whether it was
+    written there. If not (the row locked by the handler's own transaction, or not
+    to be seen outside it, as a row a test's transaction inserted; or no
+    connection), it is written in the transaction, which decides."""
     try:
         with psycopg.connect(**db.listen_params(alias), autocommit=True) as conn:
             conn.execute(f"SET lock_timeout = '{REGISTER_APART_LOCK_TIMEOUT}'")
             return conn.execute(sql.REGISTER_CALLBACK, params).fetchone() is not None
     except psycopg.Error:
-        return None
+        return False
 
 
 def write_progress(attempts: list[Attempt]) -> None:
