@@ -27,8 +27,8 @@ from django.db import DatabaseError, transaction
 
 from . import db, sql, wakeups
 from .compat import savepoint_create
-from .enqueueing import Inserted, PreparedJob
-from .exceptions import UniqueConflict, ValidationError
+from .enqueueing import Inserted, PreparedJob, unique_conflict
+from .exceptions import ValidationError
 from .followups import Cancelled, FollowupError, Outcome, dispatch, followup_registry, send_signal
 from .models import Job, JobState, jobs_from_rows
 from .pending import keep_pending
@@ -45,9 +45,7 @@ def enqueue_with_dependencies(prepared: PreparedJob, alias: str) -> Job:
     return its row."""
     inserted = insert_with_dependencies([prepared], alias, ids=True)
     if inserted.skipped:
-        raise UniqueConflict(
-            f"a job of kind {prepared.kind!r} with the same unique key is already held"
-        )
+        raise unique_conflict(prepared, alias)
     return Job.objects.using(alias).get(id=inserted.ids[0])
 
 

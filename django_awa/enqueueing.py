@@ -542,14 +542,23 @@ def enqueue_prepared(prepared: PreparedJob, alias: str) -> Job:
     """
     row = _insert_alone(prepared, alias)
     if row is None:
-        holder = db.fetch_one(alias, sql.FIND_UNIQUE_HOLDER, {"unique_key": prepared.unique_key})
-        holder_id = holder[0] if holder else None
-        raise UniqueConflict(
-            f"a job of kind {prepared.kind!r} with the same unique key is already held"
-            + (f" by job {holder_id}" if holder_id else ""),
-            conflicting_id=holder_id,
-        )
+        raise unique_conflict(prepared, alias)
     return _inserted_job(prepared, row, alias)
+
+
+def unique_conflict(
+    prepared: PreparedJob, alias: str, *, where: str = "", then: str = ""
+) -> UniqueConflict:
+    """The ``UniqueConflict`` for ``prepared``, whose key another job holds: naming that
+    job, as ``conflicting_id`` too. ``where`` goes before the message, ``then`` after."""
+    holder = db.fetch_one(alias, sql.FIND_UNIQUE_HOLDER, {"unique_key": prepared.unique_key})
+    holder_id = holder[0] if holder else None
+    return UniqueConflict(
+        f"{where}a job of kind {prepared.kind!r} with the same unique key is already held"
+        + (f" by job {holder_id}" if holder_id else "")
+        + then,
+        conflicting_id=holder_id,
+    )
 
 
 # The row enqueue builds its Job from, in sql.JOB_COLUMNS order, is picked

@@ -28,8 +28,9 @@ from .enqueueing import (
     database_alias,
     dependency_ids,
     prepare,
+    unique_conflict,
 )
-from .exceptions import UniqueConflict, ValidationError
+from .exceptions import ValidationError
 from .kinds import JobArgs
 from .models import Job, JobState
 
@@ -178,16 +179,19 @@ class Workflow:
             inserted = insert_with_dependencies(prepared, alias, ids=True)
             if inserted.skipped:
                 flow, step = _step_at(flows, inserted.skipped[0])
+                others = len(flows) - 1
                 # Leaving the block by raising rolls back every workflow.
-                raise UniqueConflict(
-                    f"{step!r}: a job of kind {prepared[inserted.skipped[0]].kind!r} with the "
-                    f"same unique key is already held; nothing of {flow!r}"
+                raise unique_conflict(
+                    prepared[inserted.skipped[0]],
+                    alias,
+                    where=f"{step!r}: ",
+                    then=f"; nothing of {flow!r}"
                     + (
                         f" nor of the {others} other workflow{'s' if others > 1 else ''}"
-                        if (others := len(flows) - 1)
+                        if others
                         else ""
                     )
-                    + " was enqueued"
+                    + " was enqueued",
                 )
         rows = {job.id: job for job in Job.objects.using(alias).filter(id__in=inserted.ids)}
         position = 0

@@ -439,14 +439,19 @@ def test_cycles_and_bad_references_are_refused_naming_them_with_nothing_written(
 @db
 def test_a_unique_clash_in_a_workflow_writes_none_of_it():
     unique = awa.Unique(by_args=True)
-    awa.enqueue(Node(name="held"), unique=unique)
+    holder = awa.enqueue(Node(name="held"), unique=unique)
     before = _counts()
     flow = awa.Workflow()
     first = flow.add(Node(name="fresh"))
     flow.add(awa.EnqueueRequest(Node(name="held"), unique=unique), after=[first])
-    with pytest.raises(awa.UniqueConflict, match="nothing of"):
+    with pytest.raises(awa.UniqueConflict, match=f"held by job {holder.id}; nothing of") as clash:
         flow.enqueue()
+    assert clash.value.conflicting_id == holder.id
     assert _counts() == before
+    # One job given after=: the same, naming the holder.
+    with pytest.raises(awa.UniqueConflict) as clash:
+        awa.enqueue(Node(name="held"), unique=unique, after=[holder])
+    assert clash.value.conflicting_id == holder.id
 
 
 @db
