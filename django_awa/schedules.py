@@ -23,7 +23,7 @@ from django.db import connections, transaction
 from . import sql
 from .codec import require_text
 from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, insert, prepare
-from .exceptions import ScheduleNotFound, ValidationError
+from .exceptions import ConfigurationError, ScheduleNotFound, ValidationError
 from .kinds import JobArgs, check_priority
 from .models import Job, PeriodicSchedule
 
@@ -156,7 +156,13 @@ def periodic(
         raise ValidationError(f"{where}: missed must be one of {MISSED_POLICIES}, got {missed!r}")
     if priority is not None:
         check_priority(priority, where)
-    prepare(args, queue=queue, priority=priority)  # validates args and queue now
+    try:
+        prepare(args, queue=queue, priority=priority)  # validates args and queue now
+    except ConfigurationError:
+        # AWA settings that cannot be read: awa.E001 names them (manage.py check, and
+        # every command that checks). Raising here, as jobs.py is imported, would
+        # stop every command first with a traceback. The fires check the args.
+        pass
     schedule = Periodic(
         name=name,
         cron=cron,

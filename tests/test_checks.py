@@ -68,6 +68,38 @@ def test_the_worker_command_refuses_bad_settings(settings):
         call_command("awa_worker")
 
 
+def test_a_wrong_setting_is_a_check_error_even_with_periodic_jobs_declared(tmp_path):
+    # A jobs.py declaring awa.periodic(...) is imported as the apps load: it must not
+    # stop every command with a traceback before the checks can speak.
+    app = tmp_path / "nightly_app"
+    app.mkdir()
+    (app / "__init__.py").write_text("")
+    (app / "jobs.py").write_text(
+        "from dataclasses import dataclass\n"
+        "import django_awa as awa\n"
+        "@dataclass\n"
+        "class NightlyTypo(awa.JobArgs):\n"
+        "    day: str = 'today'\n"
+        "awa.periodic('nightly-typo', '0 3 * * *', NightlyTypo())\n"
+    )
+    (tmp_path / "typo_settings.py").write_text(
+        "from tests.settings import *  # noqa\n"
+        "INSTALLED_APPS = [*INSTALLED_APPS, 'nightly_app']\n"
+        "AWA = {**AWA, 'QUEUE': {}}\n"
+    )
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "typo_settings",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    check = subprocess.run(
+        [sys.executable, "-m", "django", "check"], env=env, capture_output=True, text=True
+    )
+    assert check.returncode != 0
+    assert "awa.E001" in check.stderr and "unknown AWA setting 'QUEUE'" in check.stderr
+    assert "Traceback" not in check.stderr
+
+
 def test_a_database_that_is_not_postgresql_is_refused():
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.sqlite_settings"}
     check = subprocess.run(
