@@ -37,6 +37,7 @@ from .execute import Attempt, AttemptResult, errored, unstarted
 from .finalize import finalize
 from .handlers import HandlerPool
 from .heartbeat import Heartbeat
+from .kinds import registry
 from .listener import Listener
 from .logs import set_worker
 from .maintenance import MaintenanceService
@@ -110,6 +111,7 @@ class Worker:
         )
         for warning in warnings:
             logger.warning("%s", warning)
+        self._log_queues_left_out()
         tracing = instrumentation()
         if tracing is not None:
             tracing.observe_job_counts(state.alias)  # the awa.jobs gauge, with the otel extra
@@ -141,6 +143,24 @@ class Worker:
                 self.handlers.tend()
         finally:
             self._drain(producers, completer)
+
+    def _log_queues_left_out(self) -> None:
+        """Say which queues kinds are declared on that this worker does not run: their
+        jobs wait for a worker that does (``AWA["QUEUES"]``, or ``--queue``)."""
+        declared: dict[str, list[str]] = {}
+        for kind, spec in sorted(
+            registry.workers.items(), key=lambda item: (item[1].queue, item[0])
+        ):
+            if spec.queue not in self.state.queues:
+                declared.setdefault(spec.queue, []).append(kind)
+        if declared:
+            where = "; ".join(f"{queue} ({', '.join(kinds)})" for queue, kinds in declared.items())
+            logger.info(
+                "awa worker %s does not run queue(s) %s, where kinds are declared: their jobs "
+                "wait for a worker that does (AWA['QUEUES'], or awa_worker --queue NAME)",
+                self.state.name,
+                where,
+            )
 
     def _connections_report(self) -> tuple[str, list[str]]:
         """The start-up log's words on connections (see ``db.connections_report``), and

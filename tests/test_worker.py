@@ -441,6 +441,14 @@ def test_a_handler_threads_connection_closed_while_idle_costs_no_attempt(start_w
     assert row.attempt == 1 and row.errors == []
 
 
+def test_the_worker_names_the_queues_of_declared_kinds_it_does_not_run(start_worker):
+    worker = start_worker("--queue", "default")
+    wait_for(lambda: "listening for new jobs" in worker.output(), timeout=30)
+    said = [line for line in worker.output().splitlines() if "does not run queue(s)" in line]
+    assert len(said) == 1 and "echo (echo)" in said[0] and "flow (" in said[0]
+    assert " default (" not in said[0]  # it runs that one
+
+
 def test_a_queue_concurrency_past_the_bound_is_refused_by_name():
     from django.core.management.base import CommandError
 
