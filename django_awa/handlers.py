@@ -160,7 +160,7 @@ def discard_open_transactions(marks: list[tuple[int, bool]] | None) -> list[str]
     check: attribute reads, no query.
     """
     left = []
-    for index, (conn, _pooled) in enumerate(_thread_connections()):
+    for index, (conn, pooled) in enumerate(_thread_connections()):
         if conn.connection is None:
             continue
         if marks is None:
@@ -174,7 +174,13 @@ def discard_open_transactions(marks: list[tuple[int, bool]] | None) -> list[str]
                 continue
         left.append(conn.alias)
         with contextlib.suppress(Exception):
-            conn.connection.close()
+            if pooled:
+                # Back to Django's pool (its _close: putconn), which rolls back the
+                # transaction as it takes the connection: closed here it would be lost
+                # to the pool for good.
+                conn._close()
+            else:
+                conn.connection.close()
         del connections[conn.alias]
     if left:
         _thread.connections = None  # the thread's connection objects, found again

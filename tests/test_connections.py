@@ -148,6 +148,19 @@ def test_sixty_handler_threads_on_a_pool_of_five_wait_their_turn_without_a_job(
     assert "PoolTimeout" not in worker.output()
 
 
+def test_a_pooled_connection_left_in_a_transaction_goes_back_to_the_pool(start_worker):
+    # Four handlers in turn leave a transaction open on a pool of three: each
+    # connection must go back (rolled back), or the pool would run dry.
+    leaky = [awa.enqueue(Act(action="leave_atomic")) for _ in range(4)]
+    fine = [awa.enqueue(Act(action="ok")) for _ in range(3)]
+    start_worker("--queue", "default=1", env={**SETTINGS, "AWA_TEST_POOL": "default:3"})
+    for job in fine:
+        wait_for_state(job.id, JobState.COMPLETED, timeout=30)
+    for job in leaky:
+        row = Job.objects.get(id=job.id)
+        assert "left a transaction open" in row.errors[0]["error"]
+
+
 @pytest.mark.slow
 def test_handlers_that_use_no_database_are_not_held_to_the_pools_size(start_worker):
     # 20 handler threads on a pool of 3: once a job has shown that the queue's
