@@ -286,7 +286,7 @@ def _register_apart(alias: str, params: dict[str, Any]) -> bool:
     connection), it is written in the transaction, which decides."""
     try:
         with psycopg.connect(**db.listen_params(alias), autocommit=True) as conn:
-            conn.execute(f"SET lock_timeout = '{REGISTER_APART_LOCK_TIMEOUT}'")
+            conn.execute(sql.SESSION_LOCK_TIMEOUT, {"timeout": REGISTER_APART_LOCK_TIMEOUT})
             return conn.execute(sql.REGISTER_CALLBACK, params).fetchone() is not None
     except psycopg.Error:
         return False

@@ -505,6 +505,16 @@ def test_an_atomic_handlers_callback_can_be_answered_before_it_returns(start_wor
     assert row.metadata[RESULT_KEY] == {"answer": "quick"} and EARLY_KEY not in row.metadata
 
 
+def test_an_atomic_handler_holding_its_own_row_still_registers_its_callback(start_worker):
+    # Stored apart, the id would wait for the row the handler's transaction holds:
+    # after a short wait it is stored in that transaction instead.
+    start_worker("--queue", "default")
+    job = awa.enqueue(AtomicEarlyAnswer(touch_row=True))
+    row = wait_for_state(job.id, JobState.WAITING_EXTERNAL, timeout=20)
+    assert row.callback_id is not None and row.tags == ["touched"]
+    assert awa.complete_external(row.callback_id, {"late": 1}).state == JobState.COMPLETED
+
+
 def test_early_fail_over_http_is_applied_once_the_job_parks(start_worker):
     start_worker("--queue", "default")
     job = awa.enqueue(Parked(timeout=60, hold=3.0))

@@ -302,10 +302,17 @@ class AtomicEarlyAnswer(awa.JobArgs):
     """An atomic kind whose outside system answers its callback before it returns."""
 
     payload: str = "early"
+    # Write the job's own row first (its transaction then holds it): no answer is sent.
+    touch_row: bool = False
 
 
 @awa.worker(AtomicEarlyAnswer, atomic=True, max_attempts=1)
 def atomic_early_answer(job: awa.JobContext):
+    if job.args.touch_row:
+        from django_awa.models import Job
+
+        Job.objects.filter(id=job.id).update(tags=["touched"])
+        return awa.WaitForCallback(job.register_callback(timeout=60))
     token = job.register_callback(timeout=60)
     answered: list[str] = []
 
