@@ -163,15 +163,10 @@ def discard_open_transactions(marks: list[tuple[int, bool]] | None) -> list[str]
     for index, (conn, pooled) in enumerate(_thread_connections()):
         if conn.connection is None:
             continue
-        if marks is None:
-            if not conn.in_atomic_block and (
-                conn.autocommit or not conn.settings_dict["AUTOCOMMIT"]
-            ):
-                continue
-        else:
-            depth, autocommit = marks[index]
-            if len(conn.atomic_blocks) <= depth and (conn.autocommit or not autocommit):
-                continue
+        # Between a handler thread's jobs: no atomic block, autocommit as configured.
+        depth, autocommit = (0, conn.settings_dict["AUTOCOMMIT"]) if marks is None else marks[index]
+        if len(conn.atomic_blocks) <= depth and (conn.autocommit or not autocommit):
+            continue
         left.append(conn.alias)
         with contextlib.suppress(Exception):
             if pooled:
