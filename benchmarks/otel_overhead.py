@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import psycopg
+from systems.base import admin_execute
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -68,9 +69,8 @@ def _django(
 
 
 def _admin(*statements: str) -> None:
-    with psycopg.connect(DSN + "postgres", autocommit=True) as admin:
-        for statement in statements:
-            admin.execute(statement)
+    for statement in statements:
+        admin_execute(statement)
 
 
 def template(db: str) -> str:

@@ -39,6 +39,9 @@ import psycopg
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from systems.cpu import own_seconds  # noqa: E402 - found through the path above
+
 DB = "awa_bench_cost"
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -94,12 +97,6 @@ SELECT count(*) FROM gone
 """
 
 
-def _backend_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of server process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _prune(mode: str) -> tuple[int, float, int]:
     """Remove the completed jobs past retention; (how many, server CPU s, WAL bytes)."""
     from django.conf import settings
@@ -112,7 +109,7 @@ def _prune(mode: str) -> tuple[int, float, int]:
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid(), pg_current_wal_insert_lsn()")
         pid, lsn = cursor.fetchone()
-        started = _backend_cpu(pid)
+        started = own_seconds(pid) or 0.0
         removed = 0
         if mode == "segments":
             with override_settings(AWA={**settings.AWA, "COMPLETED_RETENTION": 0.5}):
@@ -125,7 +122,7 @@ def _prune(mode: str) -> tuple[int, float, int]:
                 if deleted < 1000:
                     break
             cursor.execute("VACUUM awa_job_done, awa_job_done_current")
-        cpu = _backend_cpu(pid) - started
+        cpu = (own_seconds(pid) or 0.0) - started
         cursor.execute("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)", [lsn])
         wal = int(cursor.fetchone()[0])
     return removed, cpu, wal
