@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import queue as queue_module
+import threading
 import time
 import traceback
 from collections.abc import Iterable
@@ -218,9 +219,14 @@ class Completer:
         self.state = state
         self.results = state.results
         self.reconnect = db.Reconnect("completer", state.alias, state.halt)
+        # Set once the thread holds its connection (db.hold_connection): the
+        # worker starts its handlers only then, so none takes the server's last slot.
+        self.connected = threading.Event()
 
     def run(self) -> None:
         """Write results in batches until told to stop (``None`` on the results queue)."""
+        db.hold_connection(self.reconnect)
+        self.connected.set()
         done = False
         deferred: list[AttemptResult] = []  # left out: their row was locked
         retried: set[tuple[int, int]] = set()  # of those, the attempts left out before

@@ -966,6 +966,35 @@ class Reconnect:
         )
 
 
+def hold_connection(reconnect: Reconnect) -> bool:
+    """Open this engine thread's connection of ``reconnect.alias`` now; whether it did.
+
+    A worker's heartbeat and completer call it as they start, before any
+    handler thread runs a job: without a pool, each thread keeps its
+    connection for good, and a thread that connected only at its first use
+    found the server's last slots (a role's or a database's ``CONNECTION
+    LIMIT``, ``max_connections``) taken by handlers. A heartbeat refused its
+    connection lets the running jobs' heartbeats go stale, and maintenance
+    rescues them while they still run here: they would run twice. Retries
+    through ``reconnect`` (its backoff, its outage log) until the connection
+    opens or ``reconnect.stop`` is set. With Django's pool, a no-op: engine
+    threads take a pooled connection for each pass, and the handlers' gate
+    leaves them theirs.
+    """
+    wrapper = connections[reconnect.alias]
+    if is_pooled(wrapper):
+        return True
+    while not reconnect.stop.is_set():
+        try:
+            wrapper.ensure_connection()
+        except (DatabaseError, InterfaceError, psycopg.Error) as exc:
+            reconnect.failed(exc)
+            continue
+        reconnect.succeeded()
+        return True
+    return False
+
+
 def close_thread_connections() -> None:
     """Close this thread's Django connections after a database error; the next use reconnects."""
     with contextlib.suppress(Exception):
@@ -1003,6 +1032,12 @@ def _cause_hint(exc: BaseException) -> str:
         return (
             ". A transaction-mode pooler that keeps no prepared statements (PgBouncer "
             "before 1.21) refuses them: set AWA['PREPARED_STATEMENTS'] = False"
+        )
+    if connection_refusal(exc) is not None:
+        return (
+            ". The server refuses new connections: a worker starts its handlers only once "
+            "its heartbeat and completer are connected. Share connections (Django's pool, "
+            "or PgBouncer) or lower concurrency"
         )
     if 'relation "awa_' in text and "does not exist" in text:
         return ". django-awa's tables are missing from this database: run manage.py migrate"

@@ -17,6 +17,7 @@ lost and the handler pool may replace a stuck thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from . import db, fleet, sql
@@ -50,11 +51,16 @@ class Heartbeat:
     def __init__(self, state: WorkerState) -> None:
         self.state = state
         self.last_beat = time.monotonic()
+        # Set once the thread holds its connection (db.hold_connection): the
+        # worker starts its handlers only then, so none takes the server's last slot.
+        self.connected = threading.Event()
 
     def run(self) -> None:
         state = self.state
-        self.last_beat = time.monotonic()
         reconnect = db.Reconnect("heartbeat", state.alias, state.halt)
+        db.hold_connection(reconnect)
+        self.connected.set()
+        self.last_beat = time.monotonic()
         while not state.halt.wait(PROGRESS_INTERVAL):
             try:
                 self.run_once(due_only=True)

@@ -132,6 +132,7 @@ class Worker:
         completer = state.start(self.completer.run, "awa-completer")
         state.start(self.heartbeat.run, "awa-heartbeat")
         state.start(self.maintenance.run, "awa-maintenance")
+        self._wait_for_engine()
         self.handlers.start()
         producers = [
             state.start(producer.run, f"awa-producer-{producer.runner.name}")
@@ -143,6 +144,15 @@ class Worker:
                 self.handlers.tend()
         finally:
             self._drain(producers, completer)
+
+    def _wait_for_engine(self) -> None:
+        """Wait until the heartbeat and the completer hold their connections (or the worker
+        stops): no handler runs before, so none takes the server's last connection slot
+        from them (``db.hold_connection``). They retry a refusal themselves, logged as an
+        outage; meanwhile nothing is claimed."""
+        ready = (self.heartbeat.connected, self.completer.connected)
+        while not self.state.stopping.is_set() and not all(e.is_set() for e in ready):
+            self._take_signals(0.05)
 
     def _log_queues_left_out(self) -> None:
         """Say which queues kinds are declared on that this worker does not run: their

@@ -25,7 +25,7 @@ from django_awa.execute import from_exception
 from django_awa.models import Job, JobState
 from tests.conftest import ROOT, wait_for, wait_for_state
 from tests.testapp.jobs import Act, Echo, Nap, Noop, Touch
-from tests.testapp.models import Order
+from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -209,6 +209,32 @@ def test_a_refused_connection_is_named_in_the_jobs_error_and_the_log(limited_rol
     ), worker.output()
 
 
+@pytest.mark.slow
+def test_handlers_past_the_limit_leave_the_heartbeat_its_connection(limited_role, start_worker):
+    # No pool; the role may open 8 connections and the worker would hold 13
+    # (8 handler threads, 4 engine threads, LISTEN). Jobs run 4 s, twice
+    # STALE_AFTER. The heartbeat and the completer connect before any handler
+    # runs, so the handlers refused are the ones past the limit: their attempts
+    # fail (retried) without running. Were the heartbeat refused instead, its
+    # jobs' heartbeats would go stale and maintenance would rescue them while
+    # they run, to run again.
+    role = limited_role(8)
+    ids = _touch_jobs(8, hold=4.0)
+    worker = start_worker(
+        "--queue",
+        "orm=8",
+        env={**SETTINGS, "AWA_TEST_DB_USER": role, "AWA_TEST_STALE_AFTER": "2"},
+    )
+    wait_for(lambda: Ledger.objects.filter(job_id__in=ids).count() >= 3, timeout=30)
+    time.sleep(1.5)  # three maintenance passes: a stale heartbeat would be rescued by now
+    assert "rescued" not in worker.output(), worker.output()
+    ran = list(Ledger.objects.filter(job_id__in=ids).values_list("job_id", flat=True))
+    assert len(ran) == len(set(ran)), sorted(ran)  # no job ran twice
+    errors = [e["error"] for job in Job.objects.filter(id__in=ids) for e in job.errors]
+    assert not [e for e in errors if "stale heartbeat" in e], errors
+    assert any("PostgreSQL refused a new connection" in e for e in errors), errors
+
+
 def test_a_worker_near_the_limit_warns_at_start_up(limited_role, start_worker):
     role = limited_role(10)
     worker = start_worker("--queue", "orm=4", env={**SETTINGS, "AWA_TEST_DB_USER": role})
@@ -307,15 +333,15 @@ def test_the_producers_of_several_queues_share_one_connection(limited_role, star
         ),
         timeout=20,
     )
-    # Idle: the producers (polling every 0.2 s), maintenance, the listener and
-    # the heartbeat (it renews the worker's registry row); the completer
-    # connects once there is work, the main thread holds none.
+    # Idle: the producers' one (polling every 0.2 s), maintenance, the listener,
+    # the heartbeat and the completer (both connect before any handler runs);
+    # the main thread holds none.
     most = 0
     until = time.monotonic() + 1.5
     while time.monotonic() < until:
         most = max(most, _backends(role))
         time.sleep(0.02)
-    assert most == 4, most
+    assert most == 5, most
     assert (
         "up to 8 connections (3 handler threads + 4 for the engine (3 producers share one) "
         "+ 1 LISTEN)" in worker.output()
