@@ -539,6 +539,14 @@ def _psycopg_cause(exc: BaseException) -> psycopg.Error | None:
     return cause
 
 
+def connection_lost(alias: str) -> bool:
+    """Whether this thread's connection of ``alias`` is gone: the server ended it (a
+    restart, ``pg_terminate_backend``) or the network cut it. A statement's error then
+    says nothing about what the statement sent, nor can its transaction go on."""
+    raw = connections[alias].connection
+    return raw is None or raw.closed or raw.broken
+
+
 def is_lock_timeout(exc: BaseException) -> bool:
     """Whether database error ``exc`` is a lock not had within ``lock_timeout``."""
     cause = _psycopg_cause(exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import random
 import signal
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 from django.core import checks
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Count
 from django.utils import timezone
 
@@ -637,3 +638,33 @@ def test_every_committed_outcome_has_exactly_its_followups_over_5000_jobs(start_
     assert mismatches == []
     assert duplicates == []
     assert by_state["failed"] > 100 and by_state["completed"] > 4000
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_lost_while_follow_ups_are_inserted_is_no_follow_up_failure(
+    start_worker, caplog
+):
+    # The follow-up function has the server end the finalizing connection; the
+    # follow-ups' INSERT then fails. The connection, not the follow-ups, failed.
+    caplog.set_level(logging.INFO, logger="django_awa")
+    job = awa.enqueue(Act(action="ok", tag="drop-connection"))
+    (row,) = claim("default", 1, "default")
+    with pytest.raises(DatabaseError, match="terminating connection"):
+        finalize([run_attempt(Attempt(job=row, alias="default"))], "default")
+    connection.close()
+    assert "follow-up" not in caplog.text, caplog.text
+    assert Job.objects.get(id=job.id).errors == []  # still running: written again, or rescued
+
+    # An atomic handler's transaction is lost whole: its attempt is recorded as not
+    # finalized, as when the connection drops at its commit, while a follow-up that
+    # raises still reads as one.
+    dropped = awa.enqueue(Pay(reference="drop-connection"))
+    broken = awa.enqueue(Pay(reference="bad-followup"))
+    worker = start_worker("--queue", "default=1")
+    entry = wait_for(lambda: Job.objects.get(id=dropped.id).errors, timeout=15)[0]
+    assert entry["error"].startswith("could not be finalized: OperationalError: terminating"), entry
+    assert "follow-up" not in entry["error"]
+    entry = wait_for(lambda: Job.objects.get(id=broken.id).errors, timeout=15)[0]
+    assert "receipt follow-up exploded" in entry["error"], entry
+    wait_for(lambda: "could not be finalized" in worker.output())
+    assert f"follow-up failed for job {dropped.id}" not in worker.output(), worker.output()

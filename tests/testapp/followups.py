@@ -6,7 +6,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import psycopg
+from django.db import connection
+
 import django_awa as awa
+from django_awa.db import listen_params
 from django_awa.followups import (
     on_cancelled,
     on_completed,
@@ -29,12 +33,22 @@ FAIL = {
 CALLS = {"rescued": 0}
 
 
+def _terminate_own_backend() -> None:
+    """Have another session end this thread's connection of ``default``, as a server
+    restart or a network cut would, inside the finalize transaction."""
+    pid = connection.connection.info.backend_pid
+    with psycopg.connect(**listen_params("default"), autocommit=True) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
 @on_completed(Act)
 def act_completed(args: Act, job):
     if args.tag.startswith("slow-followup:") and job.attempt == 1:
         # Stall inside the finalize transaction so a test can kill the worker here.
         Path(args.tag.partition(":")[2]).touch()
         time.sleep(30)
+    if args.tag == "drop-connection":
+        _terminate_own_backend()  # the follow-ups' INSERT then finds the connection gone
     if FAIL["completed"] or args.tag == "fail-completed":
         raise RuntimeError("completed follow-up exploded")
     if args.tag == "unique-clash":
@@ -113,6 +127,8 @@ def parked_rescued(args: Parked, job, reason):
 
 @on_completed(Pay)
 def pay_completed(args: Pay, job):
+    if args.reference.startswith("drop-connection"):
+        _terminate_own_backend()  # the follow-ups' INSERT then finds the connection gone
     if args.reference.startswith("bad-followup"):
         raise RuntimeError("receipt follow-up exploded")
     return Echo(n=job.id, note=f"receipt:{args.reference}")
