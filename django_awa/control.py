@@ -30,7 +30,7 @@ def _get(job_id: int, alias: str) -> Job:
 
 
 def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
-    """Cancel a job that has not finished; return its row.
+    """Cancel a job that has not finished; return its row (``reason`` ``None``: no reason).
 
     Jobs that depend on it with ``requires="completed"`` are cancelled in the
     same transaction (the cascade); those with ``requires="finished"`` may run.
@@ -41,7 +41,7 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     Raises ``JobNotFound``.
     """
     alias = database_alias(using)
-    context = Cancelled(reason=reason)
+    context = Cancelled(reason="" if reason is None else reason)
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:
             cursor.execute(

@@ -97,9 +97,14 @@ class Snooze:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    """Cancel the job, recording ``reason``."""
+    """Cancel the job, recording ``reason`` (``None`` or ``""``: no reason)."""
 
     reason: str = ""
+
+    def __post_init__(self) -> None:
+        # A caller with no reason may say None: that is no reason, not the text "None".
+        if self.reason is None:
+            object.__setattr__(self, "reason", "")  # type: ignore[unreachable]
 
 
 @dataclass(frozen=True, slots=True)

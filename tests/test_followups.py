@@ -137,6 +137,21 @@ def test_cancelled_followup_gets_the_reason():
 
 
 @db
+def test_a_cancel_without_a_reason_records_none_rather_than_the_text_none():
+    job = awa.enqueue(Act(action="cancel_none"))
+    run_next()
+    cancelled = Job.objects.get(id=job.id)
+    assert cancelled.state == JobState.CANCELLED
+    assert [e["error"] for e in cancelled.errors] == ["cancelled"]
+    assert notes(job.id) == ["cancelled:"]
+    # awa.cancel takes None the same way.
+    other = awa.enqueue(Act(action="ok"))
+    awa.cancel(other.id, None)  # type: ignore[arg-type]
+    assert [e["error"] for e in Job.objects.get(id=other.id).errors] == ["cancelled"]
+    assert notes(other.id) == ["cancelled:"]
+
+
+@db
 def test_awa_cancel_dispatches_cancelled_followups_in_the_same_transaction():
     job = awa.enqueue(Act(action="ok"))
     awa.cancel(job.id, "by hand")

@@ -147,6 +147,8 @@ def act(job: awa.JobContext):
             return None
         case "cancel":
             return awa.Cancel("not needed any more")
+        case "cancel_none":
+            return awa.Cancel(None)  # type: ignore[arg-type]  # a caller with no reason
         case "callback":
             token = job.register_callback(timeout=timedelta(seconds=args.seconds or 60))
             return awa.WaitForCallback(token)
