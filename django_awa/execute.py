@@ -242,11 +242,20 @@ class JobContext:
 
         The id is stored at once, so the outside system may answer even before
         the handler returns. ``timeout`` is 1 second to 365 days, else
-        ``ValidationError``.
+        ``ValidationError``. One callback per attempt: a second call raises
+        ``RuntimeError`` naming the first, which stays registered.
         """
         seconds = callback_timeout(timeout, "register_callback: timeout")
-        callback_id = uuid.uuid4()
         job = self._attempt.job
+        if self._attempt.callback_id is not None:
+            # A second id would replace the first on the row, which the outside
+            # system may already hold: its answer would find no job waiting on it.
+            raise RuntimeError(
+                f"register_callback: job {job.id} already registered callback "
+                f"{self._attempt.callback_id} in this attempt (attempt {job.attempt}); "
+                "an attempt has one callback: return awa.WaitForCallback(token) with its token"
+            )
+        callback_id = uuid.uuid4()
         if isinstance(job, Job) and job._state.adding:
             raise RuntimeError(
                 f"register_callback: job {job.id} has no row to store the callback on "

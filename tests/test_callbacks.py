@@ -37,7 +37,7 @@ from django_awa.callbacks import (
     prune_receipts,
     sign,
 )
-from django_awa.execute import Attempt, AttemptResult, JobContext
+from django_awa.execute import Attempt, AttemptResult, JobContext, from_value
 from django_awa.finalize import finalize
 from django_awa.followups import (
     WAITING_FOR_CALLBACK,
@@ -695,6 +695,26 @@ def test_register_callback_refuses_a_bad_timeout(timeout):
         context.register_callback(timeout)
     row = Job.objects.get(id=job.id)
     assert (row.callback_id, row.callback_timeout_at) == (None, None)
+
+
+def test_a_second_register_callback_in_one_attempt_is_refused_naming_the_first():
+    """The first id, which the outside system may already hold, stays the job's:
+    a second call neither replaces it nor leaves the handler a token that fails."""
+    job = parked_row(state=JobState.RUNNING, callback_id=None, callback_timeout_at=None)
+    attempt = Attempt(job=job, alias="default")
+    context = JobContext(attempt, Parked())
+    first = context.register_callback(60)
+    message = (
+        f"register_callback: job {job.id} already registered callback {first.id} "
+        "in this attempt (attempt 1)"
+    )
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        context.register_callback(120)
+    assert Job.objects.get(id=job.id).callback_id == first.id
+    # The handler can still park on the first: the outside system's answer finds it.
+    (result,) = finalize([from_value(attempt, awa.WaitForCallback(first))], "default")
+    assert result.state == JobState.WAITING_EXTERNAL
+    assert awa.complete_external(first.id, {"ok": 1}).state == JobState.COMPLETED
 
 
 @pytest.mark.parametrize(
