@@ -24,12 +24,19 @@ import typing
 import uuid
 from typing import Any, cast
 
+from django.conf import settings
+from django.utils import timezone
+
 from .exceptions import ValidationError
 from .kinds import JobArgs
 
 
 class ArgsDecodeError(Exception):
     """Stored args do not fit the kind's JobArgs class (a terminal failure)."""
+
+
+class NaiveDatetime(ValueError):
+    """A naive datetime in args under ``USE_TZ`` (SPEC §3: refused, as ``run_at`` is)."""
 
 
 def encode_args(args: object) -> dict[str, Any]:
@@ -42,6 +49,8 @@ def encode_args(args: object) -> dict[str, Any]:
     for f in dataclasses.fields(cast(Any, args)):  # a dataclass, checked just above
         try:
             out[f.name] = _encode(getattr(args, f.name))
+        except NaiveDatetime as exc:
+            raise ValidationError(f"args of kind {args.kind!r}: field {f.name!r}: {exc}") from None
         except (TypeError, ValueError) as exc:
             raise ValidationError(
                 f"args of kind {args.kind!r}: field {f.name!r} cannot be stored as JSON: {exc}"
@@ -202,6 +211,13 @@ def _encode(value: Any) -> Any:
             return value
         case enum.Enum():
             return _encode(value.value)
+        case dt.datetime() if settings.USE_TZ and timezone.is_naive(value):
+            # It would come back naive, as stored, to a handler comparing it with
+            # aware ones; which time zone it meant is not known here either.
+            raise NaiveDatetime(
+                f"{value.isoformat()} is a naive datetime while USE_TZ is True; "
+                "pass an aware datetime (django.utils.timezone.make_aware)"
+            )
         case dt.datetime() | dt.date() | dt.time():
             return value.isoformat()
         case dt.timedelta():

@@ -509,6 +509,39 @@ def test_args_round_trip_rich_types():
     assert decoded == Rich(when=when, day=when.date(), items=[1, 2])
 
 
+@dataclass
+class Meeting(awa.JobArgs):
+    when: dt.datetime
+    reminders: tuple[dt.datetime, ...] = ()
+
+
+@pytest.mark.parametrize(
+    ("args", "where"),
+    [
+        (Meeting(when=dt.datetime(2030, 1, 2, 3, 4, 5)), "field 'when'"),
+        (Meeting(when=timezone.now(), reminders=(dt.datetime(2030, 1, 2),)), "field 'reminders'"),
+    ],
+)
+def test_a_naive_datetime_in_args_is_refused_under_use_tz_naming_the_field(args, where):
+    """It was stored as given and handed back naive to the handler, which under
+    USE_TZ compares it with aware datetimes (a TypeError then, in the worker)."""
+    message = f"args of kind 'meeting': {where}: .* is a naive datetime while USE_TZ is True"
+    with pytest.raises(awa.ValidationError, match=message):
+        awa.enqueue(args)
+    with pytest.raises(awa.ValidationError, match=message):
+        awa.enqueue_many([Meeting(when=timezone.now()), args])
+    assert not Job.objects.filter(kind="meeting").exists()
+
+
+def test_a_naive_datetime_in_args_round_trips_without_use_tz(settings):
+    from django_awa.codec import decode_args
+
+    settings.USE_TZ = False
+    naive = dt.datetime(2030, 1, 2, 3, 4, 5, 6)
+    job = awa.enqueue(Meeting(when=naive, reminders=(naive,)))
+    assert decode_args(Meeting, Job.objects.get(id=job.id).args) == Meeting(naive, (naive,))
+
+
 def test_unique_conflict_names_the_holder_and_leaves_the_transaction_usable():
     first = awa.enqueue(Echo(n=7), unique=awa.Unique())
     with transaction.atomic():
