@@ -34,6 +34,7 @@ from .callbacks import apply_early
 from .compat import savepoint_create
 from .dependencies import after_attempts
 from .enqueueing import PreparedJob, insert
+from .exceptions import ValidationError
 from .execute import (
     Attempt,
     AttemptResult,
@@ -332,6 +333,8 @@ def _write_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
                 # Not the follow-ups' failure: the transaction is gone, nothing of it
                 # committed. The caller writes the outcomes again once reconnected.
                 raise
+        # ValidationError: a follow-up's after= names a job that does not exist.
+        except (DatabaseError, ValidationError) as exc:
             _rollback_to(savepoint, alias)
             if len(pending) == 1:
                 applied.extend(_fallback(pending[0], exc, alias))
@@ -400,6 +403,7 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
     except (_FollowupsFailed, DatabaseError) as failure:
         if isinstance(failure, DatabaseError) and db.connection_lost(alias):
             raise  # the connection, not the follow-ups: nothing of it committed
+    except (_FollowupsFailed, DatabaseError, ValidationError) as failure:
         _rollback_to(savepoint, alias)
         second = _first_error(failure)
         applied = _write([fallback], alias, rows=True)
@@ -539,6 +543,7 @@ def finalize_atomic(result: AttemptResult, alias: str) -> bool:
                 # The connection, not the follow-ups: the handler's transaction is
                 # lost whole, and the caller records the attempt as not finalized.
                 raise
+        except (_FollowupsFailed, DatabaseError, ValidationError) as failure:
             raise _FollowupsRolledBack(result, _first_error(failure)) from failure
     _after_atomic(applied, alias)
     return bool(applied)

@@ -346,7 +346,10 @@ def dispatch_many(outcomes: Sequence[tuple[Job, OutcomeContext]], alias: str) ->
     prepared = [job for row, context in outcomes for _, job in build(row, context)]
     if not prepared:
         return []
-    inserted = insert(prepared, alias)
+    try:
+        inserted = insert(prepared, alias)
+    except ValidationError as exc:  # after= naming a job that no longer exists
+        raise FollowupError(f"follow-up insert refused: {exc}") from exc
     if inserted.skipped:
         raise FollowupError(
             f"follow-up insert refused: UniqueConflict: a job of kind "

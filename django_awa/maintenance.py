@@ -469,7 +469,8 @@ class Maintenance:
                 ids = dispatch(job, context, self.alias)
                 pending.delete()
         except (FollowupError, DatabaseError) as exc:
-            self._postpone(pending_id, exc, now)
+            if not self._drop_orphan(pending_id, exc):
+                self._postpone(pending_id, exc, now)
             return False
         logger.info(
             "inserted %s follow-up(s) of job %s kind=%s outcome=%s",
@@ -477,6 +478,37 @@ class Maintenance:
             job.id,
             job.kind,
             context.outcome.value,
+        )
+        return True
+
+    def _drop_orphan(self, pending_id: int, exc: Exception) -> bool:
+        """Delete the pending row if its job no longer exists; whether it did.
+
+        Its follow-ups are tried once more after the job is deleted (an admin
+        discard, retention): they are owed by an outcome that committed and may
+        still insert. A failure then is dropped, not retried: one that hangs on
+        the job (``after=[job]``, a read of its row) could never succeed.
+        """
+        with self._transaction():
+            pending = (
+                PendingFollowup.objects.using(self.alias)
+                .select_for_update(skip_locked=True)
+                .filter(id=pending_id)
+                .first()
+            )
+            if pending is None or Job.objects.using(self.alias).filter(id=pending.job_id).exists():
+                return False
+            pending.delete()
+        logger.warning(
+            "pending follow-ups %s (%s of job %s kind=%s) dropped: job %s no longer exists "
+            "(deleted), and they failed again (try %s): %s",
+            pending_id,
+            pending.outcome,
+            pending.job_id,
+            pending.kind,
+            pending.job_id,
+            pending.attempts + 1,
+            exc,
         )
         return True
 

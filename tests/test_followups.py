@@ -272,6 +272,36 @@ def test_a_unique_conflict_from_a_followup_is_a_followup_failure():
 
 
 @db
+def test_a_followup_after_a_job_that_no_longer_exists_is_a_followup_failure():
+    """The refusal (a ValidationError from the insert) escaped finalize: run_jobs raised
+    it, and a worker recorded the batch's outcomes as unstorable. It is that trigger's
+    follow-up failure, as a unique conflict is."""
+    gone = make_job(kind="echo", args={"n": 0})
+    Job.objects.filter(id=gone.id).delete()
+
+    def after_gone(args, job):
+        if args.tag == "after-gone":
+            return awa.EnqueueRequest(Echo(n=job.id, note="after-gone"), after=[gone.id])
+        return None
+
+    spec = FollowupSpec(outcome=Outcome.COMPLETED, trigger=Act, function=after_gone)
+    followup_registry.add(spec)
+    try:
+        ok = awa.enqueue(Act(action="ok"))
+        bad = awa.enqueue(Act(action="ok", tag="after-gone"))
+        claimed = claim("default", 10, "default")
+        finalize([run_attempt(Attempt(job=j, alias="default")) for j in claimed], "default")
+    finally:
+        followup_registry._remove(spec)
+    assert Job.objects.get(id=ok.id).state == JobState.COMPLETED
+    assert notes(ok.id) == ["completed-1", "completed-2"]
+    row = Job.objects.get(id=bad.id)
+    assert row.state == JobState.RETRYABLE
+    assert f"after names job id {gone.id}, which does not exist" in row.errors[-1]["error"]
+    assert [note.partition(":")[0] for note in notes(bad.id)] == ["retried"]
+
+
+@db
 def test_when_the_fallbacks_followups_fail_too_they_are_kept_and_replayed():
     FAIL["completed"] = True
     FAIL["retried"] = True
@@ -402,6 +432,55 @@ def test_a_refused_unique_followup_in_a_batch_fails_only_its_own_trigger():
     assert "UniqueConflict" in row.errors[-1]["error"]
     # Only the fallback's own follow-up: the refused outcome inserted nothing.
     assert [note.partition(":")[0] for note in notes(clash.id)] == ["retried"]
+
+
+@db
+def test_pending_followups_of_a_deleted_job_are_dropped_once_they_fail_again(caplog):
+    """A follow-up that hangs on its trigger (``after=[job]``) cannot be inserted once the
+    job is deleted. Its refusal escaped replay: each maintenance interval logged it and
+    stopped there, the row never counted a try, and the rows due after it never ran."""
+
+    def after_trigger(args, job, reason):
+        return awa.EnqueueRequest(Echo(n=job.id, note="after-trigger"), after=[job.id])
+
+    spec = FollowupSpec(outcome=Outcome.RESCUED, trigger=Act, function=after_trigger)
+    followup_registry.add(spec)
+    try:
+        FAIL["rescued_times"] = 2
+        old = timezone.now() - dt.timedelta(minutes=5)
+        gone, kept = (
+            make_job(state=JobState.RUNNING, attempt=1, heartbeat_at=old, attempted_at=old)
+            for _ in range(2)
+        )
+        maintenance = Maintenance()
+        maintenance.rescue()  # act_rescued fails for both: kept
+        pending = PendingFollowup.objects.get(job_id=gone.id)
+        Job.objects.filter(id=gone.id).delete()  # an operator discards one job
+        PendingFollowup.objects.update(next_attempt_at=old)  # both due
+        maintenance.run_once()
+    finally:
+        followup_registry._remove(spec)
+    assert not PendingFollowup.objects.exists()
+    assert followups_of(gone.id) == []
+    assert sorted(notes(kept.id)) == ["after-trigger", "rescued:stale_heartbeat"]
+    (line,) = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert f"pending follow-ups {pending.id} (rescued of job {gone.id} kind=act) dropped" in line
+    assert f"job {gone.id} no longer exists (deleted)" in line
+    assert f"after names job id {gone.id}, which does not exist" in line
+
+
+@db
+def test_pending_followups_of_a_deleted_job_are_still_inserted_when_they_can_be():
+    FAIL["rescued_times"] = 1
+    old = timezone.now() - dt.timedelta(minutes=5)
+    job = make_job(state=JobState.RUNNING, attempt=1, heartbeat_at=old, attempted_at=old)
+    maintenance = Maintenance()
+    maintenance.rescue()
+    Job.objects.filter(id=job.id).delete()
+    PendingFollowup.objects.update(next_attempt_at=old)
+    assert maintenance.replay_pending() == 1  # owed by an outcome that committed
+    assert notes(job.id) == ["rescued:stale_heartbeat"]
+    assert not PendingFollowup.objects.exists()
 
 
 @db
