@@ -328,13 +328,12 @@ def _write_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
                 applied.extend(_fallback(result, error, alias))
             pending = [r for r in pending if r.job.id not in exc.failures]
             continue
-        except DatabaseError as exc:
-            if db.connection_lost(alias):
+        # ValidationError: a follow-up's after= names a job that does not exist.
+        except (DatabaseError, ValidationError) as exc:
+            if isinstance(exc, DatabaseError) and db.connection_lost(alias):
                 # Not the follow-ups' failure: the transaction is gone, nothing of it
                 # committed. The caller writes the outcomes again once reconnected.
                 raise
-        # ValidationError: a follow-up's after= names a job that does not exist.
-        except (DatabaseError, ValidationError) as exc:
             _rollback_to(savepoint, alias)
             if len(pending) == 1:
                 applied.extend(_fallback(pending[0], exc, alias))
@@ -400,10 +399,9 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
     savepoint = savepoint_create(using=alias)
     try:
         applied = _apply_with_followups([fallback], alias)
-    except (_FollowupsFailed, DatabaseError) as failure:
+    except (_FollowupsFailed, DatabaseError, ValidationError) as failure:
         if isinstance(failure, DatabaseError) and db.connection_lost(alias):
             raise  # the connection, not the follow-ups: nothing of it committed
-    except (_FollowupsFailed, DatabaseError, ValidationError) as failure:
         _rollback_to(savepoint, alias)
         second = _first_error(failure)
         applied = _write([fallback], alias, rows=True)
@@ -538,12 +536,11 @@ def finalize_atomic(result: AttemptResult, alias: str) -> bool:
     else:
         try:
             applied = _apply_with_followups([result], alias)
-        except (_FollowupsFailed, DatabaseError) as failure:
+        except (_FollowupsFailed, DatabaseError, ValidationError) as failure:
             if isinstance(failure, DatabaseError) and db.connection_lost(alias):
                 # The connection, not the follow-ups: the handler's transaction is
                 # lost whole, and the caller records the attempt as not finalized.
                 raise
-        except (_FollowupsFailed, DatabaseError, ValidationError) as failure:
             raise _FollowupsRolledBack(result, _first_error(failure)) from failure
     _after_atomic(applied, alias)
     return bool(applied)
