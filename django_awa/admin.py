@@ -52,7 +52,7 @@ from . import bulk, control, sql
 from . import schedules as schedule_steering
 from .admin_base import ModelAdmin as _ModelAdmin
 from .admin_base import bad_request
-from .bulk_admin import BulkOperationsMixin
+from .bulk_admin import BulkOperationsMixin, dependents_text
 from .codec import check_text
 from .conf import awa_settings
 from .exceptions import AwaError, ValidationError
@@ -1230,18 +1230,13 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         if not self.has_delete_permission(request):
             raise PermissionDenied
         if request.POST.get("confirm") == "yes":
-            # Job has no relations: one DELETE. A running job's worker then
-            # finds no row for its (id, run_lease) and writes nothing. A
-            # finished row that maintenance moved into awa_job_done while the
-            # DELETE waited for it is not yet visible to that statement: a
-            # second one deletes it.
-            deleted, _ = queryset.delete()
-            deleted += queryset.delete()[0]
-            self.message_user(
-                request,
-                ngettext("Discarded %d job.", "Discarded %d jobs.", deleted) % deleted,
-                messages.SUCCESS,
-            )
+            # In batches, as the bulk page does (bulk.py): a DELETE of the ids,
+            # and a second for a finished row that maintenance moved into
+            # awa_job_done meanwhile. A running job's worker then finds no row
+            # for its (id, run_lease) and writes nothing. The dependents of the
+            # discarded jobs are settled (cancelled, if they required them to
+            # complete) and counted in the message.
+            self._operate(request, queryset, "discard")
             return None
         count = queryset.count()
         context = {
@@ -1315,7 +1310,8 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         return HttpResponseRedirect(reverse("admin:django_awa_job_change", args=[object_id]))
 
     def _operate(self, request: HttpRequest, queryset: QuerySet[Job], operation: str) -> None:
-        """Retry or cancel the jobs of ``queryset`` in batches (``bulk.run``); report counts."""
+        """Retry, cancel or discard the jobs of ``queryset`` in batches (``bulk.run``);
+        report counts, the dependents the cascade moved too among them."""
         op = bulk.Operation(operation)
         verb = op.value
         past = bulk.PAST[op].capitalize()
@@ -1329,10 +1325,20 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         if changed or not (skipped or failed):
             self.message_user(
                 request,
-                ngettext(f"{past} %d job.", f"{past} %d jobs.", changed) % changed,
+                ngettext(f"{past} %d job", f"{past} %d jobs", changed) % changed
+                + dependents_text(result)
+                + ".",
                 messages.SUCCESS,
             )
-        if skipped:
+        if skipped and op is bulk.Operation.DISCARD:
+            # Every state allows a discard: these were gone already.
+            self.message_user(
+                request,
+                ngettext("%d job was gone already.", "%d jobs were gone already.", skipped)
+                % skipped,
+                messages.WARNING,
+            )
+        elif skipped:
             self.message_user(
                 request,
                 ngettext(

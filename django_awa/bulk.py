@@ -83,6 +83,15 @@ PAST: dict[Operation, str] = {
     Operation.PRIORITY: "reprioritized",
 }
 
+# What an operation does to the dependents of the jobs it changes (SPEC §11):
+# a cancel or discard cancels those that require them to complete (and the
+# cascade goes on), a retry reopens those their failure had cancelled.
+DEPENDENTS_PAST: dict[Operation, str] = {
+    Operation.RETRY: "reopened",
+    Operation.CANCEL: "cancelled",
+    Operation.DISCARD: "cancelled",
+}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Preview:
@@ -96,10 +105,13 @@ class Preview:
 @dataclass(slots=True, kw_only=True)
 class Result:
     """What a bulk operation did. ``unchanged``: jobs that had moved on to a
-    state the operation does not apply to by the time their batch ran."""
+    state the operation does not apply to by the time their batch ran.
+    ``dependents``: jobs not matched that it moved through their dependencies
+    too (``DEPENDENTS_PAST``: cancelled by the cascade, or reopened)."""
 
     operation: Operation
     changed: int = 0
+    dependents: int = 0
     unchanged: int = 0
     failed: list[tuple[int, str]] = field(default_factory=list)
     batch_seconds: list[float] = field(default_factory=list)
@@ -224,6 +236,7 @@ def _params(ids: Sequence[int], operation: Operation) -> dict[str, Any]:
 
 def _retry(ids: list[int], alias: str, result: Result, args: _Args) -> None:
     params = _params(ids, Operation.RETRY)
+    reopened: list[int] = []
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
             cursor.execute(sql.REVIVE_DONE, params)
@@ -232,13 +245,19 @@ def _retry(ids: list[int], alias: str, result: Result, args: _Args) -> None:
             if jobs:
                 queues = sorted({job.queue for job in jobs})
                 cursor.execute(sql.NOTIFY_QUEUES, {"queues": queues})
-                reopen_all([job.id for job in jobs], alias)
+                reopened = reopen_all([job.id for job in jobs], alias)
     except IntegrityError:
         # A job's unique key is held by another job now: the batch rolled
         # back; one at a time, only that job is refused.
-        _one_by_one(ids, result, JobState.AVAILABLE, lambda i: control.retry(i, using=alias))
+        _one_by_one(
+            ids,
+            result,
+            JobState.AVAILABLE,
+            lambda i: control.retry_with_dependents(i, using=alias),
+        )
         return
     result.changed += len(jobs)
+    result.dependents += len(reopened)
     result.unchanged += len(ids) - len(jobs)
 
 
@@ -256,15 +275,19 @@ def _cancel(ids: list[int], alias: str, result: Result, args: _Args) -> None:
             for job in jobs:
                 dispatch(job, context, alias)
                 send_signal(job, context, alias)
-            after_outcomes(jobs, alias)
+            cascaded = after_outcomes(jobs, alias)
     except (FollowupError, IntegrityError):
         # One job's on_cancelled follow-up failed: the batch rolled back; one
         # at a time, only that job stays as it was and is reported.
         _one_by_one(
-            ids, result, JobState.CANCELLED, lambda i: control.cancel(i, args.reason, using=alias)
+            ids,
+            result,
+            JobState.CANCELLED,
+            lambda i: control.cancel_with_dependents(i, args.reason, using=alias),
         )
         return
     result.changed += len(jobs)
+    result.dependents += len(cascaded)
     result.unchanged += len(ids) - len(jobs)
 
 
@@ -280,8 +303,9 @@ def _discard(ids: list[int], alias: str, result: Result, args: _Args) -> None:
         # waited for it was not visible to that statement: the next one sees it.
         cursor.execute(sql.DISCARD_JOBS, params)
         deleted += cursor.rowcount
-        settle(dependents, alias)
+        cascaded = settle(dependents, alias)
     result.changed += deleted
+    result.dependents += len(cascaded)
     result.unchanged += len(ids) - deleted
 
 
@@ -305,17 +329,23 @@ def _prioritize(ids: list[int], alias: str, result: Result, args: _Args) -> None
 
 
 def _one_by_one(
-    ids: list[int], result: Result, done_state: str, apply: Callable[[int], Job]
+    ids: list[int],
+    result: Result,
+    done_state: str,
+    apply: Callable[[int], tuple[Job, list[int]]],
 ) -> None:
+    """Apply to each job in a transaction of its own: (the job's row, the ids of the
+    dependents it moved too)."""
     for job_id in ids:
         try:
-            job = apply(job_id)
+            job, dependents = apply(job_id)
         # One job's follow-up function (user code, any exception) or unique
         # key refusing it does not stop the rest; its transaction rolled back.
         except Exception as exc:  # noqa: BLE001
             logger.warning("bulk operation on job %s failed: %s job_id=%s", job_id, exc, job_id)
             result.failed.append((job_id, Truncator(str(exc) or type(exc).__name__).chars(200)))
             continue
+        result.dependents += len(dependents)
         if job.state == done_state:
             result.changed += 1
         else:

@@ -26,6 +26,7 @@ from django.http import (
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.decorators import method_decorator
+from django.utils.translation import ngettext
 
 from . import bulk
 from .admin_base import ModelAdmin as _ModelAdmin
@@ -46,6 +47,22 @@ LABELS: dict[bulk.Operation, str] = {
     bulk.Operation.PRIORITY: "Change priority",
     bulk.Operation.DISCARD: "Discard",
 }
+
+
+def dependents_text(result: bulk.Result, *, exact: bool = True) -> str:
+    """`` and 5 dependent jobs`` (`` and reopened 5 …`` for a retry): the jobs the
+    operation's cascade moved besides those it was given (SPEC §11), for a
+    message that counts those; ``""`` if none. ``exact=False``: "job(s)"."""
+    count = result.dependents
+    if not count:
+        return ""
+    verb = bulk.DEPENDENTS_PAST[result.operation]
+    verb = "" if verb == bulk.PAST[result.operation] else f"{verb} "
+    if not exact:
+        return f" and {verb}{count:,} dependent job(s)"
+    return ngettext(
+        " and %(verb)s%(count)s dependent job", " and %(verb)s%(count)s dependent jobs", count
+    ) % {"verb": verb, "count": f"{count:,}"}
 
 
 class BulkOperationsMixin(_ModelAdmin[Job]):
@@ -153,8 +170,8 @@ class BulkOperationsMixin(_ModelAdmin[Job]):
         past = bulk.PAST[op]
         self.message_user(
             request,
-            f"{past.capitalize()} {result.changed:,} job(s) in {len(result.batch_seconds):,} "
-            f"batch(es).",
+            f"{past.capitalize()} {result.changed:,} job(s){dependents_text(result, exact=False)} "
+            f"in {len(result.batch_seconds):,} batch(es).",
             messages.SUCCESS if result.changed else messages.WARNING,
         )
         if result.unchanged:

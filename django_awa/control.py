@@ -40,6 +40,13 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     nothing changes). A job already finished is returned unchanged.
     Raises ``JobNotFound``.
     """
+    return cancel_with_dependents(job_id, reason, using=using)[0]
+
+
+def cancel_with_dependents(
+    job_id: int, reason: str = "", *, using: str | None = None
+) -> tuple[Job, list[int]]:
+    """``cancel``, also returning the ids of the dependents it cancelled (the admin's counts)."""
     alias = database_alias(using)
     context = Cancelled(reason="" if reason is None else reason)
     with transaction.atomic(using=alias):
@@ -50,15 +57,15 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
             )
             row = cursor.fetchone()
             if row is None:
-                return _get(job_id, alias)
+                return _get(job_id, alias), []
             previous, (job,) = row[0], jobs_from_rows([row[1:]], alias)
             if previous == JobState.RUNNING:
                 cursor.execute(sql.NOTIFY_CANCEL, {"job_id": str(job_id)})
         dispatch(job, context, alias)
         send_signal(job, context, alias)
-        after_outcomes([job], alias)
+        cancelled = after_outcomes([job], alias)
         after_finishing([job], alias)
-    return job
+    return job, cancelled
 
 
 def retry(job_id: int, *, using: str | None = None) -> Job:
@@ -70,6 +77,11 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
     Any other state is returned unchanged. Raises ``JobNotFound``, or
     ``UniqueConflict`` if another job now holds its unique key.
     """
+    return retry_with_dependents(job_id, using=using)[0]
+
+
+def retry_with_dependents(job_id: int, *, using: str | None = None) -> tuple[Job, list[int]]:
+    """``retry``, also returning the ids of the dependents it reopened (the admin's counts)."""
     alias = database_alias(using)
     params: dict[str, Any] = {"ids": [job_id], "states": list(JobState.RETRIABLE)}
     reopening = False
@@ -82,7 +94,7 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
             if row is None:
                 job = _get(job_id, alias)
                 if job.state not in JobState.RETRIABLE:
-                    return job
+                    return job, []
                 # Maintenance moved the row into awa_job_done while these
                 # statements waited for it: the copy there was not yet
                 # committed when they began. The next statements see it.
@@ -90,13 +102,13 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
                 cursor.execute(sql.RETRY_JOBS, params)
                 row = cursor.fetchone()
                 if row is None:
-                    return _get(job_id, alias)
+                    return _get(job_id, alias), []
             (job,) = jobs_from_rows([row], alias)
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [job.queue]})
             # Its dependents that its failure cancelled wait for it again, and
             # it waits for its own dependencies again (SPEC §11).
             reopening = True
-            reopen(job, alias)
+            reopened = reopen(job, alias)
             if job.state == JobState.AVAILABLE:
                 job.refresh_from_db(using=alias, fields=["state"])
     except IntegrityError as exc:
@@ -109,7 +121,7 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
         raise UniqueConflict(
             f"job {job_id} cannot be retried: another job holds its unique key"
         ) from exc
-    return job
+    return job, reopened
 
 
 def _check_queue_name(name: Any, where: str) -> None:

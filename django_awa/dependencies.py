@@ -136,22 +136,24 @@ def _flag_existing(cursor: db.Cursor, ids: list[int]) -> dict[int, uuid.UUID | N
     return found
 
 
-def after_outcomes(jobs: Iterable[Job], alias: str) -> None:
+def after_outcomes(jobs: Iterable[Job], alias: str) -> list[int]:
     """Promote or cancel the dependents of jobs whose outcome this transaction wrote.
 
     Call it in the transaction that writes the outcomes, after writing them,
     with the rows as written (their ``state`` and ``has_dependents``; jobs
-    that are not final or have no dependents are passed over).
+    that are not final or have no dependents are passed over). Returns the
+    ids of the dependents it cancelled, the cascade's included.
     """
     finished = [j for j in jobs if j.has_dependents and j.state in JobState.FINAL]
-    if finished:
-        _settle(
-            alias,
-            finished=[j.id for j in finished],
-            candidates=None,
-            shared=False,
-            completed=all(j.state == JobState.COMPLETED for j in finished),
-        )
+    if not finished:
+        return []
+    return _settle(
+        alias,
+        finished=[j.id for j in finished],
+        candidates=None,
+        shared=False,
+        completed=all(j.state == JobState.COMPLETED for j in finished),
+    )
 
 
 def after_attempts(outcomes: Sequence[tuple[int, str]], alias: str) -> None:
@@ -170,10 +172,14 @@ def after_attempts(outcomes: Sequence[tuple[int, str]], alias: str) -> None:
         )
 
 
-def settle(job_ids: Sequence[int], alias: str) -> None:
-    """Judge blocked jobs now (new, or retried ones): promote, cancel, or leave them blocked."""
-    if job_ids:
-        _settle(alias, finished=None, candidates=list(job_ids), shared=False, completed=False)
+def settle(job_ids: Sequence[int], alias: str) -> list[int]:
+    """Judge blocked jobs now (new, or retried ones): promote, cancel, or leave them blocked.
+
+    Returns the ids of the jobs it cancelled, the cascade's included.
+    """
+    if not job_ids:
+        return []
+    return _settle(alias, finished=None, candidates=list(job_ids), shared=False, completed=False)
 
 
 def _settle(
@@ -183,7 +189,7 @@ def _settle(
     candidates: list[int] | None,
     shared: bool,
     completed: bool,
-) -> None:
+) -> list[int]:
     # No savepoint of its own: an error here is raised to the caller, whose
     # transaction (the outcome's) rolls back; a savepoint would only cost two
     # round trips per batch of outcomes.
@@ -192,7 +198,7 @@ def _settle(
         db.cursor(alias) as cursor,
         planned_by_index(cursor),
     ):
-        _settle_rounds(
+        return _settle_rounds(
             cursor,
             alias,
             finished=finished,
@@ -225,30 +231,32 @@ def _settle_rounds(
     candidates: list[int] | None,
     shared: bool,
     completed: bool,
-) -> None:
+) -> list[int]:
     """``_settle``'s rounds: one level of dependents each, until none is left to judge.
+    Returns the ids of the jobs it cancelled.
 
     ``completed``: every job of ``finished`` completed (the first round only;
     the cascade's rounds are of cancelled jobs). Their dependents with no
     other dependency are promoted at once (``sql.PROMOTE_MET_BY``), and no
     dependent can be cancelled by them.
     """
+    cancelled_ids: list[int] = []
     for _ in range(MAX_ROUNDS):
         if candidates is None:
             if not finished:
-                return
+                return cancelled_ids
             if completed:
                 cursor.execute(sql.PROMOTE_MET_BY, {"ids": finished})
                 rows = cursor.fetchall()
                 _promoted_now(cursor, alias, [row for row in rows if row[0] is not None])
                 if all(row[0] is not None for row in rows):
-                    return  # every dependent promoted: none left to judge
+                    return cancelled_ids  # every dependent promoted: none left to judge
             locked = _lock_to_judge(cursor, finished, alias, shared=shared, completed=completed)
         else:
             cursor.execute(sql.LOCK_BLOCKED, {"ids": candidates})
             locked = [row[0] for row in cursor.fetchall()]
         if not locked:
-            return
+            return cancelled_ids
         if completed:
             # Completed dependencies cancel nothing.
             cancelled_rows, reasons = [], []
@@ -268,6 +276,7 @@ def _settle_rounds(
                 for row in returned
             ]
         cancelled = {job.id for job in cancelled_rows}
+        cancelled_ids.extend(job.id for job in cancelled_rows)
         rest = [i for i in locked if i not in cancelled]
         if rest:
             cursor.execute(sql.PROMOTE_READY, {"ids": rest})
@@ -437,20 +446,24 @@ def deleting(ids: Sequence[int], alias: str) -> list[int]:
     return dependents
 
 
-def reopen(job: Job, alias: str) -> None:
+def reopen(job: Job, alias: str) -> list[int]:
     """After ``job`` was retried: wait for its dependencies again, and reopen the
     dependents its failure or cancellation cancelled (transitively), blocked again.
 
     A retried job that has dependencies goes back to ``blocked`` and is
     settled at once: promoted if they are met, cancelled again if one failed.
     """
-    reopen_all([job.id], alias)
+    return reopen_all([job.id], alias)
 
 
-def reopen_all(job_ids: Sequence[int], alias: str) -> None:
-    """``reopen`` for a batch of retried jobs, set-based (a bulk retry's batch)."""
+def reopen_all(job_ids: Sequence[int], alias: str) -> list[int]:
+    """``reopen`` for a batch of retried jobs, set-based (a bulk retry's batch).
+
+    Returns the ids of the dependents it reopened (those settling them did
+    not cancel again at once).
+    """
     if not job_ids:
-        return
+        return []
     with transaction.atomic(using=alias), db.cursor(alias) as cursor, planned_by_index(cursor):
         reopened: list[int] = []
         frontier = list(job_ids)
@@ -461,6 +474,7 @@ def reopen_all(job_ids: Sequence[int], alias: str) -> None:
             cursor.execute(sql.REOPEN_CASCADED, {"ids": frontier})
             frontier = [row[0] for row in cursor.fetchall()]
             reopened.extend(frontier)
+        dependents = list(reopened)
         cursor.execute(sql.HAS_DEPENDENCIES, {"ids": list(job_ids)})
         waiting = [row[0] for row in cursor.fetchall()]
         if waiting:
@@ -472,4 +486,6 @@ def reopen_all(job_ids: Sequence[int], alias: str) -> None:
                 len(job_ids),
                 len(reopened),
             )
-            settle(reopened, alias)
+            cancelled = set(settle(reopened, alias))
+            dependents = [i for i in dependents if i not in cancelled]
+    return dependents

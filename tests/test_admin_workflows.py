@@ -73,7 +73,8 @@ def test_cancel_and_retry_the_whole_workflow(login: Any, superuser: Any) -> None
     # The charge now succeeds: retrying the workflow retries it and reopens ship.
     Job.objects.filter(id=jobs[0].id).update(args={"name": "charge", "action": "ok"})
     submit(page, page.get_by_role("button", name="Retry workflow"))
-    assert "Retried 1 job." in messages(page)
+    # The retry also reopened ship, which the charge's failure had cancelled.
+    assert "Retried 1 job and reopened 1 dependent job." in messages(page)
     assert _states(jobs)[:3] == ["available", "completed", "blocked"]
     submit(page, page.get_by_role("button", name="Cancel workflow"))
     assert _states(jobs)[:3] == ["cancelled", "completed", "cancelled"]
