@@ -45,7 +45,7 @@ from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
-from django.utils.text import Truncator
+from django.utils.text import Truncator, smart_split, unescape_string_literal
 from django.utils.translation import gettext, ngettext
 
 from . import bulk, control, sql
@@ -361,6 +361,14 @@ def duration_text(job: Job) -> str:
 def _job_link(job_id: int, label: str) -> SafeString:
     url = reverse("admin:django_awa_job_change", args=[job_id])
     return format_html('<a href="{}">{}</a>', url, label)
+
+
+def _unquoted(word: str) -> str:
+    """``word`` without the quotes around it, if it has them (a ``smart_split`` phrase:
+    ``"a b"`` or ``'a b'``, backslash escapes undone), as Django's search takes them."""
+    if len(word) > 1 and word[0] in "\"'" and word[-1] == word[0]:
+        return unescape_string_literal(word)
+    return word
 
 
 def _state_badge(state: str) -> SafeString:
@@ -781,7 +789,7 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     search_fields = ("kind", "queue")  # the search itself is get_search_results
     search_help_text = (
         f"A job id; or text in the kind or queue name; or {TAG_PREFIX}name, an exact tag "
-        f"among the newest {SEARCH_WINDOW:,} jobs."
+        f'among the newest {SEARCH_WINDOW:,} jobs ({TAG_PREFIX}"my tag" for one with spaces).'
     )
     ordering = ("-id",)
     list_per_page = 50
@@ -907,21 +915,26 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Job], search_term: str
     ) -> tuple[QuerySet[Job], bool]:
-        """Each word must match. A number (or ``#number``) is a job id, found by
-        primary key. ``tag:name`` is an exact tag, among the newest
-        ``SEARCH_WINDOW`` jobs (a range of the primary key: no index holds the
-        tags). Other text is part of a kind or queue name: of the kinds and
-        queues the filters offer (``known_kinds``, ``known_queues``) those that
-        hold it, case aside, or, if none, the word itself; found among all jobs
-        by the indexes on kind and queue (migration 0013)."""
+        """Each word must match; quotes make a phrase one word, as in Django's
+        own search (``"a b"``, and ``tag:"a b"`` for a tag with spaces). A
+        number (or ``#number``) is a job id, found by primary key.
+        ``tag:name`` is an exact tag, among the newest ``SEARCH_WINDOW`` jobs
+        (a range of the primary key: no index holds the tags). Other text is
+        part of a kind or queue name: of the kinds and queues the filters
+        offer (``known_kinds``, ``known_queues``) those that hold it, case
+        aside, or, if none, the word itself; found among all jobs by the
+        indexes on kind and queue (migration 0013)."""
         tags = False
         names: tuple[set[str], set[str]] | None = None
-        for word in search_term.split():
+        for word in map(_unquoted, smart_split(search_term)):
+            if not word:
+                continue
             number = job_id(word.removeprefix("#"))
             if number is not None:
                 queryset = queryset.filter(id=number)
             elif word.startswith(TAG_PREFIX) and len(word) > len(TAG_PREFIX):
-                queryset = queryset.filter(tags__contains=[word.removeprefix(TAG_PREFIX)])
+                tag = _unquoted(word.removeprefix(TAG_PREFIX))
+                queryset = queryset.filter(tags__contains=[tag])
                 tags = True
             else:
                 if names is None:

@@ -1,0 +1,60 @@
+"""Searching the job list by a tag that holds spaces: ``tag:"my tag"`` (or the whole
+word quoted, ``"tag:my tag"``), as Django quotes a phrase in a search."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+
+from tests.conftest import make_job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+JOBS_URL = "/admin/django_awa/job/"
+
+
+@pytest.fixture
+def client_(client: Any, transactional_db: Any) -> Any:
+    client.force_login(User.objects.create_superuser("admin", "admin@example.com", password=None))
+    return client
+
+
+def shown(client: Any, term: str) -> list[int]:
+    response = client.get(JOBS_URL, {"q": term})
+    assert response.status_code == 200
+    return sorted(j.id for j in response.context["cl"].result_list)
+
+
+def test_a_tag_with_spaces_is_found_quoted(client_: Any) -> None:
+    spaced = make_job(kind="report", tags=["nightly run", "eu"])
+    plain = make_job(kind="report", tags=["nightly"])
+    make_job(kind="report", tags=["run"])
+    quoted = make_job(kind="report", tags=['say "hi" \\ bye'])
+    # Quoted as Django quotes a phrase: the value, or the whole word.
+    assert shown(client_, 'tag:"nightly run"') == [spaced.id]
+    assert shown(client_, "tag:'nightly run'") == [spaced.id]
+    assert shown(client_, '"tag:nightly run"') == [spaced.id]
+    # With another word, each must match.
+    assert shown(client_, 'tag:"nightly run" tag:eu report') == [spaced.id]
+    assert shown(client_, 'tag:"nightly run" tag:nightly') == []
+    # Backslash escapes inside the quotes.
+    assert shown(client_, r'tag:"say \"hi\" \\ bye"') == [quoted.id]
+    # Unquoted, the words are searched apart, as before: a tag is matched whole.
+    assert shown(client_, "tag:nightly") == [plain.id]
+    assert shown(client_, "tag:nightly run") == []
+
+
+def test_the_bulk_link_of_a_tag_search_reaches_the_tagged_jobs(client_: Any) -> None:
+    spaced = make_job(kind="report", tags=["nightly run"])
+    make_job(kind="report", tags=["nightly"])
+    response = client_.get(JOBS_URL, {"q": 'tag:"nightly run"'})
+    # The search box shows the phrase as typed, to search again.
+    assert re.search(r'name="q"[^>]*value="tag:&quot;nightly run&quot;"', response.text)
+    links = dict(response.context["awa_bulk_links"])
+    confirmation = client_.get(links["Cancel"])
+    assert confirmation.status_code == 200
+    assert confirmation.context["count"] == 1
+    assert [j.id for j in confirmation.context["sample"]] == [spaced.id]
