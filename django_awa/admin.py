@@ -1052,7 +1052,6 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
             return False
         return super().has_change_permission(request)
 
-    @admin.display(description="tags")
     @admin.display(description="waited (due to start)")
     def waited(self, obj: Job) -> str:
         return wait_text(obj)
@@ -1061,6 +1060,7 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     def ran(self, obj: Job) -> str:
         return duration_text(obj)
 
+    @admin.display(description="tags")
     def tag_list(self, obj: Job) -> str:
         tags = obj.tags if isinstance(obj.tags, list) else [obj.tags]
         return ", ".join(short_text(tag) for tag in tags if tag is not None) or "(none)"

@@ -58,3 +58,12 @@ def test_the_bulk_link_of_a_tag_search_reaches_the_tagged_jobs(client_: Any) -> 
     assert confirmation.status_code == 200
     assert confirmation.context["count"] == 1
     assert [j.id for j in confirmation.context["sample"]] == [spaced.id]
+
+
+def test_the_job_page_labels_its_tags_and_its_wait(client_: Any) -> None:
+    job = make_job(kind="report", tags=["nightly run", "eu"])
+    page = client_.get(f"{JOBS_URL}{job.id}/change/").text
+    labels = dict(re.findall(r'fieldBox field-(\w+)">\s*<label[^>]*>(.*?)</label>', page))
+    assert labels["tag_list"] == "Tags:"
+    assert labels["waited"] == "Waited (due to start):"
+    assert "nightly run, eu" in page
