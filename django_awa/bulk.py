@@ -120,6 +120,7 @@ class Result:
         return {
             "operation": str(self.operation),
             PAST[self.operation]: self.changed,
+            "dependents": self.dependents,
             "unchanged": self.unchanged,
             "failed": [{"id": i, "error": e} for i, e in self.failed],
             "batches": len(self.batch_seconds),

@@ -21,6 +21,7 @@ import django_awa as awa
 from django_awa.models import Job, JobState, PeriodicSchedule, Queue
 from django_awa.schedules import schedules
 from tests.conftest import ROOT, make_job
+from tests.testapp.jobs import Node
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -130,6 +131,7 @@ def test_retry_cancel_and_discard_by_id_and_by_filter():
         "operation": "retry",
         "matched": 2,
         "retried": 2,
+        "dependents": 0,
         "unchanged": 0,
         "failed": [],
         "batches": 1,
@@ -151,7 +153,8 @@ def test_retry_cancel_and_discard_by_id_and_by_filter():
     out, code = run("awa_jobs", "retry", str(other.id), str(one.id), "999999999", "--json")
     assert code == 1
     assert json.loads(out) == {
-        "retried": [other.id], "unchanged": [one.id], "not_found": [999999999], "failed": [],
+        "retried": [other.id], "dependents": 0, "unchanged": [one.id], "not_found": [999999999],
+        "failed": [],
     }  # fmt: skip
 
     out, code = run("awa_jobs", "discard", "--queue", "email")
@@ -160,6 +163,40 @@ def test_retry_cancel_and_discard_by_id_and_by_filter():
     assert code == 0 and out.startswith("discarded 1 of 1 matching job(s)")
     assert not Job.objects.filter(id=other.id).exists()
     assert run("awa_jobs", "retry", "--queue", "email")[1] == 1  # nothing left to match
+
+
+def _chain(queue: str) -> list[Job]:
+    """a <- b <- c in ``queue`` (each requires the one before to complete)."""
+    flow = awa.Workflow(queue)
+    a = flow.add(awa.EnqueueRequest(Node(name="a"), queue=queue), name="a")
+    b = flow.add(awa.EnqueueRequest(Node(name="b"), queue=queue), after=[a], name="b")
+    flow.add(awa.EnqueueRequest(Node(name="c"), queue=queue), after=[b], name="c")
+    return flow.enqueue()
+
+
+def test_awa_jobs_counts_the_dependents_its_cancel_retry_and_discard_moved() -> None:
+    by_filter, by_id, discarded = _chain("flow_one"), _chain("flow_two"), _chain("flow_three")
+
+    # By filter: the head only (its dependents are blocked, not matched by --state
+    # available), its dependents cancelled by the cascade and counted apart.
+    out, code = run("awa_jobs", "cancel", "--queue", "flow_one", "--state", "available", "--json")
+    assert code == 0
+    document = json.loads(out)
+    assert (document["cancelled"], document["dependents"]) == (1, 2)
+    assert {Job.objects.get(id=j.id).state for j in by_filter} == {"cancelled"}
+
+    out, code = run("awa_jobs", "cancel", str(by_id[0].id))
+    assert code == 0 and "cancelled 2 dependent job(s) too" in out
+    assert {Job.objects.get(id=j.id).state for j in by_id} == {"cancelled"}
+    out, _ = run("awa_jobs", "retry", str(by_id[0].id), "--json")
+    assert json.loads(out)["dependents"] == 2
+
+    out, code = run("awa_jobs", "discard", str(discarded[0].id), "--yes", "--json")
+    assert code == 0 and json.loads(out) == {
+        "discarded": [discarded[0].id], "dependents": 2, "unchanged": [], "not_found": [],
+        "failed": [],
+    }  # fmt: skip
+    assert {Job.objects.get(id=j.id).state for j in discarded[1:]} == {"cancelled"}
 
 
 @pytest.mark.parametrize(

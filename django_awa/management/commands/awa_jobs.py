@@ -256,6 +256,8 @@ class Command(OperatorCommand):
         )
         document = {"matched": found.count, **result.as_dict()}
         lines = [f"{past} {result.changed:,} of {found.count:,} matching job(s)"]
+        if result.dependents:
+            lines.append(_dependents_line(operation, result.dependents))
         if result.unchanged:
             lines.append(
                 f"left {result.unchanged:,} job(s) as they were (they had moved on to a state "
@@ -284,15 +286,18 @@ class Command(OperatorCommand):
         named = [i for i in dict.fromkeys(ids) if i in states]
         targets = [i for i in named if states[i] in allowed]
         skipped = [i for i in named if states[i] not in allowed]
-        changed, unchanged, failed = self.apply(action, targets, options)
+        changed, unchanged, failed, dependents = self.apply(action, targets, options)
         unchanged = sorted([*skipped, *unchanged])
         document = {
             PAST[action]: changed,
+            "dependents": dependents,
             "unchanged": unchanged,
             "not_found": not_found,
             "failed": [{"id": i, "error": e} for i, e in failed],
         }
         lines = [f"{PAST[action]} {len(changed):,} job(s)" + _ids(changed)]
+        if dependents:
+            lines.append(_dependents_line(bulk.Operation(action), dependents))
         if unchanged:
             lines.append(
                 f"left {len(unchanged):,} job(s) as they were (their state does not allow it)"
@@ -310,32 +315,38 @@ class Command(OperatorCommand):
 
     def apply(
         self, action: str, ids: list[int], options: dict[str, Any]
-    ) -> tuple[list[int], list[int], list[tuple[int, str]]]:
+    ) -> tuple[list[int], list[int], list[tuple[int, str]], int]:
+        """(changed, unchanged, refused ids with their error, dependents moved too)."""
         changed: list[int] = []
         unchanged: list[int] = []
         failed: list[tuple[int, str]] = []
+        dependents = 0
         if action == "discard":
+            # As a discard by filter: batched, its jobs' dependents settled with it.
             jobs = Job.objects.using(self.alias).filter(id__in=ids)
-            # A finished row that maintenance moved into awa_job_done while the
-            # DELETE waited is not yet visible to it: a second DELETE takes it.
-            jobs.delete()
-            jobs.delete()
-            return ids, [], []
+            result = bulk.run(jobs, bulk.Operation.DISCARD, up_to=max(ids, default=None))
+            return ids, [], [], result.dependents
         reason = options.get("reason") or "cancelled with manage.py awa_jobs"
         done_state = JobState.AVAILABLE if action == "retry" else JobState.CANCELLED
         for job_id in ids:
             try:
                 if action == "retry":
-                    job = control.retry(job_id, using=self.alias)
+                    job, moved = control.retry_with_dependents(job_id, using=self.alias)
                 else:
-                    job = control.cancel(job_id, reason, using=self.alias)
+                    job, moved = control.cancel_with_dependents(job_id, reason, using=self.alias)
             # One job's follow-up function (user code, any exception) or unique
             # key refusing it does not stop the rest; its transaction rolled back.
             except Exception as exc:  # noqa: BLE001
                 failed.append((job_id, str(exc) or type(exc).__name__))
                 continue
+            dependents += len(moved)
             (changed if job.state == done_state else unchanged).append(job_id)
-        return changed, unchanged, failed
+        return changed, unchanged, failed, dependents
+
+
+def _dependents_line(operation: bulk.Operation, count: int) -> str:
+    """What the operation did to the jobs that depend on those it changed (SPEC §11)."""
+    return f"{bulk.DEPENDENTS_PAST[operation]} {count:,} dependent job(s) too"
 
 
 def _ids(ids: list[int], shown: int = 20) -> str:
