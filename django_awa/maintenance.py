@@ -457,12 +457,7 @@ class Maintenance:
         """
         try:
             with self._transaction():
-                pending = (
-                    PendingFollowup.objects.using(self.alias)
-                    .select_for_update(skip_locked=True)
-                    .filter(id=pending_id)
-                    .first()
-                )
+                pending = self._locked_pending(pending_id)
                 if pending is None:
                     return False
                 job, context = restore(pending, self.alias)
@@ -481,6 +476,15 @@ class Maintenance:
         )
         return True
 
+    def _locked_pending(self, pending_id: int) -> PendingFollowup | None:
+        """The pending row, locked in the caller's transaction; None if gone or locked."""
+        return (
+            PendingFollowup.objects.using(self.alias)
+            .select_for_update(skip_locked=True)
+            .filter(id=pending_id)
+            .first()
+        )
+
     def _drop_orphan(self, pending_id: int, exc: Exception) -> bool:
         """Delete the pending row if its job no longer exists; whether it did.
 
@@ -490,12 +494,7 @@ class Maintenance:
         the job (``after=[job]``, a read of its row) could never succeed.
         """
         with self._transaction():
-            pending = (
-                PendingFollowup.objects.using(self.alias)
-                .select_for_update(skip_locked=True)
-                .filter(id=pending_id)
-                .first()
-            )
+            pending = self._locked_pending(pending_id)
             if pending is None or Job.objects.using(self.alias).filter(id=pending.job_id).exists():
                 return False
             pending.delete()

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import User
 from django.urls import reverse
 
 import django_awa as awa
@@ -16,12 +15,6 @@ from tests.testapp.jobs import Node
 pytestmark = pytest.mark.django_db(transaction=True)
 
 JOBS_URL = "/admin/django_awa/job/"
-
-
-@pytest.fixture
-def client_(client: Any, transactional_db: Any) -> Any:
-    client.force_login(User.objects.create_superuser("admin", "admin@example.com", password=None))
-    return client
 
 
 def chain(name: str) -> list[Job]:
@@ -46,9 +39,9 @@ def gone_or_state(jobs: list[Job]) -> list[str | None]:
     return [Job.objects.filter(id=j.id).values_list("state", flat=True).first() for j in jobs]
 
 
-def test_the_cancel_action_counts_the_dependents_the_cascade_cancelled(client_: Any) -> None:
+def test_the_cancel_action_counts_the_dependents_the_cascade_cancelled(admin_client: Any) -> None:
     first, second = chain("one"), chain("two")
-    response = client_.post(
+    response = admin_client.post(
         JOBS_URL,
         {"action": "cancel_jobs", "index": "0", "_selected_action": [first[0].id, second[0].id]},
         follow=True,
@@ -57,18 +50,20 @@ def test_the_cancel_action_counts_the_dependents_the_cascade_cancelled(client_: 
     assert set(states(first + second)) == {"cancelled"}
 
 
-def test_the_bulk_cancel_page_counts_the_dependents_the_cascade_cancelled(client_: Any) -> None:
+def test_the_bulk_cancel_page_counts_the_dependents_the_cascade_cancelled(
+    admin_client: Any,
+) -> None:
     first, second = chain("one"), chain("two")
     url = reverse("admin:django_awa_job_bulk", args=["cancel"]) + "?state__exact=available"
     up_to = max(first[0].id, second[0].id)
-    response = client_.post(url, {"up_to": str(up_to)}, follow=True)
+    response = admin_client.post(url, {"up_to": str(up_to)}, follow=True)
     assert texts(response) == ["Cancelled 2 job(s) and 6 dependent job(s) in 1 batch(es)."]
     assert set(states(first + second)) == {"cancelled"}
 
 
-def test_discarding_counts_the_dependents_it_cancelled(client_: Any) -> None:
+def test_discarding_counts_the_dependents_it_cancelled(admin_client: Any) -> None:
     first, second = chain("one"), chain("two")
-    response = client_.post(
+    response = admin_client.post(
         JOBS_URL,
         {
             "action": "discard_jobs",
@@ -81,18 +76,18 @@ def test_discarding_counts_the_dependents_it_cancelled(client_: Any) -> None:
     assert texts(response) == ["Discarded 1 job and cancelled 3 dependent jobs."]
     assert gone_or_state(first) == [None, "cancelled", "cancelled", "cancelled"]
     url = reverse("admin:django_awa_job_bulk", args=["discard"]) + "?state__exact=available"
-    response = client_.post(url, {"up_to": str(second[0].id)}, follow=True)
+    response = admin_client.post(url, {"up_to": str(second[0].id)}, follow=True)
     assert texts(response) == [
         "Discarded 1 job(s) and cancelled 3 dependent job(s) in 1 batch(es)."
     ]
     assert gone_or_state(second) == [None, "cancelled", "cancelled", "cancelled"]
 
 
-def test_retrying_counts_the_dependents_it_reopened(client_: Any) -> None:
+def test_retrying_counts_the_dependents_it_reopened(admin_client: Any) -> None:
     first, second = chain("one"), chain("two")
     awa.cancel(first[0].id)
     awa.cancel(second[0].id)
-    response = client_.post(
+    response = admin_client.post(
         JOBS_URL,
         {"action": "retry_jobs", "index": "0", "_selected_action": [first[0].id]},
         follow=True,
@@ -100,17 +95,17 @@ def test_retrying_counts_the_dependents_it_reopened(client_: Any) -> None:
     assert texts(response) == ["Retried 1 job and reopened 3 dependent jobs."]
     assert states(first) == ["available", "blocked", "blocked", "blocked"]
     url = reverse("admin:django_awa_job_bulk", args=["retry"]) + "?state__exact=cancelled"
-    response = client_.post(url, {"up_to": str(second[0].id)}, follow=True)
+    response = admin_client.post(url, {"up_to": str(second[0].id)}, follow=True)
     assert texts(response) == ["Retried 1 job(s) and reopened 3 dependent job(s) in 1 batch(es)."]
     assert states(second) == ["available", "blocked", "blocked", "blocked"]
 
 
-def test_without_dependents_the_messages_are_as_before(client_: Any) -> None:
+def test_without_dependents_the_messages_are_as_before(admin_client: Any) -> None:
     flow = awa.Workflow("flat")
     flow.add(Node(name="x"), name="x")
     flow.add(Node(name="y"), name="y")
     jobs = flow.enqueue()
-    response = client_.post(
+    response = admin_client.post(
         JOBS_URL,
         {"action": "cancel_jobs", "index": "0", "_selected_action": [j.id for j in jobs]},
         follow=True,
