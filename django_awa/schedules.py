@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import re
 import zoneinfo
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +37,71 @@ MAX_CATCH_UP = 1000
 # The most missed fires coalesce walks through to the latest.
 MAX_COALESCED = 10_000_000
 MISSED_POLICIES = ("coalesce", "catch_up")
+
+
+# A cron's fields, seconds first when there are six: name, lowest and highest value.
+_FIELDS = (
+    ("minute", 0, 59),
+    ("hour", 0, 23),
+    ("day-of-month", 1, 31),
+    ("month", 1, 12),
+    ("day-of-week", 0, 6),
+)
+_SECONDS = ("second", 0, 59)
+_MONTHS = "jan feb mar apr may jun jul aug sep oct nov dec".split()
+_NAMES = {
+    "month": {name: number for number, name in enumerate(_MONTHS, 1)},
+    "day-of-week": {name: n for n, name in enumerate("sun mon tue wed thu fri sat".split())},
+    "day-of-month": {"l": 31},  # L, the month's last day, ends a range
+}
+# croniter's hashed (H) and random (R) values: H(0-29), R/15, ...
+_HASHED = re.compile(r"([hr])(\(.*\))?(/.*)?")
+_RANGE = re.compile(r"([0-9a-z]+)-([0-9a-z]+)(/.*)?")
+
+
+def _cron_problem(cron: str) -> str | None:
+    """What in ``cron`` croniter reads otherwise than cron does; None if nothing.
+
+    croniter takes all of these, so they are refused here, by field: ``H``
+    (hashed; croniter wants an id for it), ``R`` (random: another value each
+    time the expression is read, so each maintenance pass, and each worker,
+    would fire at another time), a range that runs backwards (``22-2``:
+    croniter wraps it, but loses values under a step, ``23-1/2`` being 23
+    alone) and a range from a value to itself (``3-3``: croniter reads it as
+    the whole field, every hour).
+    """
+    fields = cron.split()
+    layout = (_SECONDS, *_FIELDS) if len(fields) == 6 else _FIELDS
+    for (field, lowest, highest), text in zip(layout, fields, strict=False):
+        names = _NAMES.get(field, {})
+        for item in text.split(","):
+            hashed = _HASHED.fullmatch(item.lower())
+            if hashed:
+                what = "H (hashed)" if hashed[1] == "h" else "R (random)"
+                return f"{what} in the {field} field {text!r} is not supported: name the values"
+            written = _RANGE.fullmatch(item.lower())
+            if not written:
+                continue
+            low, high = (int(v) if v.isdigit() else names.get(v) for v in written.group(1, 2))
+            if low is None or high is None or written[1] == "l":
+                continue  # not a value (or L first): croniter names it
+            if field == "day-of-week" and low == 7 and high < 7:
+                low = 0  # 7 is Sunday too: 7-2 runs Sunday to Tuesday
+            bounds, step = written[0].partition("/")[::2]
+            start, end = item[: len(bounds)].split("-")
+            if low > high:
+                first = start if low == highest else f"{start}-{highest}"
+                second = end if high == lowest else f"{lowest}-{end}"
+                how = "list the values it should take" if step else f"write {first},{second}"
+                return (
+                    f"the range {start}-{end} in the {field} field {text!r} runs backwards: {how}"
+                )
+            if low == high:
+                return (
+                    f"the range {start}-{end} in the {field} field {text!r} names one value: "
+                    f"write it alone ({start})"
+                )
+    return None
 
 
 def _cron(expression: str, start: dt.datetime | None = None) -> croniter:
@@ -136,6 +202,9 @@ def periodic(
         raise ValidationError(
             f"{where}: cron must have five fields (or six, seconds first), got {cron!r}"
         )
+    problem = _cron_problem(cron)
+    if problem is not None:
+        raise ValidationError(f"{where}: invalid cron expression {cron!r}: {problem}")
     from croniter import CroniterBadCronError, CroniterBadDateError
 
     try:

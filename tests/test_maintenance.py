@@ -346,11 +346,38 @@ def test_periodic_catch_up_enqueues_every_missed_fire(periodic_schedule):
         ("* * * * *", {"timezone": "Mars/Olympus"}, "unknown timezone"),
         ("* * * * *", {"missed": "sometimes"}, "missed must be one of"),
         ("* * * * *", {"priority": 9}, "priority"),
+        # What croniter takes but cron does not mean: refused, by field.
+        ("R * * * *", {}, r"R \(random\) in the minute field 'R' is not supported"),
+        ("0 H(0-5) * * *", {}, r"H \(hashed\) in the hour field 'H\(0-5\)' is not supported"),
+        ("0 22-2 * * *", {}, "range 22-2 in the hour field '22-2' runs backwards: write 22-23,0-2"),
+        ("0 23-1/2 * * *", {}, "range 23-1 in the hour field '23-1/2' runs backwards"),
+        ("0 0 * * FRI-MON", {}, "range FRI-MON in the day-of-week field .* write FRI-6,0-MON"),
+        ("55-5 * * * * *", {}, "range 55-5 in the second field '55-5' runs backwards"),
+        (
+            "0 3-3 * * *",
+            {},
+            r"range 3-3 in the hour field '3-3' names one value: write it alone \(3\)",
+        ),
     ],
 )
 def test_periodic_declarations_are_validated(cron, kwargs, message):
     with pytest.raises(awa.ValidationError, match=message):
         awa.periodic("bad", cron, Report(), **kwargs)
+    assert "bad" not in schedules
+
+
+def test_ranges_fire_as_cron_means_them(periodic_schedule):
+    # Friday to Sunday (7 is Sunday too); a wrap written as two ranges; L ends a range.
+    weekend = periodic_schedule("weekend", "0 9 * * 5-7", Report(day="w"))
+    night = periodic_schedule("night", "0 22-23,0-1 * * *", Report(day="n"))
+    month_end = periodic_schedule("month-end", "0 0 30-L * *", Report(day="m"))
+    monday = dt.datetime(2026, 3, 2, tzinfo=dt.UTC)
+    week = monday + dt.timedelta(days=7)
+    assert [f.strftime("%a") for f in weekend.fires_between(monday, week)] == ["Fri", "Sat", "Sun"]
+    hours = [f.hour for f in night.fires_between(monday, monday + dt.timedelta(days=1))]
+    assert hours == [1, 22, 23, 0]  # (after, until]: the next midnight too
+    days = [f.strftime("%m-%d") for f in month_end.fires_between(monday, monday.replace(month=5))]
+    assert days == ["03-30", "03-31", "04-30"]
 
 
 def test_queue_controls_pause_resume_and_stats():
