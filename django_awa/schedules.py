@@ -10,15 +10,19 @@ it never fires, and is listed as such.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
+import os
 import re
+import sys
 import zoneinfo
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 
 from . import sql
@@ -126,6 +130,9 @@ class Periodic:
     queue: str | None = None
     priority: int | None = None
     missed: str = "coalesce"
+    # Where the awa.periodic(...) call is (file:line): a second declaration of the
+    # name elsewhere is refused, naming both.
+    declared_at: str = dataclasses.field(default="", compare=False, repr=False)
 
     def fires_between(self, after: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
         """Fire times in (after, until], oldest first, at most MAX_CATCH_UP."""
@@ -178,6 +185,15 @@ class Periodic:
 schedules: dict[str, Periodic] = {}
 
 
+def _declaration_place() -> str:
+    """Where the code that called into django-awa is, as ``file:line``."""
+    package = os.path.dirname(__file__) + os.sep
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 def periodic(
     name: str,
     cron: str,
@@ -190,7 +206,8 @@ def periodic(
 ) -> Periodic:
     """Declare a periodic job. Five-field cron, or six with seconds first.
 
-    Raises ``ValidationError`` naming what is wrong with the declaration.
+    Raises ``ValidationError`` naming what is wrong with the declaration, and
+    ``ImproperlyConfigured`` for a name declared already elsewhere.
     """
     where = f"periodic {name!r}"
     if not isinstance(name, str) or not name or len(name) > 255:
@@ -227,6 +244,14 @@ def periodic(
         # every command that checks). Raising here, as jobs.py is imported, would
         # stop every command first with a traceback. The fires check the args.
         pass
+    declared_at = _declaration_place()
+    previous = schedules.get(name)
+    # The same place again is its module re-imported (autoreload, tests): replace.
+    if previous is not None and previous.declared_at != declared_at:
+        raise ImproperlyConfigured(
+            f"periodic schedule {name!r} is declared twice: at {previous.declared_at} "
+            f"and at {declared_at}"
+        )
     schedule = Periodic(
         name=name,
         cron=cron,
@@ -235,6 +260,7 @@ def periodic(
         queue=queue,
         priority=priority,
         missed=missed,
+        declared_at=declared_at,
     )
     schedules[name] = schedule
     return schedule

@@ -100,6 +100,38 @@ def test_a_wrong_setting_is_a_check_error_even_with_periodic_jobs_declared(tmp_p
     assert "Traceback" not in check.stderr
 
 
+def test_a_periodic_name_declared_in_two_jobs_modules_stops_the_commands(tmp_path):
+    for app in ("reports_app", "billing_app"):
+        (tmp_path / app).mkdir()
+        (tmp_path / app / "__init__.py").write_text("")
+        (tmp_path / app / "jobs.py").write_text(
+            "from dataclasses import dataclass\n"
+            "import django_awa as awa\n"
+            "@dataclass\n"
+            f"class Nightly{app.title().replace('_', '')}(awa.JobArgs):\n"
+            "    day: str = 'today'\n"
+            f"awa.periodic('nightly', '0 3 * * *', Nightly{app.title().replace('_', '')}())\n"
+        )
+    (tmp_path / "twice_settings.py").write_text(
+        "from tests.settings import *  # noqa\n"
+        "INSTALLED_APPS = [*INSTALLED_APPS, 'reports_app', 'billing_app']\n"
+    )
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "twice_settings",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    check = subprocess.run(
+        [sys.executable, "-m", "django", "check"], env=env, capture_output=True, text=True
+    )
+    assert check.returncode != 0
+    reports, billing = tmp_path / "reports_app" / "jobs.py", tmp_path / "billing_app" / "jobs.py"
+    assert (
+        f"ImproperlyConfigured: periodic schedule 'nightly' is declared twice: "
+        f"at {reports}:6 and at {billing}:6"
+    ) in check.stderr
+
+
 def test_a_database_that_is_not_postgresql_is_refused():
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.sqlite_settings"}
     check = subprocess.run(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
+import sys
 import uuid
 from dataclasses import dataclass
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
@@ -364,6 +367,32 @@ def test_periodic_declarations_are_validated(cron, kwargs, message):
     with pytest.raises(awa.ValidationError, match=message):
         awa.periodic("bad", cron, Report(), **kwargs)
     assert "bad" not in schedules
+
+
+def test_a_schedule_name_declared_twice_is_refused_naming_both_places(periodic_schedule):
+    first = periodic_schedule("nightly-twice", "0 3 * * *", Report(day="first"))
+    with pytest.raises(ImproperlyConfigured) as refused:
+        line = sys._getframe().f_lineno + 1
+        awa.periodic("nightly-twice", "*/5 * * * *", Report(day="second"))
+    # Both places are this file's lines: the fixture's call and this test's.
+    assert re.fullmatch(
+        rf"periodic schedule 'nightly-twice' is declared twice: "
+        rf"at {re.escape(__file__)}:\d+ and at {re.escape(__file__)}:{line}",
+        str(refused.value),
+    )
+    assert schedules["nightly-twice"] is first  # nothing replaced: the first still fires
+    start = dt.datetime(2026, 3, 2, 2, 0, 30, tzinfo=dt.UTC)
+    fire_due("default", now=start)
+    assert fire_due("default", now=start + dt.timedelta(hours=1)) == 1
+    [job] = Job.objects.filter(kind="report")
+    assert job.args == {"day": "first"} and job.run_at.hour == 3
+
+
+def test_the_same_declaration_again_replaces_it(periodic_schedule):
+    # A module re-imported (autoreload, tests) runs its awa.periodic(...) again.
+    for day in ("before", "after"):
+        periodic_schedule("reimported", "0 3 * * *", Report(day=day))
+    assert schedules["reimported"].args == Report(day="after")
 
 
 def test_ranges_fire_as_cron_means_them(periodic_schedule):
