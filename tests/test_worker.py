@@ -9,6 +9,8 @@ import signal
 import time
 
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connection
 from django.db.models import Count
 from django.utils import timezone
@@ -450,8 +452,6 @@ def test_the_worker_names_the_queues_of_declared_kinds_it_does_not_run(start_wor
 
 
 def test_a_queue_concurrency_past_the_bound_is_refused_by_name():
-    from django.core.management.base import CommandError
-
     from django_awa.management.commands.awa_worker import parse_queue
 
     assert parse_queue("q=1000") == ("q", 1000)
@@ -465,6 +465,24 @@ def test_bad_queue_option_is_refused(start_worker):
     worker = start_worker("--queue", "bad name")
     assert worker.wait(20) != 0
     assert "invalid queue name" in worker.output()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "1e400", "31536001"])
+def test_a_shutdown_timeout_that_is_no_wait_is_a_usage_error(start_worker, value):
+    # nan waited for nothing (in-flight jobs given back at once); inf could wait for ever.
+    worker = start_worker("--queue", "default", f"--shutdown-timeout={value}")
+    assert worker.wait(20) == 2
+    assert (
+        "awa_worker: error: argument --shutdown-timeout: must be a number of seconds from 0 "
+        f"to 31,536,000 (365 days), got '{value}'"
+    ) in worker.output()
+    assert "starting" not in worker.output()
+
+
+def test_a_shutdown_timeout_given_to_call_command_is_checked_too():
+    with pytest.raises(CommandError, match="--shutdown-timeout: must be a number") as refused:
+        call_command("awa_worker", "--queue", "default", shutdown_timeout=float("nan"))
+    assert refused.value.returncode == 2
 
 
 def test_the_maintenance_leader_warns_when_autovacuum_will_not_visit_awa_job(start_worker):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import gc
@@ -21,6 +22,7 @@ from django.db import connections
 from django_awa.conf import (
     DEFAULT_CONCURRENCY,
     MAX_CONCURRENCY,
+    MAX_DURATION,
     QUEUE_NAME_RE,
     AwaSettings,
     awa_settings,
@@ -48,6 +50,26 @@ def parse_queue(value: str) -> tuple[str, int | None]:
     return name, n
 
 
+def shutdown_timeout(value: str | float) -> float:
+    """``--shutdown-timeout``: seconds, from 0 to ``MAX_DURATION``.
+
+    The parser's ``type``: a bad value is a usage error (exit 2), as an
+    unreadable number is. ``float`` alone takes ``nan`` (no wait at all: the
+    in-flight jobs given back at once, the completer not waited for), ``inf``
+    (a stuck handler holds the shutdown for ever) and negative values.
+    """
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not 0 <= seconds <= MAX_DURATION:  # nan is neither
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 0 to {MAX_DURATION:,.0f} "
+            f"({MAX_DURATION / 86400:.0f} days), got {value!r}"
+        )
+    return seconds
+
+
 class Command(BaseCommand):
     help = "Run django-awa jobs from AWA['QUEUES'] (or the --queue options) until stopped."
 
@@ -71,7 +93,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--shutdown-timeout",
-            type=float,
+            type=shutdown_timeout,
             default=None,
             help="Seconds in-flight jobs get to finish after SIGTERM (default "
             "AWA['SHUTDOWN_TIMEOUT']).",
@@ -97,9 +119,11 @@ class Command(BaseCommand):
         except ConfigurationError as exc:
             raise CommandError(str(exc)) from exc
         if options["shutdown_timeout"] is not None:
-            if options["shutdown_timeout"] < 0:
-                raise CommandError("--shutdown-timeout cannot be negative")
-            conf = dataclasses.replace(conf, shutdown_timeout=options["shutdown_timeout"])
+            try:  # again: call_command's keyword options skip the parser
+                timeout = shutdown_timeout(options["shutdown_timeout"])
+            except argparse.ArgumentTypeError as exc:
+                raise CommandError(f"--shutdown-timeout: {exc}", returncode=2) from None
+            conf = dataclasses.replace(conf, shutdown_timeout=timeout)
         _configure_logging(options["verbosity"])
         freeze_startup_objects()
         if processes == 1:
