@@ -613,7 +613,9 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
         with transaction.atomic(using=alias):
             applied = _fallback(failed.result, failed.error, alias)
             _after_atomic(applied, alias)
-        return failed.result if applied else None
+        # The fallback (a retry, or a failure on the last attempt) is what was
+        # written, not the outcome its follow-ups refused: the caller counts it.
+        return applied[0] if applied else None
 
 
 def _finalize_atomic_attempt(attempt: Attempt, result: AttemptResult) -> AttemptResult:

@@ -25,7 +25,7 @@ from django_awa.maintenance import Maintenance
 from django_awa.models import JobCount, JobState, StatDelta, StatMinute
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.test_admin import SCREENSHOTS, browser, login, superuser  # noqa: F401 (fixtures)
-from tests.testapp.jobs import Act
+from tests.testapp.jobs import Act, Pay
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -149,6 +149,23 @@ def test_worker_outcomes_reach_the_rollup_completed_failed_and_retried(start_wor
     wait_for(lambda: _waits_counted() >= 7, timeout=20, message=lambda: str(_rolled_up()))
     assert wait_for_state(retried.id, JobState.COMPLETED, timeout=30)
     wait_for(lambda: _rolled_up()["completed"] == 6, timeout=20, message=lambda: str(_rolled_up()))
+    assert worker.stop() == 0
+
+
+def test_an_atomic_attempt_whose_followup_failed_counts_as_its_retry_not_a_completion(
+    start_worker: Any,
+):
+    # Pay is atomic=True with max_attempts=2; its on_completed follow-up raises for
+    # this reference, so each attempt is recorded as an error: retried, then failed.
+    job = awa.enqueue(Pay(reference="bad-followup-dashboard"))
+    worker = start_worker()
+    wait_for_state(job.id, JobState.FAILED, timeout=30)
+    wait_for(
+        lambda: _rolled_up()["failed"] == 1 and _rolled_up()["retried"] == 1,
+        timeout=20,
+        message=lambda: f"rollup {_rolled_up()}\n{worker.output()[-3000:]}",
+    )
+    assert _rolled_up() == {"completed": 0, "failed": 1, "retried": 1}
     assert worker.stop() == 0
 
 

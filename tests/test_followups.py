@@ -549,9 +549,12 @@ def test_atomic_handler_writes_roll_back_when_it_or_its_followup_fails(reference
     job = awa.enqueue(Pay(reference=reference, fail=fail))
     (claimed,) = claim("default", 1, "default")
     spec, args = resolve_handler(claimed)
-    run_atomic_attempt(Attempt(job=claimed, alias="default"), spec, args)
+    written = run_atomic_attempt(Attempt(job=claimed, alias="default"), spec, args)
     row = Job.objects.get(id=job.id)
     assert row.state == JobState.RETRYABLE
+    # What it returns is what was written (the worker counts it), not the
+    # completion whose follow-up was refused.
+    assert written is not None and written.state == JobState.RETRYABLE
     assert not Order.objects.filter(reference=reference).exists()
     assert not Ledger.objects.filter(job_id=job.id).exists()
     assert notes(job.id) == []

@@ -203,6 +203,14 @@ class RunJobsTests(TestCase):
         assert list(Order.objects.values_list("reference", flat=True)) == ["r1"]
         assert_enqueued(Echo, note="receipt:r1")
 
+    def test_an_atomic_handler_whose_followup_fails_is_reported_as_retried(self):
+        job = awa.enqueue(Pay(reference="bad-followup-report"))
+        report = run_jobs(kinds=[Pay], include_scheduled=True)
+        # Its completion's follow-up raised: each attempt was recorded as an error.
+        assert Job.objects.get(id=job.id).state == JobState.FAILED
+        assert report.counts == {"retryable": 1, "failed": 1}
+        assert not Order.objects.filter(reference="bad-followup-report").exists()
+
     def test_async_handlers_run_on_the_tests_connection(self):
         awa.enqueue(AsyncAct(action="enqueue", n=5))
         awa.enqueue(AsyncAct(action="raise"))
