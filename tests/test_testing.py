@@ -196,6 +196,19 @@ class RunJobsTests(TestCase):
         assert not Ledger.objects.filter(note="bad_sql").exists()  # rolled back with it
         assert Job.objects.filter(kind="echo", args__note__startswith="retried:1").exists()
 
+    def test_a_failed_orm_write_in_a_handler_is_its_error_and_the_test_goes_on(self):
+        # The ORM, unlike a raw cursor, marks the test's atomic block for rollback.
+        job = awa.enqueue(Act(action="bad_orm", tag="none"))
+        assert run_jobs(kinds=[Act]).retryable == 1
+        row = Job.objects.get(id=job.id)
+        assert "DataError" in row.errors[-1]["error"], row.errors
+        assert not Ledger.objects.filter(note="bad_orm").exists()  # rolled back with it
+        assert Job.objects.filter(kind="echo", args__note__startswith="retried:1").exists()
+        assert run_jobs(kinds=[Act], include_scheduled=True).counts == {
+            "retryable": 1,
+            "failed": 1,
+        }
+
     def test_atomic_handlers_commit_their_writes_with_the_outcome(self):
         awa.enqueue(Pay(reference="r1"))
         awa.enqueue(Pay(reference="r2", fail=True))

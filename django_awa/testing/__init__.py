@@ -370,11 +370,16 @@ def _run_one(attempt: Attempt) -> AttemptResult | None:
     # spoils nothing else. Inside the caller's transaction (TestCase) it would
     # abort that transaction: the handler runs in a savepoint, rolled back
     # only then, so its error is recorded and the test's transaction goes on.
-    savepoint = savepoint_create(using=alias) if connections[alias].in_atomic_block else None
+    connection = connections[alias]
+    savepoint = savepoint_create(using=alias) if connection.in_atomic_block else None
     # Progress is stored with the outcome (no heartbeat thread here).
     result = run_attempt(attempt, _keep_progress, resolved, enforce_timeout=True)
     if savepoint is not None:
-        if db.transaction_failed(alias):
+        # A failed ORM write also marks the caller's atomic block for rollback
+        # (needs_rollback), and Django then refuses every query, the savepoint's
+        # rollback too: cleared first, as Atomic.__exit__ does before its own.
+        if db.transaction_failed(alias) or connection.needs_rollback:
+            connection.needs_rollback = False
             transaction.savepoint_rollback(savepoint, using=alias)
         else:
             transaction.savepoint_commit(savepoint, using=alias)

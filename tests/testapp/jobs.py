@@ -196,6 +196,12 @@ def act(job: awa.JobContext):
         case "bad_sql":
             with connection.cursor() as cursor:
                 cursor.execute("SELECT 1 / 0")
+        case "bad_orm":
+            # The ORM's write fails (the note is longer than its column): a DataError
+            # raised through Django's mark_for_rollback_on_error.
+            Ledger.objects.create(
+                job_id=job.id, attempt=job.attempt, run_lease=job.row.run_lease, note="x" * 101
+            )
         case "base":
             raise base_exception(args.tag)
         case "stubborn":
