@@ -22,7 +22,17 @@ from django_awa.testing import (
     refute_enqueued,
     run_jobs,
 )
-from tests.testapp.jobs import Act, AsyncAct, Echo, Forever, Pay, Timed, TimedAsync, Unhandled
+from tests.testapp.jobs import (
+    Act,
+    AsyncAct,
+    Echo,
+    Forever,
+    LeakyAtomic,
+    Pay,
+    Timed,
+    TimedAsync,
+    Unhandled,
+)
 from tests.testapp.models import Ledger, Order
 
 
@@ -209,6 +219,25 @@ class RunJobsTests(TestCase):
             "failed": 1,
         }
 
+    def test_a_transaction_the_handler_leaves_open_is_its_error_and_undone(self):
+        # A worker closes such a connection (rolling it back) and records an error;
+        # here the test's transaction must go on, at the depth it had.
+        depth = len(connection.atomic_blocks)
+        plain = awa.enqueue(Act(action="leave_atomic", tag="none"))
+        atomic = awa.enqueue(LeakyAtomic(reference="leaked-atomic"))
+        report = run_jobs(kinds=[Act, LeakyAtomic])
+        assert report.counts == {"retryable": 1, "failed": 1}
+        assert len(connection.atomic_blocks) == depth
+        for job in (plain, atomic):
+            assert "left a transaction open" in Job.objects.get(id=job.id).errors[-1]["error"]
+        assert not Order.objects.exists()  # both handlers' writes undone
+        assert not Ledger.objects.filter(note="leave_atomic").exists()
+        assert run_jobs(kinds=[Act], include_scheduled=True).counts == {
+            "retryable": 1,
+            "failed": 1,
+        }
+        assert len(connection.atomic_blocks) == depth
+
     def test_atomic_handlers_commit_their_writes_with_the_outcome(self):
         awa.enqueue(Pay(reference="r1"))
         awa.enqueue(Pay(reference="r2", fail=True))
@@ -314,6 +343,16 @@ class TransactionalRunJobsTests(TransactionTestCase):
         assert run_jobs(kinds=[Act]).retryable == 1
         # In autocommit, as in a worker, the handler's writes before the error stay.
         assert Ledger.objects.filter(job_id=bad.id, note="bad_sql").exists()
+
+    def test_a_transaction_the_handler_leaves_open_is_rolled_back_as_a_worker_does(self):
+        plain = awa.enqueue(Act(action="leave_atomic", tag="none"))
+        atomic = awa.enqueue(LeakyAtomic(reference="leaked-atomic"))
+        report = run_jobs(kinds=[Act, LeakyAtomic])
+        assert report.counts == {"retryable": 1, "failed": 1}
+        assert not connection.in_atomic_block
+        for job in (plain, atomic):
+            assert "left a transaction open" in Job.objects.get(id=job.id).errors[-1]["error"]
+        assert not Order.objects.exists()
 
 
 def test_the_pytest_fixture_gives_the_helpers(awa_jobs):

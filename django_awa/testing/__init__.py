@@ -43,7 +43,8 @@ from ..execute import (
     run_attempt,
 )
 from ..finalize import finalize, run_atomic_attempt
-from ..kinds import JobArgs, registry
+from ..handlers import discard_open_transactions, left_open, transaction_marks
+from ..kinds import JobArgs, WorkerSpec, registry
 from ..models import Job, JobState, jobs_from_rows
 
 __all__ = [
@@ -362,27 +363,49 @@ def _kind_name(kind: str | type[JobArgs]) -> str:
 def _run_one(attempt: Attempt) -> AttemptResult | None:
     """One claimed attempt through the worker's path; the result as written."""
     alias = attempt.alias
+    connection = connections[alias]
     resolved = resolve_handler(attempt.job)
-    if not isinstance(resolved, AttemptResult) and resolved[0].atomic:
-        spec, args = resolved
-        return run_atomic_attempt(attempt, spec, args)
+    atomic = not isinstance(resolved, AttemptResult) and resolved[0].atomic
+    # Where the caller's connections stand, to tell a transaction the handler
+    # left open (the worker's check, handlers.discard_open_transactions).
+    marks = transaction_marks()
+    depth, savepoints = len(connection.atomic_blocks), len(connection.savepoint_ids)
     # A worker runs a non-atomic handler in autocommit, where a failed statement
     # spoils nothing else. Inside the caller's transaction (TestCase) it would
     # abort that transaction: the handler runs in a savepoint, rolled back
     # only then, so its error is recorded and the test's transaction goes on.
-    connection = connections[alias]
+    # An atomic one gets a savepoint too, to be undone if it leaves a block open.
     savepoint = savepoint_create(using=alias) if connection.in_atomic_block else None
-    # Progress is stored with the outcome (no heartbeat thread here).
-    result = run_attempt(attempt, _keep_progress, resolved, enforce_timeout=True)
+    if atomic:
+        spec, args = cast(tuple[WorkerSpec, JobArgs], resolved)
+        written = run_atomic_attempt(attempt, spec, args)
+    else:
+        # Progress is stored with the outcome (no heartbeat thread here).
+        result = run_attempt(attempt, _keep_progress, resolved, enforce_timeout=True)
+    left = []
     if savepoint is not None:
+        # A block the handler entered and never left is left here, its writes
+        # (and an atomic handler's outcome) rolled back with the savepoint: a
+        # worker closes such a connection, which would end the test's transaction.
+        if len(connection.atomic_blocks) > depth:
+            del connection.atomic_blocks[depth:]
+            del connection.savepoint_ids[savepoints:]
+            left.append(alias)
         # A failed ORM write also marks the caller's atomic block for rollback
         # (needs_rollback), and Django then refuses every query, the savepoint's
         # rollback too: cleared first, as Atomic.__exit__ does before its own.
-        if db.transaction_failed(alias) or connection.needs_rollback:
+        if left or (not atomic and (db.transaction_failed(alias) or connection.needs_rollback)):
             connection.needs_rollback = False
             transaction.savepoint_rollback(savepoint, using=alias)
         else:
             transaction.savepoint_commit(savepoint, using=alias)
+    # Outside a transaction (TransactionTestCase), as a worker: the connection
+    # the handler left in one is closed, which rolls that transaction back.
+    left.extend(discard_open_transactions(marks))
+    if left:
+        result = left_open(attempt.job, left)
+    elif atomic:
+        return written
     applied = finalize([result], alias)
     return applied[0] if applied else None
 
