@@ -229,7 +229,9 @@ class RunJobsTests(TestCase):
         assert report.counts == {"retryable": 1, "failed": 1}
         assert len(connection.atomic_blocks) == depth
         for job in (plain, atomic):
-            assert "left a transaction open" in Job.objects.get(id=job.id).errors[-1]["error"]
+            error = Job.objects.get(id=job.id).errors[-1]["error"]
+            assert "left a transaction open on database 'default'" in error, error
+            assert error.endswith("and the test's transaction kept"), error
         assert not Order.objects.exists()  # both handlers' writes undone
         assert not Ledger.objects.filter(note="leave_atomic").exists()
         assert run_jobs(kinds=[Act], include_scheduled=True).counts == {
@@ -351,7 +353,8 @@ class TransactionalRunJobsTests(TransactionTestCase):
         assert report.counts == {"retryable": 1, "failed": 1}
         assert not connection.in_atomic_block
         for job in (plain, atomic):
-            assert "left a transaction open" in Job.objects.get(id=job.id).errors[-1]["error"]
+            error = Job.objects.get(id=job.id).errors[-1]["error"]
+            assert error.endswith("and the connection closed"), error
         assert not Order.objects.exists()
 
 

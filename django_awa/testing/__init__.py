@@ -382,7 +382,7 @@ def _run_one(attempt: Attempt) -> AttemptResult | None:
     else:
         # Progress is stored with the outcome (no heartbeat thread here).
         result = run_attempt(attempt, _keep_progress, resolved, enforce_timeout=True)
-    left = []
+    left: list[str] = []
     if savepoint is not None:
         # A block the handler entered and never left is left here, its writes
         # (and an atomic handler's outcome) rolled back with the savepoint: a
@@ -401,9 +401,10 @@ def _run_one(attempt: Attempt) -> AttemptResult | None:
             transaction.savepoint_commit(savepoint, using=alias)
     # Outside a transaction (TransactionTestCase), as a worker: the connection
     # the handler left in one is closed, which rolls that transaction back.
-    left.extend(discard_open_transactions(marks))
-    if left:
-        result = left_open(attempt.job, left)
+    closed = discard_open_transactions(marks)
+    if left or closed:
+        undone = "the connection closed" if closed else "the test's transaction kept"
+        result = left_open(attempt.job, left + closed, undone)
     elif atomic:
         return written
     applied = finalize([result], alias)
