@@ -143,7 +143,8 @@ DESCRIPTIONS: dict[str, str] = {
     ),
     "DIRECT_DATABASE": (
         "An alias reaching PostgreSQL directly (not through a transaction-mode pooler), for "
-        'LISTEN. `""` (the default): the `DATABASE` alias. `None`: workers poll.'
+        'LISTEN. `""` (the default): the `DATABASE` alias. `None`: workers poll. A worker '
+        "started with `--database` naming another alias listens on that alias."
     ),
     "METRICS_TOKEN": (
         "A bearer token that lets a scraper read `<prefix>/metrics` without a staff login; "

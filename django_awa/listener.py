@@ -45,7 +45,7 @@ class Listener:
     def run(self) -> None:
         """Listen until halted, reconnecting with a backoff when the connection is lost."""
         halt = self.state.halt
-        direct = self.state.conf.direct_database or self.state.alias
+        direct = self.state.direct or self.state.alias
         reconnect = db.Reconnect("listener", direct, halt)
         while not halt.is_set():
             try:
@@ -64,7 +64,7 @@ class Listener:
     def connect(self) -> tuple[psycopg.Connection[Any], selectors.BaseSelector]:
         """Open the LISTEN connection, then wake every queue: what was enqueued meanwhile."""
         self.close()
-        direct = self.state.conf.direct_database or self.state.alias
+        direct = self.state.direct or self.state.alias
         # Never prepared: nothing to gain on this connection's few statements, and
         # a transaction-mode pooler before it may not keep prepared statements.
         conn = psycopg.connect(**listen_params(direct), autocommit=True, prepare_threshold=None)

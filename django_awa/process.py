@@ -191,14 +191,19 @@ class Worker:
             return f"{told}; the server's limits could not be read ({exc})", []
         told, budget = db.connections_report(need, room, self.processes)
         warnings = [] if budget is None else [f"{budget} (awa.W101)"]
-        if state.conf.direct_database == state.alias and db.behind_pooler(state.alias, room):
+        if state.direct == state.alias and db.behind_pooler(state.alias, room):
             # A transaction-mode pooler hands each statement to any server connection:
             # the LISTEN lands on one, the notifications go nowhere.
+            why, fix = (
+                ("AWA['DIRECT_DATABASE'] is that alias", "set AWA['DIRECT_DATABASE'] to")
+                if state.alias == state.conf.database
+                else ("not AWA['DATABASE']: it listens on its own", "start it with --database")
+            )
             warnings.append(
                 f"the listener LISTENs through the pooler in front of database {state.alias!r} "
-                f"(AWA['DIRECT_DATABASE'] is that alias): in transaction mode it receives no "
-                f"notifications, and jobs wait for the next poll; set AWA['DIRECT_DATABASE'] "
-                f"to an alias that reaches the server itself, or to None to poll"
+                f"({why}): in transaction mode it receives no notifications, and jobs wait "
+                f"for the next poll; {fix} an alias that reaches the server itself, or set "
+                f"AWA['DIRECT_DATABASE'] to None to poll"
             )
         return told, warnings
 

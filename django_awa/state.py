@@ -390,6 +390,20 @@ class WorkerState:
     def __post_init__(self) -> None:
         self.outbox = Outbox(self.alias, self.wake)
 
+    @property
+    def direct(self) -> str | None:
+        """The alias the listener LISTENs on; None: no listener, the worker polls.
+
+        ``AWA["DIRECT_DATABASE"]`` reaches ``AWA["DATABASE"]``'s database. A worker
+        on another alias (``awa_worker --database``) listens on its own: its jobs'
+        NOTIFYs are sent there, and a cancel NOTIFYed in another database names a
+        job id of that database's table, not one of this worker's jobs.
+        """
+        direct = self.conf.direct_database
+        if direct is None or self.alias == self.conf.database:
+            return direct
+        return self.alias
+
     @classmethod
     def create(
         cls, queues: dict[str, int], *, alias: str | None = None, conf: AwaSettings | None = None

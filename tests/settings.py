@@ -67,9 +67,19 @@ TEMPLATES = [
 ]
 
 DATABASES = {"default": default_database(BASE_DIR / ".awa" / "pgdata-test")}
+# A second database on the same server, for tests/test_multidb.py: pytest-django
+# creates its test database only for the tests that ask for it
+# (``databases=["default", "other"]``).
+DATABASES["other"] = {
+    **DATABASES["default"],
+    "OPTIONS": dict(DATABASES["default"].get("OPTIONS", {})),
+    "NAME": f"{DATABASES['default']['NAME']}_other",
+}
 if os.environ.get("AWA_TEST_DB_NAME"):
     # A worker subprocess of a test: use pytest-django's test database.
     DATABASES["default"]["NAME"] = os.environ["AWA_TEST_DB_NAME"]
+if os.environ.get("AWA_TEST_OTHER_DB_NAME"):
+    DATABASES["other"]["NAME"] = os.environ["AWA_TEST_OTHER_DB_NAME"]
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True

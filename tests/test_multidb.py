@@ -1,0 +1,69 @@
+"""Jobs in a database other than ``AWA["DATABASE"]``: ``using="other"`` and
+``awa_worker --database other`` (README, *Separate databases per queue group*).
+
+The tests' ``AWA["DATABASE"]`` is ``default``; ``other`` is a second database on
+the same server (tests/settings.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.db import connections
+
+import django_awa as awa
+from django_awa.models import Job, JobState
+from tests.conftest import wait_for
+from tests.testapp.jobs import Act
+from tests.testapp.models import Ledger
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "other"])
+
+
+def other_env(**extra: str) -> dict[str, str]:
+    """A worker subprocess's environment: ``other`` is this test's database too."""
+    return {"AWA_TEST_OTHER_DB_NAME": connections["other"].settings_dict["NAME"], **extra}
+
+
+def wait_for_other(job_id: int, state: str, timeout: float = 15) -> Job:
+    def check() -> Job | None:
+        job = Job.objects.using("other").filter(id=job_id).first()
+        return job if job is not None and job.state == state else None
+
+    return wait_for(check, timeout, lambda: f"job {job_id} in 'other' never became {state}")
+
+
+def listening(worker: Any) -> bool:
+    return "listening for new jobs and cancels" in worker.output()
+
+
+def test_a_worker_on_another_database_is_woken_by_its_own_enqueues(start_worker):
+    """Its listener LISTENs on its own database, where enqueues NOTIFY: not on
+    AWA["DATABASE"]'s, which would leave every job waiting for the next poll."""
+    worker = start_worker(
+        "--database", "other", "--queue", "default", env=other_env(AWA_TEST_POLL_INTERVAL="30")
+    )
+    wait_for(lambda: listening(worker), 20, worker.output)
+    assert "listening for new jobs and cancels (database 'other')" in worker.output()
+    job = awa.enqueue(Act(action="ok"), using="other")
+    # Far sooner than the 30 s poll.
+    wait_for_other(job.id, JobState.COMPLETED, timeout=8)
+
+
+def test_a_cancel_in_another_database_does_not_reach_a_job_with_the_same_id(start_worker):
+    """A job id names a row of one database's table: cancelling job N of
+    ``default`` must not tell the handler of job N of ``other`` it was cancelled."""
+    worker = start_worker("--database", "other", "--queue", "default", env=other_env())
+    wait_for(lambda: listening(worker), 20, worker.output)
+    job = awa.enqueue(Act(action="sleep", seconds=3), using="other")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists(), 15, worker.output)
+    # A running job of the same id in default, cancelled there: NOTIFY awa_cancel.
+    Job.objects.using("default").create(
+        id=job.id, kind="noop", queue="nowhere", args={}, state=JobState.RUNNING, attempt=1
+    )
+    awa.cancel(job.id)
+    assert Job.objects.using("default").get(id=job.id).state == JobState.CANCELLED
+    wait_for_other(job.id, JobState.COMPLETED)
+    notes = list(Ledger.objects.filter(job_id=job.id).values_list("note", flat=True))
+    assert notes == ["sleep"], worker.output()
