@@ -539,7 +539,15 @@ class Maintenance:
 
     def fire_periodic(self, now: datetime | None = None) -> None:
         """Enqueue the periodic jobs due at ``now`` (default: the database clock's;
-        see ``schedules.py``)."""
+        see ``schedules.py``).
+
+        Only in ``AWA["DATABASE"]``: the schedules of ``jobs.py`` are the
+        project's, not a database's, and the leader of each database firing them
+        (``awa_worker --database`` of another alias) would enqueue each fire
+        once per database.
+        """
+        if self.alias != self.conf.database:
+            return
         # One transaction: each schedule fires under its row lock, in a savepoint.
         with self._transaction():
             fire_due(self.alias, self.database_now() if now is None else now)

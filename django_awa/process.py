@@ -44,6 +44,7 @@ from .maintenance import MaintenanceService
 from .models import JobRow, JobState
 from .otel import instrumentation
 from .producer import Producer, SharedConnection
+from .schedules import schedules
 from .state import DB_ERRORS, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,13 @@ class Worker:
         for warning in warnings:
             logger.warning("%s", warning)
         self._log_queues_left_out()
+        if schedules and state.alias != state.conf.database:
+            logger.info(
+                "awa worker %s fires no periodic jobs: they fire in AWA['DATABASE'] (%r) "
+                "only, by a worker there",
+                state.name,
+                state.conf.database,
+            )
         tracing = instrumentation()
         if tracing is not None:
             tracing.observe_job_counts(state.alias)  # the awa.jobs gauge, with the otel extra

@@ -7,13 +7,18 @@ the same server (tests/settings.py).
 
 from __future__ import annotations
 
+import datetime as dt
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from django.db import connections
+from django.utils import timezone
 
 import django_awa as awa
-from django_awa.models import Job, JobState
+from django_awa.maintenance import Maintenance
+from django_awa.models import Job, JobState, PeriodicSchedule
+from django_awa.schedules import schedules
 from tests.conftest import wait_for
 from tests.testapp.jobs import Act
 from tests.testapp.models import Ledger
@@ -67,3 +72,29 @@ def test_a_cancel_in_another_database_does_not_reach_a_job_with_the_same_id(star
     wait_for_other(job.id, JobState.COMPLETED)
     notes = list(Ledger.objects.filter(job_id=job.id).values_list("note", flat=True))
     assert notes == ["sleep"], worker.output()
+
+
+@dataclass
+class Tick(awa.JobArgs):
+    n: int = 0
+
+
+@pytest.fixture
+def every_minute():
+    schedule = awa.periodic("multidb-every-minute", "* * * * *", Tick())
+    yield schedule
+    schedules.pop(schedule.name, None)
+
+
+def test_periodic_jobs_fire_once_in_awa_database_not_once_per_database(every_minute):
+    """Each database's maintenance leader runs its duties; only AWA["DATABASE"]'s
+    fires the project's schedules, so each fire is one job, not one per database."""
+    start = timezone.now().replace(second=30, microsecond=0)
+    later = start + dt.timedelta(minutes=1)
+    for alias in ("default", "other"):
+        maintenance = Maintenance(alias)
+        maintenance.fire_periodic(start)  # first sight: starts from now
+        maintenance.fire_periodic(later)
+    assert Job.objects.using("default").filter(kind="tick").count() == 1
+    assert not Job.objects.using("other").filter(kind="tick").exists()
+    assert not PeriodicSchedule.objects.using("other").exists()
