@@ -1621,6 +1621,9 @@ class PeriodicScheduleAdmin(ReadOnlyAdmin[PeriodicSchedule]):
     readonly_fields = ("jobs_link", "status")
     actions = ("pause_schedules", "resume_schedules", "trigger_schedules")
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[PeriodicSchedule]:
+        return super().get_queryset(request).using(_alias())
+
     @admin.display(description="status")
     def status(self, obj: PeriodicSchedule) -> SafeString | str:
         """A schedule no jobs.py declares any more never fires: said so, in red."""

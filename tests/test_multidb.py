@@ -98,3 +98,21 @@ def test_periodic_jobs_fire_once_in_awa_database_not_once_per_database(every_min
     assert Job.objects.using("default").filter(kind="tick").count() == 1
     assert not Job.objects.using("other").filter(kind="tick").exists()
     assert not PeriodicSchedule.objects.using("other").exists()
+
+
+def test_the_admin_shows_and_steers_schedules_of_awa_database(admin_client, settings):
+    """With AWA["DATABASE"] another alias and no router, every admin page reads it:
+    the periodic schedules' list, page and actions too."""
+    settings.AWA = {**settings.AWA, "DATABASE": "other"}
+    PeriodicSchedule.objects.using("other").create(
+        name="multidb-nightly", cron="0 3 * * *", kind="tick"
+    )
+    listed = admin_client.get("/admin/django_awa/periodicschedule/")
+    assert listed.status_code == 200 and b"multidb-nightly" in listed.content
+    page = admin_client.get("/admin/django_awa/periodicschedule/multidb-nightly/change/")
+    assert page.status_code == 200 and b"multidb-nightly" in page.content
+    admin_client.post(
+        "/admin/django_awa/periodicschedule/",
+        {"action": "pause_schedules", "_selected_action": ["multidb-nightly"]},
+    )
+    assert PeriodicSchedule.objects.using("other").get(name="multidb-nightly").paused
