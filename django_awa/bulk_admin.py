@@ -15,7 +15,7 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
+from django.db import connections, transaction
 from django.db.models import QuerySet
 from django.http import (
     Http404,
@@ -25,7 +25,6 @@ from django.http import (
 )
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
-from django.utils.decorators import method_decorator
 from django.utils.translation import ngettext
 
 from . import bulk
@@ -86,21 +85,18 @@ class BulkOperationsMixin(_ModelAdmin[Job]):
         ]
 
     def get_bulk_urls(self) -> list[URLPattern]:
-        return [
-            path(
-                "bulk/<str:operation>/",
-                self.admin_site.admin_view(self.bulk_view),
-                name="django_awa_job_bulk",
-            )
-        ]
+        view = self.admin_site.admin_view(self.bulk_view)
+        # Each batch commits on its own, also under ATOMIC_REQUESTS: of the
+        # default alias and of AWA["DATABASE"] (any alias: no request wraps it).
+        for alias in connections:
+            view = transaction.non_atomic_requests(using=alias)(view)
+        return [path("bulk/<str:operation>/", view, name="django_awa_job_bulk")]
 
     def bulk_queryset(self, request: HttpRequest) -> QuerySet[Job]:
         """The jobs the changelist shows for this request's filters and search (every page)."""
         changelist = self.get_changelist_instance(request)
         return changelist.get_queryset(request)
 
-    # Each batch commits on its own, also under ATOMIC_REQUESTS.
-    @method_decorator(transaction.non_atomic_requests)
     def bulk_view(self, request: HttpRequest, operation: str) -> HttpResponse:
         try:
             op = bulk.parse_operation(operation)

@@ -11,11 +11,14 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connections
 from django.utils import timezone
 
 import django_awa as awa
+from django_awa import bulk
+from django_awa.db import listen_params
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, PeriodicSchedule
 from django_awa.schedules import schedules
@@ -116,3 +119,43 @@ def test_the_admin_shows_and_steers_schedules_of_awa_database(admin_client, sett
         {"action": "pause_schedules", "_selected_action": ["multidb-nightly"]},
     )
     assert PeriodicSchedule.objects.using("other").get(name="multidb-nightly").paused
+
+
+def test_a_bulk_operation_commits_each_batch_under_atomic_requests_of_awa_database(
+    admin_client, settings
+):
+    """The bulk view is not one transaction on AWA["DATABASE"] either: with
+    ``ATOMIC_REQUESTS`` on that alias, a batch is committed (its row locks
+    released) before the next one starts."""
+    settings.AWA = {**settings.AWA, "DATABASE": "other"}
+    settings.DATABASES["other"]["ATOMIC_REQUESTS"] = True
+    connections["other"].settings_dict["ATOMIC_REQUESTS"] = True
+    with connections["other"].cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO awa_job (kind, queue, args, state) "
+            "SELECT 'tick', 'multidb', '{}', 'available' FROM generate_series(1, %s)",
+            [bulk.BATCH_SIZE + 5],
+        )
+    up_to = Job.objects.using("other").order_by("-id").values_list("id", flat=True)[0]
+    seen_committed: list[int] = []
+
+    def observe(execute, sql, params, many, context):
+        if "SET state = 'cancelled'" in sql:
+            # What another session sees cancelled as this batch starts.
+            with psycopg.connect(**listen_params("other"), autocommit=True) as other:
+                (count,) = other.execute(
+                    "SELECT count(*) FROM awa_job WHERE state = 'cancelled'"
+                ).fetchone()
+            seen_committed.append(count)
+        return execute(sql, params, many, context)
+
+    try:
+        with connections["other"].execute_wrapper(observe):
+            response = admin_client.post(
+                "/admin/django_awa/job/bulk/cancel/?queue=multidb", {"up_to": str(up_to)}
+            )
+    finally:
+        connections["other"].settings_dict["ATOMIC_REQUESTS"] = False
+    assert response.status_code == 302
+    assert seen_committed == [0, bulk.BATCH_SIZE]
+    assert Job.objects.using("other").filter(state="cancelled").count() == bulk.BATCH_SIZE + 5
