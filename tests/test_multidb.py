@@ -8,6 +8,7 @@ the same server (tests/settings.py).
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, PeriodicSchedule
 from django_awa.schedules import schedules
 from tests.conftest import wait_for
+from tests.test_commands import run
 from tests.testapp.jobs import Act
 from tests.testapp.models import Ledger
 
@@ -159,3 +161,19 @@ def test_a_bulk_operation_commits_each_batch_under_atomic_requests_of_awa_databa
     assert response.status_code == 302
     assert seen_committed == [0, bulk.BATCH_SIZE]
     assert Job.objects.using("other").filter(state="cancelled").count() == bulk.BATCH_SIZE + 5
+
+
+def test_the_operator_commands_take_database():
+    """``awa_jobs`` and ``awa_queues`` reach jobs enqueued with ``using=`` another
+    alias, as ``awa_worker --database`` runs them."""
+    job = awa.enqueue(Tick(n=1), queue="multidb", using="other")
+    out, code = run("awa_jobs", "list", "--database", "other", "--json")
+    assert code == 0 and [row["id"] for row in json.loads(out)] == [job.id]
+    out, code = run("awa_jobs", "cancel", str(job.id), "--database", "other")
+    assert code == 0, out
+    assert Job.objects.using("other").get(id=job.id).state == JobState.CANCELLED
+    out, code = run("awa_queues", "pause", "multidb", "--database", "other")
+    assert code == 0 and awa.queue_stats(using="other")["multidb"]["paused"]
+    assert "multidb" not in awa.queue_stats()  # nothing written to AWA["DATABASE"]
+    out, code = run("awa_jobs", "list", "--database", "nowhere")
+    assert code == 2

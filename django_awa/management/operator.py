@@ -9,6 +9,9 @@ Exit codes, the same for every command, for scripts:
   command that names nothing to act on.
 
 Output is a table for people, or JSON with ``--json`` (one document on stdout).
+The subcommands of ``awa_jobs`` and ``awa_queues`` take ``--database ALIAS`` for
+jobs kept in another database than ``AWA["DATABASE"]`` (``using=ALIAS``);
+periodic schedules fire in ``AWA["DATABASE"]`` only.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_awa.db import database_alias
+from django_awa.exceptions import ConfigurationError
 
 OK = 0
 NOTHING_MATCHED = 1
@@ -37,8 +43,20 @@ class _OperatorParser(CommandParser):
         raise CommandError(f"Error: {message}", returncode=USAGE)
 
 
+class _SubcommandParser(_OperatorParser):
+    """A subcommand's parser: each takes ``--database``, as ``awa_worker`` does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument(
+            "--database",
+            metavar="ALIAS",
+            help="the database alias holding the jobs (default AWA['DATABASE'])",
+        )
+
+
 class OperatorCommand(BaseCommand):
-    """A command with subcommands, ``--json``, and the exit codes above."""
+    """A command with subcommands, ``--json``, ``--database``, and the exit codes above."""
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
@@ -46,11 +64,23 @@ class OperatorCommand(BaseCommand):
         parser.__class__ = _OperatorParser
         return parser
 
-    def subcommands(self, parser: CommandParser) -> Any:
-        """The subcommands' action group: each subparser raises usage errors as ours do."""
+    def subcommands(self, parser: CommandParser, *, database: bool = True) -> Any:
+        """The subcommands' action group: each subparser raises usage errors as ours do,
+        and takes ``--database`` unless ``database`` is false."""
         return parser.add_subparsers(
-            dest="action", required=True, metavar="ACTION", parser_class=_OperatorParser
+            dest="action",
+            required=True,
+            metavar="ACTION",
+            parser_class=_SubcommandParser if database else _OperatorParser,
         )
+
+    def database(self, options: dict[str, Any]) -> str:
+        """The alias ``--database`` names (``AWA["DATABASE"]`` without it); a usage error
+        for one that is not a PostgreSQL entry of ``DATABASES``."""
+        try:
+            return database_alias(options.get("database"))
+        except ConfigurationError as exc:
+            raise usage(str(exc)) from exc
 
     def add_json(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

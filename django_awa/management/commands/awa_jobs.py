@@ -16,7 +16,7 @@ from django.core.management.base import CommandParser
 from django.db.models import QuerySet
 
 from django_awa import bulk, control
-from django_awa.conf import QUEUE_NAME_RE, awa_settings
+from django_awa.conf import QUEUE_NAME_RE
 from django_awa.exceptions import ValidationError
 from django_awa.management.operator import OperatorCommand, nothing, table, usage
 from django_awa.models import Job, JobState
@@ -109,7 +109,7 @@ class Command(OperatorCommand):
             self.add_json(op)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        self.alias = awa_settings().database
+        self.alias = self.database(options)
         action = options["action"]
         if action == "list":
             self.list_jobs(options)

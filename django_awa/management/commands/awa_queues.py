@@ -11,7 +11,7 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from django_awa import control
-from django_awa.conf import QUEUE_NAME_RE, awa_settings
+from django_awa.conf import QUEUE_NAME_RE
 from django_awa.management.operator import OperatorCommand, nothing, table, usage
 from django_awa.models import JobState
 
@@ -34,7 +34,7 @@ class Command(OperatorCommand):
             self.add_json(op)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        alias = awa_settings().database
+        alias = self.database(options)
         action = options["action"]
         if action == "stats":
             stats = control.queue_stats(using=alias)

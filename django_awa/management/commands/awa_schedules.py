@@ -31,7 +31,7 @@ class Command(OperatorCommand):
     help = "List periodic schedules, pause or resume one, or trigger one fire now."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        sub = self.subcommands(parser)
+        sub = self.subcommands(parser, database=False)  # schedules fire in AWA['DATABASE']
         self.add_json(sub.add_parser("list", help="every schedule declared or stored"))
         for name, text in (
             ("pause", "stop a schedule firing"),
