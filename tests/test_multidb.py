@@ -25,8 +25,8 @@ from django_awa.models import Job, JobState, PeriodicSchedule
 from django_awa.schedules import schedules
 from tests.conftest import wait_for
 from tests.test_commands import run
-from tests.testapp.jobs import Act
-from tests.testapp.models import Ledger
+from tests.testapp.jobs import Act, Pay
+from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "other"])
 
@@ -177,3 +177,12 @@ def test_the_operator_commands_take_database():
     assert "multidb" not in awa.queue_stats()  # nothing written to AWA["DATABASE"]
     out, code = run("awa_jobs", "list", "--database", "nowhere")
     assert code == 2
+
+
+def test_an_atomic_handler_wraps_the_jobs_database_only(start_worker):
+    """``atomic=True`` is a transaction on the job's database (README): the
+    handler's write to ``default``, another database here, stays when it raises."""
+    worker = start_worker("--database", "other", "--queue", "default", env=other_env())
+    job = awa.enqueue(Pay(reference="multidb-pay", fail=True), using="other")
+    wait_for_other(job.id, JobState.RETRYABLE)
+    assert Order.objects.filter(reference="multidb-pay").count() == 1, worker.output()
