@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
+from django.conf import settings
+from django.core import checks
 from django.db import connections
 from django.utils import timezone
 
@@ -46,6 +48,7 @@ else:
         from django_tasks.signals import task_enqueued, task_finished, task_started
 
 from . import sql
+from .db import postgresql_problem
 from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, prepare
 from .execute import JobContext
 from .kinds import JobArgs, WorkerSpec, check_max_attempts, registry
@@ -227,6 +230,23 @@ class AwaTaskBackend(BaseTaskBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.database = self.options.get("DATABASE")
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        """Django's checks, and ``OPTIONS["DATABASE"]`` naming a PostgreSQL alias: else
+        every ``enqueue`` and ``get_result`` would raise ``ConfigurationError``."""
+        messages = list(super().check(**kwargs))
+        if self.database is None:
+            return messages
+        where = f"TASKS[{self.alias!r}]['OPTIONS']['DATABASE']"
+        if not isinstance(self.database, str) or self.database not in settings.DATABASES:
+            problem = f"{where} names no entry of DATABASES: {self.database!r}"
+        else:
+            found = postgresql_problem(self.database)
+            if found is None:
+                return messages
+            problem = f"{where}: {found}"
+        hint = "Name a PostgreSQL alias of DATABASES, or leave it out for AWA['DATABASE']."
+        return [*messages, checks.Error(problem, hint=hint, id="awa.E102")]
 
     def enqueue[**P, R](
         self, task: Task[P, R], args: Sequence[Any], kwargs: Mapping[str, Any]

@@ -19,12 +19,14 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa import bulk
+from django_awa.backends import AwaTaskBackend
 from django_awa.db import listen_params
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, PeriodicSchedule
 from django_awa.schedules import schedules
 from tests.conftest import wait_for
 from tests.test_commands import run
+from tests.testapp import tasks
 from tests.testapp.jobs import Act, Pay
 from tests.testapp.models import Ledger, Order
 
@@ -186,3 +188,18 @@ def test_an_atomic_handler_wraps_the_jobs_database_only(start_worker):
     job = awa.enqueue(Pay(reference="multidb-pay", fail=True), using="other")
     wait_for_other(job.id, JobState.RETRYABLE)
     assert Order.objects.filter(reference="multidb-pay").count() == 1, worker.output()
+
+
+def test_the_tasks_backend_database_option_is_checked_and_used():
+    """``TASKS[...]["OPTIONS"]["DATABASE"]`` puts the tasks' jobs in that alias; a
+    name that is no PostgreSQL entry of DATABASES is a system check error, not a
+    ConfigurationError at the first enqueue in production."""
+    bad = AwaTaskBackend("bulk", {"OPTIONS": {"DATABASE": "nowhere"}})
+    (error,) = bad.check()
+    assert error.id == "awa.E102"
+    assert "TASKS['bulk']['OPTIONS']['DATABASE'] names no entry of DATABASES" in error.msg
+    assert AwaTaskBackend("bulk", {"OPTIONS": {"DATABASE": "other"}}).check() == []
+    backend = AwaTaskBackend("default", {"OPTIONS": {"DATABASE": "other"}})
+    result = backend.enqueue(tasks.add, [2, 3], {})
+    assert Job.objects.using("other").filter(id=int(result.id), kind__startswith="task:").exists()
+    assert backend.get_result(result.id).id == result.id
