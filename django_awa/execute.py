@@ -151,6 +151,12 @@ class Attempt:
     progress_dirty: bool = False
     callback_id: uuid.UUID | None = None
     timeout: float | None = None  # the kind's timeout, once its handler is known
+    # Its kind has awa.Limit(concurrency=...): a place of its key is held while it runs.
+    holds_key: bool = False
+    # Past its timeout while its kind holds a key: the failed attempt the worker
+    # writes once the handler returns (or its thread is abandoned), so the key's
+    # place stays taken while a handler that cannot be stopped still runs.
+    timed_out: AttemptResult | None = None
     # time.monotonic() when the claim returned it, and when a handler thread
     # began it (None while it waits in the queue's inbox: claimed, not running
     # yet). started_written: MARK_STARTED stored attempted_at for it, or need

@@ -602,7 +602,13 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
                 except BaseException as exc:  # the handler boundary, as run_attempt's
                     if not handler_raised(exc):
                         raise  # the transaction rolls back as it leaves atomic()
-                    raise _HandlerRaised(from_exception(attempt.job, exc)) from exc
+                    raise _HandlerRaised(
+                        attempt.timed_out or from_exception(attempt.job, exc)
+                    ) from exc
+                if attempt.timed_out is not None:
+                    # It passed its timeout holding its key's place (handlers.time_out):
+                    # its result is ignored, its writes rolled back.
+                    raise _HandlerRaised(attempt.timed_out)
                 return _finalize_atomic_attempt(attempt, from_value(attempt, value))
         except _HandlerRaised as raised:
             with transaction.atomic(using=alias):

@@ -561,6 +561,7 @@ class HandlerPool:
                 return resolved
             spec, args = resolved
             attempt.timeout = spec.timeout  # tend() applies it from now on
+            attempt.holds_key = spec.limit is not None and spec.limit.concurrency is not None
             if spec.atomic:
                 return self._run_atomic(attempt, spec, args, marks)
             loop = self.event_loop() if spec.is_async else None
@@ -597,7 +598,14 @@ class HandlerPool:
         return result
 
     def _put(self, attempt: Attempt, result: AttemptResult) -> None:
-        """Hand ``result`` to the completer, with when its handler began."""
+        """Hand ``result`` to the completer, with when its handler began.
+
+        An attempt that passed its timeout holding its kind's key (``time_out``)
+        is written as timed out whatever its handler returned.
+        """
+        if attempt.timed_out is not None:
+            result = attempt.timed_out
+            result.progress = attempt.progress
         result.started = attempt.started
         self.results.put(result)
 
@@ -742,15 +750,28 @@ class HandlerPool:
         ``is_cancelled()`` true. The thread keeps its place on the queue until
         the handler returns, unless it stays stuck past ``stuck_grace``: then
         the rule for lost attempts replaces it, within its bound.
+
+        An attempt of a kind with ``awa.Limit(concurrency=...)`` holds a place
+        of its key in the database until its outcome is written: written now,
+        the next job of the key would start beside a handler that still runs.
+        Its outcome is written when the handler returns instead (``_put``), or
+        when its thread is abandoned (``abandon``): the row stays ``running``,
+        heartbeated, meanwhile.
         """
         job = attempt.job
         timeout = attempt.timeout or 0.0
+        result = timed_out(job, timeout, ran)
+        if attempt.holds_key:
+            attempt.timed_out = result
         attempt.cancelled.set()
-        self.results.put(timed_out(job, timeout, ran))
+        if not attempt.holds_key:
+            self.results.put(result)
         logger.warning(
             "job %s kind=%s attempt=%s timed out after %.1fs (its timeout is %gs) in thread "
-            "%s; recorded as a failed attempt, the handler's result will be ignored",
+            "%s; recorded as a failed attempt%s, the handler's result will be ignored",
             job.id, job.kind, job.attempt, ran, timeout, handler.name,
+            " once the handler returns (its key's place is held until then)"
+            if attempt.holds_key else "",
             extra=log_context(job, self.state.name),
         )  # fmt: skip
 
@@ -786,6 +807,9 @@ class HandlerPool:
                     extra=log_context(job, self.state.name),
                 )  # fmt: skip
             return
+        if attempt.timed_out is not None:
+            # Its key's place goes with it: the timed-out attempt is written now.
+            self._put(attempt, attempt.timed_out)
         replacement = self.spawn(runner)
         if gated:
             runner.gate.leave()  # a lost attempt: the next may run in its place

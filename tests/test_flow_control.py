@@ -54,6 +54,7 @@ from tests.testapp.jobs import (
     RatedSpan,
     SequencedSpan,
     Span,
+    TimedKeyedSpan,
 )
 from tests.testapp.models import FlowRun
 
@@ -227,6 +228,21 @@ def test_kind_concurrency_limit_holds_fleet_wide(start_worker) -> None:
     awa.enqueue_many([CappedSpan(n=i, seconds=0.15) for i in range(16)])
     all_finished("capped_span", 16)
     assert max_overlap("kind = %s", ["capped_span"]) == 2
+
+
+def test_a_timed_out_attempt_keeps_its_key_until_its_handler_returns(start_worker) -> None:
+    # A sync handler cannot be stopped at its timeout: while it still runs, its key's
+    # place stays taken, or the next job of the key would run beside it.
+    start_three(start_worker, "timedkey=4")
+    awa.enqueue_many(
+        [TimedKeyedSpan(key="k", n=i, first_seconds=2.5, seconds=0.05) for i in range(3)]
+    )
+    all_finished("timed_keyed_span", 3, timeout=90)
+    assert overlaps_within_key("timed_keyed_span") == 0
+    for job in Job.objects.filter(kind="timed_keyed_span"):
+        # Each first attempt was still recorded as timed out, and retried.
+        assert job.state == JobState.COMPLETED and job.attempt == 2, (job.state, job.attempt)
+        assert "timed out" in job.errors[0]["error"], job.errors
 
 
 def test_kind_rate_limit_per_key(start_worker) -> None:
