@@ -635,9 +635,9 @@ awa.worker(KeyedSpan, queue="bykey", limit=awa.Limit(concurrency=1, by="key"))(s
 awa.worker(CappedSpan, queue="capped", limit=awa.Limit(concurrency=2))(span)
 awa.worker(PairedSpan, queue="paired", limit=awa.Limit(concurrency=2, by="key"))(span)
 awa.worker(RatedSpan, queue="keyrate", limit=awa.Limit(rate="4/s", by="key"))(span)
-awa.worker(
-    TimedKeyedSpan, queue="timedkey", timeout=1, limit=awa.Limit(concurrency=1, by="key")
-)(span)
+awa.worker(TimedKeyedSpan, queue="timedkey", timeout=1, limit=awa.Limit(concurrency=1, by="key"))(
+    span
+)
 awa.worker(SequencedSpan, queue="seq", max_attempts=3, sequence="key")(span)
 
 
