@@ -141,6 +141,34 @@ def test_processes_option_runs_several_processes(start_worker):
     assert len(notes) == 2
 
 
+def test_a_killed_child_of_a_processes_group_is_started_again(start_worker):
+    # A child killed by SIGKILL (the OOM killer) took its share of the capacity with
+    # it while the supervisor ran on, saying nothing.
+    worker = start_worker("--queue", "default=2", "--processes", "2")
+    started = wait_for(
+        lambda: re.search(r"started 2 processes: (\d+), (\d+)", worker.output()), timeout=30
+    )
+    wait_for(lambda: worker.output().count("listening for new jobs") == 2, timeout=30)
+    os.kill(int(started.group(1)), signal.SIGKILL)
+    replaced = wait_for(
+        lambda: re.search(
+            r"exited \(code -9\) without being asked to stop; started (\d+)", worker.output()
+        ),
+        timeout=30,
+        message=lambda: worker.output()[-3000:],
+    )
+    wait_for(lambda: worker.output().count("listening for new jobs") == 3, timeout=30)
+    ids = awa.enqueue_many([Act(action="pid") for _ in range(100)])
+    wait_for(
+        lambda: Job.objects.filter(id__in=ids, state=JobState.COMPLETED).count() == 100,
+        timeout=60,
+    )
+    os.kill(worker.pid, signal.SIGTERM)
+    assert worker.wait(20) == 0
+    # The new child ran jobs, and both processes stopped with the supervisor.
+    assert Ledger.objects.filter(note=f"pid:{replaced.group(1)}").exists()
+
+
 @pytest.mark.slow
 def test_ctrl_c_on_a_processes_group_lets_in_flight_jobs_finish(start_worker):
     # The terminal sends SIGINT to the supervisor and to each child, and the

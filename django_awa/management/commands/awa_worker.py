@@ -13,6 +13,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -137,7 +138,7 @@ class Command(BaseCommand):
         # Fork before any thread or connection exists in this process.
         connections.close_all()
         context = multiprocessing.get_context("fork")
-        children = [
+        children: list[multiprocessing.process.BaseProcess] = [
             context.Process(
                 target=_child, args=(queues, alias, conf, processes), name=f"awa-worker-{i}"
             )
@@ -157,7 +158,12 @@ class Command(BaseCommand):
         for handled in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
             signal.signal(handled, lambda signum, _frame: received.put(signum))
         count = 0
-        while any(child.is_alive() for child in children):
+        started = dict.fromkeys(range(processes), time.monotonic())
+        while True:
+            if not count:
+                _replace_dead(children, started, context, (queues, alias, conf, processes))
+            if not any(child.is_alive() for child in children):
+                break
             try:
                 signum = received.get(timeout=0.2)
             except queue.Empty:
@@ -169,6 +175,44 @@ class Command(BaseCommand):
         failed = [c for c in children if c.exitcode not in (0, None)]
         if failed:
             sys.exit(1)
+
+
+# A child that died is started again no sooner than this after the one before
+# it started: a child that cannot start (its database gone) is not forked in a loop.
+RESTART_AFTER = 1.0
+
+
+def _replace_dead(
+    children: list[multiprocessing.process.BaseProcess],
+    started: dict[int, float],
+    context: Any,
+    args: tuple[Any, ...],
+) -> None:
+    """Start a new child in the place of each killed by a signal no one forwarded.
+
+    A child killed (SIGKILL, the OOM killer) took its share of the queues'
+    capacity with it, unseen: the supervisor ran on with fewer processes. Its
+    jobs are rescued at ``STALE_AFTER`` as any dead worker's. A child that
+    exited by itself (an error at start-up) is not started again: once none
+    is left the supervisor exits, non-zero, as before.
+    """
+    for i, child in enumerate(children):
+        if child.is_alive() or child.exitcode is None or child.exitcode >= 0:
+            continue
+        if time.monotonic() - started[i] < RESTART_AFTER:
+            continue
+        child.join()
+        replacement = context.Process(target=_child, args=args, name=f"awa-worker-{i}")
+        replacement.start()
+        children[i] = replacement
+        started[i] = time.monotonic()
+        logger.error(
+            "supervisor: worker process %s exited (code %s) without being asked to stop; "
+            "started %s in its place",
+            child.pid,
+            child.exitcode,
+            replacement.pid,
+        )
 
 
 def _forward(
@@ -194,6 +238,10 @@ def _forward(
 
 
 def _child(queues: dict[str, int], alias: str, conf: AwaSettings, processes: int) -> None:
+    # A child started in a dead one's place was forked after the supervisor's own
+    # handlers were set: the worker takes the signals, as in the first children.
+    for handled in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(handled, signal.SIG_DFL)
     worker = Worker(queues, alias=alias, conf=conf, repeat_halts=False, processes=processes)
     parent = os.getppid()
 
