@@ -87,17 +87,22 @@ def test_a_wrong_setting_is_a_check_error_even_with_periodic_jobs_declared(tmp_p
         "INSTALLED_APPS = [*INSTALLED_APPS, 'nightly_app']\n"
         "AWA = {**AWA, 'QUEUE': {}}\n"
     )
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "typo_settings",
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-    }
-    check = subprocess.run(
-        [sys.executable, "-m", "django", "check"], env=env, capture_output=True, text=True
-    )
+    check = _manage_check(tmp_path, "typo_settings")
     assert check.returncode != 0
     assert "awa.E001" in check.stderr and "unknown AWA setting 'QUEUE'" in check.stderr
     assert "Traceback" not in check.stderr
+
+
+def _manage_check(tmp_path, settings: str) -> subprocess.CompletedProcess[str]:
+    """``manage.py check`` as a real process, with settings module ``settings`` in ``tmp_path``."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": settings,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "django", "check"], env=env, capture_output=True, text=True
+    )
 
 
 def test_a_periodic_name_declared_in_two_jobs_modules_stops_the_commands(tmp_path):
@@ -116,14 +121,7 @@ def test_a_periodic_name_declared_in_two_jobs_modules_stops_the_commands(tmp_pat
         "from tests.settings import *  # noqa\n"
         "INSTALLED_APPS = [*INSTALLED_APPS, 'reports_app', 'billing_app']\n"
     )
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "twice_settings",
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-    }
-    check = subprocess.run(
-        [sys.executable, "-m", "django", "check"], env=env, capture_output=True, text=True
-    )
+    check = _manage_check(tmp_path, "twice_settings")
     assert check.returncode != 0
     reports, billing = tmp_path / "reports_app" / "jobs.py", tmp_path / "billing_app" / "jobs.py"
     assert (
