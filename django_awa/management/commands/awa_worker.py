@@ -20,6 +20,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 
+from django_awa import reloader
 from django_awa.conf import (
     DEFAULT_CONCURRENCY,
     MAX_CONCURRENCY,
@@ -99,6 +100,12 @@ class Command(BaseCommand):
             help="Seconds in-flight jobs get to finish after SIGTERM (default "
             "AWA['SHUTDOWN_TIMEOUT']).",
         )
+        parser.add_argument(
+            "--reload",
+            action="store_true",
+            help="For development: start the worker again when a Python file changes "
+            "(in-flight jobs finish first), as runserver reloads.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -126,11 +133,36 @@ class Command(BaseCommand):
                 raise CommandError(f"--shutdown-timeout: {exc}", returncode=2) from None
             conf = dataclasses.replace(conf, shutdown_timeout=timeout)
         _configure_logging(options["verbosity"])
+        if options["reload"]:
+            self._reload(processes, queues, alias, conf)
+            return
         freeze_startup_objects()
         if processes == 1:
             Worker(queues, alias=alias, conf=conf).run()
             return
         self._run_processes(processes, queues, alias, conf)
+
+    def _reload(
+        self, processes: int, queues: dict[str, int], alias: str, conf: AwaSettings
+    ) -> None:
+        """``--reload``: this process watches and restarts the worker; or, in the
+        process it started, the worker that stops when a file changes."""
+        if processes != 1:
+            raise CommandError("--reload runs one worker process: leave out --processes")
+        if not reloader.is_child():
+            if "awa_worker" not in sys.argv:
+                raise CommandError(
+                    "--reload starts this command line again: run it as "
+                    "`manage.py awa_worker --reload`, not through call_command()"
+                )
+            connections.close_all()
+            sys.exit(reloader.run_with_reloader())
+        freeze_startup_objects()
+        worker = Worker(queues, alias=alias, conf=conf)
+        changed = reloader.start_watching(worker.stopping)
+        worker.run()
+        if changed.is_set():
+            sys.exit(reloader.RELOAD)
 
     def _run_processes(
         self, processes: int, queues: dict[str, int], alias: str, conf: AwaSettings

@@ -1,0 +1,153 @@
+"""``awa_worker --reload``: the worker started again whenever a Python file changes.
+
+For development, as ``runserver`` reloads. The command's process becomes a
+watcher that runs no jobs: it starts the worker as a child (the same command
+line, in a session of its own, so a Ctrl-C in the terminal reaches only the
+watcher, which passes it on) and starts it again when it exits with
+``RELOAD``. The child watches the files of every module it imported, with
+Django's ``StatReloader``; when one changes, it stops as at SIGTERM (in-flight
+jobs finish, up to ``SHUTDOWN_TIMEOUT``; prefetched ones go back, their
+attempt unused) and exits with ``RELOAD``.
+
+A child that exits otherwise (an import error at start-up, say: a file saved
+half-written) is started again once one of the watcher's own modules changes:
+the developer's fix. The watcher imported the project as the child did, so it
+knows its files, though not those a child imported later on demand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from django.utils import autoreload
+
+logger = logging.getLogger(__name__)
+
+# Set in the child's environment: the worker itself, not the watcher.
+CHILD_ENV = "AWA_WORKER_RELOAD_CHILD"
+# The child's exit status when a file changed: start it again.
+RELOAD = 3
+
+
+def is_child() -> bool:
+    """Whether this process is the worker a watcher started (the mark is then taken
+    out of the environment: the handlers' own subprocesses do not inherit it)."""
+    return os.environ.pop(CHILD_ENV, None) == "1"
+
+
+def watch(on_change: Callable[[Path], None], stopped: Callable[[], bool]) -> None:
+    """Call ``on_change(path)`` for the first file of a loaded module that changes,
+    checking once a second, until ``stopped()``."""
+    reloader = autoreload.StatReloader()
+    changed: list[Path] = []
+
+    def receiver(sender: Any, file_path: Path, **kwargs: Any) -> bool:
+        changed.append(file_path)
+        return True  # handled: Django's own reload (sys.exit) is not triggered
+
+    autoreload.file_changed.connect(receiver, sender=reloader, weak=False)
+    try:
+        ticker = reloader.tick()  # its first pass records the files' times
+        while not changed and not stopped():
+            next(ticker)
+    finally:
+        autoreload.file_changed.disconnect(receiver, sender=reloader)
+    if changed and not stopped():
+        on_change(Path(changed[0]))
+
+
+def start_watching(stopping: threading.Event) -> threading.Event:
+    """In the child: a thread that stops this process as SIGTERM does once a file
+    changes (the worker finishes its in-flight jobs), or once the watcher is gone.
+
+    Returns an event set when it was a file: the child then exits with ``RELOAD``.
+    ``stopping`` is set once the process stops for another reason.
+    """
+    parent = os.getppid()
+    reload = threading.Event()
+
+    def changed(path: Path) -> None:
+        logger.info("%s changed: finishing in-flight jobs, then starting again", path)
+        reload.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def orphaned() -> bool:
+        if os.getppid() == parent:
+            return False
+        logger.warning("the --reload watcher %s is gone; stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return True
+
+    threading.Thread(
+        target=watch,
+        args=(changed, lambda: stopping.is_set() or orphaned()),
+        name="awa-reload",
+        daemon=True,
+    ).start()
+    return reload
+
+
+def run_with_reloader() -> int:
+    """In the watcher: run the worker child, start it again after each ``RELOAD``, and
+    return its exit status once it stops for a signal this process passed on.
+
+    The first SIGTERM or SIGINT is passed on as SIGTERM (finish in-flight jobs);
+    SIGQUIT, or a second signal, as SIGQUIT (give them back now). A child that
+    exits by itself otherwise is started again once a file changes.
+    """
+    received: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for handled in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(handled, lambda signum, _frame: received.put(signum))
+    arguments = autoreload.get_child_arguments()
+    environment = {**os.environ, CHILD_ENV: "1"}
+    logger.info("awa_worker --reload: the worker starts again when a Python file changes")
+    while True:
+        # The command line this process was started with (Django's, as runserver's).
+        child = subprocess.Popen(arguments, env=environment, start_new_session=True)  # noqa: S603
+        signals = 0
+        while (status := child.poll()) is None:
+            with contextlib.suppress(queue.Empty):
+                signum = received.get(timeout=0.2)
+                signals += 1
+                now = signum == signal.SIGQUIT or signals > 1
+                child.send_signal(signal.SIGQUIT if now else signal.SIGTERM)
+        if signals:
+            return status
+        if status == RELOAD:
+            continue
+        logger.error(
+            "the worker exited with status %s; it starts again when a Python file changes",
+            status,
+        )
+        if not _wait_for_change(received):
+            return status
+        logger.info("a file changed: starting the worker again")
+
+
+def _wait_for_change(received: queue.SimpleQueue[int]) -> bool:
+    """Wait until a file of this process's modules changes (True) or a signal comes."""
+    done = threading.Event()
+    changed = threading.Event()
+
+    def on_change(path: Path) -> None:
+        changed.set()
+        done.set()
+
+    threading.Thread(target=watch, args=(on_change, done.is_set), daemon=True).start()
+    while not done.is_set():
+        try:
+            received.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        done.set()
+        return False
+    return changed.is_set()

@@ -1,0 +1,120 @@
+"""``awa_worker --reload``: a real worker started again when a project's file changes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from django_awa.models import Job, JobState
+from tests.conftest import ROOT, make_job, wait_for, wait_for_state
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+SETTINGS = """
+from tests.settings import *  # noqa: F403
+
+INSTALLED_APPS = [*INSTALLED_APPS, "reloadapp"]  # noqa: F405
+AWA = {**AWA, "QUEUES": {"reloadq": {"concurrency": 2}}}  # noqa: F405
+"""
+
+JOBS = """
+import time
+from dataclasses import dataclass
+
+import django_awa as awa
+
+
+@dataclass
+class ReloadProbe(awa.JobArgs):
+    seconds: float = 0.0
+
+
+@awa.worker(ReloadProbe, queue="reloadq")
+def probe(job):
+    time.sleep(job.args.seconds)
+    return "{version}"
+"""
+
+
+def _write_jobs(app: Path, source: str) -> None:
+    path = app / "jobs.py"
+    before = path.stat().st_mtime if path.exists() else 0.0
+    path.write_text(source)
+    # A save within the same clock tick as the last still reads as newer.
+    os.utime(path, (before + 2, before + 2))
+
+
+def _probe(seconds: float = 0.0) -> Job:
+    return make_job(kind="reload_probe", queue="reloadq", args={"seconds": seconds})
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    app = tmp_path / "reloadapp"
+    app.mkdir()
+    (app / "__init__.py").write_text("")
+    _write_jobs(app, JOBS.format(version="v1"))
+    (tmp_path / "reload_settings.py").write_text(textwrap.dedent(SETTINGS))
+    return tmp_path
+
+
+def test_a_changed_jobs_module_is_run_after_in_flight_jobs_finish(project, start_worker):
+    worker = start_worker(
+        "--reload",
+        env={
+            "DJANGO_SETTINGS_MODULE": "reload_settings",
+            "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
+        },
+    )
+    first = _probe()
+    assert wait_for_state(first.id, "completed", timeout=30).result == "v1"
+
+    # A job running when the file changes finishes on the code it started with,
+    # once: the worker stops as at SIGTERM, then starts again.
+    slow = _probe(seconds=2)
+    wait_for_state(slow.id, "running")
+    time.sleep(0.3)  # its handler has begun
+    _write_jobs(project / "reloadapp", JOBS.format(version="v2"))
+    wait_for(lambda: "changed: finishing in-flight jobs" in worker.output(), timeout=10)
+    done = wait_for_state(slow.id, "completed", timeout=30)
+    assert (done.result, done.attempt, done.errors) == ("v1", 1, [])
+    assert wait_for_state(_probe().id, "completed", timeout=30).result == "v2"
+    assert worker.output().count("awa worker") >= 2  # two workers' start-up lines
+
+    # A file saved broken: the worker cannot start, the watcher waits for the fix.
+    _write_jobs(project / "reloadapp", "def broken(:\n")
+    wait_for(lambda: "it starts again when a Python file changes" in worker.output(), timeout=20)
+    stalled = _probe()
+    time.sleep(1.5)
+    assert worker.proc.poll() is None
+    assert Job.objects.get(id=stalled.id).state == JobState.AVAILABLE
+    _write_jobs(project / "reloadapp", JOBS.format(version="v3"))
+    assert wait_for_state(stalled.id, "completed", timeout=30).result == "v3"
+
+    # Ctrl-C reaches the watcher only (the worker has a session of its own); the
+    # worker it passes it to finishes its job and both exit.
+    last = _probe(seconds=1.5)
+    wait_for_state(last.id, "running")
+    time.sleep(0.3)
+    child = int(re.findall(r"awa worker \S+:(\d+) starting", worker.output())[-1])
+    os.killpg(worker.pid, signal.SIGINT)
+    assert worker.wait(20) == 0, worker.output()
+    finished = Job.objects.get(id=last.id)
+    assert (finished.state, finished.errors) == (JobState.COMPLETED, [])
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+
+
+def test_reload_refuses_what_it_cannot_do():
+    with pytest.raises(CommandError, match="leave out --processes"):
+        call_command("awa_worker", "--reload", "--processes", "2")
+    with pytest.raises(CommandError, match="not through call_command"):
+        call_command("awa_worker", "--reload")
