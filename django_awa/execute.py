@@ -164,6 +164,9 @@ class Attempt:
     claimed: float = field(default_factory=time.monotonic)
     started: float | None = None
     started_written: bool = False
+    # Claimed under a rate: time.monotonic() by which its handler must start, or it
+    # is given back unstarted (producer.RATED_START_WITHIN). None: no such bound.
+    start_by: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:

@@ -50,12 +50,14 @@ from .execute import (
     resolve_handler,
     run_attempt,
     timed_out,
+    unstarted,
 )
 from .finalize import run_atomic_attempt
 from .kinds import JobArgs, WorkerSpec
 from .logs import job_logging
 from .models import JobRow
 from .otel import instrumentation
+from .producer import RATED_START_WITHIN
 from .state import DB_ERRORS, QueueRunner, WorkerState, log_context, reset_connection
 
 logger = logging.getLogger(__name__)
@@ -489,15 +491,19 @@ class HandlerPool:
                 if self.withdrawn(attempt):
                     return
                 self.waiting.discard(attempt.job.id)
-                handler.attempt = attempt
-                handler.gated = entered
-                # Claimed until now; from here its handler runs (attempted_at).
-                handler.started = attempt.started = time.monotonic()
-                runner.observe_start(
-                    attempt.started - attempt.claimed, attempt.started, drained=runner.inbox.empty()
-                )
-                handler.lost_at = None
-                handler.overrun_logged = handler.bound_logged = handler.timed_out = False
+                now = time.monotonic()
+                late = attempt.start_by is not None and now > attempt.start_by
+                if not late:
+                    handler.attempt = attempt
+                    handler.gated = entered
+                    # Claimed until now; from here its handler runs (attempted_at).
+                    handler.started = attempt.started = now
+                    runner.observe_start(now - attempt.claimed, now, drained=runner.inbox.empty())
+                    handler.lost_at = None
+                    handler.overrun_logged = handler.bound_logged = handler.timed_out = False
+            if late:
+                self._give_back_late(attempt)
+                return
             if attempt.cancelled.is_set():
                 # Cancelled or rescued while it waited: the row is no longer this attempt's.
                 self.forget(attempt.job)
@@ -518,6 +524,19 @@ class HandlerPool:
                 if entered:
                     runner.gate.leave()
                 runner.finished()
+
+    def _give_back_late(self, attempt: Attempt) -> None:
+        """Give back, unstarted, a job claimed under a rate whose handler could not start
+        within ``producer.RATED_START_WITHIN`` of its claim: started now, it might be
+        one start too many in a window (the claim counted it at its stamp). It is
+        ``available`` again at once, its attempt unused; the completer writes it."""
+        job = attempt.job
+        logger.info(
+            "queue %s: gave back job %s unstarted: no handler could start it within %.2fs "
+            "of its claim under a rate limit",
+            job.queue, job.id, RATED_START_WITHIN, extra=log_context(job, self.state.name),
+        )  # fmt: skip
+        self.results.put(unstarted(job))
 
     def _run(self, attempt: Attempt) -> None:
         """Run the attempt; whatever happens, its result goes to the completer (or is written).

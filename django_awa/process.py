@@ -310,7 +310,9 @@ class Worker:
             return
         for attempt in attempts:
             attempt.cancelled.set()
-        results = [self._given_back(a.job, started) for a in attempts]
+        # One a handler thread gave back as too late to start (a rate's bound) and the
+        # completer did not write before it stopped never started either.
+        results = [self._given_back(a.job, started and a.started is not None) for a in attempts]
         for attempt, result in zip(attempts, results, strict=True):
             result.started = attempt.started
         try:

@@ -83,6 +83,17 @@ LOCKED_RETRY = 0.02
 # Shortest wait between claims of a rate-limited queue that took less than it
 # asked for: a slot of the window frees every period / N seconds.
 RATE_TICK = 0.01
+# How long after its claim began a job claimed under a rate may still start its
+# handler, in seconds. The claim stamps the starts it counts, but a handler
+# begins a little later (the claim's commit, the hand-off to a handler thread:
+# a few ms, tens on a loaded machine), by a delay that varies: a burst claimed
+# at the end of one window could start beside the next window's, up to 2N in
+# one. So the claim counts each rate's window over its period and this, and a
+# job not started by then is given back unstarted (``HandlerPool.execute``):
+# every handler starts within this of its stamp, and no window of the period
+# holds more than N handler starts. The price: at most N starts per period and
+# this (N per 1.1 s for "N/s", per 60.1 s for "N/m").
+RATED_START_WITHIN = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +169,7 @@ class QueueLimits:
             "q_rate_period": None if rate is None else rate.period,
             "limit": limit,
             "scan": scan,
+            "start_within": RATED_START_WITHIN,
         }
 
 
@@ -584,7 +596,7 @@ class Producer:
                 if not want:
                     jobs = []
                 elif limits.gated:  # under the queue's lock, which another may hold
-                    started = time.monotonic()
+                    started = time.monotonic()  # before the claim's stamp (its clock_timestamp)
                     taken = (
                         claim_limited(limits, want, state.alias, leased=limits.leased)
                         if limits.locked
@@ -627,7 +639,10 @@ class Producer:
         alias, running, waiting, lock, inbox = (
             state.alias, state.running, state.waiting, state.running_lock, runner.inbox
         )  # fmt: skip
-        attempts = [Attempt(job=job, alias=alias) for job in jobs]
+        # A rated claim's handlers start within RATED_START_WITHIN of its stamp, or not
+        # at all: measured from before the claim was sent, so from before the stamp.
+        start_by = started + RATED_START_WITHIN if jobs and limits.locked else None
+        attempts = [Attempt(job=job, alias=alias, start_by=start_by) for job in jobs]
         # Every attempt of the batch is tracked (running, waiting) before the first
         # reaches a handler, under one hold of the lock the handler threads take for
         # each job: a hold per job contended with them for every job of the batch.

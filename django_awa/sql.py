@@ -352,13 +352,19 @@ WHERE queue = %(queue)s AND worker_id = %(worker)s AND slot = ANY(%(slots)s::int
 # limits in AWA["QUEUES"] (NULL: none), which awa_queue.limits overrides key
 # by key; %(leased)s, true when the worker's slot leases keep the queue's
 # global_concurrency (its claims then leave it to them); %(limit)s, the most
-# to take; %(scan)s, the most candidates to rank.
+# to take; %(scan)s, the most candidates to rank; %(start_within)s, how long
+# after its claim's stamp a claimed attempt's handler may still start (the
+# worker gives back unstarted what it could not start by then).
 #   t: the clock after LOCK_LIMITS (now() is the transaction's start, before
 #      the lock wait); starts are stamped with it.
 #   room: what the queue may start: its free global slots and what its rate
 #      allows in the window now, 0 if paused.
 #   used: per limited kind and Limit(by=) key, attempts running (fleet-wide,
 #      from the running rows: awa_job_running_idx) and started in its window.
+#   A rate's window is counted over its period and %(start_within)s: the
+#   stamps are the claims', and each handler starts within that much after
+#   its stamp, so no window of the period holds more than N handler starts
+#   (a burst claimed at the end of one window may start in the next).
 #   saturated: the kind and Limit(by=) keys at their limit now.
 #   cand: the due available rows in claim order (awa_job_claim_idx), passing
 #      over sequence members that must wait and rows of a saturated key (a
@@ -389,7 +395,8 @@ room AS MATERIALIZED (
         q.rate_count - CASE WHEN q.rate_count IS NOT NULL THEN (
             SELECT count(*) FROM awa_attempt_start AS a
             WHERE a.scope = %(scope)s
-              AND a.started_at > t.now - make_interval(secs => q.rate_period)) END
+              AND a.started_at > t.now - make_interval(
+                  secs => q.rate_period + %(start_within)s::float8)) END
     )) END AS n
     FROM q, t
 ),
@@ -403,7 +410,8 @@ used AS MATERIALIZED (
         SELECT kl.kind, a.key, 0, 1
         FROM kl CROSS JOIN t
         JOIN awa_attempt_start AS a ON a.scope = 'k:' || kl.kind
-        WHERE kl.v ? 'rn' AND a.started_at > t.now - make_interval(secs => (kl.v ->> 'rs')::float8)
+        WHERE kl.v ? 'rn' AND a.started_at > t.now - make_interval(
+            secs => (kl.v ->> 'rs')::float8 + %(start_within)s::float8)
     ) AS u
     GROUP BY u.kind, u.gkey
 ),
@@ -522,7 +530,7 @@ claimed AS (
         attempt = j.attempt + CASE WHEN j.snoozed THEN 0 ELSE 1 END,
         snoozed = false,
         run_lease = j.run_lease + 1,
-        attempted_at = t.now,
+        attempted_at = NULL,
         heartbeat_at = t.now,
         deadline_at = t.now + make_interval(
             secs => coalesce((%(deadlines)s::jsonb ->> j.kind)::float8,

@@ -16,15 +16,16 @@ import time
 import pytest
 from django.db import connections, transaction
 
+import django_awa as awa
 from django_awa.completer import Completer
 from django_awa.handlers import HandlerPool
 from django_awa.heartbeat import MARK_STARTED_AFTER, Heartbeat
 from django_awa.models import Job, JobState
 from django_awa.process import Worker
-from django_awa.producer import Producer
+from django_awa.producer import RATED_START_WITHIN, Producer
 from django_awa.state import WorkerState
 from tests.conftest import due_job
-from tests.testapp.models import Order
+from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -169,3 +170,34 @@ def test_an_atomic_attempt_whose_row_is_locked_a_moment_is_written_not_dropped()
     assert done.state == JobState.COMPLETED, done.state
     assert Order.objects.filter(reference="locked-a-moment", paid=True).count() == 1
     assert done.attempted_at is not None
+
+
+def test_a_rated_job_not_started_within_its_bound_is_given_back_unstarted():
+    """Under a rate, a claimed job whose handler cannot begin within
+    ``RATED_START_WITHIN`` of its claim is not run (started late, it could be one
+    start too many in a window the claim counted it in): it is available again,
+    its attempt unused, and the next claim runs it once."""
+    awa.set_queue_limits("default", rate_limit="100/s")
+    state, [claimed] = _claim({"action": "ok"})
+    # A rated claim leaves attempted_at to the handler, as every claim does.
+    assert claimed.state == JobState.RUNNING and claimed.attempted_at is None
+    time.sleep(RATED_START_WITHIN + 0.05)
+    pool, runner = HandlerPool(state), state.queues["default"]
+    assert pool.run_once(runner, timeout=1)
+    Completer(state).run_once()
+
+    back = Job.objects.get(id=claimed.id)
+    # Its attempt unused: the next claim runs it under the same number.
+    assert (back.state, back.attempt, back.snoozed) == (JobState.AVAILABLE, 1, True)
+    assert back.attempted_at is None
+    assert not Ledger.objects.filter(job_id=claimed.id).exists()  # its handler never ran
+    assert claimed.id not in state.running and runner.held == 0
+
+    # Claimed again and taken at once, it runs: once, under attempt 1.
+    Producer(state, runner).run_once()
+    assert pool.run_once(runner, timeout=1)
+    Completer(state).run_once()
+    done = Job.objects.get(id=claimed.id)
+    assert (done.state, done.attempt) == (JobState.COMPLETED, 1)
+    assert done.attempted_at is not None
+    assert list(Ledger.objects.filter(job_id=claimed.id).values_list("attempt", flat=True)) == [1]

@@ -87,20 +87,28 @@ def max_overlap(where: str = "true", params: Any = None) -> int:
 
 
 # The most attempts that started in any window of %s seconds (each window
-# begins at a start: the busiest window does).
+# begins at a start: the busiest window does), by the {at} column of {table}
+# (default the FlowRun's claim stamp).
 MAX_STARTS_IN_WINDOW = """
 SELECT coalesce(max(n), 0) FROM (
-    SELECT (SELECT count(*) FROM testapp_flowrun AS b
-            WHERE {where_b} AND b.attempted_at >= a.attempted_at
-              AND b.attempted_at < a.attempted_at + make_interval(secs => %s)) AS n
-    FROM testapp_flowrun AS a WHERE {where_a}
+    SELECT (SELECT count(*) FROM {table} AS b
+            WHERE {where_b} AND b.{at} >= a.{at}
+              AND b.{at} < a.{at} + make_interval(secs => %s)) AS n
+    FROM {table} AS a WHERE {where_a}
 ) AS w
 """
 
 
-def max_starts_in_window(seconds: float, where: str = "true", params: Any = None) -> int:
+def max_starts_in_window(
+    seconds: float,
+    where: str = "true",
+    params: Any = None,
+    *,
+    at: str = "attempted_at",
+    table: str = "testapp_flowrun",
+) -> int:
     statement = MAX_STARTS_IN_WINDOW.format(
-        where_a=where.replace("{t}", "a"), where_b=where.replace("{t}", "b")
+        where_a=where.replace("{t}", "a"), where_b=where.replace("{t}", "b"), at=at, table=table
     )
     return _scalar(statement, [*(params or []), seconds, *(params or [])])
 
@@ -194,6 +202,54 @@ def run_rate_limit(start_worker: Callable[..., WorkerProcess], **env: str) -> No
     assert last - first >= dt.timedelta(seconds=3)
     for worker in workers:
         assert worker.stop() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_rate_limit_holds_for_handler_starts_not_only_claims(start_worker, workers: int) -> None:
+    """A rate limit counts where a user's call happens: the handler's start.
+
+    The claim stamps its starts, but a claimed job's handler begins a little
+    later, by a delay that varies: a burst claimed late in one window could
+    start beside the next window's (up to 2N in one). No sliding second may
+    hold more than 20 handler starts, read from the jobs' ``attempted_at`` (the
+    handler's start on the database clock) and from the handlers' own clock.
+    """
+    awa.set_queue_limits("rated", rate_limit="20/s")  # 20 per claim window, 10 s of them
+    procs = [start_worker("--queue", "rated", env=FLOW_ENV) for _ in range(workers)]
+    wait_for(
+        lambda: all("listening for new jobs" in proc.output() for proc in procs),
+        timeout=30,
+        message="the workers did not all start",
+    )
+    count = 200
+    awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=i, seconds=0.0), queue="rated") for i in range(count)]
+    )
+    all_finished("span", count, timeout=90)
+    jobs = Job.objects.filter(kind="span")
+    assert jobs.filter(state=JobState.COMPLETED).count() == count
+    # None ran twice (a job given back unstarted runs once, later).
+    assert FlowRun.objects.count() == FlowRun.objects.values("job_id").distinct().count() == count
+    started = {job.id: job.attempted_at for job in jobs}
+    for run in FlowRun.objects.all():
+        # attempted_at is the handler's start, not the claim's (one machine's clock).
+        assert started[run.job_id] is not None
+        gap = abs((started[run.job_id] - run.started_at).total_seconds())
+        assert gap < 0.05, (run.job_id, started[run.job_id], run.started_at)
+    by_row = max_starts_in_window(1.0, "{t}.kind = 'span'", table="awa_job")
+    by_handler = max_starts_in_window(1.0, at="started_at")
+    assert max(by_row, by_handler) <= 20, (
+        f"{by_row} handler starts by attempted_at, {by_handler} by the handlers' clock, within"
+        " one second; the limit is 20/s"
+    )
+    # The window filled: the rate is used, not merely kept.
+    assert by_row >= 16, f"the busiest second had only {by_row} starts of 20 allowed"
+    first, last = min(started.values()), max(started.values())
+    # 200 starts at 20 per sliding second: at least 9 seconds; near 11 (20 per 1.1 s).
+    assert dt.timedelta(seconds=9) <= last - first < dt.timedelta(seconds=14), last - first
+    for proc in procs:
+        assert proc.stop() == 0
 
 
 def test_global_concurrency_holds_across_three_workers(start_worker) -> None:
