@@ -21,9 +21,11 @@ import django_awa as awa
 from django_awa import bulk
 from django_awa.backends import AwaTaskBackend
 from django_awa.db import listen_params
+from django_awa.exceptions import ConfigurationError
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, PeriodicSchedule
 from django_awa.schedules import schedules
+from django_awa.testing import assert_enqueued, enqueued, refute_enqueued
 from tests.conftest import wait_for
 from tests.test_commands import run
 from tests.testapp import tasks
@@ -203,3 +205,20 @@ def test_the_tasks_backend_database_option_is_checked_and_used():
     result = backend.enqueue(tasks.add, [2, 3], {})
     assert Job.objects.using("other").filter(id=int(result.id), kind__startswith="task:").exists()
     assert backend.get_result(result.id).id == result.id
+
+
+def test_the_testing_helpers_take_using():
+    """``assert_enqueued``, ``refute_enqueued`` and ``enqueued`` read jobs enqueued with
+    ``using=`` another alias, as ``run_jobs(using=...)`` runs them; without it they
+    read ``AWA["DATABASE"]``, which holds none."""
+    job = awa.enqueue(Tick(n=3), queue="multidb", using="other")
+    assert [j.id for j in assert_enqueued(Tick, n=3, count=1, using="other")] == [job.id]
+    assert [j.id for j in enqueued(Tick, using="other")] == [job.id]
+    refute_enqueued(Tick, n=4, using="other")
+    with pytest.raises(AssertionError, match=r"(?s)to be enqueued, found 1: .*kind='tick'"):
+        refute_enqueued(Tick, using="other")
+    refute_enqueued(Tick)  # AWA["DATABASE"]: nothing there
+    with pytest.raises(AssertionError, match="no job is enqueued at all"):
+        assert_enqueued(Tick, n=3)
+    with pytest.raises(ConfigurationError, match="no database alias 'nowhere'"):
+        assert_enqueued(Tick, using="nowhere")

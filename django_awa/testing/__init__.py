@@ -132,10 +132,12 @@ def _matching(
     queue: str | None,
     fields: Mapping[str, Any],
     where: str,
+    using: str | None,
 ) -> tuple[list[Job], list[Job], str]:
-    """The waiting jobs that match, all waiting jobs, and a description of what was asked."""
+    """The waiting jobs that match, all waiting jobs (of connection ``using``), and a
+    description of what was asked."""
     kind, wanted = _kind_and_fields(args_or_cls, fields, where)
-    everything = _waiting(None, None, None)
+    everything = _waiting(None, None, using)
     found = [
         job
         for job in everything
@@ -168,6 +170,7 @@ def assert_enqueued(
     *,
     queue: str | None = None,
     count: int | None = None,
+    using: str | None = None,
     **fields: Any,
 ) -> list[Job]:
     """Assert a job of that kind waits to run; return the matching jobs.
@@ -176,10 +179,11 @@ def assert_enqueued(
     class (any args); ``fields`` are args fields that must have these values;
     ``queue`` the queue it must be on; ``count`` how many must match exactly
     (default: at least one). "Waiting" means available, scheduled or
-    retryable: a job that ran to completion is no longer enqueued. Raises
-    ``AssertionError`` listing the jobs that are enqueued.
+    retryable: a job that ran to completion is no longer enqueued. Reads on
+    connection ``using`` (default ``AWA["DATABASE"]``), as ``enqueued`` and
+    ``run_jobs`` do. Raises ``AssertionError`` listing the jobs that are enqueued.
     """
-    found, everything, asked = _matching(args_or_cls, queue, fields, "assert_enqueued()")
+    found, everything, asked = _matching(args_or_cls, queue, fields, "assert_enqueued()", using)
     if count is None and not found:
         raise AssertionError(f"expected a job of {asked} to be enqueued, but none is; "
                              f"{_listing(everything)}")  # fmt: skip
@@ -196,14 +200,16 @@ def refute_enqueued(
     *,
     queue: str | None = None,
     count: int | None = None,
+    using: str | None = None,
     **fields: Any,
 ) -> None:
     """Assert no job of that kind (those args, that queue) waits to run.
 
     With ``count``, assert that the number of matching jobs is anything but
-    ``count``. Raises ``AssertionError`` listing the jobs that match.
+    ``count``. Reads on connection ``using`` (default ``AWA["DATABASE"]``).
+    Raises ``AssertionError`` listing the jobs that match.
     """
-    found, _, asked = _matching(args_or_cls, queue, fields, "refute_enqueued()")
+    found, _, asked = _matching(args_or_cls, queue, fields, "refute_enqueued()", using)
     if count is None and found:
         raise AssertionError(f"expected no job of {asked} to be enqueued, found "
                              f"{len(found)}: {_listing(found)}")  # fmt: skip
