@@ -547,6 +547,82 @@ def test_previous_release_and_this_one_share_a_live_database(
         )
 
 
+# -- going back under running workers ----------------------------------------------------
+
+# The last migration before completions went into segments (0016): where the
+# README's "Going back" takes the schema.
+BEFORE_SEGMENTS = "0015"
+
+
+@pytest.mark.slow
+def test_going_back_before_segments_under_this_releases_worker(
+    upgrade_db: str, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    """``migrate django_awa 0015`` run while a worker of this release keeps going, as
+    a rollback does before the workers are replaced: the worker's completions (written
+    into ``awa_job_done_current``, which going back takes away) still commit, each
+    job run once and completed at its first attempt; and the same again when the
+    migrations are applied once more under it."""
+    new = Release(NEW, ROOT, upgrade_db)
+    with _connect(upgrade_db) as conn:
+        db = Upgrade(conn)
+        new.migrate()
+        worker = new.worker(start_worker)
+        ids: list[int] = []
+
+        def flow(tag: str) -> list[int]:
+            batch = new.enqueue({"items": act(30, action="sleep", seconds=0.05, tag=tag)})[0]
+            ids.extend(batch)
+            return batch
+
+        def settled() -> str:
+            return f"{db.states(ids)}, not final: {db.not_final(ids, followups=True)[:5]}"
+
+        flow("before")
+        wait_for(lambda: db.last_run() >= 5, 30, settled)
+        new.run(
+            "migrate back",
+            "-m",
+            "django",
+            "migrate",
+            "django_awa",
+            BEFORE_SEGMENTS,
+            "--no-input",
+            "-v0",
+        )
+        assert db.applied()[-1].startswith(BEFORE_SEGMENTS)
+        assert (
+            db.value("SELECT count(*) FROM pg_inherits WHERE inhparent = 'awa_job_done'::regclass")
+            == 0
+        )
+        after_back = flow("after going back")
+        wait_for(lambda: not db.not_final(ids, followups=True), 60, settled)
+        # Completed where the earlier build reads finished rows: awa_job_done itself.
+        assert db.moved(after_back) == len(after_back)
+
+        new.migrate()  # forward again, under the same worker
+        again = flow("forward again")
+        wait_for(lambda: not db.not_final(ids, followups=True), 60, settled)
+        assert db.value(
+            "SELECT count(*) FROM awa_job "
+            "WHERE id = ANY(%(ids)s) AND tableoid = 'awa_job_done_current'::regclass",
+            ids=again,
+        ) == len(again)
+        assert worker.stop(30) == 0, worker.output()[-3000:]
+
+        cursor = conn.cursor()
+        everything = ids + audit.followup_ids(cursor, ids)
+        assert db.states(everything) == {"completed": len(everything)}, worker.output()[-3000:]
+        assert db.failed_once(everything) == 0, db.rows(
+            "SELECT id, errors -> -1 ->> 'error' FROM awa_job "
+            "WHERE id = ANY(%(ids)s) AND errors <> '[]' LIMIT 5",
+            ids=everything,
+        )
+        assert audit.ledger_duplicates(cursor, everything) == []
+        assert audit.outcome_mismatches(cursor, ids) == []
+        assert not DATABASE_TROUBLE.search(worker.output()), worker.output()[-6000:]
+
+
 def _audit(db: Upgrade, ids: list[int], handover: list[int]) -> int:
     """Check the run in SQL; return how many given-back jobs the new worker finished."""
     cursor = db.conn.cursor()

@@ -61,6 +61,9 @@ CREATE TRIGGER awa_job_done_reopen AFTER UPDATE ON awa_job_done
 MOVE_BACK_AND_DROP = """
 WITH moved AS (DELETE FROM ONLY awa_job_done RETURNING *)
 INSERT INTO awa_job SELECT * FROM moved;
+-- What going back past 0016 left for running workers (a view, its trigger).
+DROP VIEW IF EXISTS awa_job_done_current;
+DROP FUNCTION IF EXISTS awa_job_done_current_insert();
 DROP TABLE awa_job_done;
 DROP FUNCTION awa_job_done_reopen();
 """

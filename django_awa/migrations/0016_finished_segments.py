@@ -24,7 +24,12 @@ lock on ``awa_job_done`` for a moment, which conflicts with no read or write.
 A release that knows nothing of it keeps working beside this one: its
 statements on ``awa_job`` and ``awa_job_done`` without ``ONLY`` see these rows,
 and its pruning deletes them row by row. Going back moves every row of the
-children into ``awa_job_done`` and drops them.
+children into ``awa_job_done`` and drops them, and leaves in
+``awa_job_done_current``'s place an empty view whose inserts go into
+``awa_job_done``: workers of this release still running (a rollback replaces
+them after migrating) keep storing their completions, rather than failing each
+one and running the job again. Applying this migration again drops the view;
+going back past 0003 drops it too.
 """
 
 from django.db import migrations
@@ -34,6 +39,9 @@ FINAL_QUOTED = "(''completed'', ''failed'', ''cancelled'')"
 
 CREATE = f"""
 SET LOCAL lock_timeout = '5s';
+-- Applied again after going back: the stand-in left for running workers.
+DROP VIEW IF EXISTS awa_job_done_current;
+DROP FUNCTION IF EXISTS awa_job_done_current_insert();
 CREATE OR REPLACE FUNCTION awa_job_done_reopen() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     -- A finished job made live again by a statement that did not move it
@@ -77,6 +85,40 @@ BEGIN
 END
 $$;
 DROP FUNCTION awa_job_done_segment(text);
+-- Workers of this release may still be running (a rollback replaces them
+-- after it): their completions name awa_job_done_current. A view of that
+-- name, always empty, takes them into awa_job_done, where the earlier
+-- release reads finished rows. It refers to no table or column (its columns
+-- are typed NULLs, its insert a trigger), so it holds back no later step of
+-- going back; applying this migration again drops it.
+CREATE FUNCTION awa_job_done_current_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO awa_job_done SELECT (NEW).*;
+    RETURN NEW;
+END
+$$;
+DO $$
+DECLARE
+    columns text;
+    defaults record;
+BEGIN
+    SELECT string_agg(format('NULL::%s AS %I', format_type(atttypid, atttypmod), attname),
+                      ', ' ORDER BY attnum)
+    INTO columns FROM pg_attribute
+    WHERE attrelid = 'awa_job_done'::regclass AND attnum > 0 AND NOT attisdropped;
+    EXECUTE format('CREATE VIEW awa_job_done_current AS SELECT %s WHERE false', columns);
+    -- A column left out of an insert gets awa_job_done's default, as in the table.
+    FOR defaults IN SELECT a.attname, pg_get_expr(d.adbin, d.adrelid) AS expr
+                    FROM pg_attribute AS a
+                    JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+                    WHERE a.attrelid = 'awa_job_done'::regclass AND NOT a.attisdropped LOOP
+        EXECUTE format('ALTER VIEW awa_job_done_current ALTER COLUMN %I SET DEFAULT %s',
+                       defaults.attname, defaults.expr);
+    END LOOP;
+END
+$$;
+CREATE TRIGGER awa_job_done_current_insert INSTEAD OF INSERT ON awa_job_done_current
+    FOR EACH ROW EXECUTE FUNCTION awa_job_done_current_insert();
 CREATE OR REPLACE FUNCTION awa_job_done_reopen() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM ONLY awa_job_done WHERE id = OLD.id;
