@@ -623,6 +623,74 @@ def test_going_back_before_segments_under_this_releases_worker(
         assert not DATABASE_TROUBLE.search(worker.output()), worker.output()[-6000:]
 
 
+def test_going_back_keeps_a_completion_committed_while_it_runs(upgrade_db: str) -> None:
+    """A completion written into ``awa_job_done_current`` while going back before 0016
+    copies that table's rows out, and committed before it drops the table, is kept:
+    going back locks each table before copying it, so the write is in the copy (it
+    was lost with the table, the job and its follow-ups gone)."""
+    new = Release(NEW, ROOT, upgrade_db)
+    new.migrate()
+    # Going back past 0017 first: its CREATE INDEX CONCURRENTLY would wait for the
+    # completion's transaction by itself.
+    new.run("back", "-m", "django", "migrate", "django_awa", "0016", "--no-input", "-v0")
+    (job_id,) = new.enqueue({"items": act(1, action="ok", tag="late")})[0]
+    with _connect(upgrade_db) as conn, _connect(upgrade_db) as writer:
+        db = Upgrade(conn)
+        # What a worker's completion does (sql.COMPLETE), left open.
+        writer.autocommit = False
+        writer.execute(
+            "UPDATE awa_job SET state = 'completed', finalized_at = now() WHERE id = %(id)s",
+            {"id": job_id},
+        )
+        writer.execute(
+            "WITH gone AS (DELETE FROM ONLY awa_job WHERE id = %(id)s RETURNING *) "
+            "INSERT INTO awa_job_done_current SELECT * FROM gone",
+            {"id": job_id},
+        )
+        going_back = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "django",
+                "migrate",
+                "django_awa",
+                BEFORE_SEGMENTS,
+                "--no-input",
+                "-v0",
+            ],
+            cwd=ROOT,
+            env=new.env(role="back"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            # Going back waits for the completion's lock (before the fix: to drop
+            # the table, having copied it without the uncommitted row).
+            wait_for(
+                lambda: (
+                    db.value(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %(app)s "
+                        "AND wait_event_type = 'Lock'",
+                        app=f"{NEW}-back",
+                    )
+                    or going_back.poll() is not None
+                ),
+                30,
+                "going back never waited for the completion's lock",
+            )
+            writer.commit()
+            out, _ = going_back.communicate(timeout=60)
+        finally:
+            if going_back.poll() is None:
+                going_back.kill()
+                going_back.wait()
+        assert going_back.returncode == 0, out.decode(errors="replace")
+        assert db.applied()[-1].startswith(BEFORE_SEGMENTS)
+        assert db.rows(
+            "SELECT tableoid::regclass::text, state FROM awa_job WHERE id = %(id)s", id=job_id
+        ) == [("awa_job_done", "completed")]
+
+
 def _audit(db: Upgrade, ids: list[int], handover: list[int]) -> int:
     """Check the run in SQL; return how many given-back jobs the new worker finished."""
     cursor = db.conn.cursor()

@@ -59,6 +59,10 @@ CREATE TRIGGER awa_job_done_reopen AFTER UPDATE ON awa_job_done
 """
 
 MOVE_BACK_AND_DROP = """
+SET LOCAL lock_timeout = '5s';
+-- No write into awa_job_done until this commits: a row moved there after the
+-- move back would be dropped with it.
+LOCK TABLE awa_job_done IN EXCLUSIVE MODE;
 WITH moved AS (DELETE FROM ONLY awa_job_done RETURNING *)
 INSERT INTO awa_job SELECT * FROM moved;
 -- What going back past 0016 left for running workers (a view, its trigger).

@@ -74,6 +74,10 @@ SELECT awa_job_done_segment('awa_job_done_current');
 
 MOVE_BACK_AND_DROP = """
 SET LOCAL lock_timeout = '5s';
+-- No write into awa_job_done or its children until this commits (reads go
+-- on): a completion committed after a child's rows were copied would be
+-- dropped with it.
+LOCK TABLE awa_job_done IN EXCLUSIVE MODE;
 DO $$
 DECLARE child regclass;
 BEGIN
