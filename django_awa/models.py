@@ -282,6 +282,37 @@ class Job(models.Model):
         alias = using or self._state.db or "default"
         return Job.objects.using(alias).filter(id=self.id).delete()
 
+    # Django 5.2's takes no returning_fields and returns a bool: *more and Any
+    # fit both.
+    def _do_update(
+        self,
+        base_qs: models.QuerySet[Job],
+        using: str | None,
+        pk_val: Any,
+        values: Any,
+        update_fields: Any,
+        forced_update: bool,
+        *more: Any,
+    ) -> Any:
+        """Django's UPDATE for ``save()``; a row the trigger moved counts as updated.
+
+        A finished row in ``awa_job_done`` (or a segment) made live is moved
+        into ``awa_job`` with the change by its BEFORE UPDATE trigger, which
+        skips the update in its own table: the UPDATE counts 0 rows. Without
+        ``update_fields`` ``select_on_save`` then finds the row; with them
+        Django would raise ``NotUpdated`` for a change that was made.
+        """
+        updated = super()._do_update(
+            base_qs, using, pk_val, values, update_fields, forced_update, *more
+        )
+        if updated or not forced_update or not values:
+            return updated
+        if not base_qs.filter(pk=pk_val).exists():
+            return updated  # gone: Django raises, as for any model
+        # What Django's select_on_save answers for a row found: updated, no
+        # values returned (Django 6), or True (Django 5.2).
+        return [()] if isinstance(updated, list) else True
+
     @property
     def trigger_id(self) -> int | None:
         trigger = (self.metadata or {}).get("awa_trigger")

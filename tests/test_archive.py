@@ -14,7 +14,7 @@ import time
 import psycopg
 import pytest
 from django.contrib.auth.models import User
-from django.db import IntegrityError, connection, connections, transaction
+from django.db import DatabaseError, IntegrityError, connection, connections, transaction
 from django.db.models import QuerySet
 from django.forms.models import model_to_dict
 from django.urls import reverse
@@ -132,6 +132,34 @@ def test_any_update_that_makes_a_moved_job_live_moves_it_back():
     assert Job.objects.get(id=stays.id).metadata == {"note": "seen"}
     assert Maintenance().promote() == {"default"}
     assert {j.id for j in claim("default", 5, "default")} == {by_update.id, by_save.id}
+
+
+@pytest.mark.django_db
+def test_save_with_update_fields_makes_a_moved_job_live():
+    """``job.save(update_fields=[...])`` making a finished row in ``awa_job_done`` (or
+    a segment) live succeeds: the trigger moved the row and wrote the change, though
+    the UPDATE counts none (it raised ``NotUpdated`` with the change made)."""
+    moved = finished(JobState.FAILED)
+    Maintenance().archive()
+    assert table_of(moved.id) == "awa_job_done"
+    row = Job.objects.get(id=moved.id)
+    row.state = JobState.AVAILABLE
+    row.attempt = 0
+    row.save(update_fields=["state", "attempt"])
+    assert table_of(moved.id) == "awa_job"
+    assert Job.objects.values_list("state", "attempt").get(id=moved.id) == (
+        JobState.AVAILABLE,
+        0,
+    )
+    # A row that is gone still fails the save, as for any model.
+    gone = finished(JobState.FAILED)
+    Maintenance().archive()
+    stale = Job.objects.get(id=gone.id)
+    Job.objects.filter(id=gone.id).delete()
+    stale.state = JobState.AVAILABLE
+    with pytest.raises(DatabaseError, match="did not affect any rows"), transaction.atomic():
+        stale.save(update_fields=["state"])
+    assert not Job.objects.filter(id=gone.id).exists()
 
 
 @pytest.mark.django_db
