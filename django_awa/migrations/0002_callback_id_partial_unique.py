@@ -15,6 +15,8 @@ the queue behind a long transaction; run it again).
 from django.db import migrations, models
 from django.db.models import Q
 
+from ._invalid_index import drop_if_invalid
+
 CREATE = (
     "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS awa_job_callback_id_uniq "
     "ON awa_job (callback_id) WHERE callback_id IS NOT NULL"
@@ -36,7 +38,9 @@ class Migration(migrations.Migration):
     operations = [
         migrations.SeparateDatabaseAndState(
             database_operations=[
-                migrations.RunSQL(CREATE, reverse_sql=DROP_NEW),
+                migrations.RunSQL(
+                    [drop_if_invalid("awa_job_callback_id_uniq"), CREATE], reverse_sql=DROP_NEW
+                ),
                 migrations.RunSQL(DROP_OLD, reverse_sql=RESTORE_OLD),
             ],
             state_operations=[

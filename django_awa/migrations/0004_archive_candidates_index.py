@@ -15,6 +15,8 @@ Online: built CONCURRENTLY; nothing in 0.1.0 reads it.
 
 from django.db import migrations
 
+from ._invalid_index import drop_if_invalid
+
 CREATE = (
     "CREATE INDEX CONCURRENTLY IF NOT EXISTS awa_job_archive_idx ON awa_job (finalized_at) "
     "WHERE state IN ('completed', 'failed', 'cancelled') "
@@ -28,4 +30,6 @@ class Migration(migrations.Migration):
 
     dependencies = [("django_awa", "0003_finished_jobs_table")]
 
-    operations = [migrations.RunSQL(CREATE, reverse_sql=DROP)]
+    operations = [
+        migrations.RunSQL([drop_if_invalid("awa_job_archive_idx"), CREATE], reverse_sql=DROP)
+    ]

@@ -14,6 +14,8 @@ claim reads ``state = 'available'`` only. Indexes on ``awa_job`` and
 from django.contrib.postgres.operations import AddIndexConcurrently
 from django.db import migrations, models
 
+from ._invalid_index import drop_if_invalid
+
 STATES = (
     "'scheduled', 'available', 'running', 'completed', 'retryable', 'failed', "
     "'cancelled', 'waiting_external', 'blocked'"
@@ -91,6 +93,7 @@ class Migration(migrations.Migration):
                 ),
             ],
         ),
+        migrations.RunSQL(drop_if_invalid("awa_job_workflow_idx"), migrations.RunSQL.noop),
         AddIndexConcurrently(
             "job",
             models.Index(
@@ -100,7 +103,7 @@ class Migration(migrations.Migration):
             ),
         ),
         migrations.RunSQL(
-            DONE_WORKFLOW_INDEX,
+            [drop_if_invalid("awa_job_done_workflow_idx"), DONE_WORKFLOW_INDEX],
             reverse_sql="DROP INDEX CONCURRENTLY IF EXISTS awa_job_done_workflow_idx",
         ),
         migrations.CreateModel(

@@ -16,6 +16,8 @@ carry a sequence key, so other rows add no entries. Earlier releases read none o
 
 from django.db import migrations, models
 
+from ._invalid_index import drop_if_invalid
+
 # Partial on the unfinished members, in the words of the claim's probe
 # (sql._sequence_free), so the planner matches it: a finished member leaves
 # the index, and the probe for an earlier unfinished member reads one entry.
@@ -53,5 +55,8 @@ class Migration(migrations.Migration):
             name="limits",
             field=models.JSONField(blank=True, db_default={}, default=dict),
         ),
-        migrations.RunSQL(CREATE_SEQUENCE_INDEX, reverse_sql=DROP_SEQUENCE_INDEX),
+        migrations.RunSQL(
+            [drop_if_invalid("awa_job_sequence_idx"), CREATE_SEQUENCE_INDEX],
+            reverse_sql=DROP_SEQUENCE_INDEX,
+        ),
     ]

@@ -29,11 +29,14 @@ there (they move to ``awa_job_done``).
 
 Online: every index is built ``CONCURRENTLY`` (no lock that stops reads or
 writes; a million rows take a few seconds each), ``IF NOT EXISTS`` so a build
-interrupted and retried goes on. Earlier releases neither need nor see them.
+interrupted and retried goes on, after dropping an index the interrupted build
+left invalid (``_invalid_index.drop_if_invalid``). Earlier releases neither need nor see them.
 Reversible: dropped ``CONCURRENTLY``.
 """
 
 from django.db import migrations
+
+from ._invalid_index import drop_if_invalid
 
 # models.ERROR_LINE_SQL as of this migration (a migration does not follow later code):
 # the expression the dead-letter filter compares, so the planner matches the index.
@@ -62,7 +65,7 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.RunSQL(
-            f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {target}",
+            [drop_if_invalid(name), f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {target}"],
             reverse_sql=f"DROP INDEX CONCURRENTLY IF EXISTS {name}",
         )
         for name, target in INDEXES.items()

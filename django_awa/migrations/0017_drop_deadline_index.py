@@ -20,6 +20,8 @@ index and blocks no read or write. Reversible: built again ``CONCURRENTLY``.
 
 from django.db import migrations, models
 
+from ._invalid_index import drop_if_invalid
+
 
 class Migration(migrations.Migration):
     atomic = False  # DROP/CREATE INDEX CONCURRENTLY cannot run in a transaction
@@ -32,10 +34,11 @@ class Migration(migrations.Migration):
             database_operations=[
                 migrations.RunSQL(
                     "DROP INDEX CONCURRENTLY IF EXISTS awa_job_deadline_idx",
-                    reverse_sql=(
+                    reverse_sql=[
+                        drop_if_invalid("awa_job_deadline_idx"),
                         "CREATE INDEX CONCURRENTLY IF NOT EXISTS awa_job_deadline_idx "
-                        "ON awa_job (deadline_at) WHERE state = 'running'"
-                    ),
+                        "ON awa_job (deadline_at) WHERE state = 'running'",
+                    ],
                 )
             ],
         )
