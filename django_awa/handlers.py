@@ -520,10 +520,17 @@ class HandlerPool:
                 handler.attempt = None
                 handler.gated = False
                 abandoned = handler.abandoned
+                if abandoned and entered:
+                    runner.stuck -= 1
+            # An abandoned handler kept its place in the gate (see abandon): it
+            # leaves it only now that it really returned.
+            if entered:
+                runner.gate.leave()
             if not abandoned:
-                if entered:
-                    runner.gate.leave()
                 runner.finished()
+            elif entered:
+                with runner.room:
+                    runner.room.notify()  # its producer may claim for the place it freed
 
     def _give_back_late(self, attempt: Attempt) -> None:
         """Give back, unstarted, a job claimed under a rate whose handler could not start
@@ -705,9 +712,11 @@ class HandlerPool:
         has not returned within ``stuck_grace``, its thread is abandoned and a
         new one takes its place on the queue. The abandoned thread exits when
         its handler returns; its late result changes nothing (guarded by
-        run_lease). At most ``concurrency`` abandoned threads per queue are
-        alive at once: past that the stuck thread keeps its place, logged at
-        ERROR. A handler thread that died is replaced too.
+        run_lease). Until then its handler still counts in the queue's
+        ``RunGate``: a ``global_concurrency`` place is not freed by abandoning.
+        At most ``concurrency`` abandoned threads per queue are alive at once:
+        past that the stuck thread keeps its place, logged at ERROR. A handler
+        thread that died is replaced too.
         """
         if self.state.stopping.is_set():
             return
@@ -798,7 +807,6 @@ class HandlerPool:
         """Give ``handler``'s place on its queue to a new thread, within the bound."""
         runner = handler.runner
         job = attempt.job
-        gated = False
         with self.running_lock:
             if handler.attempt is not attempt:
                 return  # it returned meanwhile
@@ -808,7 +816,11 @@ class HandlerPool:
             else:
                 log_bound = False
                 handler.abandoned = True
-                gated, handler.gated = handler.gated, False
+                # It stays counted in its queue's gate until its handler returns
+                # (execute): a global_concurrency place is not given to the next
+                # job while a handler that cannot be stopped still runs.
+                if handler.gated:
+                    runner.stuck += 1
                 self.handlers.remove(handler)
                 self.abandoned.append(handler)
                 # No longer held: not heartbeated, not waited for or given back at shutdown.
@@ -830,8 +842,6 @@ class HandlerPool:
             # Its key's place goes with it: the timed-out attempt is written now.
             self._put(attempt, attempt.timed_out)
         replacement = self.spawn(runner)
-        if gated:
-            runner.gate.leave()  # a lost attempt: the next may run in its place
         runner.finished()  # its place on the queue goes to the replacement
         logger.warning(
             "handler thread %s is stuck in job %s kind=%s attempt=%s: its attempt was lost "

@@ -524,6 +524,9 @@ class Producer:
         the lock's claim counts its attempts as they are claimed.
         """
         usable = self.slots.usable if self.slots is not None else 0
+        # An abandoned handler still running keeps its slot (it is counted in the
+        # gate until it returns): no job is claimed to wait for that place.
+        usable = max(0, usable - self.runner.stuck)
         if not usable:
             return 0
         if limits.locked:

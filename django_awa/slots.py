@@ -34,6 +34,9 @@ What the limit counts: attempts whose handler runs. A job claimed ahead is
 ``running`` until its outcome commits, a few milliseconds after its handler
 returned and the next job of that slot began: the database may show more
 than N running rows of the queue at an instant; never more than N handlers run.
+A handler abandoned by ``HandlerPool.tend`` (stuck past its timeout or its
+attempt's loss) is one of them until it returns: it stays in the gate, its
+process keeps the slot, and claims nothing to wait for it (``runner.stuck``).
 """
 
 from __future__ import annotations

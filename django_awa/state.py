@@ -230,6 +230,9 @@ class QueueRunner:
     wake: threading.Event = field(default_factory=threading.Event)  # claim now
     room: threading.Condition = field(default_factory=threading.Condition)
     held: int = 0  # claimed and not finished: running, or prefetched and waiting
+    # Abandoned handler threads (handlers.HandlerPool.abandon) whose handler still
+    # runs: out of ``held``, still counted in ``gate`` (guarded by running_lock).
+    stuck: int = 0
     # While the producer waits for room (``wait_for_room``): ``held`` at or below
     # which a finished job wakes it; None while it does not wait.
     wake_at_held: int | None = None

@@ -55,6 +55,7 @@ from tests.testapp.jobs import (
     SequencedSpan,
     Span,
     TimedKeyedSpan,
+    TimedSpan,
 )
 from tests.testapp.models import FlowRun
 
@@ -1413,6 +1414,28 @@ def test_a_killed_workers_slots_return_when_its_jobs_are_rescued(start_worker) -
     rescued = Job.objects.filter(queue="crash", args__n__in=[0, 1])
     assert {j.attempt for j in rescued} == {2}
     assert max_overlap("queue = %s AND attempt = 1 AND n >= 2", ["crash"]) <= 2
+
+
+@pytest.mark.slow
+def test_an_abandoned_handler_keeps_its_global_concurrency_place_until_it_returns(
+    start_worker,
+) -> None:
+    # A sync handler past its timeout cannot be stopped; after the stuck grace its
+    # thread is abandoned and replaced, yet it still runs: it keeps its place
+    # among the queue's global_concurrency until it returns (the limit protects
+    # what the handlers call, a partner API allowing two calls at once, say).
+    awa.set_queue_limits("timedglob", global_concurrency=2)
+    workers = [start_worker("--queue", "timedglob=4") for _ in range(2)]
+    # The first two first attempts run 8 s (timeout 1 s, abandoned about 5 s
+    # later); the rest, and the retries, are quick.
+    awa.enqueue_many(
+        [TimedSpan(n=i, first_seconds=8 if i < 2 else 0, seconds=0.05) for i in range(6)]
+    )
+    all_finished("timed_span", 6, timeout=90)
+    assert any("abandoned" in worker.output() for worker in workers), "no thread was abandoned"
+    overlap = max_overlap("queue = %s", ["timedglob"])
+    assert overlap <= 2, f"{overlap} handlers of queue timedglob ran at once; the limit is 2"
+    assert Job.objects.filter(kind="timed_span", state=JobState.COMPLETED).count() == 6
 
 
 def test_limits_changed_at_runtime_reach_every_worker_within_a_poll_interval(

@@ -607,6 +607,11 @@ class TimedKeyedSpan(Span):
 
 
 @dataclass
+class TimedSpan(Span):
+    """On a queue of global_concurrency 2; an attempt times out after a second."""
+
+
+@dataclass
 class SequencedSpan(Span):
     """One at a time per key, in enqueue order."""
 
@@ -638,6 +643,7 @@ awa.worker(RatedSpan, queue="keyrate", limit=awa.Limit(rate="4/s", by="key"))(sp
 awa.worker(TimedKeyedSpan, queue="timedkey", timeout=1, limit=awa.Limit(concurrency=1, by="key"))(
     span
 )
+awa.worker(TimedSpan, queue="timedglob", timeout=1, max_attempts=3)(span)
 awa.worker(SequencedSpan, queue="seq", max_attempts=3, sequence="key")(span)
 
 
