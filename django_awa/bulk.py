@@ -31,7 +31,7 @@ from django.db.models import Max, QuerySet
 from django.utils.text import Truncator
 
 from . import control, sql
-from .conf import QUEUE_NAME_RE
+from .conf import QUEUE_NAME_RE, awa_settings
 from .dependencies import after_outcomes, deleting, reopen_all, settle
 from .exceptions import ValidationError
 from .followups import Cancelled, FollowupError, dispatch, send_signal
@@ -264,7 +264,11 @@ def _retry(ids: list[int], alias: str, result: Result, args: _Args) -> None:
 
 def _cancel(ids: list[int], alias: str, result: Result, args: _Args) -> None:
     context = Cancelled(reason=args.reason)
-    params = {**_params(ids, Operation.CANCEL), "error": context.error_entry}
+    params = {
+        **_params(ids, Operation.CANCEL),
+        "error": context.error_entry,
+        "stale_after": awa_settings().stale_after,  # a running handler keeps its key's place
+    }
     try:
         with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
             cursor.execute(sql.CANCEL_JOBS, params)

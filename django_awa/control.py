@@ -13,7 +13,13 @@ from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
 from . import sql
-from .conf import MAX_GLOBAL_CONCURRENCY, QUEUE_NAME_RE, parse_rate, positive_int
+from .conf import (
+    MAX_GLOBAL_CONCURRENCY,
+    QUEUE_NAME_RE,
+    awa_settings,
+    parse_rate,
+    positive_int,
+)
 from .dependencies import after_outcomes, reopen
 from .enqueueing import database_alias
 from .exceptions import JobNotFound, UniqueConflict, ValidationError
@@ -35,7 +41,9 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     Jobs that depend on it with ``requires="completed"`` are cancelled in the
     same transaction (the cascade); those with ``requires="finished"`` may run.
     A running job is cancelled at once; its handler sees ``is_cancelled()``
-    within a second and whatever it returns is discarded. ``on_cancelled``
+    within a second and whatever it returns is discarded; of a kind with
+    ``awa.Limit(concurrency=...)``, its key's place stays taken until that
+    handler returns (while its worker lives). ``on_cancelled``
     follow-ups are inserted in the same transaction (a failing one raises and
     nothing changes). A job already finished is returned unchanged.
     Raises ``JobNotFound``.
@@ -53,7 +61,13 @@ def cancel_with_dependents(
         with connections[alias].cursor() as cursor:
             cursor.execute(
                 sql.CANCEL_JOBS,
-                {"ids": [job_id], "error": context.error_entry, "states": list(JobState.LIVE)},
+                {
+                    "ids": [job_id],
+                    "error": context.error_entry,
+                    "states": list(JobState.LIVE),
+                    # A handler still running keeps its key's place (sql.CANCEL_JOBS).
+                    "stale_after": awa_settings().stale_after,
+                },
             )
             row = cursor.fetchone()
             if row is None:

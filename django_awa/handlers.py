@@ -39,7 +39,7 @@ from typing import Any
 
 from django.db import connections
 
-from . import db, wakeups
+from . import db, sql, wakeups
 from .completer import notify_freed
 from .execute import (
     Attempt,
@@ -53,7 +53,7 @@ from .execute import (
     unstarted,
 )
 from .finalize import run_atomic_attempt
-from .kinds import JobArgs, WorkerSpec
+from .kinds import JobArgs, WorkerSpec, registry
 from .logs import job_logging
 from .models import JobRow
 from .otel import instrumentation
@@ -531,6 +531,34 @@ class HandlerPool:
             elif entered:
                 with runner.room:
                     runner.room.notify()  # its producer may claim for the place it freed
+            if attempt.cancelled.is_set():
+                self.release_held_lease(attempt)
+
+    def release_held_lease(self, attempt: Attempt) -> None:
+        """The handler of a lost attempt returned (or never began): free its key's place.
+
+        A cancel or a rescue keeps the lease of an attempt of a kind with
+        ``awa.Limit(concurrency=...)`` while its handler may still run
+        (``sql._released``); the heartbeat renews it until now. An outcome
+        written for the attempt deletes it too; this covers those that write
+        none (never begun, an ``atomic=True`` one rolled back as stale). Should
+        it fail, the place frees once the lease's ``held_until`` passes.
+        """
+        if attempt.job.kind not in registry.leased_kinds():
+            return
+        try:
+            with db.cursor(self.state.alias) as cursor:
+                cursor.execute(
+                    sql.RELEASE_HELD_LEASES,
+                    {"id": [attempt.job.id], "run_lease": [attempt.job.run_lease]},
+                )
+        except DB_ERRORS:
+            logger.warning(
+                "could not free the key's place kept for job %s kind=%s attempt=%s; it "
+                "frees within STALE_AFTER", attempt.job.id, attempt.job.kind, attempt.job.attempt,
+                exc_info=True, extra=log_context(attempt.job, self.state.name),
+            )  # fmt: skip
+            reset_connection()
 
     def _give_back_late(self, attempt: Attempt) -> None:
         """Give back, unstarted, a job claimed under a rate whose handler could not start

@@ -23,6 +23,7 @@ import time
 from . import db, fleet, sql
 from .conf import AwaSettings
 from .execute import Attempt, write_progress
+from .kinds import registry
 from .state import DB_ERRORS, WorkerState, reset_connection
 
 logger = logging.getLogger(__name__)
@@ -138,3 +139,29 @@ class Heartbeat:
             if attempt.job.id not in alive and running.get(attempt.job.id) is attempt:
                 # Cancelled, rescued or finalized meanwhile: tell the handler.
                 attempt.cancelled.set()
+        self.renew_held_leases(attempts)
+
+    def renew_held_leases(self, attempts: list[Attempt]) -> None:
+        """Keep the key's place of lost attempts whose handler still runs.
+
+        A cancel or a rescue of an attempt of a kind with
+        ``awa.Limit(concurrency=...)`` keeps its lease for ``STALE_AFTER``
+        (``sql._released``) while its handler may still run here; renewed
+        each heartbeat until the handler returns (``HandlerPool.execute``
+        deletes it then). Nothing to do, and no statement, for any other.
+        """
+        leased = registry.leased_kinds()
+        if not leased:
+            return
+        lost = [a for a in attempts if a.cancelled.is_set() and a.job.kind in leased]
+        if not lost:
+            return
+        with db.cursor(self.state.alias) as cursor:
+            cursor.execute(
+                sql.RENEW_HELD_LEASES,
+                {
+                    "id": db.int_array(a.job.id for a in lost),
+                    "run_lease": db.int_array(a.job.run_lease for a in lost),
+                    "stale_after": self.state.conf.stale_after,
+                },
+            )

@@ -481,7 +481,9 @@ class LimitLease(models.Model):
     names the attempt holding it (``job_id``, ``run_lease``); it is deleted in
     the transaction that takes the attempt out of ``running``, and a lease whose
     attempt is no longer running (a write that left it, a job deleted) is stale:
-    the next claim of its slot takes it over.
+    the next claim of its slot takes it over. Except while ``held_until`` is
+    ahead: a cancel or a rescue took the attempt out of ``running`` while its
+    handler still ran in a live worker, which renews it until the handler returns.
     """
 
     id = models.BigAutoField(primary_key=True)
@@ -491,6 +493,7 @@ class LimitLease(models.Model):
     job_id = models.BigIntegerField()
     run_lease = models.BigIntegerField()
     taken_at = models.DateTimeField(default=timezone.now, db_default=Now())
+    held_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "awa_limit_lease"

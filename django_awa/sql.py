@@ -460,10 +460,13 @@ fits AS (
 # Primary key lookup, one per lease: a scalar subquery, which the planner keeps
 # as such (an EXISTS it turns into a join, and without statistics it chose a
 # sequential scan of awa_job to hash against every lease).
-_LEASE_HELD = """coalesce((
+# Also held, whatever its row says, while its held_until is ahead: a cancel or
+# a rescue took its attempt out of running while the handler still ran in a
+# live worker, which renews it until the handler returns (_released below).
+_LEASE_HELD = """(coalesce({l}.held_until > now(), false) OR coalesce((
             SELECT true FROM ONLY awa_job AS x WHERE x.id = {l}.job_id
               AND (x.run_lease < {l}.run_lease
-                   OR (x.run_lease = {l}.run_lease AND x.state = 'running'))), false)"""
+                   OR (x.run_lease = {l}.run_lease AND x.state = 'running'))), false))"""
 
 # -- CLAIM_LIMITED --
 # The claim of a queue under limits (its own, or its kinds' awa.Limit), run
@@ -515,7 +518,8 @@ leased AS (
     CROSS JOIN t
     ORDER BY f.kind, f.gkey, s.slot
     ON CONFLICT (kind, key, slot) DO UPDATE
-    SET job_id = excluded.job_id, run_lease = excluded.run_lease, taken_at = excluded.taken_at
+    SET job_id = excluded.job_id, run_lease = excluded.run_lease, taken_at = excluded.taken_at,
+        held_until = NULL
     WHERE NOT {_LEASE_HELD.format(l="l")}
     RETURNING l.job_id
 ),
@@ -833,7 +837,8 @@ leased AS (
     WHERE f.conc IS NOT NULL
     ORDER BY f.kind, f.gkey, f.slot
     ON CONFLICT (kind, key, slot) DO UPDATE
-    SET job_id = excluded.job_id, run_lease = excluded.run_lease, taken_at = excluded.taken_at
+    SET job_id = excluded.job_id, run_lease = excluded.run_lease, taken_at = excluded.taken_at,
+        held_until = NULL
     WHERE NOT {_LEASE_HELD.format(l="l")}
     RETURNING l.job_id
 )
@@ -1408,29 +1413,53 @@ COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %
 # locked at that instant (its ON CONFLICT met it) is skipped, never waited
 # for: it is stale once this commits, and the next claim of its slot takes
 # it over. Batches without such kinds run the plain forms and pay nothing.
-def _released(ids: str, *, exact: bool) -> str:
+# The exact forms (an attempt's own outcome, its handler done) also delete a
+# lease a cancel or rescue kept for the attempt (held_until set, see below),
+# whether or not the row was still the attempt's to write.
+#
+# A cancel or a rescue (CANCEL_JOBS, RESCUE) of an attempt whose handler may
+# still run in a live worker (the row is running and its heartbeat is fresh,
+# within %(stale_after)s) keeps its lease instead: held_until set STALE_AFTER
+# ahead, so the key's place stays taken while a handler that ignores
+# is_cancelled() goes on. The worker renews it (RENEW_HELD_LEASES) until the
+# handler returns, then deletes it (RELEASE_HELD_LEASES, or the outcome's own
+# write); a worker that died renews nothing and the place frees once
+# held_until passes, as its attempts' would be rescued.
+def _released(ids: str, *, exact: bool, kept: str | None = None) -> str:
     """The CTE deleting the leases of the jobs ``ids`` (a subquery) writes; with
-    ``exact``, only those of the attempts named by %(id)s and %(run_lease)s."""
+    ``exact``, only those of the attempts named by %(id)s and %(run_lease)s. With
+    ``kept`` (a subquery of job ids), those jobs' leases are kept, held_until set."""
     if exact:
         match = """JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
           ON l.job_id = a.id AND l.run_lease = a.run_lease
-        WHERE a.id IN ({ids})"""
+        WHERE a.id IN ({ids}) OR l.held_until IS NOT NULL"""
     else:
         match = "WHERE l.job_id IN ({ids})"
-    return f"""released AS (
+    if kept is not None:
+        match += f" AND l.job_id NOT IN ({kept})"
+    released = f"""released AS (
     DELETE FROM awa_limit_lease WHERE id IN (
         SELECT l.id FROM awa_limit_lease AS l
         {match.format(ids=ids)}
         FOR UPDATE OF l SKIP LOCKED)
+)"""
+    if kept is None:
+        return released
+    return f"""{released},
+held AS (
+    UPDATE awa_limit_lease AS l
+    SET held_until = now() + make_interval(secs => %(stale_after)s)
+    WHERE l.job_id IN ({ids}) AND l.job_id IN ({kept})
 )"""
 
 
 _UPDATE_HEAD = "\nUPDATE ONLY awa_job AS j"
 
 
-def _releasing(statement: str, *, exact: bool = True) -> str:
+def _releasing(statement: str, *, exact: bool = True, kept: str | None = None) -> str:
     """``statement`` (a WITH ... UPDATE ONLY awa_job AS j ... RETURNING, or a
-    _COMPLETE form) with the leases of the attempts it writes released."""
+    _COMPLETE form) with the leases of the attempts it writes released (``kept``:
+    see _released)."""
     if statement.endswith(_COMPLETE_TAIL):
         ids = "SELECT id FROM kept UNION ALL SELECT id FROM gone"
         head = statement[: -len(_COMPLETE_TAIL)]
@@ -1439,7 +1468,7 @@ def _releasing(statement: str, *, exact: bool = True) -> str:
     if not statement.lstrip().startswith("WITH"):  # pragma: no cover - by construction
         raise RuntimeError("_releasing: not a WITH ... UPDATE statement")
     head, tail = statement[:at], statement[at:]
-    released = _released("SELECT id FROM w", exact=exact)
+    released = _released("SELECT id FROM w", exact=exact, kept=kept)
     return f"{head},\nw AS ({tail}\n),\n{released}\nSELECT * FROM w\n"
 
 
@@ -1487,6 +1516,26 @@ beat AS (
     RETURNING j.id
 )
 SELECT id FROM held
+"""
+
+# -- RENEW_HELD_LEASES --
+# A worker's lost attempts (cancelled, rescued) of kinds with
+# awa.Limit(concurrency=...) whose handler still runs: the leases a cancel or a
+# rescue kept for them (held_until set, see _released) stay held for
+# %(stale_after)s more. Primary key lookups (awa_limit_lease_job_idx).
+RENEW_HELD_LEASES = """
+UPDATE awa_limit_lease AS l SET held_until = now() + make_interval(secs => %(stale_after)s)
+FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
+WHERE l.job_id = a.id AND l.run_lease = a.run_lease AND l.held_until IS NOT NULL
+"""
+
+# -- RELEASE_HELD_LEASES --
+# The handlers of these lost attempts returned (or never began): the leases
+# kept for them go. One the claim holds locked at that instant is waited for.
+RELEASE_HELD_LEASES = """
+DELETE FROM awa_limit_lease AS l
+USING unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
+WHERE l.job_id = a.id AND l.run_lease = a.run_lease AND l.held_until IS NOT NULL
 """
 
 # -- SET_PROGRESS --
@@ -1587,7 +1636,9 @@ victims AS (
 locked AS (
     -- Re-checked on the locked row version: a heartbeat or finalize that
     -- committed since the scan keeps the job out.
-    SELECT j.id FROM ONLY awa_job AS j
+    SELECT j.id, j.state = 'running'
+                 AND j.heartbeat_at >= now() - make_interval(secs => %(stale_after)s) AS live
+    FROM ONLY awa_job AS j
     WHERE j.id IN (SELECT id FROM victims)
       AND ((j.state = 'running'
             AND (j.heartbeat_at < now() - make_interval(secs => %(stale_after)s)
@@ -1606,7 +1657,9 @@ FROM locked JOIN victims AS v ON v.id = locked.id
 WHERE j.id = locked.id
 RETURNING v.reason, {J_JOB_COLUMNS}
 """
-RESCUE = _releasing(RESCUE, exact=False)
+# Past its deadline with a fresh heartbeat, an attempt's handler still runs in
+# its worker: its key's lease is kept (_released).
+RESCUE = _releasing(RESCUE, exact=False, kept="SELECT id FROM locked WHERE live")
 
 # -- POSTPONE_PENDING --
 # A pending follow-up's insert failed again: count the try, keep the error and
@@ -2013,7 +2066,10 @@ RETURNING {JOB_COLUMNS}
 # previous state, so running attempts can be told through NOTIFY awa_cancel.
 CANCEL_JOBS = f"""
 WITH old AS (
-    SELECT id, state FROM ONLY awa_job
+    SELECT id, state,
+           state = 'running'
+           AND heartbeat_at >= now() - make_interval(secs => %(stale_after)s) AS live
+    FROM ONLY awa_job
     WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
     ORDER BY id
     FOR UPDATE
@@ -2026,7 +2082,9 @@ FROM old
 WHERE j.id = old.id
 RETURNING old.state, {J_JOB_COLUMNS}
 """
-CANCEL_JOBS = _releasing(CANCEL_JOBS, exact=False)
+# A running attempt with a fresh heartbeat (%(stale_after)s): its handler may go
+# on in its worker, and its key's lease is kept (_released).
+CANCEL_JOBS = _releasing(CANCEL_JOBS, exact=False, kept="SELECT id FROM old WHERE live")
 
 # -- MOVE_JOBS --
 # Move a batch of jobs that wait to run (not running, not finished) to another

@@ -49,6 +49,7 @@ from django_awa.state import SharedConcurrency, WorkerState
 from tests.conftest import WorkerProcess, generic_plan, wait_for
 from tests.testapp.jobs import (
     CappedSpan,
+    DeadlineKeyedSpan,
     KeyedSpan,
     PairedSpan,
     RatedSpan,
@@ -626,8 +627,13 @@ def test_concurrency_two_per_key_uses_slots_one_and_two_and_a_lowered_limit_hold
     assert [slot for _, key, slot, _, _ in _leases() if key == '["a"]'] == [1, 2]
 
 
-def _rescue(job_id: int) -> None:
+def _stale(job_id: int) -> None:
+    """Make the job's heartbeat stale, as its worker's death leaves it."""
     Job.objects.filter(id=job_id).update(heartbeat_at=timezone.now() - dt.timedelta(hours=1))
+
+
+def _rescue(job_id: int) -> None:
+    _stale(job_id)
     with connection.cursor() as cursor:
         cursor.execute(sql.RESCUE, {"stale_after": 60, "limit": 100})
         assert [row[1] for row in cursor.fetchall()] == [job_id]
@@ -649,7 +655,9 @@ OUTCOMES: dict[str, tuple[Callable[[Job], None], str]] = {
         JobState.WAITING_EXTERNAL,
     ),
     "give_back": (lambda job: finalize([unstarted(job)], "default"), JobState.AVAILABLE),
-    "cancel": (lambda job: awa.cancel(job.id), JobState.CANCELLED),
+    # Its worker dead (a stale heartbeat): no handler runs, the key is free at once
+    # (test_a_cancel_or_rescue_keeps_the_key_of_a_handler_that_may_still_run).
+    "cancel": (lambda job: (_stale(job.id), awa.cancel(job.id)), JobState.CANCELLED),
     # RESCUE itself (Maintenance.rescue then also sweeps stale leases).
     "rescue": (lambda job: _rescue(job.id), JobState.RETRYABLE),
 }
@@ -685,6 +693,53 @@ def test_every_way_out_of_running_gives_the_key_back(outcome: str, path: str) ->
     assert Job.objects.get(id=ids[0]).state == state
     assert _leases() == [], f"{outcome} left the lease of key a behind"
     assert [j.id for j in _claim_by(path, limits, 1)] == [ids[1]]
+
+
+@pytest.mark.parametrize("path", ["keyed", "locked"])
+@pytest.mark.parametrize("way", ["cancel", "rescue"])
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_or_rescue_keeps_the_key_of_a_handler_that_may_still_run(
+    way: str, path: str
+) -> None:
+    ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1)])
+    limits = producer.queue_limits("bykey", "default")
+    [job] = _claim_by(path, limits)
+    # Its heartbeat is fresh: its worker lives and its handler may go on, whatever
+    # the row says now.
+    if way == "cancel":
+        awa.cancel(job.id)
+    else:
+        Job.objects.filter(id=job.id).update(deadline_at=timezone.now() - dt.timedelta(seconds=1))
+        Maintenance().rescue()  # RESCUE, then the sweep of stale leases
+    assert Job.objects.get(id=job.id).state != JobState.RUNNING
+    [lease] = LimitLease.objects.all()
+    assert (lease.job_id, lease.run_lease) == (job.id, job.run_lease)
+    assert lease.held_until is not None
+    assert _claim_by(path, limits) == []
+    Maintenance().rescue()
+    assert LimitLease.objects.count() == 1  # not swept: it is held
+    # Its worker renews it while the handler runs; the handler returned: freed.
+    with connection.cursor() as cursor:
+        params = {"id": [job.id], "run_lease": [job.run_lease], "stale_after": 60}
+        cursor.execute(sql.RENEW_HELD_LEASES, params)
+        assert cursor.rowcount == 1
+        cursor.execute(sql.RELEASE_HELD_LEASES, params)
+    assert _leases() == []
+    assert [j.id for j in _claim_by(path, limits)] == [ids[1]]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kept_lease_its_worker_no_longer_renews_frees_when_it_runs_out() -> None:
+    ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1)])
+    limits = producer.queue_limits("bykey", "default")
+    assert _claim_keyed(limits) == [ids[0]]
+    awa.cancel(ids[0])
+    assert _claim_keyed(limits) == []
+    # Its worker died with the handler: nothing renews the lease, which runs out.
+    LimitLease.objects.update(held_until=timezone.now() - dt.timedelta(seconds=1))
+    assert _claim_keyed(limits) == [ids[1]]
+    assert _leases() == [("keyed_span", '["a"]', 1, ids[1], 1)]
+    assert LimitLease.objects.get().held_until is None
 
 
 @pytest.mark.django_db(transaction=True)
@@ -729,6 +784,42 @@ def test_a_killed_workers_keys_free_when_its_jobs_are_rescued(start_worker) -> N
     finished = "kind = 'keyed_span' AND ended_at IS NOT NULL"
     assert max_overlap(finished + " AND key = 'a'") == 1
     assert max_overlap(finished) >= 2
+
+
+@pytest.mark.slow
+def test_a_cancelled_or_rescued_attempt_keeps_its_key_while_its_live_handler_runs(
+    start_worker,
+) -> None:
+    # A sync handler that ignores is_cancelled() goes on after its attempt is
+    # cancelled or rescued past its deadline; while its worker lives, its key's
+    # place stays taken until it returns, or the next job of the key would run
+    # beside it (a partner API allowing one call per account at a time, say).
+    worker = start_worker("--queue", "bykey=4", "--queue", "deadkey=4")
+    wait_for(lambda: "listening for new jobs" in worker.output(), 30)
+    cancelled = awa.enqueue(KeyedSpan(key="c", n=0, seconds=3))
+    # The first attempt runs 4.5 s, past its deadline of 2 s: rescued meanwhile.
+    rescued = awa.enqueue(DeadlineKeyedSpan(key="d", n=0, first_seconds=4.5, seconds=0.05))
+    wait_for(lambda: FlowRun.objects.filter(n=0).count() == 2, 20)
+    awa.enqueue_many([KeyedSpan(key="c", n=i, seconds=0.05) for i in (1, 2)])
+    awa.enqueue_many([DeadlineKeyedSpan(key="d", n=i, seconds=0.05) for i in (1, 2)])
+    awa.cancel(cancelled.id)
+    all_finished("keyed_span", 3)
+    all_finished("deadline_keyed_span", 3)
+    assert Job.objects.get(id=cancelled.id).state == JobState.CANCELLED
+    job = Job.objects.get(id=rescued.id)
+    assert job.state == JobState.COMPLETED and job.attempt == 2, (job.state, job.attempt)
+    assert job.errors[0]["error"] == "rescued: deadline exceeded", job.errors
+    # Both first handlers ran to their end (none was abandoned), and no other job
+    # of their key ran beside them.
+    assert FlowRun.objects.filter(n=0, ended_at__isnull=True).count() == 0
+    assert overlaps_within_key("keyed_span") == 0, "key c ran beside its cancelled handler"
+    assert overlaps_within_key("deadline_keyed_span") == 0, "key d ran beside its rescued one"
+    for kind in ("keyed_span", "deadline_keyed_span"):
+        # Freed when the handler returned (not left to expire, STALE_AFTER later).
+        first, *others = FlowRun.objects.filter(kind=kind).order_by("started_at")
+        gap = (others[0].started_at - first.ended_at).total_seconds()
+        assert gap < 2, f"{kind}: the key's next job began {gap:.1f}s after the handler returned"
+    wait_for(lambda: _leases() == [], 10)
 
 
 def test_two_per_key_holds_across_three_workers_and_uses_both_slots(start_worker) -> None:

@@ -607,6 +607,11 @@ class TimedKeyedSpan(Span):
 
 
 @dataclass
+class DeadlineKeyedSpan(Span):
+    """At most one running per key, fleet-wide; an attempt's deadline is two seconds."""
+
+
+@dataclass
 class TimedSpan(Span):
     """On a queue of global_concurrency 2; an attempt times out after a second."""
 
@@ -643,6 +648,13 @@ awa.worker(RatedSpan, queue="keyrate", limit=awa.Limit(rate="4/s", by="key"))(sp
 awa.worker(TimedKeyedSpan, queue="timedkey", timeout=1, limit=awa.Limit(concurrency=1, by="key"))(
     span
 )
+awa.worker(
+    DeadlineKeyedSpan,
+    queue="deadkey",
+    deadline=2,
+    max_attempts=3,
+    limit=awa.Limit(concurrency=1, by="key"),
+)(span)
 awa.worker(TimedSpan, queue="timedglob", timeout=1, max_attempts=3)(span)
 awa.worker(SequencedSpan, queue="seq", max_attempts=3, sequence="key")(span)
 
