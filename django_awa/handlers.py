@@ -683,6 +683,10 @@ class HandlerPool:
             if written is not None:
                 notify_freed(self.state, [written])
                 self.state.tally.record([written], self.state.running)
+            else:
+                # Stale: cancelled or rescued, perhaps before the worker heard of it.
+                # Lost all the same: a key's place kept for it goes now (execute).
+                attempt.cancelled.set()
         except DB_ERRORS as exc:
             # The transaction rolled back, or its commit's acknowledgement was
             # lost: the completer records the attempt as failed. Its write is
