@@ -147,8 +147,8 @@ DESCRIPTIONS: dict[str, str] = {
         "started with `--database` naming another alias listens on that alias."
     ),
     "METRICS_TOKEN": (
-        "A bearer token that lets a scraper read `<prefix>/metrics` without a staff login; "
-        "`None`: staff users only."
+        "A bearer token (printable ASCII, no surrounding whitespace) that lets a scraper read "
+        "`<prefix>/metrics` without a staff login; `None`: staff users only."
     ),
     "WORKER_CONCURRENCY": (
         "One cap on the jobs a worker process runs at once over all its queues, shared by "
@@ -309,6 +309,11 @@ def _importable(name: str) -> bool:
         return False
 
 
+def _header_text(text: str) -> bool:
+    """Whether ``text`` is printable ASCII, which an HTTP header carries as it is."""
+    return all(" " <= char <= "~" for char in text)
+
+
 def raw_settings() -> dict[str, Any]:
     return dict(getattr(settings, "AWA", None) or {})
 
@@ -369,6 +374,18 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
         token = raw["METRICS_TOKEN"]
         if token is not None and (not isinstance(token, str) or not token.strip()):
             found.append(("METRICS_TOKEN", "AWA['METRICS_TOKEN'] must be a non-empty string"))
+        elif token is not None and (token != token.strip() or not _header_text(token)):
+            # The receiver strips the header's token and compares its text as
+            # the server decoded it (latin-1): such a token could never match,
+            # and every scrape would get a 401 saying only that a token is needed.
+            found.append(
+                (
+                    "METRICS_TOKEN",
+                    "AWA['METRICS_TOKEN'] must be printable ASCII without leading or trailing "
+                    "whitespace (a line end read from a file?): no Authorization header "
+                    f"could carry {token!r}",
+                )
+            )
     if "OPENTELEMETRY" in raw:
         otel = raw["OPENTELEMETRY"]
         if otel not in (None, True, False):

@@ -199,3 +199,23 @@ def test_a_bad_metrics_token_is_a_check_error_naming_the_key(token: Any):
     assert ("METRICS_TOKEN", "AWA['METRICS_TOKEN'] must be a non-empty string") in problems(
         {"METRICS_TOKEN": token}
     )
+
+
+@pytest.mark.parametrize("token", ["s3cret\n", " s3cret", "s3cret\t", "pässwort", "a\x00b"])
+def test_a_metrics_token_no_header_could_carry_is_a_check_error(token: str):
+    """A token read from a file with its line end, or with non-ASCII text, never matched
+    the stripped, latin-1-decoded header: every scrape got a 401. The check says so."""
+    from django_awa.conf import problems
+
+    found = dict(problems({"METRICS_TOKEN": token}))
+    assert "printable ASCII without leading or trailing whitespace" in found["METRICS_TOKEN"]
+    assert repr(token) in found["METRICS_TOKEN"]
+
+
+@pytest.mark.parametrize("token", ["s3cret", "a-Z_0.9~+/=", "two words", "!#$%&'*"])
+def test_a_printable_ascii_metrics_token_is_accepted_and_opens_the_metrics(token: str):
+    from django_awa.conf import problems
+
+    assert problems({"METRICS_TOKEN": token}) == []
+    with override_settings(AWA=_awa(METRICS_TOKEN=token)):
+        assert Client().get(METRICS, HTTP_AUTHORIZATION=f"Bearer {token}").status_code == 200
