@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.contrib.sessions.models import Session
 from django.db import connection
 from django.db.models import Sum
 from django.test import Client
@@ -24,7 +25,13 @@ from django_awa import dashboard, sql
 from django_awa.maintenance import Maintenance
 from django_awa.models import JobCount, JobState, StatDelta, StatMinute
 from tests.conftest import make_job, wait_for, wait_for_state
-from tests.test_admin import SCREENSHOTS, browser, login, superuser  # noqa: F401 (fixtures)
+from tests.test_admin import (  # noqa: F401 (fixtures)
+    SCREENSHOTS,
+    browser,
+    login,
+    superuser,
+    viewer,
+)
 from tests.testapp.jobs import Act, Pay
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -238,3 +245,53 @@ def test_the_dashboard_draws_real_outcomes_and_redraws_without_a_reload(
     assert page.locator("#awa-total-completed").inner_text() == "4"
     assert worker.stop() == 0
     assert JobCount.objects.exists()
+
+
+def test_a_dashboard_whose_session_ended_says_so_and_stops_polling(
+    login: Any,  # noqa: F811
+    superuser: Any,  # noqa: F811
+):
+    """Signed out in another tab (or the session expired): the data endpoint redirects
+    to the login page. The page said "could not refresh (Unexpected token '<' ...)" and
+    fetched the login page every second for as long as it stayed open."""
+    page = login(superuser)
+    page.goto(f"{DASHBOARD_URL}?refresh=1")
+    page.wait_for_function(
+        "document.getElementById('awa-dashboard-status').textContent.startsWith('as of')"
+    )
+    Session.objects.all().delete()
+    fetched: list[str] = []
+    page.on("request", lambda request: fetched.append(request.url))
+    status = page.locator("#awa-dashboard-status")
+    page.wait_for_function(
+        "!document.getElementById('awa-dashboard-status').textContent.startsWith('as of')",
+        timeout=10_000,
+    )
+    assert status.inner_text() == "signed out: sign in again and reload this page to refresh"
+    seen = len(fetched)
+    page.wait_for_timeout(3_000)
+    assert len(fetched) == seen, fetched[seen:]
+
+
+def test_a_dashboard_whose_user_lost_view_job_says_so_and_stops_polling(
+    login: Any,  # noqa: F811
+    viewer: Any,  # noqa: F811
+):
+    page = login(viewer)
+    page.goto(f"{DASHBOARD_URL}?refresh=1")
+    page.wait_for_function(
+        "document.getElementById('awa-dashboard-status').textContent.startsWith('as of')"
+    )
+    viewer.user_permissions.clear()
+    fetched: list[str] = []
+    page.on("request", lambda request: fetched.append(request.url))
+    page.wait_for_function(
+        "!document.getElementById('awa-dashboard-status').textContent.startsWith('as of')",
+        timeout=10_000,
+    )
+    assert page.locator("#awa-dashboard-status").inner_text() == (
+        "no longer allowed to view jobs: the figures shown are not refreshed"
+    )
+    seen = len(fetched)
+    page.wait_for_timeout(3_000)
+    assert len(fetched) == seen, fetched[seen:]

@@ -203,26 +203,46 @@
     root.setAttribute("data-updated", data.now);
   }
 
+  // Set when asking again cannot help: the session ended or the permission went.
+  var stopped = null;
+
   function poll() {
     fetch(dataUrl + "?window=" + encodeURIComponent(windowName), {
       credentials: "same-origin",
       headers: { Accept: "application/json" },
     })
       .then(function (response) {
+        // Signed out (or the session expired), the admin answers with a redirect
+        // to its login page, which fetch follows: an HTML page, not the data.
+        // The endpoint itself never redirects.
+        if (response.redirected) {
+          stopped = "signed out: sign in again and reload this page to refresh";
+          return null;
+        }
+        if (response.status === 403) {
+          stopped = "no longer allowed to view jobs: the figures shown are not refreshed";
+          return null;
+        }
         if (!response.ok) {
           throw new Error("HTTP " + response.status);
         }
         return response.json();
       })
       .then(function (fresh) {
-        data = fresh;
-        render();
+        if (fresh !== null) {
+          data = fresh;
+          render();
+        }
       })
       .catch(function (error) {
         status.textContent = "could not refresh (" + error.message + "); trying again";
       })
       .then(function () {
-        window.setTimeout(poll, refresh);
+        if (stopped === null) {
+          window.setTimeout(poll, refresh);
+        } else {
+          status.textContent = stopped;
+        }
       });
   }
 
