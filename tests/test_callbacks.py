@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import hmac
+import io
 import json
 import re
 import shlex
@@ -1277,6 +1278,65 @@ def test_a_body_over_data_upload_max_memory_size_is_413(settings):
     before = snapshot(job.id)
     response = post(job.callback_id, "complete", {"payload": "x" * 200})
     assert response.status_code == 413
+    _unchanged(job, before)
+
+
+def post_chunked(path: str, raw: str, headers: dict[str, str], terminated: bool = True) -> Any:
+    """A POST as gunicorn hands a chunked one to Django: no Content-Length, the body
+    de-chunked in wsgi.input, ``wsgi.input_terminated`` set (when ``terminated``)."""
+    extra: dict[str, Any] = {"CONTENT_LENGTH": "", "HTTP_TRANSFER_ENCODING": "chunked"}
+    # A stream that ends with the body, as gunicorn's (the test client's asserts
+    # on a read past the length it was given).
+    extra["wsgi.input"] = io.BytesIO(raw.encode())
+    if terminated:
+        extra["wsgi.input_terminated"] = True
+    return Client().post(path, data=raw, content_type="application/json", headers=headers, **extra)
+
+
+def test_a_chunked_callback_without_content_length_is_read_and_applied():
+    """Django's WSGI request reads no body without a Content-Length: a sender that
+    streamed its body (chunked) got "bad signature", and the batch "body must be
+    {"callbacks": [...]}", though both were right."""
+    job = parked_row()
+    raw = json.dumps({"payload": {"ok": 1}})
+    response = post_chunked(
+        url(job.callback_id, "complete"), raw, good(raw, job.callback_id, "complete")
+    )
+    assert response.status_code == 200, response.content
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+    other = parked_row()
+    body = json.dumps({"callbacks": [entry(other.callback_id, {"ok": 2})]})
+    response = post_chunked(reverse("django_awa:callback_batch"), body, {})
+    assert response.status_code == 200, response.content
+    assert response.json()["results"][0]["status"] == 200
+    assert Job.objects.get(id=other.id).state == JobState.COMPLETED
+
+
+def test_a_chunked_callback_over_the_limit_is_413(settings):
+    job = parked_row()
+    before = snapshot(job.id)
+    raw = json.dumps({"payload": "x" * MAX_BODY})
+    response = post_chunked(
+        url(job.callback_id, "complete"), raw, good(raw, job.callback_id, "complete")
+    )
+    assert response.status_code == 413, response.content
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 100
+    raw = json.dumps({"payload": "x" * 200})
+    response = post_chunked(
+        url(job.callback_id, "complete"), raw, good(raw, job.callback_id, "complete")
+    )
+    assert response.status_code == 413, response.content
+    _unchanged(job, before)
+
+
+def test_a_chunked_callback_the_server_cannot_read_to_its_end_is_411():
+    job = parked_row()
+    before = snapshot(job.id)
+    raw = json.dumps({"payload": 1})
+    headers = good(raw, job.callback_id, "complete")
+    response = post_chunked(url(job.callback_id, "complete"), raw, headers, terminated=False)
+    assert response.status_code == 411, response.content
+    assert "Content-Length" in response.json()["error"]
     _unchanged(job, before)
 
 
