@@ -378,12 +378,18 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
             # The receiver strips the header's token and compares its text as
             # the server decoded it (latin-1): such a token could never match,
             # and every scrape would get a 401 saying only that a token is needed.
+            # Named by its fault, never shown: it is a secret, and checks are logged.
+            fault = (
+                "has leading or trailing whitespace (a line end read from a file?)"
+                if token != token.strip()
+                else "holds characters other than printable ASCII"
+            )
             found.append(
                 (
                     "METRICS_TOKEN",
-                    "AWA['METRICS_TOKEN'] must be printable ASCII without leading or trailing "
-                    "whitespace (a line end read from a file?): no Authorization header "
-                    f"could carry {token!r}",
+                    f"AWA['METRICS_TOKEN'] {fault}: no Authorization header could carry it, "
+                    "so every scrape would get a 401; use printable ASCII without surrounding "
+                    "whitespace",
                 )
             )
     if "OPENTELEMETRY" in raw:
