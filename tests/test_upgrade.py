@@ -189,6 +189,17 @@ class Release:
         assert done.returncode == 0, f"{self.name}: {what} failed:\n{output}\n{errors[-4000:]}"
         return output
 
+    def start(self, role: str, *args: str) -> subprocess.Popen[bytes]:
+        """``python ARGS`` with this release's code, in the background; its output, stdout
+        and stderr together, read by ``communicate()``."""
+        return subprocess.Popen(
+            [sys.executable, *args],
+            cwd=self.root,
+            env=self.env(role=role),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+
     def migrate(self, timeout: float = 120) -> float:
         """``migrate`` (plus the test app's tables); returns how long it took."""
         started = time.monotonic()
@@ -647,21 +658,8 @@ def test_going_back_keeps_a_completion_committed_while_it_runs(upgrade_db: str) 
             "INSERT INTO awa_job_done_current SELECT * FROM gone",
             {"id": job_id},
         )
-        going_back = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "django",
-                "migrate",
-                "django_awa",
-                BEFORE_SEGMENTS,
-                "--no-input",
-                "-v0",
-            ],
-            cwd=ROOT,
-            env=new.env(role="back"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+        going_back = new.start(
+            "back", "-m", "django", "migrate", "django_awa", BEFORE_SEGMENTS, "--no-input", "-v0"
         )
         try:
             # Going back waits for the completion's lock (before the fix: to drop
@@ -703,12 +701,8 @@ def test_an_index_build_interrupted_and_run_again_is_valid(upgrade_db: str) -> N
         db = Upgrade(conn)
         writer.autocommit = False
         writer.execute("INSERT INTO awa_job_done SELECT * FROM ONLY awa_job WHERE false")
-        interrupted = subprocess.Popen(
-            [sys.executable, "-m", "django", "migrate", "django_awa", "0013", "--no-input"],
-            cwd=ROOT,
-            env=new.env(role="0013"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+        interrupted = new.start(
+            "0013", "-m", "django", "migrate", "django_awa", "0013", "--no-input"
         )
         try:
             wait_for(
