@@ -60,6 +60,8 @@ from .fleet import live
 from .fleet_admin import running_worker
 from .kinds import registry
 from .models import (
+    Dashboard,
+    DeadLetter,
     Job,
     JobCount,
     JobQuerySet,
@@ -1012,16 +1014,20 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
             + "?"
             + urlencode({"state__exact": JobState.FAILED}),
         }
-        user = request.user
-        if user.has_perm("django_awa.view_job") or user.has_perm("django_awa.view_queue"):
-            links["awa_queues_url"] = reverse("admin:django_awa_queue_changelist")
-        if user.has_perm("django_awa.view_job") or user.has_perm("django_awa.change_job"):
-            links["awa_dead_letters_url"] = reverse("admin:django_awa_deadletter_changelist")
-            links["awa_dashboard_url"] = reverse("admin:django_awa_dashboard_changelist")
-        if user.has_perm("django_awa.view_pendingfollowup"):
-            links["awa_pending_url"] = reverse("admin:django_awa_pendingfollowup_changelist")
-        if user.has_perm("django_awa.view_periodicschedule"):
-            links["awa_periodic_url"] = reverse("admin:django_awa_periodicschedule_changelist")
+        # Each page's own admin decides, as its changelist does when opened: a
+        # user with only change_queue, say, may open the queues.
+        for key, model in (
+            ("awa_queues_url", Queue),
+            ("awa_dead_letters_url", DeadLetter),
+            ("awa_dashboard_url", Dashboard),
+            ("awa_pending_url", PendingFollowup),
+            ("awa_periodic_url", PeriodicSchedule),
+        ):
+            if not self.admin_site.is_registered(model):
+                continue  # a project's own admin site without it
+            if self.admin_site.get_model_admin(model).has_view_or_change_permission(request):
+                opts = model._meta
+                links[key] = reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist")
         return links
 
     # -- detail ------------------------------------------------------------

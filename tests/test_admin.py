@@ -849,3 +849,36 @@ def test_queue_limits_form_refuses_a_bad_number_and_needs_change_permission(
     client.force_login(viewer)
     assert client.post(QUEUES_URL, {**form, "global_concurrency": "3"}).status_code == 403
     assert not Queue.objects.filter(name="mail").exists()
+
+
+@pytest.mark.parametrize(
+    "codenames",
+    [
+        ("view_job",),
+        ("change_job",),
+        ("view_job", "change_queue"),
+        ("view_job", "change_periodicschedule"),
+        ("view_job", "view_pendingfollowup"),
+    ],
+)
+def test_the_job_list_links_exactly_the_awa_pages_the_user_may_open(
+    transactional_db: Any, codenames: tuple[str, ...]
+) -> None:
+    # A staff user with change_job alone, or change_queue, could open the queues
+    # page but found no link to it; the same for the periodic schedules.
+    user = User.objects.create_user("staff", password=None, is_staff=True)
+    user.user_permissions.add(
+        *Permission.objects.filter(content_type__app_label="django_awa", codename__in=codenames)
+    )
+    client = Client()
+    client.force_login(user)
+    job_list = client.get(reverse("admin:django_awa_job_changelist"))
+    assert job_list.status_code == 200
+    # The page's own shortcuts (the sidebar lists the models apart).
+    tools = re.search(r'<ul class="object-tools">(.*?)</ul>', job_list.content.decode(), re.S)
+    assert tools is not None
+    for page in ("queue", "deadletter", "dashboard", "pendingfollowup", "periodicschedule"):
+        url = reverse(f"admin:django_awa_{page}_changelist")
+        opens = client.get(url).status_code == 200
+        linked = f'href="{url}"' in tools.group(1)
+        assert linked == opens, f"{codenames}: {page} page opens={opens}, linked={linked}"

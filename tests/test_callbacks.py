@@ -877,6 +877,23 @@ def test_each_action_answers_200_with_id_and_state(action, body, state):
         assert followups(job.id) == []
 
 
+def test_a_callback_id_written_in_uppercase_reaches_its_job():
+    # Some platforms print a UUID in uppercase; Django's uuid converter took only
+    # lowercase, and such a sender's every callback got a 404.
+    job = parked_row()
+    upper = str(job.callback_id).upper()
+    raw = json.dumps({"payload": {"ok": True}})
+    response = Client().post(
+        f"/awa/callbacks/{upper}/complete",
+        data=raw,
+        content_type="application/json",
+        headers=sign(raw, SECRET, callback_id=upper, action="complete"),
+    )
+    assert response.status_code == 200, response.content
+    assert Job.objects.get(id=job.id).state == "completed"
+    assert url(upper, "complete") == f"/awa/callbacks/{job.callback_id}/complete"
+
+
 def test_no_csrf_token_is_needed_even_with_a_session():
     job = parked_row()
     client = Client(enforce_csrf_checks=True)
