@@ -10,9 +10,11 @@ jobs finish, up to ``SHUTDOWN_TIMEOUT``; prefetched ones go back, their
 attempt unused) and exits with ``RELOAD``.
 
 A child that exits otherwise (an import error at start-up, say: a file saved
-half-written) is started again once one of the watcher's own modules changes:
-the developer's fix. The watcher imported the project as the child did, so it
-knows its files, though not those a child imported later on demand.
+half-written) is started again once a Python file of the project changes or
+appears: the developer's fix. The watcher imported the project when it started,
+so besides its own modules' files it looks at every ``.py`` file in the
+project's directories: the broken module can be one added since, or one not
+written yet that a module imports.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import os
 import queue
 import signal
 import subprocess
+import sys
+import sysconfig
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from django.apps import apps
 from django.utils import autoreload
 
 logger = logging.getLogger(__name__)
@@ -128,26 +133,51 @@ def run_with_reloader() -> int:
             "the worker exited with status %s; it starts again when a Python file changes",
             status,
         )
-        if not _wait_for_change(received):
+        changed = _wait_for_change(received)
+        if changed is None:
             return status
-        logger.info("a file changed: starting the worker again")
+        logger.info("%s changed: starting the worker again", changed)
 
 
-def _wait_for_change(received: queue.SimpleQueue[int]) -> bool:
-    """Wait until a file of this process's modules changes (True) or a signal comes."""
-    done = threading.Event()
-    changed = threading.Event()
+def _wait_for_change(received: queue.SimpleQueue[int]) -> Path | None:
+    """Wait until a Python file of the project changes or appears (its path) or a
+    signal comes (None).
 
-    def on_change(path: Path) -> None:
-        changed.set()
-        done.set()
+    Besides this process's own modules, every ``.py`` file in the project's
+    directories (its apps', and those of its modules) counts: the child may have
+    imported modules the developer added since this process started, and its
+    failure can be in one of them, or be the import of one not written yet.
+    """
+    files = autoreload.StatReloader()
+    for directory, pattern in _project_directories():
+        files.watch_dir(directory, pattern)
+    seen = dict(files.snapshot_files())
+    while True:
+        with contextlib.suppress(queue.Empty):
+            received.get(timeout=files.SLEEP_TIME)
+            return None
+        for path, mtime in files.snapshot_files():
+            if path not in seen or mtime > seen[path]:
+                return Path(path)
 
-    threading.Thread(target=watch, args=(on_change, done.is_set), daemon=True).start()
-    while not done.is_set():
-        try:
-            received.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        done.set()
-        return False
-    return changed.is_set()
+
+def _project_directories() -> set[tuple[Path, str]]:
+    """The directories to look in for the project's Python files, with a glob each:
+    its apps' (subpackages too) and its other modules', outside the interpreter's
+    and the installed packages' directories."""
+    installed = [
+        Path(p).resolve() for p in {sys.prefix, sys.base_prefix, *sysconfig.get_paths().values()}
+    ]
+
+    def ours(path: Path) -> bool:
+        return not any(path.is_relative_to(root) for root in installed)
+
+    directories = {
+        (path, "**/*.py")
+        for app in apps.get_app_configs()
+        if ours(path := Path(app.path).resolve())
+    }
+    directories.update(
+        (file.parent, "*.py") for file in autoreload.iter_all_python_module_files() if ours(file)
+    )
+    return directories

@@ -118,3 +118,40 @@ def test_reload_refuses_what_it_cannot_do():
         call_command("awa_worker", "--reload", "--processes", "2")
     with pytest.raises(CommandError, match="not through call_command"):
         call_command("awa_worker", "--reload")
+
+
+def test_a_broken_worker_starts_again_when_a_module_it_imported_later_is_fixed(
+    project, start_worker
+):
+    # The watcher imported the project when it started: a module the developer adds
+    # afterwards is not one of its modules, yet fixing (or creating) it is the fix.
+    worker = start_worker(
+        "--reload",
+        env={
+            "DJANGO_SETTINGS_MODULE": "reload_settings",
+            "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
+        },
+    )
+    assert wait_for_state(_probe().id, "completed", timeout=30).result == "v1"
+    app = project / "reloadapp"
+
+    # A new module, saved broken, that jobs.py now imports.
+    (app / "helpers.py").write_text("def version(:\n")
+    _write_jobs(app, "from reloadapp.helpers import version\n" + JOBS.format(version="v2"))
+    wait_for(lambda: "it starts again when a Python file changes" in worker.output(), timeout=20)
+    time.sleep(1.5)  # the watcher has taken its first look at the files
+    fixed = _probe()
+    (app / "helpers.py").write_text("def version():\n    return 'v2'\n")
+    assert wait_for_state(fixed.id, "completed", timeout=20).result == "v2"
+
+    # An import of a module not written yet: writing it is the fix.
+    _write_jobs(app, "from reloadapp.later import version\n" + JOBS.format(version="v3"))
+    wait_for(
+        lambda: worker.output().count("it starts again when a Python file changes") == 2,
+        timeout=20,
+    )
+    time.sleep(1.5)
+    created = _probe()
+    (app / "later.py").write_text("def version():\n    return 'v3'\n")
+    assert wait_for_state(created.id, "completed", timeout=20).result == "v3"
+    assert worker.proc.poll() is None
