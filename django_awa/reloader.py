@@ -7,7 +7,9 @@ watcher, which passes it on) and starts it again when it exits with
 ``RELOAD``. The child watches the files of every module it imported, with
 Django's ``StatReloader``; when one changes, it stops as at SIGTERM (in-flight
 jobs finish, up to ``SHUTDOWN_TIMEOUT``; prefetched ones go back, their
-attempt unused) and exits with ``RELOAD``.
+attempt unused) and exits with ``RELOAD``. A file saved after the watcher
+started it counts as changed, even if saved while it was still importing the
+project, before its first look at the files.
 
 A child that exits otherwise (an import error at start-up, say: a file saved
 half-written) is started again once a Python file of the project changes or
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,21 +40,38 @@ from django.utils import autoreload
 
 logger = logging.getLogger(__name__)
 
-# Set in the child's environment: the worker itself, not the watcher.
+# Set in the child's environment: the worker itself, not the watcher. Its value is
+# the time the watcher started it.
 CHILD_ENV = "AWA_WORKER_RELOAD_CHILD"
 # The child's exit status when a file changed: start it again.
 RELOAD = 3
 
 
+# In the child: when the watcher started it.
+_started: float | None = None
+
+
 def is_child() -> bool:
     """Whether this process is the worker a watcher started (the mark is then taken
     out of the environment: the handlers' own subprocesses do not inherit it)."""
-    return os.environ.pop(CHILD_ENV, None) == "1"
+    global _started
+    mark = os.environ.pop(CHILD_ENV, None)
+    if mark is None:
+        return False
+    with contextlib.suppress(ValueError):
+        _started = float(mark)
+    return True
 
 
-def watch(on_change: Callable[[Path], None], stopped: Callable[[], bool]) -> None:
+def watch(
+    on_change: Callable[[Path], None], stopped: Callable[[], bool], since: float | None = None
+) -> None:
     """Call ``on_change(path)`` for the first file of a loaded module that changes,
-    checking once a second, until ``stopped()``."""
+    checking once a second, until ``stopped()``.
+
+    With ``since``, a file saved after that time and before the first check counts
+    as changed too: its module may have been imported before the save.
+    """
     reloader = autoreload.StatReloader()
     changed: list[Path] = []
 
@@ -61,7 +81,15 @@ def watch(on_change: Callable[[Path], None], stopped: Callable[[], bool]) -> Non
 
     autoreload.file_changed.connect(receiver, sender=reloader, weak=False)
     try:
-        ticker = reloader.tick()  # its first pass records the files' times
+        ticker = reloader.tick()
+        next(ticker)  # its first pass records the files' times
+        if since is not None:
+            # The first pass takes the times files have now: one saved between
+            # its module's import and that pass (a project takes seconds to
+            # start) would run on its old code until saved again. A time ahead
+            # of this clock (a skewed mount) would restart every worker at once.
+            now = time.time()
+            changed.extend(p for p, mtime in reloader.snapshot_files() if since < mtime <= now)
         while not changed and not stopped():
             next(ticker)
     finally:
@@ -94,7 +122,7 @@ def start_watching(stopping: threading.Event) -> threading.Event:
 
     threading.Thread(
         target=watch,
-        args=(changed, lambda: stopping.is_set() or orphaned()),
+        args=(changed, lambda: stopping.is_set() or orphaned(), _started),
         name="awa-reload",
         daemon=True,
     ).start()
@@ -113,9 +141,9 @@ def run_with_reloader() -> int:
     for handled in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(handled, lambda signum, _frame: received.put(signum))
     arguments = autoreload.get_child_arguments()
-    environment = {**os.environ, CHILD_ENV: "1"}
     logger.info("awa_worker --reload: the worker starts again when a Python file changes")
     while True:
+        environment = {**os.environ, CHILD_ENV: repr(time.time())}
         # The command line this process was started with (Django's, as runserver's).
         child = subprocess.Popen(arguments, env=environment, start_new_session=True)  # noqa: S603
         signals = 0

@@ -155,3 +155,34 @@ def test_a_broken_worker_starts_again_when_a_module_it_imported_later_is_fixed(
     (app / "later.py").write_text("def version():\n    return 'v3'\n")
     assert wait_for_state(created.id, "completed", timeout=20).result == "v3"
     assert worker.proc.poll() is None
+
+
+def test_a_file_changed_while_the_worker_was_starting_is_not_missed(project, start_worker):
+    # A project whose start-up takes a while: jobs.py is imported, then the other
+    # modules; a file saved in between ran on its old code until the next save.
+    app = project / "reloadapp"
+    (app / "followups.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+            import time
+            from pathlib import Path
+
+            MARK = Path(__file__).with_name("importing")
+            if os.environ.get("AWA_WORKER_RELOAD_CHILD") and not MARK.exists():
+                MARK.write_text("")  # the first worker only
+                time.sleep(2)
+            """
+        )
+    )
+    worker = start_worker(
+        "--reload",
+        env={
+            "DJANGO_SETTINGS_MODULE": "reload_settings",
+            "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
+        },
+    )
+    wait_for(lambda: (app / "importing").exists(), timeout=20)
+    (app / "jobs.py").write_text(JOBS.format(version="v2"))  # saved now, after its import
+    wait_for(lambda: "jobs.py changed: finishing in-flight jobs" in worker.output(), timeout=20)
+    assert wait_for_state(_probe().id, "completed", timeout=30).result == "v2"
