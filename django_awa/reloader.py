@@ -154,7 +154,8 @@ def run_with_reloader() -> int:
                 now = signum == signal.SIGQUIT or signals > 1
                 child.send_signal(signal.SIGQUIT if now else signal.SIGTERM)
         if signals:
-            return status
+            # Stopping for a changed file when the signal came: it stopped cleanly.
+            return 0 if status == RELOAD else status
         if status == RELOAD:
             continue
         logger.error(

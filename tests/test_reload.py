@@ -137,7 +137,9 @@ def test_a_broken_worker_starts_again_when_a_module_it_imported_later_is_fixed(
 
     # A new module, saved broken, that jobs.py now imports.
     (app / "helpers.py").write_text("def version(:\n")
-    _write_jobs(app, "from reloadapp.helpers import version\n" + JOBS.format(version="v2"))
+    (app / "jobs.py").write_text(
+        f"from reloadapp.helpers import version\n{JOBS}".format(version="v2")
+    )
     wait_for(lambda: "it starts again when a Python file changes" in worker.output(), timeout=20)
     time.sleep(1.5)  # the watcher has taken its first look at the files
     fixed = _probe()
@@ -145,7 +147,9 @@ def test_a_broken_worker_starts_again_when_a_module_it_imported_later_is_fixed(
     assert wait_for_state(fixed.id, "completed", timeout=20).result == "v2"
 
     # An import of a module not written yet: writing it is the fix.
-    _write_jobs(app, "from reloadapp.later import version\n" + JOBS.format(version="v3"))
+    (app / "jobs.py").write_text(
+        f"from reloadapp.later import version\n{JOBS}".format(version="v3")
+    )
     wait_for(
         lambda: worker.output().count("it starts again when a Python file changes") == 2,
         timeout=20,
@@ -154,7 +158,8 @@ def test_a_broken_worker_starts_again_when_a_module_it_imported_later_is_fixed(
     created = _probe()
     (app / "later.py").write_text("def version():\n    return 'v3'\n")
     assert wait_for_state(created.id, "completed", timeout=20).result == "v3"
-    assert worker.proc.poll() is None
+    os.killpg(worker.pid, signal.SIGINT)  # the worker has a session of its own: stop it
+    assert worker.wait(20) == 0, worker.output()
 
 
 def test_a_file_changed_while_the_worker_was_starting_is_not_missed(project, start_worker):
@@ -186,3 +191,26 @@ def test_a_file_changed_while_the_worker_was_starting_is_not_missed(project, sta
     (app / "jobs.py").write_text(JOBS.format(version="v2"))  # saved now, after its import
     wait_for(lambda: "jobs.py changed: finishing in-flight jobs" in worker.output(), timeout=20)
     assert wait_for_state(_probe().id, "completed", timeout=30).result == "v2"
+    os.killpg(worker.pid, signal.SIGINT)
+    assert worker.wait(20) == 0, worker.output()
+
+
+def test_ctrl_c_during_a_reload_still_lets_the_running_job_finish(project, start_worker):
+    worker = start_worker(
+        "--reload",
+        env={
+            "DJANGO_SETTINGS_MODULE": "reload_settings",
+            "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
+        },
+    )
+    slow = _probe(seconds=3)
+    wait_for_state(slow.id, "running", timeout=30)
+    # Saved now: newer than the worker's start, whether or not it has looked yet.
+    (project / "reloadapp" / "jobs.py").write_text(JOBS.format(version="v2"))
+    wait_for(lambda: "changed: finishing in-flight jobs" in worker.output(), timeout=10)
+    # The worker already stops for the file: the developer's one Ctrl-C is a first
+    # signal, not a second one that would give the running job back.
+    os.killpg(worker.pid, signal.SIGINT)
+    assert worker.wait(20) == 0, worker.output()
+    done = Job.objects.get(id=slow.id)
+    assert (done.state, done.attempt, done.errors) == (JobState.COMPLETED, 1, [])

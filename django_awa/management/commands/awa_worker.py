@@ -158,7 +158,9 @@ class Command(BaseCommand):
             connections.close_all()
             sys.exit(reloader.run_with_reloader())
         freeze_startup_objects()
-        worker = Worker(queues, alias=alias, conf=conf)
+        # Only the watcher signals this process (a session of its own), SIGQUIT for
+        # "now": a Ctrl-C while it stops for a changed file is the first signal.
+        worker = Worker(queues, alias=alias, conf=conf, repeat_halts=False)
         changed = reloader.start_watching(worker.stopping)
         worker.run()
         if changed.is_set():
