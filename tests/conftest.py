@@ -84,11 +84,30 @@ class WorkerProcess:
             raise AssertionError(f"worker did not exit in {timeout}s:\n{self.output()}") from None
 
     def close(self) -> None:
+        # An --reload worker runs in a session of its own, out of this group.
+        children = children_of(self.proc.pid)
         self.kill()
         # --processes children too, should any outlive their supervisor.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
         self._log.close()
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (read from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from django_awa.models import Job, JobState
-from tests.conftest import ROOT, make_job, wait_for, wait_for_state
+from tests.conftest import ROOT, WorkerProcess, children_of, make_job, wait_for, wait_for_state
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -66,14 +66,37 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_a_changed_jobs_module_is_run_after_in_flight_jobs_finish(project, start_worker):
-    worker = start_worker(
+def _reloading(start_worker, project: Path) -> WorkerProcess:
+    """``awa_worker --reload`` on the scratch project (its queue ``reloadq``)."""
+    return start_worker(
         "--reload",
         env={
             "DJANGO_SETTINGS_MODULE": "reload_settings",
             "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
         },
     )
+
+
+def test_a_worker_whose_watcher_was_killed_stops(project, start_worker):
+    # kill -9 of the watcher (an IDE's stop button, the OOM killer): the worker, in
+    # a session of its own, reached by no signal, stops by itself.
+    worker = _reloading(start_worker, project)
+    wait_for(lambda: re.search(r"awa worker \S+:(\d+) starting", worker.output()), timeout=30)
+    (child,) = children_of(worker.pid)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.proc.wait(10)
+
+    def gone() -> bool:
+        try:  # "pid (comm) state ...": exited, or a zombie no one reaped yet
+            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_for(gone, timeout=15, message="the worker outlived its watcher")
+
+
+def test_a_changed_jobs_module_is_run_after_in_flight_jobs_finish(project, start_worker):
+    worker = _reloading(start_worker, project)
     first = _probe()
     assert wait_for_state(first.id, "completed", timeout=30).result == "v1"
 
@@ -125,13 +148,7 @@ def test_a_broken_worker_starts_again_when_a_module_it_imported_later_is_fixed(
 ):
     # The watcher imported the project when it started: a module the developer adds
     # afterwards is not one of its modules, yet fixing (or creating) it is the fix.
-    worker = start_worker(
-        "--reload",
-        env={
-            "DJANGO_SETTINGS_MODULE": "reload_settings",
-            "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
-        },
-    )
+    worker = _reloading(start_worker, project)
     assert wait_for_state(_probe().id, "completed", timeout=30).result == "v1"
     app = project / "reloadapp"
 
@@ -180,13 +197,7 @@ def test_a_file_changed_while_the_worker_was_starting_is_not_missed(project, sta
             """
         )
     )
-    worker = start_worker(
-        "--reload",
-        env={
-            "DJANGO_SETTINGS_MODULE": "reload_settings",
-            "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
-        },
-    )
+    worker = _reloading(start_worker, project)
     wait_for(lambda: (app / "importing").exists(), timeout=20)
     (app / "jobs.py").write_text(JOBS.format(version="v2"))  # saved now, after its import
     wait_for(lambda: "jobs.py changed: finishing in-flight jobs" in worker.output(), timeout=20)
@@ -196,13 +207,7 @@ def test_a_file_changed_while_the_worker_was_starting_is_not_missed(project, sta
 
 
 def test_ctrl_c_during_a_reload_still_lets_the_running_job_finish(project, start_worker):
-    worker = start_worker(
-        "--reload",
-        env={
-            "DJANGO_SETTINGS_MODULE": "reload_settings",
-            "PYTHONPATH": os.pathsep.join([str(project), str(ROOT)]),
-        },
-    )
+    worker = _reloading(start_worker, project)
     slow = _probe(seconds=3)
     wait_for_state(slow.id, "running", timeout=30)
     # Saved now: newer than the worker's start, whether or not it has looked yet.
