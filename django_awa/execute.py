@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,6 +179,16 @@ class Attempt:
         if isinstance(job, ClaimedJob):
             job = self.job = job.instance(self.alias)
         return job
+
+
+def attempt_keys(attempts: Iterable[Attempt]) -> dict[str, str]:
+    """The ``%(id)s`` and ``%(run_lease)s`` arrays naming these attempts, for the
+    statements guarded by ``(id, run_lease)``."""
+    attempts = list(attempts)
+    return {
+        "id": db.int_array(a.job.id for a in attempts),
+        "run_lease": db.int_array(a.job.run_lease for a in attempts),
+    }
 
 
 class JobContext:

@@ -44,6 +44,7 @@ from .completer import notify_freed
 from .execute import (
     Attempt,
     AttemptResult,
+    attempt_keys,
     describe,
     errored,
     from_exception,
@@ -548,10 +549,7 @@ class HandlerPool:
             return
         try:
             with db.cursor(self.state.alias) as cursor:
-                cursor.execute(
-                    sql.RELEASE_HELD_LEASES,
-                    {"id": [attempt.job.id], "run_lease": [attempt.job.run_lease]},
-                )
+                cursor.execute(sql.RELEASE_HELD_LEASES, attempt_keys([attempt]))
         except DB_ERRORS:
             logger.warning(
                 "could not free the key's place kept for job %s kind=%s attempt=%s; it "

@@ -22,7 +22,7 @@ import time
 
 from . import db, fleet, sql
 from .conf import AwaSettings
-from .execute import Attempt, write_progress
+from .execute import Attempt, attempt_keys, write_progress
 from .kinds import registry
 from .state import DB_ERRORS, WorkerState, reset_connection
 
@@ -108,8 +108,7 @@ class Heartbeat:
             cursor.execute(
                 sql.MARK_STARTED,
                 {
-                    "id": db.int_array(a.job.id for a in begun),
-                    "run_lease": db.int_array(a.job.run_lease for a in begun),
+                    **attempt_keys(begun),
                     "started_ago": db.float_array(now - (a.started or now) for a in begun),
                     "waited": db.float_array((a.started or now) - a.claimed for a in begun),
                 },
@@ -159,9 +158,5 @@ class Heartbeat:
         with db.cursor(self.state.alias) as cursor:
             cursor.execute(
                 sql.RENEW_HELD_LEASES,
-                {
-                    "id": db.int_array(a.job.id for a in lost),
-                    "run_lease": db.int_array(a.job.run_lease for a in lost),
-                    "stale_after": self.state.conf.stale_after,
-                },
+                {**attempt_keys(lost), "stale_after": self.state.conf.stale_after},
             )
