@@ -48,8 +48,11 @@ def _write_jobs(app: Path, source: str) -> None:
     path = app / "jobs.py"
     before = path.stat().st_mtime if path.exists() else 0.0
     path.write_text(source)
-    # A save within the same clock tick as the last still reads as newer.
-    os.utime(path, (before + 2, before + 2))
+    # A save within the same clock tick as the last still reads as newer. The time
+    # stays the real one otherwise, as an editor's: the worker counts a file saved
+    # after it started and before its first look at the files by that time.
+    stamp = max(time.time(), before + 0.01)
+    os.utime(path, (stamp, stamp))
 
 
 def _probe(seconds: float = 0.0) -> Job:
