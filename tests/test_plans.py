@@ -89,35 +89,32 @@ def old_failures_under_many_completions() -> None:
         cursor.execute("VACUUM ANALYZE awa_job_done_current")
 
 
+# Each (filter, index that should answer it); one table of rows serves them all.
+LIST_PAGES = [
+    ({"state__exact": "failed"}, "awa_job_done_state_idx"),
+    ({"queue": "broken"}, "awa_job_done_queue_idx"),
+    # Either partial index of failed rows answers it (PostgreSQL 18's skip scan
+    # reads the dead-letter one by kind); a walk of the primary key may not.
+    (
+        {"kind": "kind3", "state__exact": "failed"},
+        "awa_job_done_state_idx|awa_job_done_dead_letter_idx",
+    ),
+    (
+        {
+            "state__exact": "failed",
+            "queue": "broken",
+            "kind": "kind3",
+            "error": "ValueError: boom",
+        },
+        "awa_job_done_dead_letter_idx",
+    ),
+    ({"o": "2"}, "awa_job_done_kind_idx"),
+]
+
+
 @pytest.mark.django_db(transaction=True)  # VACUUM: index-only scans need the visibility map
-@pytest.mark.parametrize(
-    ("query", "index"),
-    [
-        ({"state__exact": "failed"}, "awa_job_done_state_idx"),
-        ({"queue": "broken"}, "awa_job_done_queue_idx"),
-        # Either partial index of failed rows answers it (PostgreSQL 18's skip scan
-        # reads the dead-letter one by kind); a walk of the primary key may not.
-        (
-            {"kind": "kind3", "state__exact": "failed"},
-            "awa_job_done_state_idx|awa_job_done_dead_letter_idx",
-        ),
-        (
-            {
-                "state__exact": "failed",
-                "queue": "broken",
-                "kind": "kind3",
-                "error": "ValueError: boom",
-            },
-            "awa_job_done_dead_letter_idx",
-        ),
-        ({"o": "2"}, "awa_job_done_kind_idx"),
-    ],
-)
 def test_a_list_page_reads_its_ids_from_an_index_not_a_primary_key_walk(
-    old_failures_under_many_completions: None,
-    admin_client: object,
-    query: dict[str, str],
-    index: str,
+    old_failures_under_many_completions: None, admin_client: object
 ) -> None:
     """The job list's page of ids (admin.EstimatedCountPaginator) comes from the
     filtered column's index in id order; the rows of a page by primary key."""
@@ -125,28 +122,32 @@ def test_a_list_page_reads_its_ids_from_an_index_not_a_primary_key_walk(
 
     from django_awa import admin as awa_admin
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(awa_admin, "SMALL_TABLE_BYTES", -1)
-        with CaptureQueriesContext(connection) as queries:
-            response = admin_client.get("/admin/django_awa/job/", query)  # type: ignore[attr-defined]
-    assert response.status_code == 200
-    assert len(response.context["cl"].result_list) == 50
-    page_ids = [
-        q["sql"]
-        for q in queries.captured_queries
-        if q["sql"].startswith('SELECT "awa_job"."id" AS "pk"') and "LIMIT 50" in q["sql"]
-    ]
-    assert len(page_ids) == 1, [q["sql"] for q in queries.captured_queries]
-    with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN " + page_ids[0])
-        shown = "\n".join(row[0] for row in cursor.fetchall())
-    assert any(name in shown for name in index.split("|")), shown
-    # Neither table of finished rows is walked: no primary key, no sequential scan.
-    assert not re.search(r"awa_job_done\w*_pkey|Seq Scan on awa_job_done", shown), shown
-    if "error" in query:
-        # The error's first line is one of the index's keys, not a filter on its rows.
-        conditions = [line for line in shown.splitlines() if "Index Cond" in line]
-        assert any("split_part" in line for line in conditions), shown
+    for query, index in LIST_PAGES:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(awa_admin, "SMALL_TABLE_BYTES", -1)
+            with CaptureQueriesContext(connection) as queries:
+                response = admin_client.get("/admin/django_awa/job/", query)  # type: ignore[attr-defined]
+        assert response.status_code == 200, query
+        assert len(response.context["cl"].result_list) == 50, query
+        page_ids = [
+            q["sql"]
+            for q in queries.captured_queries
+            if q["sql"].startswith('SELECT "awa_job"."id" AS "pk"') and "LIMIT 50" in q["sql"]
+        ]
+        assert len(page_ids) == 1, (query, [q["sql"] for q in queries.captured_queries])
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN " + page_ids[0])
+            shown = "\n".join(row[0] for row in cursor.fetchall())
+        assert any(name in shown for name in index.split("|")), (query, shown)
+        # Neither table of finished rows is walked: no primary key, no sequential scan.
+        assert not re.search(r"awa_job_done\w*_pkey|Seq Scan on awa_job_done", shown), (
+            query,
+            shown,
+        )
+        if "error" in query:
+            # The error's first line is one of the index's keys, not a filter on its rows.
+            conditions = [line for line in shown.splitlines() if "Index Cond" in line]
+            assert any("split_part" in line for line in conditions), (query, shown)
 
 
 RUNNING = 3_000
