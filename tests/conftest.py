@@ -29,7 +29,8 @@ pytest_plugins = ["django_awa.testing.pytest"]
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``AWA_SLOW_TESTS=0`` skips the tests marked ``slow`` (faults of real workers, soaks,
-    the upgrade, the demo and the docs build, several seconds each): ``.ci/run`` runs them
+    several workers holding a limit together, the pooler, the upgrade, the demo and the docs
+    build, several seconds each): ``.ci/run`` runs them
     in the first of its three test runs only. By default they run."""
     if os.environ.get("AWA_SLOW_TESTS", "1") != "0":
         return

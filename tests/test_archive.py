@@ -567,6 +567,7 @@ def test_a_segment_in_use_is_left_for_the_next_pass(settings):
     assert not Job.objects.filter(id__in=ids).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_segments_renamed_and_dropped_under_a_running_worker_lose_no_job(start_worker, settings):
     # The worker's prepared COMPLETE names awa_job_done_current: each rename

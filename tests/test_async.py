@@ -138,6 +138,7 @@ def test_cancelling_a_running_async_job_cancels_its_coroutine(start_worker):
     assert "operator said so" in final.errors[-1]["error"]
 
 
+@pytest.mark.slow
 def test_an_async_handler_past_its_timeout_is_cancelled_and_retried(start_worker):
     job = awa.enqueue(TimedAsync(seconds=60))
     start_worker("--queue", "default")

@@ -254,10 +254,12 @@ def test_a_rate_limit_holds_for_handler_starts_not_only_claims(start_worker, wor
         assert proc.stop() == 0
 
 
+@pytest.mark.slow
 def test_global_concurrency_holds_across_three_workers(start_worker) -> None:
     run_global_concurrency(start_worker)
 
 
+@pytest.mark.slow
 def test_rate_limit_holds_across_three_workers(start_worker) -> None:
     run_rate_limit(start_worker)
 
@@ -288,6 +290,7 @@ def test_kind_concurrency_limit_holds_fleet_wide(start_worker) -> None:
     assert max_overlap("kind = %s", ["capped_span"]) == 2
 
 
+@pytest.mark.slow
 def test_a_timed_out_attempt_keeps_its_key_until_its_handler_returns(start_worker) -> None:
     # A sync handler cannot be stopped at its timeout: while it still runs, its key's
     # place stays taken, or the next job of the key would run beside it.
@@ -760,6 +763,7 @@ def test_a_stale_lease_is_taken_over_by_a_claim_and_swept_by_maintenance() -> No
     assert _leases() == [("keyed_span", '["a"]', 1, ids[0], 2)]
 
 
+@pytest.mark.slow
 def test_a_killed_workers_keys_free_when_its_jobs_are_rescued(start_worker) -> None:
     victim = start_worker("--queue", "bykey=4")
     # The first attempts hang: they hold keys a and b when their worker dies.
@@ -841,6 +845,7 @@ def assert_keys_never_overlapped_and_ran_side_by_side(count: int) -> None:
     assert _leases() == []
 
 
+@pytest.mark.slow
 def test_workers_claiming_with_and_without_the_queue_lock_never_run_one_key_twice(
     start_worker,
 ) -> None:
@@ -865,6 +870,7 @@ def test_workers_claiming_with_and_without_the_queue_lock_never_run_one_key_twic
     assert FlowRun.objects.exclude(pid=rated.pid).exists()
 
 
+@pytest.mark.slow
 def test_a_rate_toggled_at_runtime_never_runs_one_key_twice(start_worker) -> None:
     # Each change reaches each worker within its own poll interval: meanwhile some
     # claim under the lock, others with key leases alone.
@@ -1269,6 +1275,7 @@ def test_a_worker_stopping_mid_sequence_leaves_no_member_claimed_or_running(star
     assert all(a.ended_at <= b.started_at for a, b in itertools.pairwise(runs))
 
 
+@pytest.mark.slow
 def test_a_retrying_member_holds_its_sequence_until_it_finishes(start_worker) -> None:
     start_three(start_worker, "seq=4")
     awa.enqueue_many(
@@ -1343,6 +1350,7 @@ def test_claims_of_slot_leased_queues_commit_without_waiting_for_the_flush_and_o
             cursor.execute("RESET synchronous_commit")
 
 
+@pytest.mark.slow
 def test_global_concurrency_holds_with_quick_handlers_and_uses_its_places(
     start_worker,
 ) -> None:
@@ -1375,6 +1383,7 @@ def test_global_concurrency_holds_with_quick_handlers_and_uses_its_places(
 MAX_CLAIMED = _SWEEP.replace("{begin}", "attempted_at")
 
 
+@pytest.mark.slow
 def test_global_concurrency_claims_ahead_runs_within_its_slots_and_follows_a_lowered_limit(
     start_worker,
 ) -> None:
@@ -1419,6 +1428,7 @@ def test_global_concurrency_claims_ahead_runs_within_its_slots_and_follows_a_low
         assert worker.stop() == 0
 
 
+@pytest.mark.slow
 def test_sigterm_gives_back_the_jobs_waiting_at_the_gate_unstarted(start_worker) -> None:
     # One slot, six places: the worker claims quick jobs ahead of its slot, and they
     # wait at its RunGate. SIGTERM: the running handler finishes, the waiting jobs go
@@ -1529,6 +1539,7 @@ def test_an_abandoned_handler_keeps_its_global_concurrency_place_until_it_return
     assert Job.objects.filter(kind="timed_span", state=JobState.COMPLETED).count() == 6
 
 
+@pytest.mark.slow
 def test_limits_changed_at_runtime_reach_every_worker_within_a_poll_interval(
     start_worker,
 ) -> None:
@@ -1557,6 +1568,7 @@ def test_limits_changed_at_runtime_reach_every_worker_within_a_poll_interval(
     assert not producer.queue_limits("runtime", "default").limited
 
 
+@pytest.mark.slow
 def test_a_limit_lowered_at_runtime_applies_at_once_not_at_the_next_poll(start_worker) -> None:
     # A 30 s poll interval: only set_queue_limits' NOTIFY can bring the change in time.
     awa.set_queue_limits("runtime", global_concurrency=8)
@@ -1584,6 +1596,7 @@ def test_a_limit_lowered_at_runtime_applies_at_once_not_at_the_next_poll(start_w
     all_finished("span", total, timeout=60)
 
 
+@pytest.mark.slow
 def test_pausing_stops_claims_on_every_worker_within_a_poll_interval(start_worker) -> None:
     poll = 0.2  # tests.settings POLL_INTERVAL
     start_three(start_worker, "flow=3")

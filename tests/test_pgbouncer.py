@@ -132,6 +132,7 @@ print(len(ids))
 """
 
 
+@pytest.mark.slow
 def test_enqueue_and_work_through_pgbouncer_with_a_direct_listen_connection(
     pooled_url, start_worker
 ):
@@ -167,6 +168,7 @@ def test_a_listener_left_on_the_pooler_is_warned_about(pooled_url, start_worker)
     assert "AWA['DIRECT_DATABASE']" in worker.output()
 
 
+@pytest.mark.slow
 def test_without_a_direct_connection_the_worker_polls_and_still_maintains(pooled_url, start_worker):
     _enqueue_through(pooled_url, ENQUEUE)
     worker = start_worker(
@@ -192,6 +194,7 @@ def test_without_a_direct_connection_the_worker_polls_and_still_maintains(pooled
     wait_for_state(later.id, JobState.COMPLETED, timeout=15)
 
 
+@pytest.mark.slow
 @pytest.mark.pool_size(10)
 def test_orm_handlers_share_the_poolers_server_connections(pooled_url, start_worker):
     # 30 handler threads and 4 engine threads reading and updating rows
@@ -230,6 +233,7 @@ def test_orm_handlers_share_the_poolers_server_connections(pooled_url, start_wor
 # transaction-scoped, so it holds however PgBouncer hands out server sessions.
 
 
+@pytest.mark.slow
 def test_global_concurrency_holds_through_pgbouncer(pooled_url, start_worker):
     from tests.test_flow_control import FLOW_ENV, run_global_concurrency
 
@@ -239,6 +243,7 @@ def test_global_concurrency_holds_through_pgbouncer(pooled_url, start_worker):
     run_global_concurrency(start)
 
 
+@pytest.mark.slow
 def test_rate_limit_holds_through_pgbouncer(pooled_url, start_worker):
     from tests.test_flow_control import FLOW_ENV, run_rate_limit
 

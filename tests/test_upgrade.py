@@ -634,6 +634,7 @@ def test_going_back_before_segments_under_this_releases_worker(
         assert not DATABASE_TROUBLE.search(worker.output()), worker.output()[-6000:]
 
 
+@pytest.mark.slow
 def test_going_back_keeps_a_completion_committed_while_it_runs(upgrade_db: str) -> None:
     """A completion written into ``awa_job_done_current`` while going back before 0016
     copies that table's rows out, and committed before it drops the table, is kept:
@@ -689,6 +690,7 @@ def test_going_back_keeps_a_completion_committed_while_it_runs(upgrade_db: str) 
         ) == [("awa_job_done", "completed")]
 
 
+@pytest.mark.slow
 def test_an_index_build_interrupted_and_run_again_is_valid(upgrade_db: str) -> None:
     """``migrate`` interrupted while it builds an index ``CONCURRENTLY`` (0013's first,
     here, cancelled while it waits for a transaction writing ``awa_job_done``) and run

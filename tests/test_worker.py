@@ -115,6 +115,7 @@ def test_unknown_kind_and_undecodable_args_fail_terminally(start_worker):
     assert "field 'n' is missing" in gone.errors[-1]["error"]
 
 
+@pytest.mark.slow
 def test_two_worker_processes_never_run_the_same_attempt(start_worker):
     ids = awa.enqueue_many([Echo(n=i) for i in range(2000)])
     start_worker("--queue", "echo=8")
@@ -397,6 +398,7 @@ def test_progress_is_visible_while_the_job_runs(start_worker):
     assert done.progress["percent"] == 40
 
 
+@pytest.mark.slow
 def test_heartbeats_keep_a_long_job_alive(start_worker):
     # Longer than STALE_AFTER (3 s): only heartbeats keep it from being rescued.
     job = awa.enqueue(Act(action="sleep", seconds=5))

@@ -34,6 +34,7 @@ def _value(query: str, *params: object) -> object:
         pytest.param(10_000, 8, 600, marks=pytest.mark.slow, id="10000"),
     ],
 )
+@pytest.mark.slow
 def test_a_fan_in_on_three_workers_runs_its_callback_once_after_all(
     start_worker, size, per_worker, timeout
 ):

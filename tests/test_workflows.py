@@ -703,6 +703,7 @@ def test_aenqueue_takes_dependencies_as_enqueue_does():
     assert run_all() == [first.id, then.id]
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_the_last_two_members_finishing_at_once_promote_their_callback_exactly_once():
     """Two threads (two connections, two transactions under READ COMMITTED) write
