@@ -574,6 +574,17 @@ def safe_repr(value: object) -> str:
         return f"<{type(value).__qualname__} object (its repr() raised)>"
 
 
+def unknown_kind_error(kind: str) -> str:
+    """The error of a job whose kind no handler in this process declares: most
+    often a JobArgs class renamed (or removed) while jobs of it were queued."""
+    return (
+        f"unknown job kind {kind!r}: no handler is registered in this worker "
+        f"(its JobArgs class renamed, or its app removed?). A renamed class keeps the "
+        f"kind with kind: ClassVar[str] = {kind!r}; once a worker declares it, retry "
+        f"the job (admin, or manage.py awa_jobs retry --kind {kind})"
+    )
+
+
 def resolve_handler(job: JobRow) -> tuple[WorkerSpec, JobArgs] | AttemptResult:
     """The kind's handler and decoded args, or the attempt's result explaining why not.
 
@@ -589,7 +600,7 @@ def resolve_handler(job: JobRow) -> tuple[WorkerSpec, JobArgs] | AttemptResult:
             raise
         return from_exception(job, exc, during=f"cannot load the handler of kind {job.kind!r}")
     if spec is None:
-        return failed_terminally(job, f"unknown job kind {job.kind!r}: no handler is registered")
+        return failed_terminally(job, unknown_kind_error(job.kind))
     try:
         return spec, decode_args(spec.args_cls, job.args)
     except ArgsDecodeError as exc:

@@ -109,6 +109,10 @@ def test_unknown_kind_and_undecodable_args_fail_terminally(start_worker):
     start_worker("--queue", "default")
     failed = wait_for_state(unknown.id, JobState.FAILED)
     assert failed.attempt == 1 and "unknown job kind 'unhandled'" in failed.errors[-1]["error"]
+    # A kind renamed while its jobs were queued: the error says how to keep the
+    # kind and how to run the jobs it failed once a worker declares it again.
+    assert "kind: ClassVar[str] = 'unhandled'" in failed.errors[-1]["error"]
+    assert "awa_jobs retry --kind unhandled" in failed.errors[-1]["error"]
     bad = wait_for_state(bad_args.id, JobState.FAILED)
     assert "kind 'echo'" in bad.errors[-1]["error"] and "'n'" in bad.errors[-1]["error"]
     gone = wait_for_state(missing.id, JobState.FAILED)
