@@ -15,8 +15,9 @@ A child that exits otherwise (an import error at start-up, say: a file saved
 half-written) is started again once a Python file of the project changes or
 appears: the developer's fix. The watcher imported the project when it started,
 so besides its own modules' files it looks at every ``.py`` file in the
-project's directories: the broken module can be one added since, or one not
-written yet that a module imports.
+project's directories (the project's roots on ``sys.path`` among them): the
+broken module can be one added since, in an app added to ``INSTALLED_APPS``
+since, or one not written yet that a module imports.
 """
 
 from __future__ import annotations
@@ -173,40 +174,89 @@ def _wait_for_change(received: queue.SimpleQueue[int]) -> Path | None:
     signal comes (None).
 
     Besides this process's own modules, every ``.py`` file in the project's
-    directories (its apps', and those of its modules) counts: the child may have
-    imported modules the developer added since this process started, and its
-    failure can be in one of them, or be the import of one not written yet.
+    directories (its apps', its other modules', and the project's roots on
+    ``sys.path``, subdirectories included) counts: the child may have imported
+    modules the developer added since this process started, an app added to
+    ``INSTALLED_APPS`` among them, and its failure can be in one of them, or be
+    the import of one not written yet.
     """
-    files = autoreload.StatReloader()
-    for directory, pattern in _project_directories():
-        files.watch_dir(directory, pattern)
-    seen = dict(files.snapshot_files())
+    directories = _project_directories()
+    seen = _snapshot(directories)
     while True:
         with contextlib.suppress(queue.Empty):
-            received.get(timeout=files.SLEEP_TIME)
+            received.get(timeout=autoreload.StatReloader.SLEEP_TIME)
             return None
-        for path, mtime in files.snapshot_files():
+        for path, mtime in _snapshot(directories).items():
             if path not in seen or mtime > seen[path]:
-                return Path(path)
+                return path
 
 
-def _project_directories() -> set[tuple[Path, str]]:
-    """The directories to look in for the project's Python files, with a glob each:
-    its apps' (subpackages too) and its other modules', outside the interpreter's
-    and the installed packages' directories."""
-    installed = [
+# Directories below a project root that hold no code of the project.
+_NOT_PROJECT = frozenset({"__pycache__", "node_modules", "site-packages", "dist-packages"})
+
+
+def _installed() -> list[Path]:
+    """The interpreter's and the installed packages' directories."""
+    return [
         Path(p).resolve() for p in {sys.prefix, sys.base_prefix, *sysconfig.get_paths().values()}
     ]
+
+
+def _snapshot(directories: set[tuple[Path, bool]]) -> dict[Path, float]:
+    """The ``.py`` files of ``directories`` (with their subdirectories when marked
+    so) and their modification times. A walk leaves out hidden directories,
+    virtualenvs and installed packages: a project's ``.venv`` is not its code."""
+    installed = _installed()
+    times: dict[Path, float] = {}
+
+    def add(path: Path) -> None:
+        with contextlib.suppress(OSError):  # removed while looked at
+            times[path] = path.stat().st_mtime
+
+    for directory, recursive in directories:
+        if not recursive:
+            for path in directory.glob("*.py"):
+                add(path)
+            continue
+        for root, subdirectories, names in os.walk(directory):
+            here = Path(root)
+            subdirectories[:] = [
+                name
+                for name in subdirectories
+                if not name.startswith(".")
+                and name not in _NOT_PROJECT
+                and not (here / name / "pyvenv.cfg").exists()
+                and (here / name).resolve() not in installed
+            ]
+            for name in names:
+                if name.endswith(".py"):
+                    add(here / name)
+    return times
+
+
+def _project_directories() -> set[tuple[Path, bool]]:
+    """The directories to look in for the project's Python files, each marked
+    whether its subdirectories count too: its apps', the project's roots on
+    ``sys.path`` (where ``startapp`` puts a new app) and its other modules',
+    outside the interpreter's and the installed packages' directories."""
+    installed = _installed()
 
     def ours(path: Path) -> bool:
         return not any(path.is_relative_to(root) for root in installed)
 
     directories = {
-        (path, "**/*.py")
-        for app in apps.get_app_configs()
-        if ours(path := Path(app.path).resolve())
+        (path, True) for app in apps.get_app_configs() if ours(path := Path(app.path).resolve())
     }
+    modules = {file.parent for file in autoreload.iter_all_python_module_files() if ours(file)}
+    found = {path for path, _ in directories} | modules
+    # A root of the project holds one of its apps or modules: not every sys.path
+    # entry (a home directory, say) is worth walking.
     directories.update(
-        (file.parent, "*.py") for file in autoreload.iter_all_python_module_files() if ours(file)
+        (root, True)
+        for entry in sys.path
+        if (root := Path(entry or os.curdir).resolve()).is_dir()
+        and ours(root)
+        and any(path.is_relative_to(root) for path in found)
     )
+    directories.update((directory, False) for directory in modules)
     return directories

@@ -48,9 +48,9 @@ def _write_jobs(app: Path, source: str) -> None:
     path = app / "jobs.py"
     before = path.stat().st_mtime if path.exists() else 0.0
     path.write_text(source)
-    # A save within the same clock tick as the last still reads as newer. The time
-    # stays the real one otherwise, as an editor's: the worker counts a file saved
-    # after it started and before its first look at the files by that time.
+    # A save within the same clock tick as the last still reads as newer; and it is
+    # a time of today: a worker that imported the file but has not looked at the
+    # files' times yet counts a save after its start as changed, not one of 1970.
     stamp = max(time.time(), before + 0.01)
     os.utime(path, (stamp, stamp))
 
@@ -222,3 +222,29 @@ def test_ctrl_c_during_a_reload_still_lets_the_running_job_finish(project, start
     assert worker.wait(20) == 0, worker.output()
     done = Job.objects.get(id=slow.id)
     assert (done.state, done.attempt, done.errors) == (JobState.COMPLETED, 1, [])
+
+
+def test_a_broken_app_added_to_the_settings_starts_once_fixed(project, start_worker):
+    # The developer runs startapp and adds the app to INSTALLED_APPS while the worker
+    # runs; its jobs.py raises at import. The watcher started before the app existed:
+    # fixing the app's file is the fix all the same.
+    worker = _reloading(start_worker, project)
+    assert wait_for_state(_probe().id, "completed", timeout=30).result == "v1"
+    app = project / "laterapp"
+    app.mkdir()
+    (app / "__init__.py").write_text("")
+    later_jobs = JOBS.replace("ReloadProbe", "LaterProbe").replace("reloadq", "laterq")
+    (app / "jobs.py").write_text(f"RATE = undefined_rate\n{later_jobs}".format(version="v1"))
+    settings = project / "reload_settings.py"
+    settings.write_text(
+        textwrap.dedent(SETTINGS).replace('"reloadapp"]', '"reloadapp", "laterapp"]')
+        + 'AWA["QUEUES"]["laterq"] = {"concurrency": 1}\n'
+    )
+    wait_for(lambda: "it starts again when a Python file changes" in worker.output(), timeout=20)
+    assert "NameError: name 'undefined_rate' is not defined" in worker.output()
+    time.sleep(1.5)  # the watcher has taken its first look at the files
+    fixed = make_job(kind="later_probe", queue="laterq", args={})
+    (app / "jobs.py").write_text(later_jobs.format(version="fixed"))
+    assert wait_for_state(fixed.id, "completed", timeout=20).result == "fixed"
+    os.killpg(worker.pid, signal.SIGINT)
+    assert worker.wait(20) == 0, worker.output()
