@@ -18,7 +18,13 @@ from .kinds import JobArgs, registry
 @checks.register()
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     return [
-        checks.Error(message, hint=f"Fix AWA[{key!r}] in your settings.", id="awa.E001")
+        checks.Error(
+            message,
+            hint="Fix AWA in your settings."
+            if key == "AWA"
+            else f"Fix AWA[{key!r}] in your settings.",
+            id="awa.E001",
+        )
         for key, message in conf.problems()
     ]
 

@@ -314,17 +314,25 @@ def _header_text(text: str) -> bool:
     return all(" " <= char <= "~" for char in text)
 
 
+def _given() -> Any:
+    """``settings.AWA`` as the user wrote it: any value at all."""
+    return getattr(settings, "AWA", None) or {}
+
+
 def raw_settings() -> dict[str, Any]:
-    return dict(getattr(settings, "AWA", None) or {})
+    """A copy of ``settings.AWA``; ``{}`` when it is not a dict (``problems()``
+    reports that, and ``awa_settings()`` refuses it)."""
+    raw = _given()
+    return dict(raw) if isinstance(raw, dict) else {}
 
 
 def problems(raw: Any = None) -> list[tuple[str, str]]:
     """Every wrong value in ``settings.AWA`` (or in ``raw``, which may be any
     value a user put there) as ``(key, message)`` pairs."""
-    raw = raw_settings() if raw is None else raw
+    raw = _given() if raw is None else raw
     found: list[tuple[str, str]] = []
     if not isinstance(raw, dict):
-        return [("AWA", f"AWA must be a dict, got {type(raw).__name__}")]
+        return [("AWA", f"AWA must be a dict of django-awa settings, got {type(raw).__name__}")]
     for key in raw:
         if key not in DEFAULTS:
             found.append((key, f"unknown AWA setting {key!r}"))
@@ -526,10 +534,10 @@ def _queue_config(name: str, opts: dict[str, Any]) -> QueueConfig:
 @functools.cache
 def awa_settings() -> AwaSettings:
     """The validated settings; raises :class:`ConfigurationError` naming the first bad key."""
-    raw = raw_settings()
-    bad = problems(raw)
+    bad = problems()
     if bad:
         raise ConfigurationError("; ".join(message for _, message in bad))
+    raw = raw_settings()
     merged = {**DEFAULTS, **raw}
 
     def duration(key: str) -> float | None:

@@ -50,6 +50,7 @@ def test_durations_take_seconds_or_timedeltas(settings):
         ({"COMPLETED_RETENTION": dt.timedelta(seconds=-5)}, "COMPLETED_RETENTION"),
         ({"MAX_ARGS_BYTES": 0}, "MAX_ARGS_BYTES"),
         ({"TYPO_SETTING": 1}, "TYPO_SETTING"),
+        (["default"], "AWA"),
     ],
 )
 def test_a_wrong_setting_is_a_check_error_naming_the_key(settings, awa, key):
@@ -68,7 +69,16 @@ def test_the_worker_command_refuses_bad_settings(settings):
         call_command("awa_worker")
 
 
-def test_a_wrong_setting_is_a_check_error_even_with_periodic_jobs_declared(tmp_path):
+@pytest.mark.parametrize(
+    ("awa", "expected"),
+    [
+        ("{**AWA, 'QUEUE': {}}", "unknown AWA setting 'QUEUE'"),
+        # AWA itself not a dict (a list of the queues, say): a ValueError from
+        # dict() and its traceback stopped every command instead.
+        ("['default']", "AWA must be a dict of django-awa settings, got list"),
+    ],
+)
+def test_a_wrong_setting_is_a_check_error_even_with_periodic_jobs_declared(tmp_path, awa, expected):
     # A jobs.py declaring awa.periodic(...) is imported as the apps load: it must not
     # stop every command with a traceback before the checks can speak.
     app = tmp_path / "nightly_app"
@@ -85,11 +95,11 @@ def test_a_wrong_setting_is_a_check_error_even_with_periodic_jobs_declared(tmp_p
     (tmp_path / "typo_settings.py").write_text(
         "from tests.settings import *  # noqa\n"
         "INSTALLED_APPS = [*INSTALLED_APPS, 'nightly_app']\n"
-        "AWA = {**AWA, 'QUEUE': {}}\n"
+        f"AWA = {awa}\n"
     )
     check = _manage_check(tmp_path, "typo_settings")
     assert check.returncode != 0
-    assert "awa.E001" in check.stderr and "unknown AWA setting 'QUEUE'" in check.stderr
+    assert "awa.E001" in check.stderr and expected in check.stderr
     assert "Traceback" not in check.stderr
 
 
