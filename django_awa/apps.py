@@ -17,8 +17,17 @@ class AwaConfig(AppConfig):
 
         # Every installed app's jobs.py, then its followups.py. A missing module
         # is skipped; an error inside one that exists is raised.
-        autodiscover_modules("jobs")
-        autodiscover_modules("followups")
+        try:
+            autodiscover_modules("jobs")
+            autodiscover_modules("followups")
+        except Exception:
+            from . import reloader
+
+            if not reloader.is_watcher():
+                raise
+            # The `awa_worker --reload` watcher runs no jobs (as runserver's own
+            # process serves no requests): the worker it starts meets the error
+            # again and prints it, and the watcher waits for the fix.
         # Workers serve Django Tasks only once the backend's resolver is registered.
         backends = getattr(settings, "TASKS", None) or {}
         if any(

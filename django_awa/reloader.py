@@ -17,7 +17,10 @@ appears: the developer's fix. The watcher imported the project when it started,
 so besides its own modules' files it looks at every ``.py`` file in the
 project's directories (the project's roots on ``sys.path`` among them): the
 broken module can be one added since, in an app added to ``INSTALLED_APPS``
-since, or one not written yet that a module imports.
+since, or one not written yet that a module imports. The watcher itself starts
+even when an app's ``jobs.py`` or ``followups.py`` raises at import (``AwaConfig``
+lets it through, as Django lets ``runserver``'s own process start): the worker
+it starts meets the error.
 """
 
 from __future__ import annotations
@@ -62,6 +65,17 @@ def is_child() -> bool:
     with contextlib.suppress(ValueError):
         _started = float(mark)
     return True
+
+
+def is_watcher() -> bool:
+    """Whether this process is to be an ``awa_worker --reload`` watcher: its command
+    line is that command's, and no watcher started it."""
+    return (
+        CHILD_ENV not in os.environ
+        and len(sys.argv) > 2
+        and sys.argv[1] == "awa_worker"
+        and "--reload" in sys.argv[2:]
+    )
 
 
 def watch(

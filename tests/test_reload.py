@@ -248,3 +248,21 @@ def test_a_broken_app_added_to_the_settings_starts_once_fixed(project, start_wor
     assert wait_for_state(fixed.id, "completed", timeout=20).result == "fixed"
     os.killpg(worker.pid, signal.SIGINT)
     assert worker.wait(20) == 0, worker.output()
+
+
+def test_a_project_broken_when_the_command_starts_is_waited_for(project, start_worker):
+    # As runserver: `awa_worker --reload` started while a jobs.py raises at import
+    # (a NameError, not a syntax error) watches for the fix instead of exiting.
+    app = project / "reloadapp"
+    _write_jobs(app, f"RATE = undefined_rate\n{JOBS}".format(version="v1"))
+    worker = _reloading(start_worker, project)
+    wait_for(lambda: "it starts again when a Python file changes" in worker.output(), timeout=30)
+    assert "NameError: name 'undefined_rate' is not defined" in worker.output()
+    assert worker.output().count("Traceback") == 1  # the worker's; the watcher's own start went on
+    time.sleep(1.5)  # the watcher has taken its first look at the files
+    assert worker.proc.poll() is None
+    job = _probe()
+    _write_jobs(app, JOBS.format(version="fixed"))
+    assert wait_for_state(job.id, "completed", timeout=30).result == "fixed"
+    os.killpg(worker.pid, signal.SIGINT)
+    assert worker.wait(20) == 0, worker.output()
