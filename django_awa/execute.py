@@ -374,6 +374,10 @@ class AttemptResult:
     row: Job | None = None
     locked: bool = False
     has_dependents: bool = False
+    # Its handler still runs, abandoned (HandlerPool.abandon): the outcome is
+    # written now, but its key's lease (awa.Limit(concurrency=...)) is kept,
+    # held until the handler returns (sql.HOLD_LEASES).
+    keeps_lease: bool = False
 
     @property
     def outcome(self) -> Outcome | None:

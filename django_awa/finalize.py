@@ -32,6 +32,7 @@ from django.db import DatabaseError, transaction
 from . import db, sql
 from .callbacks import apply_early
 from .compat import savepoint_create
+from .conf import awa_settings
 from .dependencies import after_attempts
 from .enqueueing import PreparedJob, insert
 from .exceptions import ValidationError
@@ -177,6 +178,24 @@ def _holds_leases(results: Iterable[AttemptResult]) -> bool:
     (``awa.Limit(concurrency=...)``): its outcome must release it."""
     leased = registry.leased_kinds()
     return bool(leased) and any(r.job.kind in leased for r in results)
+
+
+def _hold_leases(results: Sequence[AttemptResult], alias: str) -> None:
+    """Keep the key's lease of attempts whose abandoned handler still runs, before
+    their outcome is written (which then keeps it: ``sql._released``). Should the
+    outcome's write fail, the lease is held all the same (committed first when
+    finalize runs in autocommit, as the completer's does), renewed while the
+    handler runs and freed when it returns."""
+    if results:
+        with db.cursor(alias) as cursor:
+            cursor.execute(
+                sql.HOLD_LEASES,
+                {
+                    "id": db.int_array(r.job.id for r in results),
+                    "run_lease": db.int_array(r.job.run_lease for r in results),
+                    "stale_after": awa_settings().stale_after,
+                },
+            )
 
 
 def _mark_locked(
@@ -448,6 +467,7 @@ def finalize(
     """
     if not results:
         return []
+    _hold_leases([r for r in results if r.keeps_lease], alias)
     plain: list[AttemptResult] = []
     special: list[AttemptResult] = []
     for result in results:

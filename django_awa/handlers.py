@@ -523,6 +523,10 @@ class HandlerPool:
                 abandoned = handler.abandoned
                 if abandoned and entered:
                     runner.stuck -= 1
+                if abandoned:  # its key's lease is no longer kept; freed below
+                    self.state.kept.pop((attempt.job.id, attempt.job.run_lease), None)
+                    if attempt.timed_out is not None:  # if not written yet
+                        attempt.timed_out.keeps_lease = False
             # An abandoned handler kept its place in the gate (see abandon): it
             # leaves it only now that it really returned.
             if entered:
@@ -540,10 +544,12 @@ class HandlerPool:
 
         A cancel or a rescue keeps the lease of an attempt of a kind with
         ``awa.Limit(concurrency=...)`` while its handler may still run
-        (``sql._released``); the heartbeat renews it until now. An outcome
-        written for the attempt deletes it too; this covers those that write
-        none (never begun, an ``atomic=True`` one rolled back as stale). Should
-        it fail, the place frees once the lease's ``held_until`` passes.
+        (``sql._released``), as does the outcome of a timed-out attempt whose
+        thread was abandoned (``abandon``); the heartbeat renews it until now.
+        An outcome written for a lost attempt deletes it too; this covers those
+        that write none (never begun, an ``atomic=True`` one rolled back as
+        stale) and the abandoned ones. Should it fail, the place frees once the
+        lease's ``held_until`` passes.
         """
         if attempt.job.kind not in registry.leased_kinds():
             return
@@ -834,7 +840,12 @@ class HandlerPool:
         )  # fmt: skip
 
     def abandon(self, handler: HandlerThread, attempt: Attempt, now: float) -> None:
-        """Give ``handler``'s place on its queue to a new thread, within the bound."""
+        """Give ``handler``'s place on its queue to a new thread, within the bound.
+
+        Of a kind with ``awa.Limit(concurrency=...)``, the attempt's key's lease
+        stays held while the handler runs (``WorkerState.kept``): a timed-out
+        attempt is written now, keeping it (``AttemptResult.keeps_lease``).
+        """
         runner = handler.runner
         job = attempt.job
         with self.running_lock:
@@ -856,6 +867,11 @@ class HandlerPool:
                 # No longer held: not heartbeated, not waited for or given back at shutdown.
                 if self.running.get(job.id) is attempt:
                     del self.running[job.id]
+                # Its key's place stays taken while the handler really runs: the
+                # heartbeat renews the lease until it returns (execute frees it
+                # then).
+                if attempt.holds_key:
+                    self.state.kept[job.id, job.run_lease] = attempt
         if not handler.abandoned:
             if log_bound:
                 logger.error(
@@ -869,7 +885,9 @@ class HandlerPool:
                 )  # fmt: skip
             return
         if attempt.timed_out is not None:
-            # Its key's place goes with it: the timed-out attempt is written now.
+            # The timed-out attempt is written now; its key's lease is kept
+            # (held until the handler returns), so the key's next job waits.
+            attempt.timed_out.keeps_lease = True
             self._put(attempt, attempt.timed_out)
         replacement = self.spawn(runner)
         runner.finished()  # its place on the queue goes to the replacement

@@ -84,11 +84,13 @@ class Heartbeat:
         state = self.state
         with state.running_lock:
             attempts = list(state.running.values())
+            kept = list(state.kept.values())
         write_progress(attempts)
         self.mark_started(attempts)
         if not due_only or time.monotonic() - self.last_beat >= state.conf.heartbeat_interval:
             self.last_beat = time.monotonic()
             self.heartbeat(attempts)
+            self.renew_held_leases(attempts + kept)
             fleet.beat(state)  # the worker's own row, with the jobs it runs
             state.tally.flush(state.alias, state.name)  # outcomes, for the dashboard
 
@@ -138,16 +140,17 @@ class Heartbeat:
             if attempt.job.id not in alive and running.get(attempt.job.id) is attempt:
                 # Cancelled, rescued or finalized meanwhile: tell the handler.
                 attempt.cancelled.set()
-        self.renew_held_leases(attempts)
 
     def renew_held_leases(self, attempts: list[Attempt]) -> None:
         """Keep the key's place of lost attempts whose handler still runs.
 
         A cancel or a rescue of an attempt of a kind with
         ``awa.Limit(concurrency=...)`` keeps its lease for ``STALE_AFTER``
-        (``sql._released``) while its handler may still run here; renewed
-        each heartbeat until the handler returns (``HandlerPool.execute``
-        deletes it then). Nothing to do, and no statement, for any other.
+        (``sql._released``) while its handler may still run here, as does the
+        outcome of a timed-out one whose thread was abandoned; renewed each
+        heartbeat until the handler returns (``HandlerPool.execute`` deletes
+        it then), an abandoned thread's too (``WorkerState.kept``). Nothing to
+        do, and no statement, for any other.
         """
         leased = registry.leased_kinds()
         if not leased:

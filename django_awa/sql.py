@@ -1415,7 +1415,9 @@ COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %
 # it over. Batches without such kinds run the plain forms and pay nothing.
 # The exact forms (an attempt's own outcome, its handler done) also delete a
 # lease a cancel or rescue kept for the attempt (held_until set, see below),
-# whether or not the row was still the attempt's to write.
+# when the row was no longer the attempt's to write. An attempt they do write
+# while its lease is held keeps it: its handler, past its timeout, was
+# abandoned and still runs (HOLD_LEASES); its worker frees it when it returns.
 #
 # A cancel or a rescue (CANCEL_JOBS, RESCUE) of an attempt whose handler may
 # still run in a live worker (the row is running and its heartbeat is fresh,
@@ -1432,7 +1434,8 @@ def _released(ids: str, *, exact: bool, kept: str | None = None) -> str:
     if exact:
         match = """JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
           ON l.job_id = a.id AND l.run_lease = a.run_lease
-        WHERE a.id IN ({ids}) OR l.held_until IS NOT NULL"""
+        WHERE (a.id IN ({ids}) AND l.held_until IS NULL)
+           OR (a.id NOT IN ({ids}) AND l.held_until IS NOT NULL)"""
     else:
         match = "WHERE l.job_id IN ({ids})"
     if kept is not None:
@@ -1527,6 +1530,19 @@ RENEW_HELD_LEASES = """
 UPDATE awa_limit_lease AS l SET held_until = now() + make_interval(secs => %(stale_after)s)
 FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
 WHERE l.job_id = a.id AND l.run_lease = a.run_lease AND l.held_until IS NOT NULL
+"""
+
+# -- HOLD_LEASES --
+# Attempts still running whose handler thread the worker abandoned (past its
+# timeout, it did not return): their outcome is written now, but their key's
+# place stays taken while the handler runs. Their leases get held_until
+# %(stale_after)s ahead, as a cancel's (_released), before the outcome is
+# written, which then keeps them; renewed (RENEW_HELD_LEASES) until the
+# handler returns. Primary key lookups (awa_limit_lease_job_idx).
+HOLD_LEASES = """
+UPDATE awa_limit_lease AS l SET held_until = now() + make_interval(secs => %(stale_after)s)
+FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
+WHERE l.job_id = a.id AND l.run_lease = a.run_lease
 """
 
 # -- RELEASE_HELD_LEASES --

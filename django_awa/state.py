@@ -356,7 +356,8 @@ class QueueRunner:
 
 @dataclass(eq=False)
 class WorkerState:
-    """The fields a worker's services share; ``running_lock`` guards ``running`` and ``waiting``.
+    """The fields a worker's services share; ``running_lock`` guards ``running``,
+    ``waiting`` and ``kept``.
 
     ``stopping`` stops claiming, ``halt`` stops everything now. ``results``
     takes every attempt's result for the completer (``None`` ends it).
@@ -379,6 +380,11 @@ class WorkerState:
     )
     running: dict[int, Attempt] = field(default_factory=dict)  # claimed, not finished
     waiting: set[int] = field(default_factory=set)  # claimed ids no handler has started yet
+    # Lost attempts of kinds with awa.Limit(concurrency=...) whose handler thread
+    # was abandoned and still runs, by (job id, run_lease): out of ``running``,
+    # but their key's lease is kept for them, renewed by the heartbeat until the
+    # handler returns (handlers.HandlerPool.abandon) and freed at exit.
+    kept: dict[tuple[int, int], Attempt] = field(default_factory=dict)
     running_lock: threading.Lock = field(default_factory=threading.Lock)
     threads: list[threading.Thread] = field(default_factory=list)
     processed: int = 0  # attempts finished, for the log at exit

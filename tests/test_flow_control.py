@@ -731,6 +731,30 @@ def test_a_cancel_or_rescue_keeps_the_key_of_a_handler_that_may_still_run(
     assert [j.id for j in _claim_by(path, limits)] == [ids[1]]
 
 
+@pytest.mark.parametrize("path", ["keyed", "locked"])
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_written_for_an_abandoned_handler_keeps_its_key_until_released(
+    path: str,
+) -> None:
+    # A timed-out attempt whose handler thread was abandoned (it still runs) is
+    # written at once, but its key's place stays taken until the handler returns.
+    ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1)])
+    limits = producer.queue_limits("bykey", "default")
+    [job] = _claim_by(path, limits)
+    result = errored(job, "timed out")
+    result.keeps_lease = True
+    assert finalize([result], "default") == [result]
+    assert Job.objects.get(id=job.id).state == JobState.RETRYABLE
+    [lease] = LimitLease.objects.all()
+    assert (lease.job_id, lease.run_lease) == (job.id, job.run_lease)
+    assert lease.held_until is not None
+    assert _claim_by(path, limits) == []
+    # The handler returned: its worker frees the key (HandlerPool.execute).
+    with connection.cursor() as cursor:
+        cursor.execute(sql.RELEASE_HELD_LEASES, {"id": [job.id], "run_lease": [job.run_lease]})
+    assert [j.id for j in _claim_by(path, limits)] == [ids[1]]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_kept_lease_its_worker_no_longer_renews_frees_when_it_runs_out() -> None:
     ids = awa.enqueue_many([KeyedSpan(key="a", n=0), KeyedSpan(key="a", n=1)])
@@ -824,6 +848,41 @@ def test_a_cancelled_or_rescued_attempt_keeps_its_key_while_its_live_handler_run
         gap = (others[0].started_at - first.ended_at).total_seconds()
         assert gap < 2, f"{kind}: the key's next job began {gap:.1f}s after the handler returned"
     wait_for(lambda: _leases() == [], 10)
+
+
+@pytest.mark.slow
+def test_an_abandoned_handler_keeps_its_key_until_it_really_returns(start_worker) -> None:
+    # A sync handler that ignores is_cancelled() outlives the stuck grace (5 s) and
+    # its thread is abandoned: its attempt's outcome is written (the cancel, the
+    # timeout), but its key's place stays taken, renewed while the worker lives, until
+    # the handler returns. Else the next job of the key runs beside it: freed at once
+    # for a timed-out attempt, STALE_AFTER (3 s) after the abandonment for a cancelled
+    # one.
+    worker = start_worker("--queue", "bykey=4", "--queue", "timedkey=4")
+    wait_for(lambda: "listening for new jobs" in worker.output(), 30)
+    cancelled = awa.enqueue(KeyedSpan(key="c", n=0, first_seconds=11, seconds=0.05))
+    timed = awa.enqueue(TimedKeyedSpan(key="t", n=0, first_seconds=10, seconds=0.05))
+    wait_for(lambda: FlowRun.objects.filter(n=0).count() == 2, 20)
+    awa.enqueue_many([KeyedSpan(key="c", n=i, seconds=0.05) for i in (1, 2)])
+    awa.enqueue_many([TimedKeyedSpan(key="t", n=i, seconds=0.05) for i in (1, 2)])
+    awa.cancel(cancelled.id)
+    wait_for(lambda: worker.output().count("abandoned (") == 2, 20, worker.output)
+    # The outcomes were written without waiting for the stuck handlers.
+    assert FlowRun.objects.filter(n=0, attempt=1, ended_at__isnull=True).count() == 2
+    assert Job.objects.get(id=cancelled.id).state == JobState.CANCELLED
+    assert "timed out" in Job.objects.get(id=timed.id).errors[0]["error"]
+    all_finished("keyed_span", 3, timeout=40)
+    all_finished("timed_keyed_span", 3, timeout=40)
+    wait_for(lambda: not FlowRun.objects.filter(ended_at__isnull=True).exists(), 20)
+    assert overlaps_within_key("keyed_span") == 0, "key c ran beside its abandoned handler"
+    assert overlaps_within_key("timed_keyed_span") == 0, "key t ran beside its abandoned handler"
+    for kind in ("keyed_span", "timed_keyed_span"):
+        # Freed when the handler returned.
+        first, *others = FlowRun.objects.filter(kind=kind).order_by("started_at")
+        gap = (others[0].started_at - first.ended_at).total_seconds()
+        assert gap < 2, f"{kind}: the key's next job began {gap:.1f}s after the handler returned"
+    wait_for(lambda: _leases() == [], 10)
+    assert worker.stop() == 0
 
 
 def test_two_per_key_holds_across_three_workers_and_uses_both_slots(start_worker) -> None:
