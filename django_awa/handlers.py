@@ -564,6 +564,32 @@ class HandlerPool:
             )  # fmt: skip
             reset_connection()
 
+    def release_kept_leases(self) -> None:
+        """At exit: free the key's places kept for abandoned handlers that still run.
+
+        Their threads end with the process, so their keys' next jobs need not
+        wait for the leases to run out (``STALE_AFTER``). Best effort: should
+        it fail, or the process die first, they run out as a dead worker's do.
+        """
+        with self.running_lock:
+            kept = list(self.state.kept.values())
+            self.state.kept.clear()
+        if not kept:
+            return
+        try:
+            with db.cursor(self.state.alias) as cursor:
+                cursor.execute(sql.RELEASE_HELD_LEASES, attempt_keys(kept))
+        except DB_ERRORS as exc:
+            logger.warning(
+                "could not free the key's places kept for %s abandoned handler(s) (%s); they "
+                "free within STALE_AFTER", len(kept), exc,
+            )  # fmt: skip
+            return
+        logger.info(
+            "freed the key's places kept for the abandoned handlers of job(s) %s, which end "
+            "with the worker", ", ".join(str(a.job.id) for a in kept),
+        )  # fmt: skip
+
     def _give_back_late(self, attempt: Attempt) -> None:
         """Give back, unstarted, a job claimed under a rate whose handler could not start
         within ``producer.RATED_START_WITHIN`` of its claim: started now, it might be
@@ -869,7 +895,7 @@ class HandlerPool:
                     del self.running[job.id]
                 # Its key's place stays taken while the handler really runs: the
                 # heartbeat renews the lease until it returns (execute frees it
-                # then).
+                # then), the worker frees it at exit (release_kept_leases).
                 if attempt.holds_key:
                     self.state.kept[job.id, job.run_lease] = attempt
         if not handler.abandoned:

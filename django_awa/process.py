@@ -277,6 +277,8 @@ class Worker:
             unfinished = [a for a in state.running.values() if a.job.id not in state.waiting]
         self._give_back(unfinished + self.state.withdraw_waiting(), started=True)
         state.halt.set()
+        # Abandoned handlers still running end with the process: their keys go now.
+        self.handlers.release_kept_leases()
         self.handlers.stop_loop()
         for runner in state.queues.values():
             for _ in range(runner.concurrency):

@@ -1546,8 +1546,9 @@ WHERE l.job_id = a.id AND l.run_lease = a.run_lease
 """
 
 # -- RELEASE_HELD_LEASES --
-# The handlers of these lost attempts returned (or never began): the leases
-# kept for them go. One the claim holds locked at that instant is waited for.
+# The handlers of these lost attempts returned (or never began), or their
+# worker is exiting, which ends them: the leases kept for them go. One the
+# claim holds locked at that instant is waited for.
 RELEASE_HELD_LEASES = """
 DELETE FROM awa_limit_lease AS l
 USING unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)

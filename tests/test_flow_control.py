@@ -885,6 +885,27 @@ def test_an_abandoned_handler_keeps_its_key_until_it_really_returns(start_worker
     assert worker.stop() == 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigterm", "sigquit", "abandoned"])
+def test_a_stopping_worker_frees_the_keys_its_lost_handlers_kept(start_worker, how: str) -> None:
+    # A cancelled handler still runs when its worker stops: the process exit ends it,
+    # so the key's place it kept is freed on the way out, not left to run out
+    # (STALE_AFTER) while the key's other jobs wait.
+    worker = start_worker("--queue", "bykey=4", env={"AWA_TEST_STALE_AFTER": "30"})
+    wait_for(lambda: "listening for new jobs" in worker.output(), 30)
+    job = awa.enqueue(KeyedSpan(key="c", n=0, first_seconds=60, seconds=0.05))
+    wait_for(lambda: FlowRun.objects.filter(n=0).exists(), 20)
+    awa.cancel(job.id)
+    [lease] = LimitLease.objects.all()
+    assert lease.held_until is not None  # kept: the handler runs on
+    if how == "abandoned":
+        wait_for(lambda: "abandoned (" in worker.output(), 20, worker.output)
+    worker.signal(signal.SIGQUIT if how == "sigquit" else signal.SIGTERM)
+    worker.wait(30)
+    assert FlowRun.objects.get(n=0).ended_at is None  # the handler died with its process
+    assert _leases() == [], "the stopped worker left its kept lease to run out"
+
+
 def test_two_per_key_holds_across_three_workers_and_uses_both_slots(start_worker) -> None:
     start_three(start_worker, "paired=4")
     awa.enqueue_many([PairedSpan(key=k, n=i, seconds=0.1) for i in range(6) for k in "abc"])
