@@ -242,7 +242,10 @@ class QueueRunner:
     starts: int = 0  # attempts begun since starts_since (time.monotonic())
     drained: bool = False  # since starts_since, a handler took the inbox's last attempt
     starts_since: float = field(default_factory=time.monotonic)
-    limited: bool = False  # claims under fleet-wide limits (its producer keeps this)
+    # Claims under fleet-wide limits (its producer keeps this). Until the producer
+    # has read the queue's limits they are not known, so the completer hands no
+    # sequence member on into it (a hand-on claims outside the limited claim).
+    limited: bool = True
     limits_changed: bool = False  # set_queue_limits changed them: read them again now
     wake_fleet: bool = False  # claimed under the queue's lock: room it frees wakes every worker
     shared: SharedConcurrency | None = None  # AWA["WORKER_CONCURRENCY"], when set

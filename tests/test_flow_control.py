@@ -1000,6 +1000,15 @@ def _members(key: str) -> list[Job]:
     return list(Job.objects.filter(metadata__awa_sequence__endswith=f'["{key}"]').order_by("id"))
 
 
+def _serving(queues: dict[str, int]) -> WorkerState:
+    """A worker's state for ``queues``, each queue's limits read as its producer reads
+    them before its first claim."""
+    state = WorkerState.create(queues)
+    for runner in state.queues.values():
+        producer.Producer(state, runner).current_limits()
+    return state
+
+
 def _parked(job: Job) -> bool:
     return "awa_sequence_run_at" in job.metadata
 
@@ -1043,7 +1052,7 @@ def test_the_finishing_statement_claims_the_next_member_into_a_reserved_place() 
     ids = awa.enqueue_many([SequencedSpan(key="h", n=i, seconds=0.0) for i in range(4)])
     (head,) = producer.claim_sequenced("seq", 10, "default")
     assert head.id == ids[0]
-    state = WorkerState.create({"seq": 2})
+    state = _serving({"seq": 2})
     hand_on = reserve_hand_on(state, [completed(head)])
     assert hand_on is not None and hand_on.places == {"seq": 1}
     assert state.queues["seq"].held == 1  # the place is held while the outcome is written
@@ -1184,7 +1193,7 @@ def test_the_hand_on_of_one_member_is_not_prepared_where_prepared_statements_are
 def _hand_on_one_after_another(head: Job, ids: list[int]) -> Job:
     """Complete ``head`` and each member it hands on, one at a time, as a saturated
     sequence's completer does; every member of ``ids`` must be claimed in turn."""
-    state = WorkerState.create({"seq": 2})
+    state = _serving({"seq": 2})
     for next_id in ids[ids.index(head.id) + 1 :]:
         hand_on = reserve_hand_on(state, [completed(head)])
         assert hand_on is not None
@@ -1248,10 +1257,27 @@ def test_no_member_is_handed_on_into_a_queue_under_any_limit() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_no_member_is_handed_on_into_a_queue_whose_limits_the_worker_has_not_read() -> None:
+    # A worker starting up: a sequence's member finishes before the producer of the
+    # next member's queue has read that queue's limits (a rate, say). A hand-on
+    # would claim there outside the limited claim, uncounted by the rate.
+    awa.set_queue_limits("seq", rate_limit="1/h")
+    awa.enqueue_many([SequencedSpan(key="u", n=i) for i in range(2)])
+    (head,) = producer.claim_sequenced("seq", 10, "default")
+    state = WorkerState.create({"seq": 2})
+    assert reserve_hand_on(state, [completed(head)]) is None
+    assert state.queues["seq"].held == 0
+    # Read (here: no limit after all), the queue takes hand-ons.
+    awa.set_queue_limits("seq", reset=True)
+    producer.Producer(state, state.queues["seq"]).current_limits()
+    assert reserve_hand_on(state, [completed(head)]) is not None
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_member_handed_on_while_the_worker_stops_is_given_back_unused() -> None:
     awa.enqueue_many([SequencedSpan(key="g", n=i) for i in range(3)])
     (head,) = producer.claim_sequenced("seq", 10, "default")
-    state = WorkerState.create({"seq": 2})
+    state = _serving({"seq": 2})
     hand_on = reserve_hand_on(state, [completed(head)])
     assert hand_on is not None
     assert finalize([completed(head)], "default", hand_on)
