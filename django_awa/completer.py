@@ -351,7 +351,7 @@ class Completer:
             try:
                 applied = finalize(batch, self.state.alias, hand_on)
                 self.reconnect.succeeded()
-                self.state.tally.record(applied, self.state.running)
+                self.state.count_outcomes(applied, self.state.running)
                 return
             except Exception as exc:  # noqa: BLE001 - one bad outcome must not stop the completer
                 if isinstance(exc, DB_ERRORS) and db.is_transient(exc):
@@ -382,7 +382,7 @@ class Completer:
         )  # fmt: skip
         fallback = errored(job, error, "".join(traceback.format_exception(exc)))
         try:
-            self.state.tally.record(finalize([fallback], self.state.alias), self.state.running)
+            self.state.count_outcomes(finalize([fallback], self.state.alias), self.state.running)
         except Exception:  # the job's heartbeat stops, and rescue takes it back
             logger.exception(
                 "job %s: not even the failed attempt could be recorded; it will be rescued",

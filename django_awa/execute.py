@@ -157,6 +157,9 @@ class Attempt:
     # writes once the handler returns (or its thread is abandoned), so the key's
     # place stays taken while a handler that cannot be stopped still runs.
     timed_out: AttemptResult | None = None
+    # Past its timeout (any kind): the failed attempt written for it, whatever its
+    # handler returns later. Its span reports this outcome, not the handler's.
+    gave_up: AttemptResult | None = None
     # time.monotonic() when the claim returned it, and when a handler thread
     # began it (None while it waits in the queue's inbox: claimed, not running
     # yet). started_written: MARK_STARTED stored attempted_at for it, or need

@@ -630,7 +630,8 @@ class HandlerPool:
                     tracing.finish(traced, None, exc)
                 raise
             try:
-                tracing.finish(traced, result)
+                # Past its timeout, the attempt's outcome is the one written for it.
+                tracing.finish(traced, attempt.gave_up or result)
             except Exception:
                 logger.exception("could not end job %s's span", attempt.job.id)
 
@@ -712,7 +713,7 @@ class HandlerPool:
                 return result
             if written is not None:
                 notify_freed(self.state, [written])
-                self.state.tally.record([written], self.state.running)
+                self.state.count_outcomes([written], self.state.running)
             else:
                 # Stale: cancelled or rescued, perhaps before the worker heard of it.
                 # Lost all the same: a key's place kept for it goes now (execute).
@@ -850,7 +851,7 @@ class HandlerPool:
         """
         job = attempt.job
         timeout = attempt.timeout or 0.0
-        result = timed_out(job, timeout, ran)
+        result = attempt.gave_up = timed_out(job, timeout, ran)
         if attempt.holds_key:
             attempt.timed_out = result
         attempt.cancelled.set()

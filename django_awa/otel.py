@@ -7,8 +7,9 @@
   to it on later attempts. A follow-up's ``awa_trace`` also lists its
   trigger's attempt span under ``"links"``: its span links to it.
 - Metrics through the metrics API: ``awa.jobs.finished`` (counter, by kind,
-  queue and outcome), ``awa.job.attempt.duration`` and ``awa.job.wait``
-  (histograms, seconds: handler run, and due to start) and, in workers,
+  queue and the outcome the worker wrote: ``count_written``),
+  ``awa.job.attempt.duration`` and ``awa.job.wait`` (histograms, seconds:
+  handler run, and due to start) and, in workers,
   ``awa.jobs`` (gauge per queue and state, from the maintenance leader's
   count).
 
@@ -109,6 +110,14 @@ def with_trace(metadata_json: str | None) -> str | None:
     return f"{metadata_json[:-1]}, {entry[1:]}"
 
 
+def count_written(results: Iterable[AttemptResult]) -> None:
+    """Count the attempts' outcomes a worker wrote in ``awa.jobs.finished`` (with the
+    otel extra; nothing without it)."""
+    found = instrumentation()
+    if found is not None:
+        found.count_written(results)
+
+
 def followup_trace(trigger: Job) -> dict[str, Any] | None:
     """A follow-up's ``awa_trace``: the current span as parent (if any) and the
     trigger's attempt span as a link (if it ran here)."""
@@ -176,7 +185,7 @@ class Instrumentation:
             "awa.jobs.finished",
             callbacks=[self._observe_finished],
             unit="{job}",
-            description="Attempts finished, by outcome",
+            description="Attempts finished, by the outcome the worker wrote",
         )
         self.duration = meter.create_histogram(
             "awa.job.attempt.duration", unit="s", description="How long an attempt's handler ran"
@@ -314,10 +323,13 @@ class Instrumentation:
     def finish(
         self, traced: Traced, result: AttemptResult | None, error: BaseException | None = None
     ) -> None:
-        """End the attempt's span with its outcome; queue its metric values for the completer.
+        """End the attempt's span with its outcome; queue its histogram values for the completer.
 
         ``result`` None: a stale atomic attempt, or (``error`` given) the
-        attempt raised past the worker's handler boundary.
+        attempt raised past the worker's handler boundary. The attempt is
+        counted in ``awa.jobs.finished`` once its outcome is written
+        (``count_written``), not here: a handler that returns after its
+        attempt was cancelled, rescued or timed out had its result ignored.
         """
         elapsed = time.perf_counter() - traced.started
         span = traced.span
@@ -382,12 +394,28 @@ class Instrumentation:
                     links.append(Link(linked, {"awa.link": "trigger"}))
         return parent, links or None
 
-    def record_pending(self) -> None:
-        """Hand the attempts' histogram values to the SDK and count them finished
-        (the completer, after each batch it writes: one thread, so no two wait on
-        the SDK's lock or ours)."""
-        pending = self._pending
+    def count_written(self, results: Iterable[AttemptResult]) -> None:
+        """Count the outcomes finalize wrote (the results it applied) in
+        ``awa.jobs.finished``: a job given back (``available`` again: unstarted,
+        or interrupted at shutdown) is no outcome."""
+        from .models import JobState
+
         finished: dict[tuple[str, str, str], int] = {}
+        for result in results:
+            if result.state == JobState.AVAILABLE:
+                continue
+            outcome = str(result.state)
+            key = (result.job.kind, result.job.queue, outcome)
+            finished[key] = finished.get(key, 0) + 1
+        if finished:
+            with self._finished_lock:
+                for key, count in finished.items():
+                    self._finished[key] = self._finished.get(key, 0) + count
+
+    def record_pending(self) -> None:
+        """Hand the attempts' histogram values to the SDK (the completer, after each
+        batch it writes: one thread, so no two wait on the SDK's lock)."""
+        pending = self._pending
         wait, duration = self.wait.record, self.duration.record
         while pending:
             try:
@@ -397,12 +425,6 @@ class Instrumentation:
             if waited is not None:
                 wait(waited, labels.queued)
             duration(elapsed, labels.finished(outcome))
-            key = (labels.kind, labels.queue, outcome)
-            finished[key] = finished.get(key, 0) + 1
-        if finished:
-            with self._finished_lock:
-                for key, count in finished.items():
-                    self._finished[key] = self._finished.get(key, 0) + count
         if len(self._new_links) > LINKS_KEPT:
             with self._links_lock:
                 self._fold_links()

@@ -320,7 +320,7 @@ class Worker:
         try:
             with wakeups.after_commit(self.state.alias):  # the listener may be gone
                 written = finalize(results, self.state.alias)
-            self.state.tally.record(written)  # flushed at the end of the drain
+            self.state.count_outcomes(written)  # flushed at the end of the drain
             logger.warning(
                 "gave back %s %s job(s) at shutdown: %s",
                 len(written),

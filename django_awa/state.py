@@ -29,6 +29,7 @@ from .conf import AwaSettings, awa_settings
 from .dashboard import Tally
 from .db import ConnectionNeed, connection_need
 from .logs import log_context, set_worker
+from .otel import count_written
 from .wakeups import Outbox
 
 __all__ = ["DB_ERRORS", "QueueRunner", "WorkerState", "log_context", "reset_connection"]
@@ -401,6 +402,15 @@ class WorkerState:
 
     def __post_init__(self) -> None:
         self.outbox = Outbox(self.alias, self.wake)
+
+    def count_outcomes(
+        self, written: Iterable[AttemptResult], running: dict[int, Attempt] | None = None
+    ) -> None:
+        """Count the outcomes this worker wrote: for the dashboard (``tally``) and, with
+        the otel extra, ``awa.jobs.finished``. ``running``: for the inbox waits."""
+        written = list(written)
+        self.tally.record(written, running)
+        count_written(written)
 
     @property
     def direct(self) -> str | None:

@@ -7,6 +7,7 @@ never imports it.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,8 @@ from django_awa.maintenance import Maintenance
 from django_awa.models import Job
 from django_awa.producer import Producer
 from django_awa.state import WorkerState
-from tests.conftest import ROOT, wait_for_state
-from tests.testapp.jobs import Act, Echo
+from tests.conftest import ROOT, wait_for, wait_for_state
+from tests.testapp.jobs import Act, Echo, Timed
 from tests.testapp.models import Ledger
 
 pytestmark = pytest.mark.django_db
@@ -270,3 +271,54 @@ def test_the_blocker_really_blocks():
         text=True, check=False, timeout=30,
     )  # fmt: skip
     assert probe.returncode == 1 and "blocked" in probe.stderr
+
+
+def _exported(directory: Path) -> tuple[list[dict[str, Any]], dict[tuple[str, str], int]]:
+    """The spans a worker process exported (tests/otel_settings.py), and its last
+    ``awa.jobs.finished`` counts by (kind, outcome)."""
+    spans = [
+        json.loads(line)
+        for path in directory.glob("spans-*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    finished: dict[tuple[str, str], int] = {}
+    for path in directory.glob("metrics-*.jsonl"):
+        last = json.loads(path.read_text().splitlines()[-1])
+        for resource in last["resource_metrics"]:
+            for scope in resource["scope_metrics"]:
+                for metric in scope["metrics"]:
+                    if metric["name"] != "awa.jobs.finished":
+                        continue
+                    for point in metric["data"]["data_points"]:
+                        key = (point["attributes"]["awa.job.kind"],
+                               point["attributes"]["awa.job.outcome"])  # fmt: skip
+                        finished[key] = finished.get(key, 0) + point["value"]
+    return spans, finished
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_counts_the_outcomes_it_wrote_not_what_lost_handlers_returned(
+    start_worker, tmp_path: Path
+):
+    # A job cancelled while it runs and one past its kind's timeout: their
+    # handlers return normally later, and neither is a completed job.
+    env = {"DJANGO_SETTINGS_MODULE": "tests.otel_settings", "AWA_TEST_OTEL_DIR": str(tmp_path)}
+    worker = start_worker("--queue", "default", env=env)
+    done = awa.enqueue(Act(action="ok"))
+    cancelled = awa.enqueue(Act(action="sleep", seconds=1.5))
+    timed = awa.enqueue(awa.EnqueueRequest(Timed(seconds=2), max_attempts=1))
+    wait_for_state(cancelled.id, "running")
+    awa.cancel(cancelled.id)
+    wait_for_state(timed.id, "failed")
+    wait_for_state(done.id, "completed")
+    wait_for(lambda: Ledger.objects.filter(job_id=timed.id, note__startswith="timed:end").exists())
+    assert worker.stop() == 0  # its metrics are exported as it exits
+    spans, finished = _exported(tmp_path)
+    # As the database has them: one act completed (the cancel was written by the
+    # caller), one timed job failed; nothing counted completed that was not.
+    assert finished == {("act", "completed"): 1, ("timed", "failed"): 1}
+    [timed_span] = [s for s in spans if s["attributes"]["messaging.message.id"] == str(timed.id)]
+    assert timed_span["attributes"]["awa.job.outcome"] == "failed"
+    assert timed_span["status"]["status_code"] == "ERROR"
+    assert "timed out" in timed_span["status"]["description"]
