@@ -916,6 +916,7 @@ class MaintenanceService:
             db.release(self.state.alias)  # pooled: held only during a pass
             halt.wait(min(1.0, self.state.conf.maintenance_interval))
         if self.is_leader:
+            self.is_leader = False  # another worker may lead from now on
             try:
                 self.maintenance.resign()
             except DB_ERRORS as exc:

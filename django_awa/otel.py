@@ -9,9 +9,8 @@
 - Metrics through the metrics API: ``awa.jobs.finished`` (counter, by kind,
   queue and the outcome the worker wrote: ``count_written``),
   ``awa.job.attempt.duration`` and ``awa.job.wait`` (histograms, seconds:
-  handler run, and due to start) and, in workers,
-  ``awa.jobs`` (gauge per queue and state, from the maintenance leader's
-  count).
+  handler run, and due to start) and, in the worker leading maintenance,
+  ``awa.jobs`` (gauge per queue and state, from that leader's count).
 
 ``AWA["OPENTELEMETRY"]``: ``None`` (default) instruments when
 ``opentelemetry`` can be imported, ``False`` never (nothing is imported),
@@ -27,7 +26,7 @@ import json
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from django.core.signals import setting_changed
@@ -431,8 +430,13 @@ class Instrumentation:
 
     # -- gauges ------------------------------------------------------------------
 
-    def observe_job_counts(self, alias: str) -> None:
-        """Register the ``awa.jobs`` gauge (once per alias), read from the leader's count."""
+    def observe_job_counts(self, alias: str, leading: Callable[[], bool] | None = None) -> None:
+        """Register the ``awa.jobs`` gauge (once per alias), read from the leader's count.
+
+        ``leading``: whether this process leads maintenance now (a worker's); it
+        observes nothing while another does, so a fleet reports each count once,
+        not once per worker process, and no collection queries the table twice.
+        """
         from opentelemetry.metrics import Observation
 
         if alias in self._gauges:
@@ -442,6 +446,8 @@ class Instrumentation:
         def observe(options: Any) -> Iterable[Observation]:
             from .models import JobCount
 
+            if leading is not None and not leading():
+                return []
             rows = JobCount.objects.using(alias).values_list("queue", "state", "count")
             return [
                 Observation(count, {"messaging.destination.name": queue, "awa.job.state": state})

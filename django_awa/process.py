@@ -122,7 +122,8 @@ class Worker:
             )
         tracing = instrumentation()
         if tracing is not None:
-            tracing.observe_job_counts(state.alias)  # the awa.jobs gauge, with the otel extra
+            # The awa.jobs gauge, with the otel extra: observed by the leader only.
+            tracing.observe_job_counts(state.alias, lambda: self.maintenance.is_leader)
         try:
             fleet.beat(state)  # registered before it claims; the heartbeat renews it
         except DB_ERRORS as exc:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from django_awa import otel
 from django_awa.completer import Completer
 from django_awa.handlers import HandlerPool
 from django_awa.maintenance import Maintenance
-from django_awa.models import Job
+from django_awa.models import Job, MaintenanceLease
 from django_awa.producer import Producer
 from django_awa.state import WorkerState
 from tests.conftest import ROOT, wait_for, wait_for_state
@@ -273,51 +275,75 @@ def test_the_blocker_really_blocks():
     assert probe.returncode == 1 and "blocked" in probe.stderr
 
 
-def _exported(directory: Path) -> tuple[list[dict[str, Any]], dict[tuple[str, str], int]]:
-    """The spans a worker process exported (tests/otel_settings.py), and its last
-    ``awa.jobs.finished`` counts by (kind, outcome)."""
-    spans = [
-        json.loads(line)
-        for path in directory.glob("spans-*.jsonl")
-        for line in path.read_text().splitlines()
-    ]
-    finished: dict[tuple[str, str], int] = {}
+def _last_exports(directory: Path) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    """Per worker process (pid), the data points of each metric in its latest
+    export (tests/otel_settings.py)."""
+    exports: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for path in directory.glob("metrics-*.jsonl"):
         last = json.loads(path.read_text().splitlines()[-1])
+        points = exports[int(path.stem.split("-")[1])] = {}
         for resource in last["resource_metrics"]:
             for scope in resource["scope_metrics"]:
                 for metric in scope["metrics"]:
-                    if metric["name"] != "awa.jobs.finished":
-                        continue
-                    for point in metric["data"]["data_points"]:
-                        key = (point["attributes"]["awa.job.kind"],
-                               point["attributes"]["awa.job.outcome"])  # fmt: skip
-                        finished[key] = finished.get(key, 0) + point["value"]
-    return spans, finished
+                    points[metric["name"]] = metric["data"]["data_points"]
+    return exports
 
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_a_worker_counts_the_outcomes_it_wrote_not_what_lost_handlers_returned(
+def test_worker_processes_export_written_outcomes_and_the_job_counts_once(
     start_worker, tmp_path: Path
 ):
+    env = {"DJANGO_SETTINGS_MODULE": "tests.otel_settings", "AWA_TEST_OTEL_DIR": str(tmp_path)}
+    worker = start_worker("--processes", "2", "--queue", "default", env=env)
     # A job cancelled while it runs and one past its kind's timeout: their
     # handlers return normally later, and neither is a completed job.
-    env = {"DJANGO_SETTINGS_MODULE": "tests.otel_settings", "AWA_TEST_OTEL_DIR": str(tmp_path)}
-    worker = start_worker("--queue", "default", env=env)
     done = awa.enqueue(Act(action="ok"))
     cancelled = awa.enqueue(Act(action="sleep", seconds=1.5))
     timed = awa.enqueue(awa.EnqueueRequest(Timed(seconds=2), max_attempts=1))
+    waiting = awa.enqueue(Act(action="ok"), queue="idle")  # no worker runs queue idle
     wait_for_state(cancelled.id, "running")
     awa.cancel(cancelled.id)
     wait_for_state(timed.id, "failed")
     wait_for_state(done.id, "completed")
     wait_for(lambda: Ledger.objects.filter(job_id=timed.id, note__startswith="timed:end").exists())
+
+    # awa.jobs: one series per queue and state for the fleet, from the leader
+    # alone, not one per worker process (summed, they would count each job twice).
+    def counts_reported() -> dict[int, list[dict[str, Any]]] | None:
+        exports = _last_exports(tmp_path)  # a process with nothing to report writes none
+        reported = {pid: e["awa.jobs"] for pid, e in exports.items() if e.get("awa.jobs")}
+        idle = [
+            p for points in reported.values() for p in points
+            if p["attributes"] == {"messaging.destination.name": "idle",
+                                   "awa.job.state": "available"}
+        ]  # fmt: skip
+        return reported if idle else None
+
+    reported = wait_for(counts_reported, message="no process reported queue idle's count")
+    time.sleep(1.2)  # two more exports each: the other process's too
+    reported = counts_reported()
+    leader = MaintenanceLease.objects.get().holder
+    assert reported is not None
+    assert [f"{socket.gethostname()}:{pid}" for pid in reported] == [leader]
+    [points] = reported.values()
+    idle = [p["value"] for p in points if p["attributes"]["messaging.destination.name"] == "idle"]
+    assert idle == [1] and Job.objects.get(id=waiting.id).state == "available"
+
     assert worker.stop() == 0  # its metrics are exported as it exits
-    spans, finished = _exported(tmp_path)
+    finished: dict[tuple[str, str], int] = {}
+    for export in _last_exports(tmp_path).values():
+        for point in export.get("awa.jobs.finished", ()):
+            key = (point["attributes"]["awa.job.kind"], point["attributes"]["awa.job.outcome"])
+            finished[key] = finished.get(key, 0) + point["value"]
     # As the database has them: one act completed (the cancel was written by the
     # caller), one timed job failed; nothing counted completed that was not.
     assert finished == {("act", "completed"): 1, ("timed", "failed"): 1}
+    spans = [
+        json.loads(line)
+        for path in tmp_path.glob("spans-*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
     [timed_span] = [s for s in spans if s["attributes"]["messaging.message.id"] == str(timed.id)]
     assert timed_span["attributes"]["awa.job.outcome"] == "failed"
     assert timed_span["status"]["status_code"] == "ERROR"
