@@ -19,6 +19,7 @@ workflow's step joins the workflow.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,6 +32,7 @@ from .enqueueing import Inserted, PreparedJob, unique_conflict
 from .exceptions import ValidationError
 from .followups import Cancelled, FollowupError, Outcome, dispatch, followup_registry, send_signal
 from .models import Job, JobState, jobs_from_rows
+from .otel import instrumentation
 from .pending import keep_pending
 
 logger = logging.getLogger(__name__)
@@ -248,7 +250,7 @@ def _settle_rounds(
             if completed:
                 cursor.execute(sql.PROMOTE_MET_BY, {"ids": finished})
                 rows = cursor.fetchall()
-                _promoted_now(cursor, alias, [row for row in rows if row[0] is not None])
+                _promoted_now(cursor, alias, [row for row in rows if row[0] is not None], finished)
                 if all(row[0] is not None for row in rows):
                     return cancelled_ids  # every dependent promoted: none left to judge
             locked = _lock_to_judge(cursor, finished, alias, shared=shared, completed=completed)
@@ -280,7 +282,7 @@ def _settle_rounds(
         rest = [i for i in locked if i not in cancelled]
         if rest:
             cursor.execute(sql.PROMOTE_READY, {"ids": rest})
-            _promoted_now(cursor, alias, cursor.fetchall())
+            _promoted_now(cursor, alias, cursor.fetchall(), finished)
         for job, reason in zip(cancelled_rows, reasons, strict=True):
             _cancelled(job, reason, alias)
         finished = [job.id for job in cancelled_rows if job.has_dependents]
@@ -290,13 +292,44 @@ def _settle_rounds(
     raise RuntimeError(f"dependency cascade deeper than {MAX_ROUNDS} levels")
 
 
-def _promoted_now(cursor: db.Cursor, alias: str, promoted: list[tuple[int, str, str]]) -> None:
+def _promoted_now(
+    cursor: db.Cursor,
+    alias: str,
+    promoted: list[tuple[int, str, str]],
+    finished: list[int] | None = None,
+) -> None:
     """After a promoting statement: wake the queues of the jobs it made available
     (``wakeups.announce``: in a worker's transaction, its producers at the commit
-    and the others by NOTIFY after it), log each."""
+    and the others by NOTIFY after it), log each; with the otel extra, link them
+    to the attempts of ``finished`` (the outcomes written here) that released them."""
     wakeups.announce(alias, {q for _, state, q in promoted if state == JobState.AVAILABLE}, cursor)
     for job_id, state, _queue in promoted:
         logger.info("job %s -> %s: its dependencies are met", job_id, state)
+    if promoted and finished:
+        _link_triggers(cursor, [row[0] for row in promoted], finished)
+
+
+def _link_triggers(cursor: db.Cursor, promoted: list[int], finished: list[int]) -> None:
+    """Add to each promoted job's ``awa_trace`` a link to the attempt span of each of
+    its dependencies among ``finished`` that ran in this process (SPEC §15: workflow
+    steps link to their trigger). Nothing without the otel extra, or without such
+    a span (an outcome written by a web request, or by maintenance)."""
+    tracing = instrumentation()
+    if tracing is None:
+        return
+    links = tracing.attempt_links(finished)
+    if not links:
+        return
+    cursor.execute(sql.TRIGGER_EDGES, {"ids": promoted, "finished": list(links)})
+    per_job: dict[int, list[dict[str, str]]] = {}
+    for job_id, dependency in cursor.fetchall():
+        per_job.setdefault(job_id, []).append(links[dependency])
+    if per_job:
+        ids = sorted(per_job)
+        cursor.execute(
+            sql.ADD_TRACE_LINKS,
+            {"ids": ids, "links": [json.dumps(per_job[i]) for i in ids]},
+        )
 
 
 # Rounds of sorting dependents into shared and exclusive locks before all are

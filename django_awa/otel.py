@@ -5,7 +5,9 @@
 - Each attempt runs in a span ``awa.job <kind>`` (kind CONSUMER, messaging
   attributes): a child of the enqueuing span on attempt 1, a new trace linked
   to it on later attempts. A follow-up's ``awa_trace`` also lists its
-  trigger's attempt span under ``"links"``: its span links to it.
+  trigger's attempt span under ``"links"``: its span links to it; so does a
+  workflow step's, the attempt spans of the dependencies whose outcomes
+  released it (when they ran in the worker that wrote them).
 - Metrics through the metrics API: ``awa.jobs.finished`` (counter, by kind,
   queue and the outcome the worker wrote: ``count_written``),
   ``awa.job.attempt.duration`` and ``awa.job.wait`` (histograms, seconds:
@@ -238,15 +240,21 @@ class Instrumentation:
         return span_context if span_context.is_valid else None
 
     def attempt_link(self, job_id: int) -> dict[str, str] | None:
+        """The W3C headers of job ``job_id``'s latest attempt span in this process, or None."""
+        return self.attempt_links([job_id]).get(job_id)
+
+    def attempt_links(self, job_ids: Iterable[int]) -> dict[int, dict[str, str]]:
+        """``attempt_link`` of each of ``job_ids`` that has one (one lock taken)."""
         with self._links_lock:
             self._fold_links()
-            span_context = self._links.get(job_id)
-        if span_context is None:
-            return None
-        carrier: dict[str, str] = {}
-        span = self.trace.NonRecordingSpan(span_context)
-        self.propagator.inject(carrier, context=self.trace.set_span_in_context(span))
-        return carrier
+            found = [(i, c) for i in job_ids if (c := self._links.get(i)) is not None]
+        links: dict[int, dict[str, str]] = {}
+        for job_id, span_context in found:
+            carrier: dict[str, str] = {}
+            span = self.trace.NonRecordingSpan(span_context)
+            self.propagator.inject(carrier, context=self.trace.set_span_in_context(span))
+            links[job_id] = carrier
+        return links
 
     def _observe_finished(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
@@ -311,6 +319,10 @@ class Instrumentation:
             name, context=parent, kind=self._consumer, attributes=attributes, links=links
         )
         traced = Traced(job.id, span, self._attach(self._in_context(span)), labels)
+        # For its follow-ups and dependents to link to (attempt_link), from now:
+        # its outcome, and what it releases, may be written before the span ends
+        # (the completer's batch, an atomic handler's transaction). No lock here.
+        self._new_links.append((job.id, span.get_span_context()))
         if job.run_at is not None:
             # The handler begins now (attempted_at is written later, with the
             # outcome); the worker's clock against the database's run_at.
@@ -350,8 +362,6 @@ class Instrumentation:
                     if result.error:
                         span.set_status(self._status(self._error, result.error[:1000]))
             span.end()
-            # For its follow-ups to link to (attempt_link): queued, no lock taken here.
-            self._new_links.append((traced.job_id, span.get_span_context()))
             pending = self._pending
             pending.append((traced.labels, traced.waited, elapsed, outcome))
             if len(pending) > PENDING_KEPT:

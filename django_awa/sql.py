@@ -2680,6 +2680,36 @@ WHERE j.id = c.job_id AND j.state = 'blocked'
 RETURNING c.dep_id, c.dep_kind, c.dep_state, {J_JOB_COLUMNS}
 """
 
+# -- TRIGGER_EDGES --
+# With the otel extra, after a promotion: which of the dependencies whose
+# outcome this transaction wrote (%(finished)s, those whose attempt span this
+# worker holds) each promoted dependent waited for. Index: the primary key of
+# awa_job_dependency (job_id, depends_on_id), one lookup per pair.
+TRIGGER_EDGES = """
+SELECT e.job_id, e.depends_on_id FROM awa_job_dependency AS e
+WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.depends_on_id = ANY(%(finished)s::bigint[])
+"""
+
+# -- ADD_TRACE_LINKS --
+# Append W3C headers (a JSON array each) to promoted dependents'
+# metadata["awa_trace"]["links"]: their attempt spans link to the attempts
+# that released them (otel.py). The rows are the promotion's, locked by this
+# transaction already. Index: the primary key.
+ADD_TRACE_LINKS = """
+UPDATE ONLY awa_job AS j
+SET metadata = j.metadata || jsonb_build_object('awa_trace', t.trace || jsonb_build_object(
+        'links', CASE WHEN jsonb_typeof(t.trace -> 'links') = 'array'
+                      THEN t.trace -> 'links' ELSE '[]'::jsonb END || t.links))
+FROM (
+    SELECT k.id, k.links::jsonb AS links,
+           CASE WHEN jsonb_typeof(m.metadata -> 'awa_trace') = 'object'
+                THEN m.metadata -> 'awa_trace' ELSE '{}'::jsonb END AS trace
+    FROM unnest(%(ids)s::bigint[], %(links)s::text[]) AS k(id, links)
+    JOIN ONLY awa_job AS m ON m.id = k.id
+) AS t
+WHERE j.id = t.id AND jsonb_typeof(j.metadata) = 'object'
+"""
+
 # -- PROMOTE_READY --
 # Of the locked blocked jobs, make those whose every dependency reached what
 # it requires available (or scheduled, while their run_at is ahead). A

@@ -36,7 +36,7 @@ from django_awa.models import Job, MaintenanceLease
 from django_awa.producer import Producer
 from django_awa.state import WorkerState
 from tests.conftest import ROOT, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Echo, Timed
+from tests.testapp.jobs import Act, Echo, Node, Pay, Timed
 from tests.testapp.models import Ledger
 
 pytestmark = pytest.mark.django_db
@@ -144,6 +144,16 @@ def test_follow_ups_link_to_their_triggers_attempt_span():
         [link] = span.links
         assert link.context.span_id == attempt_span.context.span_id
         assert link.attributes["awa.link"] == "trigger"
+
+
+def test_an_atomic_jobs_follow_up_links_to_its_attempt_span():
+    # Its follow-ups are written in the handler's transaction, before its span ends.
+    awa.enqueue(Pay(reference="linked"))
+    run_queue("default")
+    [attempt_span] = job_spans("pay")
+    [followup] = Job.objects.filter(kind="echo")
+    [link] = followup.metadata["awa_trace"]["links"]
+    assert link["traceparent"].split("-")[2] == f"{attempt_span.context.span_id:016x}"
 
 
 def _points(name: str) -> list[Any]:
@@ -295,7 +305,12 @@ def test_worker_processes_export_written_outcomes_and_the_job_counts_once(
     start_worker, tmp_path: Path
 ):
     env = {"DJANGO_SETTINGS_MODULE": "tests.otel_settings", "AWA_TEST_OTEL_DIR": str(tmp_path)}
-    worker = start_worker("--processes", "2", "--queue", "default", env=env)
+    worker = start_worker("--processes", "2", "--queue", "default", "--queue", "flow", env=env)
+    with TRACER.start_as_current_span("POST /flows") as request:
+        flow = awa.Workflow()
+        first = flow.add(Node(name="first"))
+        flow.add(Node(name="second"), after=[first])
+        first_job, second_job = flow.enqueue()
     # A job cancelled while it runs and one past its kind's timeout: their
     # handlers return normally later, and neither is a completed job.
     done = awa.enqueue(Act(action="ok"))
@@ -306,6 +321,7 @@ def test_worker_processes_export_written_outcomes_and_the_job_counts_once(
     awa.cancel(cancelled.id)
     wait_for_state(timed.id, "failed")
     wait_for_state(done.id, "completed")
+    wait_for_state(second_job.id, "completed")
     wait_for(lambda: Ledger.objects.filter(job_id=timed.id, note__startswith="timed:end").exists())
 
     # awa.jobs: one series per queue and state for the fleet, from the leader
@@ -337,14 +353,23 @@ def test_worker_processes_export_written_outcomes_and_the_job_counts_once(
             key = (point["attributes"]["awa.job.kind"], point["attributes"]["awa.job.outcome"])
             finished[key] = finished.get(key, 0) + point["value"]
     # As the database has them: one act completed (the cancel was written by the
-    # caller), one timed job failed; nothing counted completed that was not.
-    assert finished == {("act", "completed"): 1, ("timed", "failed"): 1}
+    # caller), one timed job failed, two workflow steps completed; nothing counted
+    # completed that was not.
+    assert finished == {("act", "completed"): 1, ("timed", "failed"): 1, ("node", "completed"): 2}
     spans = [
         json.loads(line)
         for path in tmp_path.glob("spans-*.jsonl")
         for line in path.read_text().splitlines()
     ]
-    [timed_span] = [s for s in spans if s["attributes"]["messaging.message.id"] == str(timed.id)]
+    by_job = {int(s["attributes"]["messaging.message.id"]): s for s in spans}
+    # The workflow's second step: a child of the request that enqueued the
+    # workflow, linked to the attempt of the step that released it.
+    second = by_job[second_job.id]
+    assert second["parent_id"] == f"0x{request.get_span_context().span_id:016x}"
+    assert [(link["context"]["span_id"], link["attributes"]) for link in second["links"]] == [
+        (by_job[first_job.id]["context"]["span_id"], {"awa.link": "trigger"})
+    ]
+    timed_span = by_job[timed.id]
     assert timed_span["attributes"]["awa.job.outcome"] == "failed"
     assert timed_span["status"]["status_code"] == "ERROR"
     assert "timed out" in timed_span["status"]["description"]
