@@ -630,8 +630,12 @@ class HandlerPool:
                     tracing.finish(traced, None, exc)
                 raise
             try:
-                # Past its timeout, the attempt's outcome is the one written for it.
-                tracing.finish(traced, attempt.gave_up or result)
+                # Past its timeout, the attempt's outcome is the one written for it;
+                # lost meanwhile (cancelled, rescued), the handler's result is ignored.
+                if attempt.gave_up is not None:
+                    tracing.finish(traced, attempt.gave_up)
+                else:
+                    tracing.finish(traced, result, lost=attempt.cancelled.is_set())
             except Exception:
                 logger.exception("could not end job %s's span", attempt.job.id)
 

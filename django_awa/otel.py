@@ -332,12 +332,20 @@ class Instrumentation:
         return traced
 
     def finish(
-        self, traced: Traced, result: AttemptResult | None, error: BaseException | None = None
+        self,
+        traced: Traced,
+        result: AttemptResult | None,
+        error: BaseException | None = None,
+        *,
+        lost: bool = False,
     ) -> None:
         """End the attempt's span with its outcome; queue its histogram values for the completer.
 
         ``result`` None: a stale atomic attempt, or (``error`` given) the
-        attempt raised past the worker's handler boundary. The attempt is
+        attempt raised past the worker's handler boundary. ``lost``: the
+        attempt was cancelled or rescued, or its lease lost, while its handler
+        ran, so what the handler returned is not the job's outcome: the span
+        says ``lost``, as it does for a stale atomic attempt. The attempt is
         counted in ``awa.jobs.finished`` once its outcome is written
         (``count_written``), not here: a handler that returns after its
         attempt was cancelled, rescued or timed out had its result ignored.
@@ -349,17 +357,17 @@ class Instrumentation:
         finally:
             if error is not None:
                 outcome = "error"
-            elif result is None:
-                outcome = "stale"
+            elif result is None or lost:
+                outcome = "lost"
             else:
                 outcome = str(result.state)
             if span.is_recording():  # a span the sampler dropped takes nothing more
                 if error is not None:
                     span.record_exception(error)
                     span.set_status(self._status(self._error, f"{type(error).__name__}: {error}"))
-                elif result is not None:
+                else:
                     span.set_attribute("awa.job.outcome", outcome)
-                    if result.error:
+                    if result is not None and not lost and result.error:
                         span.set_status(self._status(self._error, result.error[:1000]))
             span.end()
             pending = self._pending

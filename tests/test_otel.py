@@ -369,6 +369,8 @@ def test_worker_processes_export_written_outcomes_and_the_job_counts_once(
     assert [(link["context"]["span_id"], link["attributes"]) for link in second["links"]] == [
         (by_job[first_job.id]["context"]["span_id"], {"awa.link": "trigger"})
     ]
+    # Cancelled while it ran: its handler's return is not the job's outcome.
+    assert by_job[cancelled.id]["attributes"]["awa.job.outcome"] == "lost"
     timed_span = by_job[timed.id]
     assert timed_span["attributes"]["awa.job.outcome"] == "failed"
     assert timed_span["status"]["status_code"] == "ERROR"
