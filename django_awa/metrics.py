@@ -31,7 +31,7 @@ from django.views.decorators.http import require_GET
 from . import sql
 from .conf import AwaSettings, awa_settings
 from .fleet import live
-from .models import JobCount, PendingFollowup, Queue, Worker
+from .models import JobCount, JobState, PendingFollowup, Queue, Worker
 from .state import DB_ERRORS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -96,7 +96,7 @@ def exposition(alias: str, conf: AwaSettings) -> str:
         "awa_jobs",
         "Jobs in awa_job per queue and state (live, and finished not yet archived), "
         "as the maintenance leader last counted them.",
-        (({"queue": c.queue, "state": c.state}, c.count) for c in counts),
+        _job_counts(alias, conf, counts, counted=bool(counts) or maintenance_age is not None),
     )
     counted_at = max((c.counted_at for c in counts), default=None)
     out.family(
@@ -144,6 +144,29 @@ def exposition(alias: str, conf: AwaSettings) -> str:
         [({}, math.nan if maintenance_age is None else maintenance_age)],
     )
     return out.text()
+
+
+def _job_counts(
+    alias: str, conf: AwaSettings, counts: list[JobCount], *, counted: bool
+) -> list[tuple[dict[str, str], int]]:
+    """``awa_jobs``' samples: every state of every known queue (configured, with a
+    row in ``awa_queue``, or counted), 0 where the count found no job.
+
+    The leader's count has rows only for the states it found: without the
+    zeros, a queue's series vanished when it drained (``running`` once idle),
+    and a graph or ``sum()`` showed no data instead of 0. Before any count
+    (``counted`` False) there is nothing to say, and no sample.
+    """
+    found = {(c.queue, c.state): c.count for c in counts}
+    if not counted:
+        return []
+    queues = {c.queue for c in counts} | set(conf.queues)
+    queues.update(Queue.objects.using(alias).values_list("name", flat=True))
+    return [
+        ({"queue": queue, "state": state}, found.get((queue, state), 0))
+        for queue in sorted(queues)
+        for state in JobState.values
+    ]
 
 
 def _worker_labels(workers: list[Worker]) -> dict[Any, str]:

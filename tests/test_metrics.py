@@ -162,6 +162,18 @@ def test_a_real_worker_fleet_in_the_metrics_and_health(start_worker):
     assert healthy.json()["maintenance_age_seconds"] <= 1.5  # 3 x MAINTENANCE_INTERVAL
 
     awa.cancel(job.id)
+    # Drained, a queue's series say 0, not nothing (a graph would show no data).
+    wait_for(
+        lambda: (
+            samples(client.get(METRICS).content.decode()).get(
+                'awa_jobs{queue="default",state="running"}'
+            )
+            == 0
+        ),
+        message=worker.output,
+    )
+    found = samples(client.get(METRICS).content.decode())
+    assert found['awa_jobs{queue="default",state="available"}'] == 0
     assert worker.stop() == 0
     # No leader any more: unhealthy once three maintenance intervals passed.
     wait_for(lambda: Client().get(HEALTH).status_code == 503, timeout=10)
