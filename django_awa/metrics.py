@@ -157,9 +157,9 @@ def _job_counts(
     and a graph or ``sum()`` showed no data instead of 0. Before any count
     (``counted`` False) there is nothing to say, and no sample.
     """
-    found = {(c.queue, c.state): c.count for c in counts}
     if not counted:
         return []
+    found = {(c.queue, c.state): c.count for c in counts}
     queues = {c.queue for c in counts} | set(conf.queues)
     queues.update(Queue.objects.using(alias).values_list("name", flat=True))
     return [
