@@ -235,10 +235,14 @@ def test_a_rate_limit_holds_for_handler_starts_not_only_claims(start_worker, wor
     assert FlowRun.objects.count() == FlowRun.objects.values("job_id").distinct().count() == count
     started = {job.id: job.attempted_at for job in jobs}
     for run in FlowRun.objects.all():
-        # attempted_at is the handler's start, not the claim's (one machine's clock).
-        assert started[run.job_id] is not None
+        # attempted_at is the handler's start, not the claim's stamp (the row's
+        # heartbeat_at as the handler found it). It is written later, as the
+        # database's clock less the time the worker measured since the start: the
+        # moments between that measure and the statement (more on a loaded machine)
+        # keep it from matching the handler's own clock exactly.
+        assert started[run.job_id] not in (None, run.attempted_at), run.job_id
         gap = abs((started[run.job_id] - run.started_at).total_seconds())
-        assert gap < 0.05, (run.job_id, started[run.job_id], run.started_at)
+        assert gap < 0.25, (run.job_id, started[run.job_id], run.started_at)
     by_row = max_starts_in_window(1.0, "{t}.kind = 'span'", table="awa_job")
     by_handler = max_starts_in_window(1.0, at="started_at")
     assert max(by_row, by_handler) <= 20, (
@@ -870,7 +874,9 @@ def test_an_abandoned_handler_keeps_its_key_until_it_really_returns(start_worker
     # The outcomes were written without waiting for the stuck handlers.
     assert FlowRun.objects.filter(n=0, attempt=1, ended_at__isnull=True).count() == 2
     assert Job.objects.get(id=cancelled.id).state == JobState.CANCELLED
-    assert "timed out" in Job.objects.get(id=timed.id).errors[0]["error"]
+    # The timed-out attempt's outcome goes through the completer, just after.
+    errors = wait_for(lambda: Job.objects.get(id=timed.id).errors, 10)
+    assert "timed out" in errors[0]["error"]
     all_finished("keyed_span", 3, timeout=40)
     all_finished("timed_keyed_span", 3, timeout=40)
     wait_for(lambda: not FlowRun.objects.filter(ended_at__isnull=True).exists(), 20)
