@@ -844,10 +844,17 @@ def test_a_cancelled_or_rescued_attempt_keeps_its_key_while_its_live_handler_run
     # Both first handlers ran to their end (none was abandoned), and no other job
     # of their key ran beside them.
     assert FlowRun.objects.filter(n=0, ended_at__isnull=True).count() == 0
-    assert overlaps_within_key("keyed_span") == 0, "key c ran beside its cancelled handler"
-    assert overlaps_within_key("deadline_keyed_span") == 0, "key d ran beside its rescued one"
-    for kind in ("keyed_span", "deadline_keyed_span"):
-        # Freed when the handler returned (not left to expire, STALE_AFTER later).
+    assert_keys_waited_for_their_first_handlers(
+        {"keyed_span": "its cancelled handler", "deadline_keyed_span": "its rescued one"}
+    )
+
+
+def assert_keys_waited_for_their_first_handlers(kinds: dict[str, str]) -> None:
+    """Of each kind (one key each), no job ran beside the first one's handler, named
+    by ``kinds``, and the next began when it returned, not once a kept lease ran out
+    (``STALE_AFTER`` later); no lease is left."""
+    for kind, handler in kinds.items():
+        assert overlaps_within_key(kind) == 0, f"{kind}: its key ran beside {handler}"
         first, *others = FlowRun.objects.filter(kind=kind).order_by("started_at")
         gap = (others[0].started_at - first.ended_at).total_seconds()
         assert gap < 2, f"{kind}: the key's next job began {gap:.1f}s after the handler returned"
@@ -880,14 +887,9 @@ def test_an_abandoned_handler_keeps_its_key_until_it_really_returns(start_worker
     all_finished("keyed_span", 3, timeout=40)
     all_finished("timed_keyed_span", 3, timeout=40)
     wait_for(lambda: not FlowRun.objects.filter(ended_at__isnull=True).exists(), 20)
-    assert overlaps_within_key("keyed_span") == 0, "key c ran beside its abandoned handler"
-    assert overlaps_within_key("timed_keyed_span") == 0, "key t ran beside its abandoned handler"
-    for kind in ("keyed_span", "timed_keyed_span"):
-        # Freed when the handler returned.
-        first, *others = FlowRun.objects.filter(kind=kind).order_by("started_at")
-        gap = (others[0].started_at - first.ended_at).total_seconds()
-        assert gap < 2, f"{kind}: the key's next job began {gap:.1f}s after the handler returned"
-    wait_for(lambda: _leases() == [], 10)
+    assert_keys_waited_for_their_first_handlers(
+        {"keyed_span": "its abandoned handler", "timed_keyed_span": "its abandoned handler"}
+    )
     assert worker.stop() == 0
 
 
