@@ -184,9 +184,9 @@ class Attempt:
         return job
 
 
-def attempt_keys(attempts: Iterable[Attempt]) -> dict[str, str]:
-    """The ``%(id)s`` and ``%(run_lease)s`` arrays naming these attempts, for the
-    statements guarded by ``(id, run_lease)``."""
+def attempt_keys(attempts: Iterable[Attempt | AttemptResult]) -> dict[str, str]:
+    """The ``%(id)s`` and ``%(run_lease)s`` arrays naming these attempts (or the
+    attempts of these results), for the statements guarded by ``(id, run_lease)``."""
     attempts = list(attempts)
     return {
         "id": db.int_array(a.job.id for a in attempts),

@@ -40,6 +40,7 @@ from .execute import (
     Attempt,
     AttemptResult,
     JobContext,
+    attempt_keys,
     errored,
     from_exception,
     from_value,
@@ -190,11 +191,7 @@ def _hold_leases(results: Sequence[AttemptResult], alias: str) -> None:
         with db.cursor(alias) as cursor:
             cursor.execute(
                 sql.HOLD_LEASES,
-                {
-                    "id": db.int_array(r.job.id for r in results),
-                    "run_lease": db.int_array(r.job.run_lease for r in results),
-                    "stale_after": awa_settings().stale_after,
-                },
+                {**attempt_keys(results), "stale_after": awa_settings().stale_after},
             )
 
 

@@ -272,5 +272,21 @@ def _project_directories() -> set[tuple[Path, bool]]:
         and ours(root)
         and any(path.is_relative_to(root) for path in found)
     )
+    walked = [path for path, _ in directories]
     directories.update((directory, False) for directory in modules)
-    return directories
+    # Each file looked at once a second, not once per directory that holds it: a
+    # directory a walk reaches (an app in the project's root) adds nothing.
+    return {
+        (path, recursive)
+        for path, recursive in directories
+        if not any(_reaches(root, path) for root in walked if (root, recursive) != (path, True))
+    }
+
+
+def _reaches(root: Path, path: Path) -> bool:
+    """Whether ``_snapshot``'s walk of ``root`` goes through ``path``."""
+    if not path.is_relative_to(root):
+        return False
+    return not any(
+        part.startswith(".") or part in _NOT_PROJECT for part in path.relative_to(root).parts
+    )

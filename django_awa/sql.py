@@ -1521,17 +1521,6 @@ beat AS (
 SELECT id FROM held
 """
 
-# -- RENEW_HELD_LEASES --
-# A worker's lost attempts (cancelled, rescued) of kinds with
-# awa.Limit(concurrency=...) whose handler still runs: the leases a cancel or a
-# rescue kept for them (held_until set, see _released) stay held for
-# %(stale_after)s more. Primary key lookups (awa_limit_lease_job_idx).
-RENEW_HELD_LEASES = """
-UPDATE awa_limit_lease AS l SET held_until = now() + make_interval(secs => %(stale_after)s)
-FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
-WHERE l.job_id = a.id AND l.run_lease = a.run_lease AND l.held_until IS NOT NULL
-"""
-
 # -- HOLD_LEASES --
 # Attempts still running whose handler thread the worker abandoned (past its
 # timeout, it did not return): their outcome is written now, but their key's
@@ -1544,6 +1533,13 @@ UPDATE awa_limit_lease AS l SET held_until = now() + make_interval(secs => %(sta
 FROM unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
 WHERE l.job_id = a.id AND l.run_lease = a.run_lease
 """
+
+# -- RENEW_HELD_LEASES --
+# A worker's lost attempts (cancelled, rescued, abandoned) of kinds with
+# awa.Limit(concurrency=...) whose handler still runs: the leases kept for them
+# (held_until set, see _released and HOLD_LEASES) stay held for
+# %(stale_after)s more; the others' are left as they are.
+RENEW_HELD_LEASES = HOLD_LEASES.rstrip() + " AND l.held_until IS NOT NULL\n"
 
 # -- RELEASE_HELD_LEASES --
 # The handlers of these lost attempts returned (or never began), or their

@@ -404,11 +404,10 @@ class WorkerState:
         self.outbox = Outbox(self.alias, self.wake)
 
     def count_outcomes(
-        self, written: Iterable[AttemptResult], running: dict[int, Attempt] | None = None
+        self, written: list[AttemptResult], running: dict[int, Attempt] | None = None
     ) -> None:
         """Count the outcomes this worker wrote: for the dashboard (``tally``) and, with
         the otel extra, ``awa.jobs.finished``. ``running``: for the inbox waits."""
-        written = list(written)
         self.tally.record(written, running)
         count_written(written)
 
