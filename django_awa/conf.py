@@ -7,9 +7,11 @@ key; the system check reports them and :func:`awa_settings` refuses them.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.util
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -314,6 +316,16 @@ def _header_text(text: str) -> bool:
     return all(" " <= char <= "~" for char in text)
 
 
+def did_you_mean(name: Any, choices: Iterable[str]) -> str:
+    """`` (did you mean 'X'?)`` naming the one of ``choices`` closest to ``name``
+    (letter case aside), or ``""`` when none is close."""
+    if not isinstance(name, str):
+        return ""
+    folded = {choice.casefold(): choice for choice in choices}
+    close = difflib.get_close_matches(name.casefold(), folded, n=1)
+    return f" (did you mean {folded[close[0]]!r}?)" if close else ""
+
+
 def _given() -> Any:
     """``settings.AWA`` as the user wrote it: any value at all."""
     return getattr(settings, "AWA", None) or {}
@@ -335,7 +347,7 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
         return [("AWA", f"AWA must be a dict of django-awa settings, got {type(raw).__name__}")]
     for key in raw:
         if key not in DEFAULTS:
-            found.append((key, f"unknown AWA setting {key!r}"))
+            found.append((key, f"unknown AWA setting {key!r}{did_you_mean(key, DEFAULTS)}"))
     for key, allow_none in DURATIONS.items():
         if key not in raw:
             continue
@@ -449,7 +461,13 @@ def _queue_problems(queues: Any) -> list[tuple[str, str]]:
             continue
         for opt in options:
             if opt not in QUEUE_OPTIONS:
-                found.append(("QUEUES", f"AWA['QUEUES'][{name!r}] has an unknown option {opt!r}"))
+                found.append(
+                    (
+                        "QUEUES",
+                        f"AWA['QUEUES'][{name!r}] has an unknown option {opt!r}"
+                        f"{did_you_mean(opt, QUEUE_OPTIONS)}",
+                    )
+                )
         if options.get("rate_limit") is not None:
             try:
                 parse_rate(options["rate_limit"], f"AWA['QUEUES'][{name!r}]['rate_limit']")

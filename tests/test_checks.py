@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import subprocess
 import sys
 
@@ -61,6 +62,37 @@ def test_a_wrong_setting_is_a_check_error_naming_the_key(settings, awa, key):
     assert key in errors[0].msg
     with pytest.raises(Exception, match=key):
         awa_settings()
+
+
+@pytest.mark.parametrize(
+    ("awa", "expected"),
+    [
+        ({"QUEUS": {}}, "unknown AWA setting 'QUEUS' (did you mean 'QUEUES'?)"),
+        (
+            {"HEARTBEAT_INTERVALL": 5},
+            "unknown AWA setting 'HEARTBEAT_INTERVALL' (did you mean 'HEARTBEAT_INTERVAL'?)",
+        ),
+        (
+            {"poll_interval": 1},
+            "unknown AWA setting 'poll_interval' (did you mean 'POLL_INTERVAL'?)",
+        ),
+        (
+            {"QUEUES": {"q": {"concurency": 3}}},
+            "AWA['QUEUES']['q'] has an unknown option 'concurency' (did you mean 'concurrency'?)",
+        ),
+    ],
+)
+def test_a_misspelt_setting_names_the_closest_valid_one(settings, awa, expected):
+    settings.AWA = awa
+    errors = awa_errors()
+    assert [(e.id, e.msg) for e in errors] == [("awa.E001", expected)]
+    with pytest.raises(Exception, match=re.escape(expected)):
+        awa_settings()
+
+
+def test_a_setting_like_no_valid_one_gets_no_guess(settings):
+    settings.AWA = {"TYPO_SETTING": 1}
+    assert [e.msg for e in awa_errors()] == ["unknown AWA setting 'TYPO_SETTING'"]
 
 
 def test_the_worker_command_refuses_bad_settings(settings):
