@@ -128,6 +128,66 @@ class Result:
         }
 
 
+# A kind's attempt under way: a rekind leaves its jobs alone.
+IN_PROGRESS = (JobState.RUNNING, JobState.WAITING_EXTERNAL)
+MAX_KIND_LENGTH = 255  # awa_job.kind is a varchar(255)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rekinded:
+    """What ``rekind`` changed (with ``dry_run``: would change), and the jobs of the
+    old kind it left alone because their attempt was under way."""
+
+    changed: int
+    in_progress: int
+
+
+def rekind(
+    old_kind: str,
+    new_kind: str,
+    *,
+    queues: Sequence[str] = (),
+    dry_run: bool = False,
+    using: str,
+) -> Rekinded:
+    """Give every job of ``old_kind`` that waits to run (``WAITING``; in ``queues``
+    when given) the kind ``new_kind``, in one transaction on ``using``: all of
+    them or none. Jobs running or waiting for a callback keep their kind, and
+    so does a job a worker claims while it runs. Their unique keys, made from
+    the old kind, stay as they are. Raises ``ValidationError`` for a bad kind or
+    queue name before any write; it does not look whether a worker declares
+    ``new_kind`` (``awa_jobs rekind`` does).
+    """
+    for what, kind in (("old kind", old_kind), ("new kind", new_kind)):
+        if not isinstance(kind, str) or not kind or len(kind) > MAX_KIND_LENGTH:
+            raise ValidationError(
+                f"rekind: the {what} must be 1-{MAX_KIND_LENGTH} characters, got {kind!r}"
+            )
+    if old_kind == new_kind:
+        raise ValidationError(f"rekind: the jobs are of kind {old_kind!r} already")
+    bad = [queue for queue in queues if not QUEUE_NAME_RE.match(queue)]
+    if bad:
+        raise ValidationError(f"rekind: invalid queue name {bad[0]!r}")
+    params = {
+        "old_kind": old_kind,
+        "new_kind": new_kind,
+        "queues": list(queues) or None,
+        "states": [str(s) for s in WAITING],
+        "in_progress": [str(s) for s in IN_PROGRESS],
+    }
+    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+        if dry_run:
+            cursor.execute(sql.COUNT_OF_KIND, params)
+            changed, in_progress = cursor.fetchone()
+        else:
+            cursor.execute(sql.REKIND_JOBS, params)
+            changed = cursor.rowcount
+            # After the UPDATE: a job claimed while it ran is counted as under way.
+            cursor.execute(sql.COUNT_OF_KIND, params)
+            in_progress = cursor.fetchone()[1]
+    return Rekinded(changed=changed, in_progress=in_progress)
+
+
 def parse_operation(name: str) -> Operation:
     try:
         return Operation(name)

@@ -2107,6 +2107,30 @@ UPDATE ONLY awa_job SET queue = %(queue)s
 WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
 """
 
+# -- REKIND_JOBS --
+# Give the jobs of one kind that wait to run (%(states)s: not running, not
+# finished) another kind, in the queues %(queues)s (NULL: every queue): after
+# its JobArgs class was renamed. One statement, so all of them or none; a job a
+# worker claims meanwhile keeps its kind (the UPDATE reads a locked row's state
+# again once the claim commits). No index holds kind: a scan of ONLY awa_job's
+# rows (live, and finished ones not yet archived), never of awa_job_done.
+REKIND_JOBS = """
+UPDATE ONLY awa_job SET kind = %(new_kind)s
+WHERE kind = %(old_kind)s AND state = ANY(%(states)s::text[])
+  AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+"""
+
+# -- COUNT_OF_KIND --
+# The jobs of one kind, in the queues %(queues)s (NULL: every queue), that wait
+# to run (%(states)s) and those whose attempt is under way (%(in_progress)s):
+# what REKIND_JOBS would change, and what it leaves alone. Scans as REKIND_JOBS.
+COUNT_OF_KIND = """
+SELECT count(*) FILTER (WHERE state = ANY(%(states)s::text[])),
+       count(*) FILTER (WHERE state = ANY(%(in_progress)s::text[]))
+FROM ONLY awa_job
+WHERE kind = %(old_kind)s AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+"""
+
 # -- PRIORITIZE_JOBS --
 # Set the priority of a batch of jobs that wait to run; the priority aging
 # kept (awa_original_priority) is dropped, so the new value is where aging

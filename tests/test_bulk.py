@@ -3,6 +3,7 @@ batches, the workflow rules, follow-ups, output and exit codes."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 import pytest
@@ -13,6 +14,7 @@ import django_awa as awa
 from django_awa import bulk
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState
+from django_awa.testing import run_jobs
 from tests.conftest import make_job
 from tests.test_commands import run, shell
 from tests.testapp.jobs import Act, Node
@@ -202,3 +204,82 @@ def test_discard_over_a_filter_settles_the_dependents_of_discarded_jobs_in_its_b
     assert row.state == JobState.CANCELLED
     assert row.errors[-1]["error"] == f"cancelled: dependency {doomed.id} deleted"
     assert states([report]) == [JobState.AVAILABLE]
+
+
+# -- rekind --------------------------------------------------------------------------
+
+
+def kinds(jobs: list[Job]) -> list[str]:
+    found = dict(Job.objects.filter(id__in=[j.id for j in jobs]).values_list("id", "kind"))
+    return [found[j.id] for j in jobs]
+
+
+def test_rekind_gives_the_waiting_jobs_of_a_renamed_kind_the_new_kind():
+    later = timezone.now() + dt.timedelta(hours=1)
+    waiting = [
+        make_job(kind="charge_card", queue="rk"),
+        make_job(kind="charge_card", queue="rk", state=JobState.SCHEDULED, run_at=later),
+        make_job(kind="charge_card", queue="rk", state=JobState.RETRYABLE, run_at=later),
+        make_job(kind="charge_card", queue="rk", state=JobState.BLOCKED),
+    ]
+    under_way = [
+        make_job(kind="charge_card", queue="rk", state=JobState.RUNNING,
+                 heartbeat_at=timezone.now()),
+        make_job(kind="charge_card", queue="rk", state=JobState.WAITING_EXTERNAL),
+    ]  # fmt: skip
+    finished = [
+        make_job(kind="charge_card", queue="rk", state=state, finalized_at=timezone.now())
+        for state in JobState.FINAL
+    ]
+    elsewhere = make_job(kind="charge_card", queue="other")
+
+    out, code = run("awa_jobs", "rekind", "charge_card", "act", "--queue", "rk", "--dry-run")
+    assert code == 0, out
+    assert out.startswith("would rekind 4 job(s) of kind 'charge_card' to 'act'"), out
+    assert "left 2 job(s) of kind 'charge_card' running or waiting for a callback" in out
+    assert set(kinds([*waiting, elsewhere])) == {"charge_card"}
+
+    out, code = run("awa_jobs", "rekind", "charge_card", "act", "--queue", "rk", "--json")
+    assert code == 0, out
+    assert json.loads(out) == {
+        "old_kind": "charge_card", "new_kind": "act", "dry_run": False,
+        "rekinded": 4, "in_progress": 2,
+    }  # fmt: skip
+    assert kinds(waiting) == ["act"] * 4
+    assert set(kinds([*under_way, *finished, elsewhere])) == {"charge_card"}
+    # The available one now runs under the new kind's handler.
+    assert run_jobs(queue="rk").completed == 1
+    assert Job.objects.get(id=waiting[0].id).state == JobState.COMPLETED
+
+    out, code = run("awa_jobs", "rekind", "charge_card", "act", "--queue", "rk")
+    assert code == 1 and out.startswith("rekinded 0 job(s)"), out
+
+
+def test_rekind_to_a_kind_no_worker_declares_is_refused_unless_forced():
+    job = make_job(kind="charge_card")
+    result = shell("awa_jobs", "rekind", "charge_card", "ech")
+    assert result.returncode == 2, result.stderr
+    assert (
+        "no @awa.worker of this project declares kind 'ech' (did you mean 'echo'?)" in result.stderr
+    )
+    assert "--force" in result.stderr
+    assert kinds([job]) == ["charge_card"]
+
+    out, code = run("awa_jobs", "rekind", "charge_card", "ech", "--force")
+    assert code == 0 and out.startswith("rekinded 1 job(s)"), out
+    assert kinds([job]) == ["ech"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("awa_jobs", "rekind", "act", "act"),
+        ("awa_jobs", "rekind", "act", "echo", "--queue", "bad!name"),
+        ("awa_jobs", "rekind", "act", "x" * 256, "--force"),
+        ("awa_jobs", "rekind", "act"),
+    ],
+)
+def test_bad_rekind_arguments_are_exit_2_and_change_nothing(args: tuple[str, ...]):
+    job = make_job(kind="act")
+    assert run(*args)[1] == 2
+    assert kinds([job]) == ["act"]

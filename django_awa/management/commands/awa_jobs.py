@@ -1,11 +1,13 @@
-"""``manage.py awa_jobs list|show|retry|cancel|discard|move|priority``: jobs for
-operators (SPEC §15).
+"""``manage.py awa_jobs list|show|retry|cancel|discard|move|priority|rekind``: jobs
+for operators (SPEC §15).
 
 ``retry``, ``cancel`` and ``discard`` take job ids, or filters (``--state
 --queue --kind``) that select every matching job; ``move`` and ``priority``
 take either too. Over a filter the work is done in batches (``django_awa.bulk``)
-and ``--dry-run`` only counts. Exit codes: see ``django_awa.management.operator``
-(0 done, 1 nothing matched or not found or some refused, 2 usage error).
+and ``--dry-run`` only counts. ``rekind OLD_KIND NEW_KIND`` gives the jobs of a
+kind that wait to run another kind, in one transaction (``bulk.rekind``). Exit
+codes: see ``django_awa.management.operator`` (0 done, 1 nothing matched or not
+found or some refused, 2 usage error).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from django.core.management.base import CommandParser
 from django.db.models import QuerySet
 
 from django_awa import bulk, control
-from django_awa.conf import QUEUE_NAME_RE
+from django_awa.conf import QUEUE_NAME_RE, did_you_mean
 from django_awa.exceptions import ValidationError
+from django_awa.kinds import registry
 from django_awa.management.operator import OperatorCommand, nothing, table, usage
 from django_awa.models import Job, JobState
 
@@ -54,7 +57,7 @@ def _summary(job: Job) -> dict[str, Any]:
 
 
 class Command(OperatorCommand):
-    help = "List, show, retry, cancel, discard, move or reprioritize jobs."
+    help = "List, show, retry, cancel, discard, move, reprioritize or rekind jobs."
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = self.subcommands(parser)
@@ -108,6 +111,24 @@ class Command(OperatorCommand):
                 )
             self.add_json(op)
 
+        rekind = sub.add_parser(
+            "rekind",
+            help="give the jobs of a kind that wait to run another kind (its JobArgs "
+            "class renamed), in one transaction; running jobs keep theirs",
+        )
+        rekind.add_argument("old_kind", metavar="OLD_KIND")
+        rekind.add_argument("new_kind", metavar="NEW_KIND")
+        rekind.add_argument(
+            "--queue", action="append", default=[], help="only this queue's jobs (repeatable)"
+        )
+        rekind.add_argument("--dry-run", action="store_true", help="count the jobs; change none")
+        rekind.add_argument(
+            "--force",
+            action="store_true",
+            help="rekind to a kind no @awa.worker of this project declares",
+        )
+        self.add_json(rekind)
+
     def handle(self, *args: Any, **options: Any) -> None:
         self.alias = self.database(options)
         action = options["action"]
@@ -115,6 +136,8 @@ class Command(OperatorCommand):
             self.list_jobs(options)
         elif action == "show":
             self.show(options)
+        elif action == "rekind":
+            self.rekind(options)
         else:
             self.operate(action, options)
 
@@ -279,6 +302,43 @@ class Command(OperatorCommand):
                 else f"nothing to {operation}"
             )
 
+    def rekind(self, options: dict[str, Any]) -> None:
+        old_kind, new_kind = options["old_kind"], options["new_kind"]
+        if new_kind not in registry.workers and not options["force"]:
+            raise usage(
+                f"rekind: no @awa.worker of this project declares kind {new_kind!r}"
+                f"{did_you_mean(new_kind, registry.workers)}: its jobs would fail as an "
+                "unknown kind; add --force to rekind them all the same"
+            )
+        try:
+            done = bulk.rekind(
+                old_kind,
+                new_kind,
+                queues=options["queue"],
+                dry_run=options["dry_run"],
+                using=self.alias,
+            )
+        except ValidationError as exc:
+            raise usage(str(exc)) from exc
+        states = ", ".join(bulk.WAITING)
+        verb = "would rekind" if options["dry_run"] else "rekinded"
+        lines = [
+            f"{verb} {done.changed:,} job(s) of kind {old_kind!r} to {new_kind!r} "
+            f"(those in states: {states})"
+        ]
+        if done.in_progress:
+            lines.append(_in_progress_line(old_kind, done.in_progress))
+        document = {
+            "old_kind": old_kind,
+            "new_kind": new_kind,
+            "dry_run": options["dry_run"],
+            "rekinded": done.changed,
+            "in_progress": done.in_progress,
+        }
+        self.emit(options, document, "\n".join(lines))
+        if not done.changed:
+            raise nothing(f"no job of kind {old_kind!r} waits to run")
+
     def operate_on_ids(self, action: str, ids: list[int], options: dict[str, Any]) -> None:
         allowed = [str(s) for s in ALLOWED[action]]
         states = dict(Job.objects.using(self.alias).filter(id__in=ids).values_list("id", "state"))
@@ -342,6 +402,13 @@ class Command(OperatorCommand):
             dependents += len(moved)
             (changed if job.state == done_state else unchanged).append(job_id)
         return changed, unchanged, failed, dependents
+
+
+def _in_progress_line(old_kind: str, count: int) -> str:
+    return (
+        f"left {count:,} job(s) of kind {old_kind!r} running or waiting for a callback as "
+        "they were: rekind again any that retry once their attempt is over"
+    )
 
 
 def _dependents_line(operation: bulk.Operation, count: int) -> str:
