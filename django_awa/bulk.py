@@ -53,17 +53,13 @@ class Operation(enum.StrEnum):
     PRIORITY = "priority"
 
 
-# Jobs that wait to run: what a move or a priority change may touch (a running
-# attempt keeps the queue and priority it was claimed with).
-WAITING = (JobState.BLOCKED, JobState.SCHEDULED, JobState.AVAILABLE, JobState.RETRYABLE)
-
 # The states each operation applies to; jobs in other states are left alone.
 ALLOWED: dict[Operation, tuple[JobState, ...]] = {
     Operation.RETRY: JobState.RETRIABLE,
     Operation.CANCEL: JobState.LIVE,
     Operation.DISCARD: tuple(JobState),
-    Operation.MOVE: WAITING,
-    Operation.PRIORITY: WAITING,
+    Operation.MOVE: JobState.WAITING,
+    Operation.PRIORITY: JobState.WAITING,
 }
 
 # The model permission each operation needs (as the admin's actions do).
@@ -150,13 +146,13 @@ def rekind(
     dry_run: bool = False,
     using: str,
 ) -> Rekinded:
-    """Give every job of ``old_kind`` that waits to run (``WAITING``; in ``queues``
-    when given) the kind ``new_kind``, in one transaction on ``using``: all of
-    them or none. Jobs running or waiting for a callback keep their kind, and
-    so does a job a worker claims while it runs. Their unique keys, made from
-    the old kind, stay as they are. Raises ``ValidationError`` for a bad kind or
-    queue name before any write; it does not look whether a worker declares
-    ``new_kind`` (``awa_jobs rekind`` does).
+    """Give every job of ``old_kind`` that waits to run (``JobState.WAITING``; in
+    ``queues`` when given) the kind ``new_kind``, in one transaction on ``using``:
+    all of them or none. Jobs running or waiting for a callback keep their kind,
+    and so does a job a worker claims while it runs. Their unique keys, made
+    from the old kind, stay as they are. Raises ``ValidationError`` for a bad
+    kind or queue name before any write; it does not look whether a worker
+    declares ``new_kind`` (``awa_jobs rekind`` does).
     """
     for what, kind in (("old kind", old_kind), ("new kind", new_kind)):
         if not isinstance(kind, str) or not kind or len(kind) > MAX_KIND_LENGTH:
@@ -172,7 +168,7 @@ def rekind(
         "old_kind": old_kind,
         "new_kind": new_kind,
         "queues": list(queues) or None,
-        "states": [str(s) for s in WAITING],
+        "states": [str(s) for s in JobState.WAITING],
         "in_progress": [str(s) for s in IN_PROGRESS],
     }
     with transaction.atomic(using=using), connections[using].cursor() as cursor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Iterable
 from datetime import timedelta
 
 from django.db import connections
@@ -20,7 +21,7 @@ from django.db.models import QuerySet
 from django.db.models.functions import Now
 
 from . import __version__, sql
-from .models import Worker
+from .models import JobState, Worker
 from .state import WorkerState
 
 
@@ -70,6 +71,22 @@ def prune(alias: str, stale_after: float) -> int:
         cursor.execute(sql.PRUNE_WORKERS, {"stale_after": stale_after})
         pruned: int = cursor.rowcount
     return pruned
+
+
+def orphaned_queues(alias: str, named: Iterable[str], stale_after: float) -> list[tuple[str, int]]:
+    """The queues whose jobs wait to run (``JobState.WAITING``), none of ``named``
+    and run by no worker seen within ``stale_after`` seconds, each with the count
+    of those jobs, by name."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            sql.ORPHANED_QUEUES,
+            {
+                "states": [str(s) for s in JobState.WAITING],
+                "named": sorted(set(named)),
+                "stale_after": stale_after,
+            },
+        )
+        return [(queue, count) for queue, count in cursor.fetchall()]
 
 
 def live(alias: str, stale_after: float) -> QuerySet[Worker]:

@@ -39,6 +39,9 @@ class JobState(models.TextChoices):
     LIVE: ClassVar[tuple[JobState, ...]]
     # Waiting for their run_at: maintenance makes them available when due.
     DELAYED: ClassVar[tuple[JobState, ...]]
+    # Waiting to run (not running, not finished): what a move, a priority
+    # change or a rekind may touch; a running attempt keeps what it was claimed with.
+    WAITING: ClassVar[tuple[JobState, ...]]
     # What an operator may retry: made available now, attempts reset.
     RETRIABLE: ClassVar[tuple[JobState, ...]]
     # Where a job holds its unique key unless Unique(states=...) says otherwise.
@@ -55,6 +58,7 @@ JobState.LIVE = (
     JobState.WAITING_EXTERNAL,
 )
 JobState.DELAYED = (JobState.SCHEDULED, JobState.RETRYABLE)
+JobState.WAITING = (JobState.BLOCKED, JobState.SCHEDULED, JobState.AVAILABLE, JobState.RETRYABLE)
 JobState.RETRIABLE = (JobState.FAILED, JobState.CANCELLED, JobState.RETRYABLE)
 JobState.UNIQUE_HELD = (
     JobState.BLOCKED,

@@ -113,6 +113,7 @@ class Worker:
         for warning in warnings:
             logger.warning("%s", warning)
         self._log_queues_left_out()
+        self._warn_of_orphaned_queues()
         if schedules and state.alias != state.conf.database:
             logger.info(
                 "awa worker %s fires no periodic jobs: they fire in AWA['DATABASE'] (%r) "
@@ -179,6 +180,33 @@ class Worker:
                 "wait for a worker that does (AWA['QUEUES'], or awa_worker --queue NAME)",
                 self.state.name,
                 where,
+            )
+
+    def _warn_of_orphaned_queues(self) -> None:
+        """awa.W102, once as the worker starts: queues whose jobs wait to run that
+        nothing names any more (not ``AWA["QUEUES"]``, nor a kind's or a periodic
+        schedule's queue, nor this worker's) and no live worker runs: a queue left
+        behind by a rename. Said nothing of when the database cannot be read: the
+        worker's start reports that."""
+        state = self.state
+        named = {
+            *state.conf.queues,
+            *state.queues,
+            *(spec.queue for spec in registry.workers.values()),
+            *(periodic.queue for periodic in schedules.values() if periodic.queue is not None),
+        }
+        try:
+            orphaned = fleet.orphaned_queues(state.alias, named, state.conf.stale_after)
+        except DB_ERRORS:
+            connections[state.alias].close()
+            return
+        if orphaned:
+            logger.warning(
+                "jobs wait in queue(s) %s that no worker runs and neither AWA['QUEUES'] nor "
+                "any kind or periodic schedule names: they wait until a worker runs them "
+                "(awa_worker --queue NAME), or move them (awa_jobs move --queue NAME "
+                "--to QUEUE) (awa.W102)",
+                ", ".join(f"{queue} ({count:,} job(s))" for queue, count in orphaned),
             )
 
     def _connections_report(self) -> tuple[str, list[str]]:

@@ -2381,6 +2381,22 @@ ON CONFLICT (id) DO UPDATE
 SET last_seen_at = now(), running_ids = EXCLUDED.running_ids, running = EXCLUDED.running
 """
 
+# -- ORPHANED_QUEUES --
+# The queues holding jobs that wait to run (%(states)s) that nothing names:
+# none of %(named)s (AWA["QUEUES"], the queues kinds and periodic schedules
+# declare, the starting worker's) and no worker seen within %(stale_after)s
+# seconds runs them (awa_worker.queues). Each with its count of such jobs,
+# for a worker's start-up warning (awa.W102). A scan of ONLY awa_job, as
+# COUNT_JOBS; awa_worker is a row per worker process.
+ORPHANED_QUEUES = """
+SELECT queue, count(*) FROM ONLY awa_job
+WHERE state = ANY(%(states)s::text[]) AND queue <> ALL(%(named)s::text[])
+  AND queue NOT IN (
+      SELECT jsonb_object_keys(queues) FROM awa_worker
+      WHERE last_seen_at >= now() - make_interval(secs => %(stale_after)s))
+GROUP BY queue ORDER BY queue
+"""
+
 # -- DEREGISTER_WORKER --
 # A worker that stopped takes its row away, and gives back the slots it leased
 # (its handlers are done). By primary key; awa_queue_slot_worker_idx.

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import time
+import uuid
 
 import pytest
 from django.core.management import call_command
@@ -16,7 +17,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 import django_awa as awa
-from django_awa.models import Job, JobState, MaintenanceLease
+from django_awa.models import Job, JobState, MaintenanceLease, Worker
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.jobs import Act, Bailout, Echo, LeakyAtomic, Severed, Unhandled
 from tests.testapp.models import Ledger, Order
@@ -483,6 +484,33 @@ def test_the_worker_names_the_queues_of_declared_kinds_it_does_not_run(start_wor
     said = [line for line in worker.output().splitlines() if "does not run queue(s)" in line]
     assert len(said) == 1 and "echo (echo)" in said[0] and "flow (" in said[0]
     assert " default (" not in said[0]  # it runs that one
+    assert "awa.W102" not in worker.output()  # no job waits in a queue nothing names
+
+
+def test_the_worker_warns_once_of_queues_nothing_names_or_runs(start_worker):
+    now = timezone.now()
+    later = now + dt.timedelta(hours=1)
+    make_job(queue="renamed_billing")
+    make_job(queue="renamed_billing")
+    make_job(queue="renamed_billing", state=JobState.SCHEDULED, run_at=later)
+    make_job(queue="renamed_billing", state=JobState.RUNNING, heartbeat_at=now)
+    make_job(queue="gone_done", state=JobState.COMPLETED, finalized_at=now)
+    make_job(queue="echo")  # a kind's queue
+    make_job(queue="served_elsewhere")
+    make_job(queue="stale_served", state=JobState.RETRYABLE, run_at=later)
+    for queue, seen in (("served_elsewhere", now), ("stale_served", now - dt.timedelta(hours=1))):
+        Worker.objects.create(
+            id=uuid.uuid4(), name=f"elsewhere:{queue}", host="elsewhere", pid=1,
+            queues={queue: 1}, last_seen_at=seen,
+        )  # fmt: skip
+    worker = start_worker("--queue", "default")
+    wait_for(lambda: "listening for new jobs" in worker.output(), timeout=30)
+    warned = [line for line in worker.output().splitlines() if "awa.W102" in line]
+    assert len(warned) == 1, worker.output()
+    assert (
+        "queue(s) renamed_billing (3 job(s)), stale_served (1 job(s)) that no worker runs"
+        in (warned[0])
+    )
 
 
 def test_a_queue_concurrency_past_the_bound_is_refused_by_name():

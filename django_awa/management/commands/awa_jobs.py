@@ -320,7 +320,7 @@ class Command(OperatorCommand):
             )
         except ValidationError as exc:
             raise usage(str(exc)) from exc
-        states = ", ".join(bulk.WAITING)
+        states = ", ".join(JobState.WAITING)
         verb = "would rekind" if options["dry_run"] else "rekinded"
         lines = [
             f"{verb} {done.changed:,} job(s) of kind {old_kind!r} to {new_kind!r} "
