@@ -36,6 +36,7 @@ import sysconfig
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -194,19 +195,21 @@ def _wait_for_change(received: queue.SimpleQueue[int]) -> Path | None:
     ``INSTALLED_APPS`` among them, and its failure can be in one of them, or be
     the import of one not written yet.
     """
-    directories = _project_directories()
-    seen = _snapshot(directories)
+    tree = _Tree(_project_directories())
+    seen = tree.snapshot()
     while True:
         with contextlib.suppress(queue.Empty):
             received.get(timeout=autoreload.StatReloader.SLEEP_TIME)
             return None
-        for path, mtime in _snapshot(directories).items():
+        for path, mtime in tree.snapshot().items():
             if path not in seen or mtime > seen[path]:
                 return path
 
 
 # Directories below a project root that hold no code of the project.
 _NOT_PROJECT = frozenset({"__pycache__", "node_modules", "site-packages", "dist-packages"})
+# Seconds: the coarsest modification times a file system keeps (FAT's are 2 s).
+_COARSEST_MTIME = 2.0
 
 
 def _installed() -> list[Path]:
@@ -216,36 +219,92 @@ def _installed() -> list[Path]:
     ]
 
 
-def _snapshot(directories: set[tuple[Path, bool]]) -> dict[Path, float]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Listing:
+    """What one directory held when it was last listed."""
+
+    mtime_ns: int  # the directory's own
+    # Listed within a second or two of its last change: a file added in the same
+    # tick of a coarse file system clock would leave its time as it was.
+    recent: bool
+    files: tuple[Path, ...]  # its .py files
+    subdirectories: tuple[Path, ...]  # those a walk goes into
+
+
+class _Tree:
     """The ``.py`` files of ``directories`` (with their subdirectories when marked
-    so) and their modification times. A walk leaves out hidden directories,
-    virtualenvs and installed packages: a project's ``.venv`` is not its code."""
-    installed = _installed()
-    times: dict[Path, float] = {}
+    so) and their modification times, looked at again and again.
 
-    def add(path: Path) -> None:
-        with contextlib.suppress(OSError):  # removed while looked at
-            times[path] = path.stat().st_mtime
+    A walk leaves out hidden directories, virtualenvs and installed packages: a
+    project's ``.venv`` is not its code. A directory's own modification time
+    changes when a file or directory is added to it, removed or renamed, and
+    only then: each look stats every directory and every ``.py`` file, and lists
+    again only the directories whose time changed, so a large tree of data on
+    ``sys.path`` costs a stat per directory, not a listing of all its files.
+    """
 
-    for directory, recursive in directories:
-        if not recursive:
-            for path in directory.glob("*.py"):
-                add(path)
-            continue
-        for root, subdirectories, names in os.walk(directory):
-            here = Path(root)
-            subdirectories[:] = [
-                name
-                for name in subdirectories
-                if not name.startswith(".")
-                and name not in _NOT_PROJECT
-                and not (here / name / "pyvenv.cfg").exists()
-                and (here / name).resolve() not in installed
-            ]
-            for name in names:
-                if name.endswith(".py"):
-                    add(here / name)
-    return times
+    def __init__(self, directories: set[tuple[Path, bool]]) -> None:
+        self.directories = directories
+        self.installed = _installed()
+        self.listings: dict[Path, _Listing] = {}
+
+    def snapshot(self) -> dict[Path, float]:
+        times: dict[Path, float] = {}
+        listings: dict[Path, _Listing] = {}
+        for top, recursive in self.directories:
+            pending = [top]
+            while pending:
+                directory = pending.pop()
+                listing = self._listing(directory, walked=recursive and directory != top)
+                if listing is None:
+                    continue
+                listings[directory] = listing
+                for path in listing.files:
+                    with contextlib.suppress(OSError):  # removed while looked at
+                        times[path] = path.stat().st_mtime
+                if recursive:
+                    pending.extend(listing.subdirectories)
+        self.listings = listings  # a directory removed since is forgotten
+        return times
+
+    def _listing(self, directory: Path, *, walked: bool) -> _Listing | None:
+        """The directory's listing, from the last look while its time is the same;
+        None when it is gone, or is a virtualenv a walk reached."""
+        try:
+            mtime_ns = directory.stat().st_mtime_ns
+        except OSError:
+            return None
+        known = self.listings.get(directory)
+        if known is not None and known.mtime_ns == mtime_ns and not known.recent:
+            return known
+        files: list[Path] = []
+        subdirectories: list[Path] = []
+        try:
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if entry.name == "pyvenv.cfg" and walked:
+                        return None
+                    if entry.is_dir():
+                        # As os.walk: a symbolic link to a directory is not followed.
+                        if not entry.is_symlink() and self._walks_into(directory, entry.name):
+                            subdirectories.append(Path(entry.path))
+                    elif entry.name.endswith(".py"):
+                        files.append(Path(entry.path))
+        except OSError:
+            return None
+        return _Listing(
+            mtime_ns=mtime_ns,
+            recent=time.time() - mtime_ns / 1e9 < _COARSEST_MTIME,
+            files=tuple(files),
+            subdirectories=tuple(subdirectories),
+        )
+
+    def _walks_into(self, directory: Path, name: str) -> bool:
+        return (
+            not name.startswith(".")
+            and name not in _NOT_PROJECT
+            and (directory / name).resolve() not in self.installed
+        )
 
 
 def _project_directories() -> set[tuple[Path, bool]]:
@@ -284,7 +343,7 @@ def _project_directories() -> set[tuple[Path, bool]]:
 
 
 def _reaches(root: Path, path: Path) -> bool:
-    """Whether ``_snapshot``'s walk of ``root`` goes through ``path``."""
+    """Whether ``_Tree``'s walk of ``root`` goes through ``path``."""
     if not path.is_relative_to(root):
         return False
     return not any(
