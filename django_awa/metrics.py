@@ -96,13 +96,22 @@ def exposition(alias: str, conf: AwaSettings) -> str:
         "awa_jobs",
         "Jobs in awa_job per queue and state (live, and finished not yet archived), "
         "as the maintenance leader last counted them.",
-        _job_counts(alias, conf, counts, counted=bool(counts) or maintenance_age is not None),
+        (
+            ({"queue": queue, "state": state}, count)
+            for queue, state, count in job_counts(
+                alias, conf, counts, counted=bool(counts) or maintenance_age is not None
+            )
+        ),
     )
     counted_at = max((c.counted_at for c in counts), default=None)
+    # A count that found no job left no row to date it: it ran in the last
+    # maintenance tick that counted, which is at least as old as the last tick.
+    counted_age = (now - counted_at).total_seconds() if counted_at else maintenance_age
     out.family(
         "awa_jobs_counted_age_seconds",
-        "Seconds since the maintenance leader counted awa_jobs (NaN: never).",
-        [({}, (now - counted_at).total_seconds() if counted_at else math.nan)],
+        "Seconds since the maintenance leader counted awa_jobs (awa_job empty: since its "
+        "last tick; NaN: never).",
+        [({}, math.nan if counted_age is None else counted_age)],
     )
     out.family(
         "awa_queue_oldest_available_age_seconds",
@@ -146,11 +155,12 @@ def exposition(alias: str, conf: AwaSettings) -> str:
     return out.text()
 
 
-def _job_counts(
+def job_counts(
     alias: str, conf: AwaSettings, counts: list[JobCount], *, counted: bool
-) -> list[tuple[dict[str, str], int]]:
-    """``awa_jobs``' samples: every state of every known queue (configured, with a
-    row in ``awa_queue``, or counted), 0 where the count found no job.
+) -> list[tuple[str, str, int]]:
+    """(queue, state, count) of every state of every known queue (configured, with
+    a row in ``awa_queue``, or counted), 0 where the count found no job: what
+    ``awa_jobs`` and the OpenTelemetry ``awa.jobs`` gauge report.
 
     The leader's count has rows only for the states it found: without the
     zeros, a queue's series vanished when it drained (``running`` once idle),
@@ -163,10 +173,22 @@ def _job_counts(
     queues = {c.queue for c in counts} | set(conf.queues)
     queues.update(Queue.objects.using(alias).values_list("name", flat=True))
     return [
-        ({"queue": queue, "state": state}, found.get((queue, state), 0))
+        (queue, state, found.get((queue, state), 0))
         for queue in sorted(queues)
         for state in JobState.values
     ]
+
+
+def last_job_counts(alias: str, conf: AwaSettings) -> list[tuple[str, str, int]]:
+    """``job_counts`` of the leader's last count, read on ``alias``: nothing before a
+    leader ran maintenance (an empty count is known only by the tick that made it)."""
+    counts = list(JobCount.objects.using(alias))
+    if counts:
+        return job_counts(alias, conf, counts, counted=True)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.LAST_MAINTAINED)
+        maintenance_age = cursor.fetchone()[0]
+    return job_counts(alias, conf, counts, counted=maintenance_age is not None)
 
 
 def _worker_labels(workers: list[Worker]) -> dict[Any, str]:

@@ -12,7 +12,8 @@
   queue and the outcome the worker wrote: ``count_written``),
   ``awa.job.attempt.duration`` and ``awa.job.wait`` (histograms, seconds:
   handler run, and due to start) and, in the worker leading maintenance,
-  ``awa.jobs`` (gauge per queue and state, from that leader's count).
+  ``awa.jobs`` (gauge per queue and state, from that leader's count, 0 where
+  it found no job: the samples of ``/metrics``' ``awa_jobs``).
 
 ``AWA["OPENTELEMETRY"]``: ``None`` (default) instruments when
 ``opentelemetry`` can be imported, ``False`` never (nothing is imported),
@@ -462,14 +463,13 @@ class Instrumentation:
         self._gauges.add(alias)
 
         def observe(options: Any) -> Iterable[Observation]:
-            from .models import JobCount
+            from .metrics import last_job_counts
 
             if leading is not None and not leading():
                 return []
-            rows = JobCount.objects.using(alias).values_list("queue", "state", "count")
             return [
                 Observation(count, {"messaging.destination.name": queue, "awa.job.state": state})
-                for queue, state, count in rows
+                for queue, state, count in last_job_counts(alias, awa_settings())
             ]
 
         self.meter.create_observable_gauge(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 import uuid
 from typing import Any
@@ -16,7 +17,7 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa.maintenance import Maintenance
-from django_awa.models import Queue, Worker
+from django_awa.models import Job, JobCount, Queue, Worker
 from tests.conftest import make_job, wait_for, wait_for_state
 from tests.testapp.jobs import Act, Echo
 
@@ -135,6 +136,20 @@ def test_the_maintenance_age_keeps_growing_once_the_leader_is_dead():
     assert 3600 <= Client().get(HEALTH).json()["maintenance_age_seconds"] < 3660
 
 
+def test_a_count_that_found_no_job_is_as_old_as_the_last_tick_and_none_is_nan():
+    client = staff_client()
+    Maintenance().count_jobs()  # awa_job is empty: no row
+    found = samples(client.get(METRICS).content.decode())
+    assert math.isnan(found["awa_jobs_counted_age_seconds"])  # no tick recorded: never counted
+    an_hour_ago = timezone.now() - dt.timedelta(hours=1)
+    Worker.objects.create(
+        id=uuid.uuid4(), name="leader:1", host="leader", pid=1, maintained_at=an_hour_ago
+    )
+    found = samples(client.get(METRICS).content.decode())
+    assert 3600 <= found["awa_jobs_counted_age_seconds"] < 3660
+    assert found['awa_jobs{queue="default",state="available"}'] == 0
+
+
 def test_a_real_worker_fleet_in_the_metrics_and_health(start_worker):
     client = staff_client()
     before = Client().get(HEALTH)
@@ -174,6 +189,11 @@ def test_a_real_worker_fleet_in_the_metrics_and_health(start_worker):
     )
     found = samples(client.get(METRICS).content.decode())
     assert found['awa_jobs{queue="default",state="available"}'] == 0
+    # The cancelled job archived (awa_job_done) and its follow-up gone, awa_job is
+    # empty: the count has no row to date it by, and its age is the last tick's.
+    Job.objects.filter(kind="echo").delete()
+    wait_for(lambda: not JobCount.objects.exists(), message=worker.output)
+    assert 0 <= samples(client.get(METRICS).content.decode())["awa_jobs_counted_age_seconds"] < 10
     assert worker.stop() == 0
     # No leader any more: unhealthy once three maintenance intervals passed.
     wait_for(lambda: Client().get(HEALTH).status_code == 503, timeout=10)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -28,11 +29,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 from opentelemetry.trace import SpanKind, StatusCode
 
 import django_awa as awa
+from django_awa import metrics as awa_metrics
 from django_awa import otel
 from django_awa.completer import Completer
+from django_awa.conf import awa_settings
 from django_awa.handlers import HandlerPool
 from django_awa.maintenance import Maintenance
-from django_awa.models import Job, MaintenanceLease
+from django_awa.models import Job, JobState, MaintenanceLease, Queue
 from django_awa.producer import Producer
 from django_awa.state import WorkerState
 from tests.conftest import ROOT, wait_for, wait_for_state
@@ -154,6 +157,37 @@ def test_an_atomic_jobs_follow_up_links_to_its_attempt_span():
     [followup] = Job.objects.filter(kind="echo")
     [link] = followup.metadata["awa_trace"]["links"]
     assert link["traceparent"].split("-")[2] == f"{attempt_span.context.span_id:016x}"
+
+
+def _gauge() -> dict[tuple[str, str], float]:
+    return {
+        (p.attributes["messaging.destination.name"], p.attributes["awa.job.state"]): p.value
+        for p in _points("awa.jobs")
+    }
+
+
+def test_the_job_gauge_reports_0_where_jobs_were_and_the_samples_metrics_reports():
+    Queue.objects.create(name="reports")  # known (awa_queue), not configured
+    job = awa.enqueue(Act(action="ok", tag="none"), queue="reports")
+    awa.enqueue(Echo(n=1))  # another queue's job: the count is not empty
+    Maintenance().count_jobs()
+    otel.instrumentation().observe_job_counts("default")
+    assert _gauge()[("reports", "available")] == 1
+    run_queue("reports")
+    assert Job.objects.get(id=job.id).state == "completed"
+    Job.objects.filter(id=job.id).delete()
+    Maintenance().count_jobs()
+    gauge = _gauge()
+    # Drained: 0 in every state, not no series (a graph showed no data).
+    assert {state: gauge[("reports", state)] for state in JobState.values} == dict.fromkeys(
+        JobState.values, 0
+    )
+    exposition = awa_metrics.exposition("default", awa_settings())
+    reported = {}
+    for line in exposition.splitlines():
+        if found := re.fullmatch(r'awa_jobs\{queue="(.*)",state="(.*)"\} (\d+)', line):
+            reported[found[1], found[2]] = int(found[3])
+    assert gauge == reported
 
 
 def _points(name: str) -> list[Any]:
@@ -343,8 +377,13 @@ def test_worker_processes_export_written_outcomes_and_the_job_counts_once(
     assert reported is not None
     assert [f"{socket.gethostname()}:{pid}" for pid in reported] == [leader]
     [points] = reported.values()
-    idle = [p["value"] for p in points if p["attributes"]["messaging.destination.name"] == "idle"]
-    assert idle == [1] and Job.objects.get(id=waiting.id).state == "available"
+    idle = {
+        p["attributes"]["awa.job.state"]: p["value"]
+        for p in points
+        if p["attributes"]["messaging.destination.name"] == "idle"
+    }
+    assert idle == {**dict.fromkeys(JobState.values, 0), "available": 1}
+    assert Job.objects.get(id=waiting.id).state == "available"
 
     assert worker.stop() == 0  # its metrics are exported as it exits
     finished: dict[tuple[str, str], int] = {}
