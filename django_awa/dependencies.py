@@ -310,20 +310,25 @@ def _promoted_now(
 
 
 def _link_triggers(cursor: db.Cursor, promoted: list[int], finished: list[int]) -> None:
-    """Add to each promoted job's ``awa_trace`` a link to the attempt span of each of
-    its dependencies among ``finished`` that ran in this process (SPEC §15: workflow
-    steps link to their trigger). Nothing without the otel extra, or without such
-    a span (an outcome written by a web request, or by maintenance)."""
+    """Add to each promoted job's ``awa_trace`` a link to each of its dependencies among
+    ``finished`` (SPEC §15: workflow steps link to their trigger): the attempt span
+    that ran here, else the trace the dependency recorded when enqueued (its outcome
+    written by a callback, ``awa.cancel``, a rescue: ``Instrumentation.trigger_links``).
+    Nothing without the otel extra, or for a dependency with neither."""
     tracing = instrumentation()
     if tracing is None:
         return
-    links = tracing.attempt_links(finished)
-    if not links:
-        return
-    cursor.execute(sql.TRIGGER_EDGES, {"ids": promoted, "finished": list(links)})
+    cursor.execute(sql.TRIGGER_EDGES, {"ids": promoted, "finished": finished})
+    edges = cursor.fetchall()
+    stored = {
+        dependency: {"traceparent": traceparent, "tracestate": tracestate}
+        for _, dependency, traceparent, tracestate in edges
+    }
+    links = tracing.trigger_links(stored)
     per_job: dict[int, list[dict[str, str]]] = {}
-    for job_id, dependency in cursor.fetchall():
-        per_job.setdefault(job_id, []).append(links[dependency])
+    for job_id, dependency, _, _ in edges:
+        if dependency in links:
+            per_job.setdefault(job_id, []).append(links[dependency])
     if per_job:
         ids = sorted(per_job)
         cursor.execute(

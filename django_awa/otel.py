@@ -7,7 +7,9 @@
   to it on later attempts. A follow-up's ``awa_trace`` also lists its
   trigger's attempt span under ``"links"``: its span links to it; so does a
   workflow step's, the attempt spans of the dependencies whose outcomes
-  released it (when they ran in the worker that wrote them).
+  released it. Where that attempt did not run in the process writing the
+  outcome (a rescue, a callback, a cancel), the link is to the trigger's own
+  ``awa_trace``: the span it was enqueued under (``trigger_links``).
 - Metrics through the metrics API: ``awa.jobs.finished`` (counter, by kind,
   queue and the outcome the worker wrote: ``count_written``),
   ``awa.job.attempt.duration`` and ``awa.job.wait`` (histograms, seconds:
@@ -50,6 +52,8 @@ PENDING_KEPT = 100_000
 # (kind, queue, worker) combinations whose span names and attributes are kept.
 STATIC_KEPT = 10_000
 
+# The keys of the W3C trace context an ``awa_trace`` entry carries.
+_W3C_HEADERS = ("traceparent", "tracestate")
 _UNRESOLVED = object()
 # Attempts finished per (kind, queue, outcome) in this process: awa.jobs.finished.
 _FINISHED: dict[tuple[str, str, str], int] = {}
@@ -121,13 +125,15 @@ def count_written(results: Iterable[AttemptResult]) -> None:
 
 
 def followup_trace(trigger: Job) -> dict[str, Any] | None:
-    """A follow-up's ``awa_trace``: the current span as parent (if any) and the
-    trigger's attempt span as a link (if it ran here)."""
+    """A follow-up's ``awa_trace``: the current span as parent (if any) and a link
+    to the trigger (``Instrumentation.trigger_links``)."""
     found = instrumentation()
     if found is None:
         return None
     trace = found.current_context() or {}
-    link = found.attempt_link(trigger.id)
+    metadata = trigger.metadata
+    stored = metadata.get("awa_trace") if isinstance(metadata, dict) else None
+    link = found.trigger_links({trigger.id: stored}).get(trigger.id)
     if link is not None:
         trace["links"] = [link]
     return trace or None
@@ -205,12 +211,12 @@ class Instrumentation:
         self._static: dict[tuple[str, str, str], tuple[str, dict[str, Any], _Labels]] = {}
         self._status, self._error = Status, StatusCode.ERROR
         # The attempt spans' contexts; their W3C headers are made when a
-        # follow-up asks (attempt_link), not for every attempt.
+        # follow-up asks (attempt_links), not for every attempt.
         self._links: OrderedDict[int, Any] = OrderedDict()
         self._links_lock = threading.Lock()
         # Contexts of attempts ended since the last fold (_fold_links): the
         # handler threads append without a lock; the threads that build
-        # follow-ups (attempt_link) move them into _links under the lock.
+        # follow-ups (attempt_links) move them into _links under the lock.
         self._new_links: deque[tuple[int, Any]] = deque()
         self._gauges: set[str] = set()
         # The attempts' histogram values and finished counts, recorded by one
@@ -235,17 +241,14 @@ class Instrumentation:
         """The span context W3C headers name, or None."""
         if not isinstance(headers, dict) or not isinstance(headers.get("traceparent"), str):
             return None
-        carrier = {k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
+        carrier = {k: v for k, v in headers.items() if k in _W3C_HEADERS}
         context = self.propagator.extract(carrier)
         span_context = self.trace.get_current_span(context).get_span_context()
         return span_context if span_context.is_valid else None
 
-    def attempt_link(self, job_id: int) -> dict[str, str] | None:
-        """The W3C headers of job ``job_id``'s latest attempt span in this process, or None."""
-        return self.attempt_links([job_id]).get(job_id)
-
     def attempt_links(self, job_ids: Iterable[int]) -> dict[int, dict[str, str]]:
-        """``attempt_link`` of each of ``job_ids`` that has one (one lock taken)."""
+        """The W3C headers of the latest attempt span in this process of each of
+        ``job_ids`` that has one (one lock taken)."""
         with self._links_lock:
             self._fold_links()
             found = [(i, c) for i in job_ids if (c := self._links.get(i)) is not None]
@@ -255,6 +258,20 @@ class Instrumentation:
             span = self.trace.NonRecordingSpan(span_context)
             self.propagator.inject(carrier, context=self.trace.set_span_in_context(span))
             links[job_id] = carrier
+        return links
+
+    def trigger_links(self, triggers: dict[int, Any]) -> dict[int, dict[str, str]]:
+        """What follow-ups and released workflow steps link to, per trigger job id:
+        its latest attempt span in this process (``attempt_links``), else the trace
+        it recorded when it was enqueued (``triggers[id]``, its ``awa_trace``): the
+        trigger's attempt ran in another process (a rescued job's worker died, a
+        callback's answer came to a web process) or never ran (cancelled)."""
+        links = self.attempt_links(triggers)
+        for job_id, stored in triggers.items():
+            if job_id not in links and self._span_context(stored) is not None:
+                links[job_id] = {
+                    k: v for k, v in stored.items() if k in _W3C_HEADERS and isinstance(v, str)
+                }
         return links
 
     def _observe_finished(self, options: Any) -> Iterable[Any]:
@@ -320,7 +337,7 @@ class Instrumentation:
             name, context=parent, kind=self._consumer, attributes=attributes, links=links
         )
         traced = Traced(job.id, span, self._attach(self._in_context(span)), labels)
-        # For its follow-ups and dependents to link to (attempt_link), from now:
+        # For its follow-ups and dependents to link to (attempt_links), from now:
         # its outcome, and what it releases, may be written before the span ends
         # (the completer's batch, an atomic handler's transaction). No lock here.
         self._new_links.append((job.id, span.get_span_context()))

@@ -2718,11 +2718,16 @@ RETURNING c.dep_id, c.dep_kind, c.dep_state, {J_JOB_COLUMNS}
 
 # -- TRIGGER_EDGES --
 # With the otel extra, after a promotion: which of the dependencies whose
-# outcome this transaction wrote (%(finished)s, those whose attempt span this
-# worker holds) each promoted dependent waited for. Index: the primary key of
-# awa_job_dependency (job_id, depends_on_id), one lookup per pair.
+# outcome this transaction wrote (%(finished)s) each promoted dependent waited
+# for, with the trace context each dependency recorded when it was enqueued
+# (its awa_trace headers; NULL without), to link to when its attempt span is
+# not in this process. Index: the primary key of awa_job_dependency (job_id,
+# depends_on_id), one lookup per pair; the dependency's row by its primary key.
 TRIGGER_EDGES = """
-SELECT e.job_id, e.depends_on_id FROM awa_job_dependency AS e
+SELECT e.job_id, e.depends_on_id, d.metadata -> 'awa_trace' ->> 'traceparent',
+       d.metadata -> 'awa_trace' ->> 'tracestate'
+FROM awa_job_dependency AS e
+LEFT JOIN awa_job AS d ON d.id = e.depends_on_id
 WHERE e.job_id = ANY(%(ids)s::bigint[]) AND e.depends_on_id = ANY(%(finished)s::bigint[])
 """
 

@@ -39,7 +39,7 @@ from django_awa.models import Job, JobState, MaintenanceLease, Queue
 from django_awa.producer import Producer
 from django_awa.state import WorkerState
 from tests.conftest import ROOT, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Echo, Node, Pay, Timed
+from tests.testapp.jobs import Act, Echo, Node, Parked, Pay, Timed
 from tests.testapp.models import Ledger
 
 pytestmark = pytest.mark.django_db
@@ -157,6 +157,70 @@ def test_an_atomic_jobs_follow_up_links_to_its_attempt_span():
     [followup] = Job.objects.filter(kind="echo")
     [link] = followup.metadata["awa_trace"]["links"]
     assert link["traceparent"].split("-")[2] == f"{attempt_span.context.span_id:016x}"
+
+
+def test_a_rescued_jobs_follow_up_links_to_the_trace_the_job_was_enqueued_in():
+    # Its worker died: the attempt's span is in no live process, but the job's
+    # trace is the one it recorded when it was enqueued.
+    with TRACER.start_as_current_span("POST /reports") as request:
+        job = awa.enqueue(Act(action="sleep", seconds=30))
+    state = WorkerState.create({"default": 1})
+    assert [c.id for c in Producer(state, state.queues["default"]).run_once() or ()] == [job.id]
+    Job.objects.filter(id=job.id).update(heartbeat_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+    Maintenance().rescue()
+    [followup] = Job.objects.filter(kind="echo")
+    assert followup.args["note"] == "rescued:stale_heartbeat"
+    [link] = followup.metadata["awa_trace"]["links"]
+    assert link == {"traceparent": Job.objects.get(id=job.id).metadata["awa_trace"]["traceparent"]}
+    Job.objects.filter(id=followup.id).update(run_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+    run_queue("echo")
+    [span] = job_spans("echo")
+    [link] = span.links
+    assert link.context.span_id == request.get_span_context().span_id
+    assert link.attributes["awa.link"] == "trigger"
+
+
+def test_a_step_released_by_a_cancel_links_to_its_dependency():
+    with TRACER.start_as_current_span("POST /imports") as importing:
+        dependency = awa.enqueue(Act(action="ok"), queue="idle")
+    with TRACER.start_as_current_span("POST /reports"):
+        step = awa.enqueue(Echo(n=1), after=[dependency.id], requires="finished")
+    awa.cancel(dependency.id)
+    released = Job.objects.get(id=step.id)
+    assert released.state == "available"
+    assert released.metadata["awa_trace"]["links"] == [
+        {"traceparent": Job.objects.get(id=dependency.id).metadata["awa_trace"]["traceparent"]}
+    ]
+    run_queue("echo")
+    [span] = job_spans("echo")
+    [link] = span.links
+    assert link.context.span_id == importing.get_span_context().span_id
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("action", ["complete", "fail"])
+def test_a_step_released_by_a_callback_links_to_its_dependency(start_worker, action: str):
+    # The dependency's attempt ran (and parked) in a worker process: the
+    # callback's answer comes here, where its attempt span never was.
+    with TRACER.start_as_current_span("POST /payments") as paying:
+        parked = awa.enqueue(awa.EnqueueRequest(Parked(), max_attempts=1))
+    with TRACER.start_as_current_span("POST /receipts"):
+        step = awa.enqueue(Echo(n=1), after=[parked.id], requires="finished")
+    worker = start_worker("--queue", "default")
+    callback_id = wait_for_state(parked.id, "waiting_external").callback_id
+    assert worker.stop() == 0, worker.output()
+    if action == "complete":
+        awa.complete_external(callback_id, {"paid": True})
+    else:
+        awa.fail_external(callback_id, "declined")
+    released = Job.objects.get(id=step.id)
+    assert released.state == "available"
+    [link] = released.metadata["awa_trace"]["links"]
+    context = paying.get_span_context()
+    assert link["traceparent"].split("-")[1:3] == [
+        f"{context.trace_id:032x}",
+        f"{context.span_id:016x}",
+    ]
 
 
 def _gauge() -> dict[tuple[str, str], float]:
