@@ -18,7 +18,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from asgiref.sync import ThreadSensitiveContext, async_to_sync, sync_to_async
@@ -47,6 +47,9 @@ from .followups import (
 )
 from .kinds import JobArgs, WorkerSpec, registry
 from .models import ClaimedJob, Job, JobRow, JobState
+
+if TYPE_CHECKING:
+    from .otel import Traced
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +163,8 @@ class Attempt:
     # Past its timeout (any kind): the failed attempt written for it, whatever its
     # handler returns later. Its span reports this outcome, not the handler's.
     gave_up: AttemptResult | None = None
+    # Its span while its handler runs, with the otel extra (otel.Instrumentation.start).
+    traced: Traced | None = None
     # time.monotonic() when the claim returned it, and when a handler thread
     # began it (None while it waits in the queue's inbox: claimed, not running
     # yet). started_written: MARK_STARTED stored attempted_at for it, or need
@@ -381,6 +386,10 @@ class AttemptResult:
     # written now, but its key's lease (awa.Limit(concurrency=...)) is kept,
     # held until the handler returns (sql.HOLD_LEASES).
     keeps_lease: bool = False
+    # Past its kind's timeout while its handler still runs (HandlerPool.time_out),
+    # with the otel extra: the attempt's span, ended with this outcome once it is
+    # written (otel.count_written), not when (if ever) the handler returns.
+    open_span: Traced | None = None
 
     @property
     def outcome(self) -> Outcome | None:

@@ -618,7 +618,7 @@ class HandlerPool:
             # Tracing that fails costs the attempt its span, never its run (nor
             # the handler thread).
             try:
-                traced = tracing.start(attempt.job, self.state.name)
+                traced = attempt.traced = tracing.start(attempt.job, self.state.name)
             except Exception:
                 logger.exception("could not start job %s's span; it runs untraced", attempt.job.id)
                 self._run_logged(attempt)
@@ -856,6 +856,7 @@ class HandlerPool:
         job = attempt.job
         timeout = attempt.timeout or 0.0
         result = attempt.gave_up = timed_out(job, timeout, ran)
+        result.open_span = attempt.traced  # ended when this outcome is written
         if attempt.holds_key:
             attempt.timed_out = result
         attempt.cancelled.set()

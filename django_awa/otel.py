@@ -160,12 +160,17 @@ class _Labels:
 class Traced:
     """One attempt's span while its handler runs (``Instrumentation.start``/``finish``)."""
 
-    __slots__ = ("job_id", "labels", "span", "started", "token", "waited")
+    __slots__ = ("job_id", "labels", "span", "started", "token", "unended", "waited")
 
     def __init__(self, job_id: int, span: Any, token: Any, labels: _Labels) -> None:
         self.job_id, self.span, self.token, self.labels = job_id, span, token, labels
         self.waited: float | None = None
         self.started = 0.0
+        # Popped by whoever ends the span (Instrumentation._end), once: the
+        # handler thread as its handler returns, or, for an attempt past its
+        # timeout, the thread that wrote the timed-out outcome, whichever is
+        # first. list.pop() is atomic: no lock for the common case.
+        self.unended = [True]
 
 
 class Instrumentation:
@@ -357,7 +362,8 @@ class Instrumentation:
         *,
         lost: bool = False,
     ) -> None:
-        """End the attempt's span with its outcome; queue its histogram values for the completer.
+        """End the attempt's span with its outcome; queue its histogram values for the completer
+        (unless the write of its timed-out outcome did already: ``count_written``).
 
         ``result`` None: a stale atomic attempt, or (``error`` given) the
         attempt raised past the worker's handler boundary. ``lost``: the
@@ -368,30 +374,46 @@ class Instrumentation:
         (``count_written``), not here: a handler that returns after its
         attempt was cancelled, rescued or timed out had its result ignored.
         """
-        elapsed = time.perf_counter() - traced.started
-        span = traced.span
         try:
             self._detach(traced.token)
         finally:
+            self._end(traced, result, error, lost=lost)
+
+    def _end(
+        self,
+        traced: Traced,
+        result: AttemptResult | None,
+        error: BaseException | None = None,
+        *,
+        lost: bool = False,
+    ) -> None:
+        """``finish``'s ending of the span and queueing of its histogram values,
+        once: nothing if the span was ended already (``Traced.unended``)."""
+        try:
+            traced.unended.pop()
+        except IndexError:
+            return
+        elapsed = time.perf_counter() - traced.started
+        span = traced.span
+        if error is not None:
+            outcome = "error"
+        elif result is None or lost:
+            outcome = "lost"
+        else:
+            outcome = str(result.state)
+        if span.is_recording():  # a span the sampler dropped takes nothing more
             if error is not None:
-                outcome = "error"
-            elif result is None or lost:
-                outcome = "lost"
+                span.record_exception(error)
+                span.set_status(self._status(self._error, f"{type(error).__name__}: {error}"))
             else:
-                outcome = str(result.state)
-            if span.is_recording():  # a span the sampler dropped takes nothing more
-                if error is not None:
-                    span.record_exception(error)
-                    span.set_status(self._status(self._error, f"{type(error).__name__}: {error}"))
-                else:
-                    span.set_attribute("awa.job.outcome", outcome)
-                    if result is not None and not lost and result.error:
-                        span.set_status(self._status(self._error, result.error[:1000]))
-            span.end()
-            pending = self._pending
-            pending.append((traced.labels, traced.waited, elapsed, outcome))
-            if len(pending) > PENDING_KEPT:
-                self.record_pending()
+                span.set_attribute("awa.job.outcome", outcome)
+                if result is not None and not lost and result.error:
+                    span.set_status(self._status(self._error, result.error[:1000]))
+        span.end()
+        pending = self._pending
+        pending.append((traced.labels, traced.waited, elapsed, outcome))
+        if len(pending) > PENDING_KEPT:
+            self.record_pending()
 
     def _static_for(self, kind: str, queue: str, worker: str) -> tuple[str, dict[str, Any], Any]:
         """The span name, the fixed span attributes and the metrics' labels of a
@@ -432,11 +454,16 @@ class Instrumentation:
     def count_written(self, results: Iterable[AttemptResult]) -> None:
         """Count the outcomes finalize wrote (the results it applied) in
         ``awa.jobs.finished``: a job given back (``available`` again: unstarted,
-        or interrupted at shutdown) is no outcome."""
+        or interrupted at shutdown) is no outcome. End the spans of those that
+        timed out while their handlers still run (``AttemptResult.open_span``)."""
         from .models import JobState
 
         finished: dict[tuple[str, str, str], int] = {}
         for result in results:
+            if result.open_span is not None:
+                # Timed out while its handler still runs: the span ends with the
+                # outcome written, not whenever (if ever) the handler returns.
+                self._end(result.open_span, result)
             if result.state == JobState.AVAILABLE:
                 continue
             outcome = str(result.state)

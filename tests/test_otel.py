@@ -397,6 +397,52 @@ def _last_exports(directory: Path) -> dict[int, dict[str, list[dict[str, Any]]]]
     return exports
 
 
+def _exported_spans(directory: Path) -> list[dict[str, Any]]:
+    """The spans the worker processes exported (tests/otel_settings.py), as JSON."""
+    return [
+        json.loads(line)
+        for path in directory.glob("spans-*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_timed_out_attempts_span_ends_when_its_outcome_is_written_and_only_once(
+    start_worker, tmp_path: Path
+):
+    env = {"DJANGO_SETTINGS_MODULE": "tests.otel_settings", "AWA_TEST_OTEL_DIR": str(tmp_path)}
+    worker = start_worker("--queue", "default", env=env)
+    # A sync handler cannot be stopped: it sleeps on for seconds past its 1 s timeout.
+    job = awa.enqueue(awa.EnqueueRequest(Timed(seconds=6), max_attempts=1))
+    wait_for_state(job.id, "failed")
+
+    def exported() -> list[dict[str, Any]]:
+        return [
+            s
+            for s in _exported_spans(tmp_path)
+            if s["attributes"]["messaging.message.id"] == str(job.id)
+        ]
+
+    [span] = wait_for(exported, message="the timed-out attempt's span was not ended")
+    assert not Ledger.objects.filter(job_id=job.id, note__startswith="timed:end").exists()
+    assert span["attributes"]["awa.job.outcome"] == "failed"
+    assert span["status"]["status_code"] == "ERROR"
+    assert "timed out" in span["status"]["description"]
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id, note__startswith="timed:end").exists())
+    assert worker.stop() == 0  # its metrics are exported as it exits
+    # The handler's return ended nothing again: one span, one duration.
+    assert len(exported()) == 1
+    [duration] = [
+        point
+        for export in _last_exports(tmp_path).values()
+        for point in export.get("awa.job.attempt.duration", ())
+        if point["attributes"]["awa.job.kind"] == "timed"
+    ]
+    assert duration["count"] == 1
+    assert duration["attributes"]["awa.job.outcome"] == "failed"
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_worker_processes_export_written_outcomes_and_the_job_counts_once(
@@ -459,12 +505,7 @@ def test_worker_processes_export_written_outcomes_and_the_job_counts_once(
     # caller), one timed job failed, two workflow steps completed; nothing counted
     # completed that was not.
     assert finished == {("act", "completed"): 1, ("timed", "failed"): 1, ("node", "completed"): 2}
-    spans = [
-        json.loads(line)
-        for path in tmp_path.glob("spans-*.jsonl")
-        for line in path.read_text().splitlines()
-    ]
-    by_job = {int(s["attributes"]["messaging.message.id"]): s for s in spans}
+    by_job = {int(s["attributes"]["messaging.message.id"]): s for s in _exported_spans(tmp_path)}
     # The workflow's second step: a child of the request that enqueued the
     # workflow, linked to the attempt of the step that released it.
     second = by_job[second_job.id]
