@@ -36,6 +36,7 @@ import operator
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from django.db import connections, transaction
@@ -83,7 +84,7 @@ LOCKED_RETRY = 0.02
 # Shortest wait between claims of a rate-limited queue that took less than it
 # asked for: a slot of the window frees every period / N seconds.
 RATE_TICK = 0.01
-# How long after its claim began a job claimed under a rate may still start its
+# How long after its claim's stamp a job claimed under a rate may still start its
 # handler, in seconds. The claim stamps the starts it counts, but a handler
 # begins a little later (the claim's commit, the hand-off to a handler thread:
 # a few ms, tens on a loaded machine), by a delay that varies: a burst claimed
@@ -92,8 +93,19 @@ RATE_TICK = 0.01
 # job not started by then is given back unstarted (``HandlerPool.execute``):
 # every handler starts within this of its stamp, and no window of the period
 # holds more than N handler starts. The price: at most N starts per period and
-# this (N per 1.1 s for "N/s", per 60.1 s for "N/m").
+# this (N per 1.1 s for "N/s", per 60.1 s for "N/m"). What came before the
+# stamp is not counted (``_stamped_after``): a worker's first claim, which opens
+# its connection and plans the statement (tens of ms), gives none back for it.
 RATED_START_WITHIN = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class LockedClaim:
+    """What one claim under the queue's lock started."""
+
+    jobs: list[ClaimedJob]  # in claim order
+    # A time.monotonic() no later than the claim's stamp (``_stamped_after``).
+    stamped_after: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,12 +263,13 @@ def claim_sequenced(queue: str, limit: int, alias: str) -> list[ClaimedJob]:
 
 def claim_limited(
     limits: QueueLimits, limit: int, alias: str, *, leased: bool = False
-) -> list[ClaimedJob] | None:
+) -> LockedClaim | None:
     """Claim up to ``limit`` jobs of a limited queue, as many as its limits allow now.
 
     One transaction: the advisory lock of the queue (``sql.LOCK_LIMITS``), then
     the one claim statement, whose snapshot sees every attempt the previous
-    lock holder started. Commits before returning. Returns ``None``, claiming
+    lock holder started. Commits before returning. Returns the jobs it started
+    and from when their handlers' bound runs (``LockedClaim``); ``None``, claiming
     nothing, when another claimer holds the lock: it is claiming what is free.
     With ``leased``, the caller's slot leases keep the global concurrency
     (``limit`` is within its free slots) and the statement counts only the rest.
@@ -270,7 +283,7 @@ def claim_limited(
 
 def _claim_under_lock(
     limits: QueueLimits, statement: str, params: dict[str, Any], alias: str
-) -> list[ClaimedJob] | None:
+) -> LockedClaim | None:
     """One transaction: try the queue's advisory lock (``sql.LOCK_LIMITS``), then run
     the claim ``statement``, whose snapshot sees every attempt and lease the
     previous holder took. ``None``, claiming nothing, when another claimer holds
@@ -278,12 +291,39 @@ def _claim_under_lock(
     statement alone."""
     with transaction.atomic(using=alias):
         with db.cursor(alias) as cursor:
+            asked = time.monotonic()  # the connection is open: its set-up is not counted
             cursor.execute(sql.LOCK_LIMITS, {"keys": limits.lock_keys()})
             locked = cursor.fetchone()
         if not (locked and locked[0]):
             return None
+        sent = time.monotonic()
         rows = _claim_rows(statement, params, alias)
-    return _in_claim_order(claimed_jobs(rows))
+        answered = time.monotonic()
+    jobs = _in_claim_order(claimed_jobs(rows))
+    # The claim stamps its attempts' heartbeat_at with its clock (t.now).
+    stamp = jobs[0].heartbeat_at if jobs else None
+    return LockedClaim(jobs, _stamped_after(asked, locked[1], sent, answered, stamp))
+
+
+def _stamped_after(
+    asked: float, locked_at: datetime, sent: float, answered: float, stamp: datetime | None
+) -> float:
+    """A ``time.monotonic()`` no later than a locked claim's ``stamp``, as late as known.
+
+    The claim statement was ``sent`` before the server stamped it (its
+    ``clock_timestamp()`` once planned): that bound leaves out what came before
+    (a new connection's set-up, the lock's round trip). The server's time before
+    the stamp is most of a worker's first claim (planning a statement its
+    connection never planned, reading the catalog for it), and is left out too:
+    ``asked`` (before LOCK_LIMITS was sent) and the time from LOCK_LIMITS's clock
+    (``locked_at``) to the stamp, both read on the database's one clock. Never
+    more than ``answered - asked``: the stamp came before the answer, whatever a
+    step of the database's clock says meanwhile.
+    """
+    if stamp is None:
+        return sent
+    on_server = (stamp - locked_at).total_seconds()
+    return max(sent, asked + min(on_server, answered - asked))
 
 
 def claim_keyed(
@@ -309,7 +349,8 @@ def claim_keyed(
     if scan is None:
         scan = min(LIMITED_SCAN, limit + KEYED_SCAN_EXTRA)
     params = {"queue": limits.queue, "kinds": limits.kinds, "limit": limit, "scan": scan}
-    return _claim_under_lock(limits, sql.CLAIM_KEYED, params, alias)
+    claimed = _claim_under_lock(limits, sql.CLAIM_KEYED, params, alias)
+    return None if claimed is None else claimed.jobs
 
 
 def held_back(limits: QueueLimits, alias: str) -> int:
@@ -596,15 +637,20 @@ class Producer:
                     self.unreserve(want - free)
                     want = free
                 skipped = False
+                start_by = None
                 if not want:
                     jobs = []
                 elif limits.gated:  # under the queue's lock, which another may hold
-                    started = time.monotonic()  # before the claim's stamp (its clock_timestamp)
-                    taken = (
-                        claim_limited(limits, want, state.alias, leased=limits.leased)
-                        if limits.locked
-                        else claim_keyed(limits, want, state.alias)
-                    )
+                    started = time.monotonic()
+                    if limits.locked:
+                        locked = claim_limited(limits, want, state.alias, leased=limits.leased)
+                        taken = None if locked is None else locked.jobs
+                        if locked is not None and taken:
+                            # Its handlers start within RATED_START_WITHIN of its stamp,
+                            # or not at all.
+                            start_by = locked.stamped_after + RATED_START_WITHIN
+                    else:
+                        taken = claim_keyed(limits, want, state.alias)
                     self.claim_took = time.monotonic() - started
                     skipped = taken is None
                     jobs = taken or []
@@ -642,9 +688,6 @@ class Producer:
         alias, running, waiting, lock, inbox = (
             state.alias, state.running, state.waiting, state.running_lock, runner.inbox
         )  # fmt: skip
-        # A rated claim's handlers start within RATED_START_WITHIN of its stamp, or not
-        # at all: measured from before the claim was sent, so from before the stamp.
-        start_by = started + RATED_START_WITHIN if jobs and limits.locked else None
         attempts = [Attempt(job=job, alias=alias, start_by=start_by) for job in jobs]
         # Every attempt of the batch is tracked (running, waiting) before the first
         # reaches a handler, under one hold of the lock the handler threads take for

@@ -262,10 +262,13 @@ _KIND_LIMIT = "(%(kinds)s::jsonb -> c.kind::text)"
 # (producer.LOCKED_RETRY): the holder is claiming what is free right now, and
 # a queue of waiters would each take the lock only to find less room than it
 # waited for. Returns whether every lock was taken (those that were are let
-# go when the transaction ends).
+# go when the transaction ends), and the database's clock then: a rated claim
+# tells how long the server took from there to its stamp, planning included
+# (producer._stamped_after).
 LIMIT_LOCK_NAMESPACE = 0x617761  # "awa"
 LOCK_LIMITS = f"""
-SELECT coalesce(bool_and(pg_try_advisory_xact_lock({LIMIT_LOCK_NAMESPACE}, s.h)), true)
+SELECT coalesce(bool_and(pg_try_advisory_xact_lock({LIMIT_LOCK_NAMESPACE}, s.h)), true),
+       clock_timestamp()
 FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest(%(keys)s::text[]) AS k ORDER BY 1) AS s
 """
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection, transaction
 from django.utils import timezone
@@ -139,6 +140,12 @@ def all_finished(kind: str, count: int, timeout: float = 60) -> None:
     )
 
 
+def claim_limited(limits: producer.QueueLimits, limit: int = 10) -> list[Job] | None:
+    """``producer.claim_limited`` on the default database: the jobs it started."""
+    claimed = producer.claim_limited(limits, limit, "default")
+    return None if claimed is None else claimed.jobs
+
+
 def start_three(start_worker: Callable[..., WorkerProcess], queue: str, **env: str) -> list[Any]:
     """Three workers of ``queue``, each up (listening) before the test enqueues: on a
     loaded machine the first would otherwise run a short drain alone."""
@@ -160,14 +167,14 @@ def test_held_back_jobs_stay_available_without_using_an_attempt() -> None:
     ids = awa.enqueue_many([awa.EnqueueRequest(Span(n=i), queue="inproc") for i in range(5)])
     limits = producer.queue_limits("inproc", "default")
     assert limits.limited and limits.global_concurrency == 2
-    first = producer.claim_limited(limits, 10, "default")
+    first = claim_limited(limits) or []
     assert [j.id for j in first] == ids[:2]
-    assert producer.claim_limited(limits, 10, "default") == []
+    assert claim_limited(limits) == []
     held = Job.objects.filter(id__in=ids[2:])
     assert {(j.state, j.attempt) for j in held} == {(JobState.AVAILABLE, 0)}
     # A finished attempt frees its slot for the next in claim order.
     Job.objects.filter(id=ids[0]).update(state=JobState.COMPLETED)
-    assert [j.id for j in producer.claim_limited(limits, 10, "default")] == [ids[2]]
+    assert [j.id for j in claim_limited(limits) or []] == [ids[2]]
 
 
 # ==== Queue limits across three worker processes =================================
@@ -256,6 +263,47 @@ def test_a_rate_limit_holds_for_handler_starts_not_only_claims(start_worker, wor
     assert dt.timedelta(seconds=9) <= last - first < dt.timedelta(seconds=14), last - first
     for proc in procs:
         assert proc.stop() == 0
+
+
+# How a limited claim statement begins (its text as the server shows it is cut short).
+CLAIM_STAMP = "WITH t AS MATERIALIZED (SELECT clock_timestamp() AS now)"
+
+
+def _waiting_for_a_lock(text: str) -> int:
+    """How many sessions wait for a lock in a statement whose text holds ``text``."""
+    return _scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND datname = current_database() AND strpos(query, %s) > 0",
+        [text],
+    )
+
+
+@pytest.mark.slow
+def test_a_workers_first_rated_claim_gives_back_nothing_for_the_time_before_its_stamp(
+    start_worker,
+) -> None:
+    """The server's time before a rated claim stamps its starts (a first claim plans
+    its statement; here it waits for a lock the test holds) is not the handlers'
+    to start in: the claim's jobs all run, none given back unstarted."""
+    ids = awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=i, seconds=0.0), queue="rated") for i in range(10)]
+    )
+    slow = psycopg.connect(**connection.get_connection_params() | {"autocommit": False})
+    try:
+        # The claim statement cannot be planned while the log of starts is locked.
+        slow.execute("LOCK TABLE awa_attempt_start IN ACCESS EXCLUSIVE MODE")
+        worker = start_worker("--queue", "rated", env=FLOW_ENV)
+        wait_for(lambda: _waiting_for_a_lock(CLAIM_STAMP), 30, worker.output)
+        time.sleep(3 * producer.RATED_START_WITHIN)  # the claim's start, held back
+        slow.commit()
+    finally:
+        slow.close()
+    all_finished("span", 10)
+    assert "gave back job" not in worker.output(), worker.output()
+    assert sorted(FlowRun.objects.values_list("job_id", flat=True)) == ids
+    # Its 10 starts came in one claim, within the second the rate allows them in.
+    assert max_starts_in_window(1.0, "{t}.queue = %s", ["rated"]) == 10
+    assert worker.stop() == 0
 
 
 @pytest.mark.slow
@@ -494,7 +542,7 @@ def test_keyed_claimers_of_one_queue_take_turns_without_waiting() -> None:
         "second",
         lambda: (
             producer.claim_keyed(limits, 10, "default"),
-            producer.claim_limited(_rated(limits), 10, "default"),
+            claim_limited(_rated(limits)),
         ),
     )
     one.start()
@@ -575,7 +623,7 @@ def test_a_locked_and_a_keyed_claim_of_one_key_at_the_same_instant_start_one(fir
             # Without the queue's lock (with it, it would find the lock held and
             # claim nothing): the lease index alone keeps the key.
             return _claim_keyed_unlocked(keyed, limit, scan=limit)
-        return [job.id for job in producer.claim_limited(locked, limit, "default") or []]
+        return [job.id for job in claim_limited(locked, limit) or []]
 
     one, holding = _claimer(claimed, "first", lambda: claim(first, 1), release)
     other = "keyed" if first == "locked" else "locked"
@@ -683,7 +731,7 @@ def _claim_by(path: str, limits: producer.QueueLimits, limit: int = 10) -> list[
     """Claim with ``path``: "keyed" (CLAIM_KEYED) or "locked" (LOCK_LIMITS + CLAIM_LIMITED)."""
     if path == "keyed":
         return producer.claim_keyed(limits, limit, "default")
-    return producer.claim_limited(_rated(limits), limit, "default") or []
+    return claim_limited(_rated(limits), limit) or []
 
 
 @pytest.mark.parametrize("path", ["keyed", "locked"])
@@ -1967,7 +2015,7 @@ def test_a_limited_claim_skips_while_another_holds_the_queue_lock_then_counts_it
     def first() -> None:
         try:
             with transaction.atomic():  # the claim's commit is held back
-                claimed["first"] = producer.claim_limited(limits, 10, "default")
+                claimed["first"] = claim_limited(limits)
                 holding.set()
                 release.wait(10)
         finally:
@@ -1975,7 +2023,7 @@ def test_a_limited_claim_skips_while_another_holds_the_queue_lock_then_counts_it
 
     def second(name: str) -> None:
         try:
-            claimed[name] = producer.claim_limited(limits, 10, "default")
+            claimed[name] = claim_limited(limits)
         finally:
             connection.close()
 
