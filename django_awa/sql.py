@@ -1421,6 +1421,8 @@ COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %
 # when the row was no longer the attempt's to write. An attempt they do write
 # while its lease is held keeps it: its handler, past its timeout, was
 # abandoned and still runs (HOLD_LEASES); its worker frees it when it returns.
+# So does one they leave out while its row is still running (another session
+# held it locked: the outcome is written again later, its handler may run).
 #
 # A cancel or a rescue (CANCEL_JOBS, RESCUE) of an attempt whose handler may
 # still run in a live worker (the row is running and its heartbeat is fresh,
@@ -1438,7 +1440,9 @@ def _released(ids: str, *, exact: bool, kept: str | None = None) -> str:
         match = """JOIN unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
           ON l.job_id = a.id AND l.run_lease = a.run_lease
         WHERE (a.id IN ({ids}) AND l.held_until IS NULL)
-           OR (a.id NOT IN ({ids}) AND l.held_until IS NOT NULL)"""
+           OR (a.id NOT IN ({ids}) AND l.held_until IS NOT NULL AND NOT EXISTS (
+               SELECT 1 FROM ONLY awa_job AS x WHERE x.id = a.id
+                 AND x.run_lease = a.run_lease AND x.state = 'running'))"""
     else:
         match = "WHERE l.job_id IN ({ids})"
     if kept is not None:

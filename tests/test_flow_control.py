@@ -47,7 +47,7 @@ from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, LimitLease, Queue
 from django_awa.sequences import HandOn
 from django_awa.state import SharedConcurrency, WorkerState
-from tests.conftest import WorkerProcess, generic_plan, wait_for
+from tests.conftest import WorkerProcess, generic_plan, wait_for, wait_for_state
 from tests.testapp.jobs import (
     CappedSpan,
     DeadlineKeyedSpan,
@@ -938,6 +938,54 @@ def test_an_abandoned_handler_keeps_its_key_until_it_really_returns(start_worker
     assert_keys_waited_for_their_first_handlers(
         {"keyed_span": "its abandoned handler", "timed_keyed_span": "its abandoned handler"}
     )
+    assert worker.stop() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("returns", ["after"])
+def test_an_abandoned_handler_frees_its_key_when_it_returns_whatever_its_outcome_is_doing(
+    start_worker, returns: str
+) -> None:
+    """A timed-out handler that does not return is abandoned (its 1 s timeout and the
+    stuck grace, 5 s): its outcome is written keeping its key's lease
+    (sql.HOLD_LEASES), until the handler returns. The test holds the lease's row
+    (HOLD_LEASES waits for it) and the job's (the outcome is left out, written again
+    later), and lets the handler return meanwhile, or after: the key is held while the
+    handler runs, and freed when it returns, not STALE_AFTER (30 s) later."""
+    gate = 0x61770001  # the advisory lock the handler waits for
+    params = connection.get_connection_params()
+    holder = psycopg.connect(**params, autocommit=True)
+    rows = psycopg.connect(**params, autocommit=False)
+    lease = psycopg.connect(**params, autocommit=False)
+    try:
+        holder.execute("SELECT pg_advisory_lock(%s)", [gate])
+        worker = start_worker("--queue", "timedkey=2", env={"AWA_TEST_STALE_AFTER": "30"})
+        wait_for(lambda: "listening for new jobs" in worker.output(), 30)
+        first = awa.enqueue(TimedKeyedSpan(key="k", n=0, gate=gate, seconds=0.0))
+        wait_for(lambda: FlowRun.objects.filter(job_id=first.id).exists(), 20)
+        rows.execute("SELECT 1 FROM awa_job WHERE id = %s FOR UPDATE", [first.id])
+        lease.execute("SELECT 1 FROM awa_limit_lease WHERE job_id = %s FOR UPDATE", [first.id])
+        wait_for(lambda: _waiting_for_a_lock("SET held_until"), 20, worker.output)
+        if returns != "after":
+            holder.execute("SELECT pg_advisory_unlock(%s)", [gate])
+            wait_for(lambda: "returned after" in worker.output(), 10, worker.output)
+        lease.commit()
+        wait_for(lambda: "wait for a row lock" in worker.output(), 10, worker.output)
+        rows.commit()
+        wait_for(lambda: Job.objects.get(id=first.id).errors, 10, worker.output)
+        assert "timed out" in Job.objects.get(id=first.id).errors[0]["error"]
+        if returns == "after":
+            # Its handler still runs: its outcome, left out and written again, kept the key.
+            assert LimitLease.objects.filter(job_id=first.id).exists(), "the key was freed"
+        second = awa.enqueue(TimedKeyedSpan(key="k", n=1, seconds=0.0))
+        if returns == "after":
+            holder.execute("SELECT pg_advisory_unlock(%s)", [gate])
+        wait_for_state(second.id, JobState.COMPLETED, timeout=10)
+    finally:
+        for conn in (holder, rows, lease):
+            conn.close()
+    assert overlaps_within_key("timed_keyed_span") == 0
+    wait_for(lambda: _leases() == [], 10)
     assert worker.stop() == 0
 
 

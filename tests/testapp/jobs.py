@@ -572,13 +572,15 @@ def atomic_node(job: awa.JobContext):
 @dataclass
 class Span(awa.JobArgs):
     """Sleep ``seconds`` (``first_seconds`` on the first attempt, if given); raise
-    while the attempt is at most ``fail_until``."""
+    while the attempt is at most ``fail_until``. With ``gate``, the first attempt
+    then returns only once it could take that advisory lock (a test holds it)."""
 
     key: str = ""
     n: int = 0
     seconds: float = 0.1
     first_seconds: float = 0.0
     fail_until: int = 0
+    gate: int = 0
 
 
 @dataclass
@@ -635,6 +637,10 @@ def span(job: awa.JobContext):
         pid=os.getpid(),
     )
     time.sleep(args.first_seconds if job.attempt == 1 and args.first_seconds else args.seconds)
+    if args.gate and job.attempt == 1:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_lock(%s)", [args.gate])
+            cursor.execute("SELECT pg_advisory_unlock(%s)", [args.gate])
     FlowRun.objects.filter(id=run.id).update(ended_at=timezone.now())
     if job.attempt <= args.fail_until:
         raise RuntimeError(f"span {args.key}/{args.n} fails attempt {job.attempt}")
