@@ -31,10 +31,10 @@ import queue as queue_module
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from . import db, sql, wakeups
-from .execute import Attempt, AttemptResult, errored, unstarted
+from .execute import Attempt, AttemptResult, attempt_keys, errored, unstarted
 from .finalize import finalize
 from .models import ClaimedJob, JobState
 from .otel import instrumentation
@@ -145,6 +145,22 @@ def start_handed_on(state: WorkerState, hand_on: HandOn) -> None:
             logger.debug("handed on to job %s kind=%s attempt=%s", job.id, job.kind,
                          job.attempt, extra=log_context(job, state.name))  # fmt: skip
         state.queues[job.queue].inbox.put(attempt)
+
+
+def release_held_leases(state: WorkerState, attempts: Sequence[Attempt | AttemptResult]) -> None:
+    """Free the key's places kept (``held_until`` set) for these lost attempts, whose
+    handlers returned or never began (``sql.RELEASE_HELD_LEASES``). Should it fail
+    (logged), they free once their ``held_until`` passes, within ``STALE_AFTER``."""
+    try:
+        with db.cursor(state.alias) as cursor:
+            cursor.execute(sql.RELEASE_HELD_LEASES, attempt_keys(attempts))
+    except DB_ERRORS:
+        logger.warning(
+            "could not free the key's place kept for job(s) %s; it frees within STALE_AFTER",
+            ", ".join(f"{a.job.id} kind={a.job.kind} attempt={a.job.attempt}" for a in attempts),
+            exc_info=True,
+        )
+        reset_connection()
 
 
 def give_back_unstarted(state: WorkerState, jobs: list[ClaimedJob]) -> None:
@@ -290,11 +306,14 @@ class Completer:
     def write(self, batch: list[AttemptResult], deferred: list[AttemptResult]) -> None:
         """Write ``batch``, forget its attempts; add those whose row was locked to ``deferred``."""
         hand_on = reserve_hand_on(self.state, batch)
+        results = first_of_each_attempt(batch)
+        # Read before finalize reads them: a handler that returns clears the flag.
+        keeping = [result for result in results if result.keeps_lease]
         try:
             # Follow-ups and promoted dependents: this worker's producers claim
             # them as the batch commits, the others hear after (wakeups.py).
             with wakeups.after_commit(self.state.alias, self.state.outbox):
-                self.write_batch(first_of_each_attempt(batch), hand_on)
+                self.write_batch(results, hand_on)
         finally:
             handed_on = (
                 frozenset(job.metadata[SEQUENCE_KEY] for job in hand_on.claimed if job.metadata)
@@ -312,9 +331,30 @@ class Completer:
             else:
                 written.append(result.job)
         self.state.forget_all(written)
+        if keeping:
+            self.free_returned_keys(keeping)
         tracing = instrumentation()  # None without the otel extra
         if tracing is not None:
             tracing.record_pending()  # the attempts' histogram values (otel.py)
+
+    def free_returned_keys(self, results: list[AttemptResult]) -> None:
+        """Free the key's places that ``results``, outcomes of abandoned handlers written
+        keeping their lease (``AttemptResult.keeps_lease``), kept for a handler that
+        returned meanwhile.
+
+        A handler that returns frees its key itself (``HandlerPool.execute``), but
+        while its outcome is being written there may be nothing to free yet: the
+        lease is held (``sql.HOLD_LEASES``), and kept by the outcome, only once
+        those commit. So both look, under ``running_lock``, once done: the handler
+        takes its attempt out of ``WorkerState.kept`` and frees the lease after;
+        this, after the writes, frees those of attempts no longer there. Whichever
+        looks last frees it, whatever the order; and only once the handler returned.
+        """
+        with self.state.running_lock:
+            kept = self.state.kept
+            returned = [r for r in results if (r.job.id, r.job.run_lease) not in kept]
+        if returned:
+            release_held_leases(self.state, returned)
 
     def next_batch(self, timeout: float | None) -> tuple[list[AttemptResult], bool]:
         """Up to ``FINALIZE_BATCH_SIZE`` results, waiting up to ``timeout`` for the first

@@ -40,7 +40,7 @@ from typing import Any
 from django.db import connections
 
 from . import db, sql, wakeups
-from .completer import notify_freed
+from .completer import notify_freed, release_held_leases
 from .execute import (
     Attempt,
     AttemptResult,
@@ -524,8 +524,12 @@ class HandlerPool:
                 if abandoned and entered:
                     runner.stuck -= 1
                 if abandoned:  # its key's lease is no longer kept; freed below
+                    # Its outcome, if the completer has not read it yet, frees the
+                    # key itself; one being written keeps it, and the completer
+                    # frees it once written, finding the attempt gone from kept
+                    # (Completer.free_returned_keys).
                     self.state.kept.pop((attempt.job.id, attempt.job.run_lease), None)
-                    if attempt.timed_out is not None:  # if not written yet
+                    if attempt.timed_out is not None:
                         attempt.timed_out.keeps_lease = False
             # An abandoned handler kept its place in the gate (see abandon): it
             # leaves it only now that it really returned.
@@ -551,18 +555,8 @@ class HandlerPool:
         stale) and the abandoned ones. Should it fail, the place frees once the
         lease's ``held_until`` passes.
         """
-        if attempt.job.kind not in registry.leased_kinds():
-            return
-        try:
-            with db.cursor(self.state.alias) as cursor:
-                cursor.execute(sql.RELEASE_HELD_LEASES, attempt_keys([attempt]))
-        except DB_ERRORS:
-            logger.warning(
-                "could not free the key's place kept for job %s kind=%s attempt=%s; it "
-                "frees within STALE_AFTER", attempt.job.id, attempt.job.kind, attempt.job.attempt,
-                exc_info=True, extra=log_context(attempt.job, self.state.name),
-            )  # fmt: skip
-            reset_connection()
+        if attempt.job.kind in registry.leased_kinds():
+            release_held_leases(self.state, [attempt])
 
     def release_kept_leases(self) -> None:
         """At exit: free the key's places kept for abandoned handlers that still run.
@@ -904,6 +898,12 @@ class HandlerPool:
                 # then), the worker frees it at exit (release_kept_leases).
                 if attempt.holds_key:
                     self.state.kept[job.id, job.run_lease] = attempt
+                if attempt.timed_out is not None:
+                    # Its timed-out outcome, written now, keeps that lease (held
+                    # until the handler returns), so the key's next job waits. Set
+                    # under the lock that execute clears it under once the handler
+                    # returned: set after, it would keep a key no handler holds.
+                    attempt.timed_out.keeps_lease = True
         if not handler.abandoned:
             if log_bound:
                 logger.error(
@@ -917,9 +917,6 @@ class HandlerPool:
                 )  # fmt: skip
             return
         if attempt.timed_out is not None:
-            # The timed-out attempt is written now; its key's lease is kept
-            # (held until the handler returns), so the key's next job waits.
-            attempt.timed_out.keeps_lease = True
             self._put(attempt, attempt.timed_out)
         replacement = self.spawn(runner)
         runner.finished()  # its place on the queue goes to the replacement

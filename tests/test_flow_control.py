@@ -942,7 +942,7 @@ def test_an_abandoned_handler_keeps_its_key_until_it_really_returns(start_worker
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("returns", ["after"])
+@pytest.mark.parametrize("returns", ["while its outcome is written", "after"])
 def test_an_abandoned_handler_frees_its_key_when_it_returns_whatever_its_outcome_is_doing(
     start_worker, returns: str
 ) -> None:
