@@ -19,7 +19,9 @@ follow-up function raising) rolls back and is redone one job at a time with
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -31,12 +33,14 @@ from django.db.models import Max, QuerySet
 from django.utils.text import Truncator
 
 from . import control, sql
+from .codec import decode_args
 from .conf import QUEUE_NAME_RE, awa_settings
 from .dependencies import after_outcomes, deleting, reopen_all, settle
-from .exceptions import ValidationError
+from .enqueueing import kind_unique_key
+from .exceptions import UniqueConflict, ValidationError
 from .followups import Cancelled, FollowupError, dispatch, send_signal
-from .kinds import check_priority
-from .models import Job, JobState, jobs_from_rows
+from .kinds import JobArgs, check_priority, registry
+from .models import Job, JobState, jobs_from_rows, load_json
 
 logger = logging.getLogger(__name__)
 
@@ -127,33 +131,34 @@ class Result:
 # A kind's attempt under way: a rekind leaves its jobs alone.
 IN_PROGRESS = (JobState.RUNNING, JobState.WAITING_EXTERNAL)
 MAX_KIND_LENGTH = 255  # awa_job.kind is a varchar(255)
+# How many of the jobs whose args do not fit the new kind a rekind names.
+UNFIT_SHOWN = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rekinded:
     """What ``rekind`` changed (with ``dry_run``: would change), and the jobs of the
-    old kind it left alone because their attempt was under way."""
+    old kind it left alone because their attempt was under way.
+
+    ``declared``: whether the new kind's JobArgs class is known here. Of the jobs
+    changed: ``unfit`` have args that class cannot decode (``unfit_shown``: the
+    first few, with the reason), so a worker fails them; ``keys_remade`` got the
+    unique key the new kind's ``awa.Unique`` makes; ``keys_kept`` kept one made
+    from the old kind (the new kind is not declared or declares no
+    ``awa.Unique``, or their args do not fit it).
+    """
 
     changed: int
     in_progress: int
+    declared: bool
+    unfit: int = 0
+    unfit_shown: tuple[tuple[int, str], ...] = ()
+    keys_remade: int = 0
+    keys_kept: int = 0
 
 
-def rekind(
-    old_kind: str,
-    new_kind: str,
-    *,
-    queues: Sequence[str] = (),
-    dry_run: bool = False,
-    using: str,
-) -> Rekinded:
-    """Give every job of ``old_kind`` that waits to run (``JobState.WAITING``; in
-    ``queues`` when given) the kind ``new_kind``, in one transaction on ``using``:
-    all of them or none. Jobs running or waiting for a callback keep their kind,
-    and so does a job a worker claims while it runs. Their unique keys, made
-    from the old kind, stay as they are. Raises ``ValidationError`` for a bad
-    kind or queue name before any write; it does not look whether a worker
-    declares ``new_kind`` (``awa_jobs rekind`` does).
-    """
+def check_rekind(old_kind: str, new_kind: str, queues: Sequence[str]) -> None:
+    """Raise ``ValidationError`` naming a bad kind or queue name of a rekind."""
     for what, kind in (("old kind", old_kind), ("new kind", new_kind)):
         if not isinstance(kind, str) or not kind or len(kind) > MAX_KIND_LENGTH:
             raise ValidationError(
@@ -164,6 +169,36 @@ def rekind(
     bad = [queue for queue in queues if not QUEUE_NAME_RE.match(queue)]
     if bad:
         raise ValidationError(f"rekind: invalid queue name {bad[0]!r}")
+
+
+def rekind(
+    old_kind: str,
+    new_kind: str,
+    *,
+    queues: Sequence[str] = (),
+    dry_run: bool = False,
+    force: bool = False,
+    batch_size: int = BATCH_SIZE,
+    using: str,
+) -> Rekinded:
+    """Give every job of ``old_kind`` that waits to run (``JobState.WAITING``; in
+    ``queues`` when given) the kind ``new_kind``, in one transaction on ``using``:
+    all of them or none. Jobs running or waiting for a callback keep their kind,
+    and so does a job a worker claims while it runs.
+
+    Where the JobArgs class of ``new_kind`` is known here, each job's args are
+    decoded with it as a worker would, and the job gets the unique key (and
+    states) ``enqueue`` gives such args of the new kind by its ``awa.Unique``.
+    Raises ``ValidationError`` if some args do not fit the class (unless
+    ``force``), ``UniqueConflict`` if two jobs would then hold one key, naming
+    them, and ``ValidationError`` for a bad kind or queue name: then nothing is
+    changed. The rows are read ``batch_size`` at a time and locked until the
+    transaction ends; a ``dry_run`` does all of it, then rolls it back.
+    """
+    check_rekind(old_kind, new_kind, queues)
+    if batch_size < 1:
+        raise ValidationError(f"batch_size must be at least 1, got {batch_size!r}")
+    spec = registry.handler_for(new_kind)
     params = {
         "old_kind": old_kind,
         "new_kind": new_kind,
@@ -171,17 +206,143 @@ def rekind(
         "states": [str(s) for s in JobState.WAITING],
         "in_progress": [str(s) for s in IN_PROGRESS],
     }
-    with transaction.atomic(using=using), connections[using].cursor() as cursor:
-        if dry_run:
-            cursor.execute(sql.COUNT_OF_KIND, params)
-            changed, in_progress = cursor.fetchone()
-        else:
-            cursor.execute(sql.REKIND_JOBS, params)
-            changed = cursor.rowcount
-            # After the UPDATE: a job claimed while it ran is counted as under way.
-            cursor.execute(sql.COUNT_OF_KIND, params)
-            in_progress = cursor.fetchone()[1]
-    return Rekinded(changed=changed, in_progress=in_progress)
+    tally = _Rekinding(new_kind=new_kind, args_cls=None if spec is None else spec.args_cls)
+    try:
+        with transaction.atomic(using=using), connections[using].cursor() as cursor:
+            after = 0
+            # Bounded: each batch starts past the last id of the one before.
+            while True:
+                cursor.execute(sql.LOCK_TO_REKIND, {**params, "after": after, "limit": batch_size})
+                rows = cursor.fetchall()
+                if not rows:
+                    break
+                after = rows[-1][0]
+                tally.rekind(cursor, rows, params)
+            # After the batches: a job claimed meanwhile is counted as under way.
+            cursor.execute(sql.COUNT_UNDER_WAY, params)
+            (in_progress,) = cursor.fetchone()
+            if spec is not None and tally.unfit and not force:
+                raise ValidationError(tally.unfit_refusal(old_kind, spec.args_cls))
+            if dry_run:
+                transaction.set_rollback(True, using=using)
+    except IntegrityError as exc:
+        # A job of the new kind enqueued after its key was looked for: rolled back.
+        raise UniqueConflict(
+            f"rekind: a job enqueued while it ran holds a unique key it made for kind "
+            f"{new_kind!r}: nothing changed; rekind again ({exc})"
+        ) from exc
+    if not dry_run:
+        logger.info(
+            "rekind %s -> %s: %s job(s), %s unique key(s) remade, %s with args that do not fit",
+            old_kind,
+            new_kind,
+            tally.changed,
+            tally.keys_remade,
+            tally.unfit,
+        )
+    return Rekinded(
+        changed=tally.changed,
+        in_progress=in_progress,
+        declared=spec is not None,
+        unfit=tally.unfit,
+        unfit_shown=tuple(tally.unfit_shown),
+        keys_remade=tally.keys_remade,
+        keys_kept=tally.keys_kept,
+    )
+
+
+@dataclass(slots=True, kw_only=True)
+class _Rekinding:
+    """The batches of one rekind, and what they did so far."""
+
+    new_kind: str
+    args_cls: type[JobArgs] | None  # None: the new kind is not declared here
+    changed: int = 0
+    unfit: int = 0
+    unfit_shown: list[tuple[int, str]] = field(default_factory=list)
+    keys_remade: int = 0
+    keys_kept: int = 0
+
+    def rekind(self, cursor: Any, rows: list[tuple[Any, ...]], params: dict[str, Any]) -> None:
+        """Rekind one batch of ``LOCK_TO_REKIND``'s locked rows."""
+        ids: list[int] = []
+        remade: list[bool] = []
+        keys: list[str | None] = []
+        states: list[str | None] = []
+        holders: dict[str, int] = {}  # key -> the job of this batch holding it
+        for job_id, args_json, state, queue, run_at, has_key in rows:
+            made = self.unique_key(job_id, args_json, queue, run_at)
+            ids.append(job_id)
+            remade.append(made is not None)
+            keys.append(None if made is None else made[0])
+            states.append(None if made is None else json.dumps(made[1]))
+            if made is None:
+                self.keys_kept += has_key
+                continue
+            self.keys_remade += 1
+            key, held_in = made
+            if state in held_in:
+                if key in holders:
+                    raise self.shared_key(holders[key], job_id, key)
+                holders[key] = job_id
+        if holders:
+            cursor.execute(
+                sql.FIND_UNIQUE_HOLDERS,
+                {"ids": list(holders.values()), "unique_keys": list(holders)},
+            )
+            found = cursor.fetchone()
+            if found is not None:
+                job_id, holder_id, key = found
+                raise self.shared_key(holder_id, job_id, key)
+        cursor.execute(
+            sql.REKIND_JOBS,
+            {
+                **params,
+                "ids": ids,
+                "remade": remade,
+                "unique_keys": keys,
+                "unique_states": states,
+            },
+        )
+        self.changed += cursor.rowcount
+
+    def unique_key(
+        self, job_id: int, args_json: str, queue: str, run_at: dt.datetime
+    ) -> tuple[str, list[str]] | None:
+        """The unique key and states of the job's args as the new kind's (None where the
+        kind is not declared or declares no ``awa.Unique``); a job whose args its
+        class cannot decode, as the worker decodes them, is counted unfit."""
+        if self.args_cls is None:
+            return None
+        try:
+            args = decode_args(self.args_cls, load_json(args_json))
+        # What the worker's decoding refuses, or the args' own __post_init__
+        # raising: either way a worker fails the job.
+        except Exception as exc:  # noqa: BLE001
+            self.unfit += 1
+            if len(self.unfit_shown) < UNFIT_SHOWN:
+                self.unfit_shown.append((job_id, str(exc) or type(exc).__name__))
+            return None
+        return kind_unique_key(args, queue=queue, run_at=run_at)
+
+    def shared_key(self, first: int, second: int, key: str) -> UniqueConflict:
+        return UniqueConflict(
+            f"rekind: jobs {first} and {second} would both hold the unique key {key} of "
+            f"kind {self.new_kind!r} (its awa.Unique): nothing changed; discard or cancel "
+            "one of them, then rekind again",
+            conflicting_id=first,
+        )
+
+    def unfit_refusal(self, old_kind: str, args_cls: type[JobArgs]) -> str:
+        shown = "; ".join(f"job {i}: {reason}" for i, reason in self.unfit_shown)
+        more = (
+            f"; and {self.unfit - len(self.unfit_shown):,} more" if self.unfit > UNFIT_SHOWN else ""
+        )
+        return (
+            f"rekind: the args of {self.unfit:,} job(s) of kind {old_kind!r} do not fit "
+            f"{args_cls.__qualname__} (kind {self.new_kind!r}), so a worker would fail "
+            f"them: {shown}{more}. Nothing changed; with --force they are rekinded all the same"
+        )
 
 
 def parse_operation(name: str) -> Operation:

@@ -436,6 +436,20 @@ def _with_engine_metadata(user_json: str, engine_json: str) -> str:
     return f"{user_json[:-1]}, {engine_json[1:]}"
 
 
+def kind_unique_key(
+    args: JobArgs, *, queue: str, run_at: dt.datetime
+) -> tuple[str, list[str]] | None:
+    """The unique key and the states holding it that ``enqueue(args, queue=queue,
+    run_at=run_at)`` gives by the ``awa.Unique`` of ``args``' kind, or None if the
+    kind declares none. Raises ``ValidationError`` naming the kind."""
+    unique = registry.defaults(args.kind).unique
+    if unique is None:
+        return None
+    where = _where(args.kind)
+    encoded, _ = _encoded_args(args, where, awa_settings().max_args_bytes)
+    return _unique_key(unique, args.kind, encoded, queue, run_at, where)
+
+
 def _unique_key(
     unique: Unique,
     kind: str,

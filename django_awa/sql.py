@@ -2114,28 +2114,58 @@ UPDATE ONLY awa_job SET queue = %(queue)s
 WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
 """
 
-# -- REKIND_JOBS --
-# Give the jobs of one kind that wait to run (%(states)s: not running, not
-# finished) another kind, in the queues %(queues)s (NULL: every queue): after
-# its JobArgs class was renamed. One statement, so all of them or none; a job a
-# worker claims meanwhile keeps its kind (the UPDATE reads a locked row's state
-# again once the claim commits). No index holds kind: a scan of ONLY awa_job's
-# rows (live, and finished ones not yet archived), never of awa_job_done.
-REKIND_JOBS = """
-UPDATE ONLY awa_job SET kind = %(new_kind)s
+# -- LOCK_TO_REKIND --
+# The next %(limit)s jobs of one kind after id %(after)s that wait to run
+# (%(states)s: not running, not finished), in the queues %(queues)s (NULL: every
+# queue), locked until the rekind's transaction ends: a claim (SKIP LOCKED)
+# passes them by from then on. A job a worker is claiming is waited for, and
+# its state read again once the claim commits: claimed, it is left out and
+# keeps its kind. No index holds kind: awa_job's primary key from %(after)s on,
+# so the batches of one rekind scan ONLY awa_job once, never awa_job_done.
+LOCK_TO_REKIND = """
+SELECT id, args, state, queue, run_at, unique_key IS NOT NULL FROM ONLY awa_job
 WHERE kind = %(old_kind)s AND state = ANY(%(states)s::text[])
   AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+  AND id > %(after)s
+ORDER BY id LIMIT %(limit)s
+FOR UPDATE
 """
 
-# -- COUNT_OF_KIND --
-# The jobs of one kind, in the queues %(queues)s (NULL: every queue), that wait
-# to run (%(states)s) and those whose attempt is under way (%(in_progress)s):
-# what REKIND_JOBS would change, and what it leaves alone. Scans as REKIND_JOBS.
-COUNT_OF_KIND = """
-SELECT count(*) FILTER (WHERE state = ANY(%(states)s::text[])),
-       count(*) FILTER (WHERE state = ANY(%(in_progress)s::text[]))
-FROM ONLY awa_job
-WHERE kind = %(old_kind)s AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+# -- FIND_UNIQUE_HOLDERS --
+# Of the jobs %(ids)s, each to hold the unique key at the same place in
+# %(unique_keys)s, one whose key another job holds already, that job, and the
+# key. Index: awa_job_unique_idx (its predicate, unique_states ? state).
+FIND_UNIQUE_HOLDERS = """
+SELECT v.id, h.id, v.unique_key
+FROM unnest(%(ids)s::bigint[], %(unique_keys)s::text[]) AS v(id, unique_key)
+JOIN ONLY awa_job h
+  ON h.unique_key = v.unique_key AND h.unique_states ? h.state AND h.id <> v.id
+ORDER BY v.id
+LIMIT 1
+"""
+
+# -- REKIND_JOBS --
+# Give a batch of jobs LOCK_TO_REKIND locked another kind, after its JobArgs
+# class was renamed; where %(remade)s, the unique key and states made for the
+# new kind too (else the row keeps its own). Index: awa_job's primary key.
+REKIND_JOBS = """
+UPDATE ONLY awa_job j
+SET kind = %(new_kind)s,
+    unique_key = CASE WHEN v.remade THEN v.unique_key ELSE j.unique_key END,
+    unique_states = CASE WHEN v.remade THEN v.unique_states ELSE j.unique_states END
+FROM unnest(%(ids)s::bigint[], %(remade)s::bool[], %(unique_keys)s::text[],
+            %(unique_states)s::jsonb[]) AS v(id, remade, unique_key, unique_states)
+WHERE j.id = v.id AND j.state = ANY(%(states)s::text[])
+"""
+
+# -- COUNT_UNDER_WAY --
+# The jobs of one kind, in the queues %(queues)s (NULL: every queue), whose
+# attempt is under way (%(in_progress)s): what a rekind leaves alone. A scan
+# of ONLY awa_job, as LOCK_TO_REKIND's.
+COUNT_UNDER_WAY = """
+SELECT count(*) FROM ONLY awa_job
+WHERE kind = %(old_kind)s AND state = ANY(%(in_progress)s::text[])
+  AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
 """
 
 # -- PRIORITIZE_JOBS --

@@ -6,18 +6,20 @@ from __future__ import annotations
 import datetime as dt
 import json
 
+import psycopg
 import pytest
 from django.db import connection
 from django.utils import timezone
 
 import django_awa as awa
-from django_awa import bulk
+from django_awa import bulk, sql
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState
 from django_awa.testing import run_jobs
-from tests.conftest import make_job
+from tests.conftest import make_job, wait_for
+from tests.test_archive import in_thread
 from tests.test_commands import run, shell
-from tests.testapp.jobs import Act, Node
+from tests.testapp.jobs import Act, Node, Receipt
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -26,6 +28,16 @@ def table_of(job_id: int) -> str:
     with connection.cursor() as cursor:
         cursor.execute("SELECT tableoid::regclass::text FROM awa_job WHERE id = %s", [job_id])
         return str(cursor.fetchone()[0])
+
+
+def lock_waits() -> int:
+    """Statements of this database waiting on a lock, asked from outside any transaction."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return int(cursor.fetchone()[0])
 
 
 def states(jobs: list[Job]) -> list[str]:
@@ -243,7 +255,8 @@ def test_rekind_gives_the_waiting_jobs_of_a_renamed_kind_the_new_kind():
     assert code == 0, out
     assert json.loads(out) == {
         "old_kind": "charge_card", "new_kind": "act", "dry_run": False,
-        "rekinded": 4, "in_progress": 2,
+        "rekinded": 4, "in_progress": 2, "new_kind_declared": True,
+        "unfit": 0, "unfit_jobs": [], "unique_keys_remade": 0, "unique_keys_kept": 0,
     }  # fmt: skip
     assert kinds(waiting) == ["act"] * 4
     assert set(kinds([*under_way, *finished, elsewhere])) == {"charge_card"}
@@ -256,7 +269,7 @@ def test_rekind_gives_the_waiting_jobs_of_a_renamed_kind_the_new_kind():
 
 
 def test_rekind_to_a_kind_no_worker_declares_is_refused_unless_forced():
-    job = make_job(kind="charge_card")
+    job = make_job(kind="charge_card", unique_key="k" * 64, unique_states=["available"])
     result = shell("awa_jobs", "rekind", "charge_card", "ech")
     assert result.returncode == 2, result.stderr
     assert (
@@ -267,7 +280,131 @@ def test_rekind_to_a_kind_no_worker_declares_is_refused_unless_forced():
 
     out, code = run("awa_jobs", "rekind", "charge_card", "ech", "--force")
     assert code == 0 and out.startswith("rekinded 1 job(s)"), out
+    assert (
+        "unique keys were left as they were (made from kind 'charge_card'): kind 'ech' is not "
+        "declared here, so its awa.Unique is not known" in out
+    ), out
     assert kinds([job]) == ["ech"]
+    assert Job.objects.get(id=job.id).unique_key == "k" * 64
+
+
+def receipt_job(args: dict[str, object], **fields: object) -> Job:
+    """A job of kind print_receipt: Receipt's kind before the class was renamed."""
+    return make_job(kind="print_receipt", queue="receipts", args=args, **fields)
+
+
+def test_rekinded_jobs_get_the_unique_key_of_the_new_kind_in_a_real_process():
+    held = list(JobState.UNIQUE_HELD)
+    keyed = receipt_job({"order_id": 1}, unique_key="a" * 64, unique_states=held)
+    unkeyed = receipt_job({"order_id": 2, "copies": 1})
+    result = shell("awa_jobs", "rekind", "print_receipt", "receipt")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("rekinded 2 job(s) of kind 'print_receipt' to 'receipt'")
+    assert "2 of them got the unique key of kind 'receipt' (its awa.Unique)" in result.stdout
+
+    # A job of the new kind with the same args is now refused as their duplicate,
+    # a default (copies=1) filled in or given alike.
+    for order_id, holder in ((1, keyed), (2, unkeyed)):
+        with pytest.raises(awa.UniqueConflict) as refused:
+            awa.enqueue(Receipt(order_id=order_id))
+        assert refused.value.conflicting_id == holder.id
+    assert awa.enqueue(Receipt(order_id=3)).kind == "receipt"
+    row = Job.objects.get(id=keyed.id)
+    assert (row.kind, row.unique_states) == ("receipt", held)
+
+
+def test_rekind_refuses_jobs_that_would_share_a_unique_key_and_changes_nothing():
+    # Two keys of the old kind, one of the new: {"order_id": 5} is Receipt(order_id=5).
+    first = receipt_job({"order_id": 5}, unique_key="b" * 64, unique_states=["available"])
+    second = receipt_job({"order_id": 5, "copies": 1})
+    other = receipt_job({"order_id": 6})
+    out, code = run("awa_jobs", "rekind", "print_receipt", "receipt")
+    assert code == 1, out
+    # One batch per job: the clash is found across batches too, and the first
+    # batch's change is rolled back with the rest.
+    with pytest.raises(awa.UniqueConflict) as refused:
+        bulk.rekind("print_receipt", "receipt", batch_size=1, using="default")
+    message = str(refused.value)
+    assert f"jobs {first.id} and {second.id} would both hold the unique key " in message
+    assert "of kind 'receipt' (its awa.Unique): nothing changed" in message
+    assert kinds([first, second, other]) == ["print_receipt"] * 3
+    assert Job.objects.get(id=first.id).unique_key == "b" * 64
+
+    # A job of the new kind holding the key already.
+    Job.objects.filter(id=second.id).delete()
+    holder = awa.enqueue(Receipt(order_id=5))
+    with pytest.raises(awa.UniqueConflict) as refused:
+        bulk.rekind("print_receipt", "receipt", using="default")
+    assert (
+        f"jobs {holder.id} and {first.id} would both hold the unique key {holder.unique_key} "
+        in str(refused.value)
+    )
+    assert refused.value.conflicting_id == holder.id
+    assert kinds([first, other]) == ["print_receipt"] * 2
+
+    # Once the holder is done (a completed job holds Receipt's key too: discarded).
+    Job.objects.filter(id=holder.id).delete()
+    out, code = run("awa_jobs", "rekind", "print_receipt", "receipt", "--json")
+    assert code == 0, out
+    assert json.loads(out)["unique_keys_remade"] == 2
+    assert kinds([first, other]) == ["receipt"] * 2
+
+
+def test_rekind_refuses_args_the_new_kind_cannot_decode_unless_forced():
+    fits = receipt_job({"order_id": 1})
+    renamed_field = receipt_job({"order": 2})
+    wrong_type = receipt_job({"order_id": "3"}, unique_key="c" * 64, unique_states=["available"])
+    jobs = [fits, renamed_field, wrong_type]
+
+    out, code = run("awa_jobs", "rekind", "print_receipt", "receipt", "--dry-run")
+    assert code == 1, out
+    with pytest.raises(awa.ValidationError) as refused:
+        bulk.rekind("print_receipt", "receipt", batch_size=2, using="default")
+    assert str(refused.value) == (
+        "rekind: the args of 2 job(s) of kind 'print_receipt' do not fit Receipt (kind "
+        f"'receipt'), so a worker would fail them: job {renamed_field.id}: cannot decode args "
+        f"of kind 'receipt': field 'order_id' is missing; job {wrong_type.id}: cannot decode "
+        "args of kind 'receipt': field 'order_id': expected an integer, got '3'. Nothing "
+        "changed; with --force they are rekinded all the same"
+    )
+    assert kinds(jobs) == ["print_receipt"] * 3
+
+    out, code = run("awa_jobs", "rekind", "print_receipt", "receipt", "--force", "--dry-run")
+    assert code == 0, out
+    assert out.startswith("would rekind 3 job(s)"), out
+    assert "2 of them have args kind 'receipt' cannot decode: a worker fails them." in out
+    assert "1 of them would keep the unique key made from kind 'print_receipt': their args " in out
+    assert kinds(jobs) == ["print_receipt"] * 3
+
+    out, code = run("awa_jobs", "rekind", "print_receipt", "receipt", "--force", "--json")
+    assert code == 0, out
+    document = json.loads(out)
+    assert (document["rekinded"], document["unfit"], document["unique_keys_kept"]) == (3, 2, 1)
+    assert [job["id"] for job in document["unfit_jobs"]] == [renamed_field.id, wrong_type.id]
+    assert kinds(jobs) == ["receipt"] * 3
+    run_jobs(queue="receipts")
+    assert states(jobs) == [JobState.COMPLETED, JobState.FAILED, JobState.FAILED]
+    assert "field 'order_id' is missing" in Job.objects.get(id=renamed_field.id).errors[-1]["error"]
+
+
+def test_a_job_claimed_while_rekind_waits_for_it_keeps_its_old_kind():
+    claimed, waiting = receipt_job({"order_id": 1}), receipt_job({"order_id": 2})
+    # A worker's claim of the first job, begun in a session of its own and held
+    # uncommitted: the rekind waits on its row lock.
+    claim = psycopg.connect(**connection.get_connection_params())
+    try:
+        params = {"queue": "receipts", "limit": 1, "deadlines": "{}", "default_deadline": 60}
+        assert [row[0] for row in claim.execute(sql.CLAIM, params).fetchall()] == [claimed.id]
+        done = in_thread(lambda: bulk.rekind("print_receipt", "receipt", using="default"))
+        wait_for(lock_waits, message="the rekind waiting on the claim's row lock")
+        claim.commit()
+    finally:
+        claim.close()
+    rekinded = done()
+    assert (rekinded.changed, rekinded.in_progress) == (1, 1)
+    row = Job.objects.get(id=claimed.id)
+    assert (row.kind, row.state, row.unique_key) == ("print_receipt", JobState.RUNNING, None)
+    assert kinds([waiting]) == ["receipt"]
 
 
 @pytest.mark.parametrize(

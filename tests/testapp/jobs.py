@@ -679,3 +679,16 @@ ROWS_SEEN: list[tuple[object, object]] = []
 @awa.worker(RowProbe, queue="probe")
 def row_probe(job: awa.JobContext):
     ROWS_SEEN.append((job.row, job.row))
+
+
+@dataclass
+class Receipt(awa.JobArgs):
+    """A kind with an ``awa.Unique``: one receipt per order waiting or running."""
+
+    order_id: int
+    copies: int = 1
+
+
+@awa.worker(Receipt, queue="receipts", unique=awa.Unique())
+def receipt(job: awa.JobContext):
+    _ledger(job, f"receipt:{job.args.order_id}")

@@ -5,7 +5,8 @@ for operators (SPEC §15).
 --queue --kind``) that select every matching job; ``move`` and ``priority``
 take either too. Over a filter the work is done in batches (``django_awa.bulk``)
 and ``--dry-run`` only counts. ``rekind OLD_KIND NEW_KIND`` gives the jobs of a
-kind that wait to run another kind, in one transaction (``bulk.rekind``). Exit
+kind that wait to run another kind, and the unique keys of its ``awa.Unique``,
+in one transaction (``bulk.rekind``). Exit
 codes: see ``django_awa.management.operator`` (0 done, 1 nothing matched or not
 found or some refused, 2 usage error).
 """
@@ -19,7 +20,7 @@ from django.db.models import QuerySet
 
 from django_awa import bulk, control
 from django_awa.conf import QUEUE_NAME_RE, did_you_mean
-from django_awa.exceptions import ValidationError
+from django_awa.exceptions import UniqueConflict, ValidationError
 from django_awa.kinds import registry
 from django_awa.management.operator import OperatorCommand, nothing, table, usage
 from django_awa.models import Job, JobState
@@ -125,7 +126,8 @@ class Command(OperatorCommand):
         rekind.add_argument(
             "--force",
             action="store_true",
-            help="rekind to a kind no @awa.worker of this project declares",
+            help="rekind to a kind no @awa.worker of this project declares, or jobs "
+            "whose args its JobArgs class cannot decode",
         )
         self.add_json(rekind)
 
@@ -304,6 +306,10 @@ class Command(OperatorCommand):
 
     def rekind(self, options: dict[str, Any]) -> None:
         old_kind, new_kind = options["old_kind"], options["new_kind"]
+        try:
+            bulk.check_rekind(old_kind, new_kind, options["queue"])
+        except ValidationError as exc:
+            raise usage(str(exc)) from exc
         if new_kind not in registry.workers and not options["force"]:
             raise usage(
                 f"rekind: no @awa.worker of this project declares kind {new_kind!r}"
@@ -316,24 +322,56 @@ class Command(OperatorCommand):
                 new_kind,
                 queues=options["queue"],
                 dry_run=options["dry_run"],
+                force=options["force"],
                 using=self.alias,
             )
-        except ValidationError as exc:
-            raise usage(str(exc)) from exc
+        except (ValidationError, UniqueConflict) as exc:
+            raise nothing(str(exc)) from exc
         states = ", ".join(JobState.WAITING)
-        verb = "would rekind" if options["dry_run"] else "rekinded"
+        dry_run = options["dry_run"]
         lines = [
-            f"{verb} {done.changed:,} job(s) of kind {old_kind!r} to {new_kind!r} "
-            f"(those in states: {states})"
+            f"{'would rekind' if dry_run else 'rekinded'} {done.changed:,} job(s) of kind "
+            f"{old_kind!r} to {new_kind!r} (those in states: {states})"
         ]
         if done.in_progress:
             lines.append(_in_progress_line(old_kind, done.in_progress))
+        if done.unfit:
+            lines.append(
+                f"{done.unfit:,} of them have args kind {new_kind!r} cannot decode: a worker "
+                "fails them. " + "; ".join(f"job {i}: {reason}" for i, reason in done.unfit_shown)
+            )
+        if done.keys_remade:
+            lines.append(
+                f"{done.keys_remade:,} of them {'would get' if dry_run else 'got'} the unique "
+                f"key of kind {new_kind!r} (its awa.Unique)"
+            )
+        if not done.declared and done.changed:
+            lines.append(
+                f"unique keys {'would be' if dry_run else 'were'} left as they were (made from "
+                f"kind {old_kind!r}): kind {new_kind!r} is not declared here, so its "
+                "awa.Unique is not known"
+            )
+        elif done.keys_kept:
+            why = (
+                f"kind {new_kind!r} declares no awa.Unique"
+                if registry.defaults(new_kind).unique is None
+                else f"their args do not fit kind {new_kind!r}"
+            )
+            lines.append(
+                f"{done.keys_kept:,} of them {'would keep' if dry_run else 'kept'} the unique "
+                f"key made from kind {old_kind!r}: {why}"
+            )
         document = {
             "old_kind": old_kind,
             "new_kind": new_kind,
-            "dry_run": options["dry_run"],
+            "dry_run": dry_run,
             "rekinded": done.changed,
             "in_progress": done.in_progress,
+            "new_kind_declared": done.declared,
+            "unfit": done.unfit,
+            "unfit_jobs": [{"id": i, "error": e} for i, e in done.unfit_shown],
+            "unique_keys_remade": done.keys_remade,
+            "unique_keys_kept": done.keys_kept,
         }
         self.emit(options, document, "\n".join(lines))
         if not done.changed:
