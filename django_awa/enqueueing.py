@@ -259,6 +259,9 @@ def check_requires(requires: Any, where: str) -> str:
 # The states a blocked job is released into (SPEC §11).
 BLOCKED = JobState.BLOCKED.value
 RELEASED_INTO = frozenset((JobState.AVAILABLE.value, JobState.SCHEDULED.value))
+# Every state's value: JobState.values builds its list anew at each use, and a
+# unique key's states are checked for each job enqueued or rekinded.
+STATE_VALUES = frozenset(JobState.values)
 # The largest id a job can have (awa_job.id is a bigint).
 MAX_JOB_ID = 2**63 - 1
 
@@ -465,7 +468,7 @@ def _unique_key(
             f"{where}: Unique.states must be a tuple of states, got {unique.states!r}"
         )
     states = list(unique.states)
-    bad = [s for s in states if not isinstance(s, str) or s not in JobState.values]
+    bad = [s for s in states if not isinstance(s, str) or s not in STATE_VALUES]
     if bad or not states:
         raise ValidationError(f"{where}: Unique.states has invalid states {bad or states!r}")
     if BLOCKED not in states and any(s in RELEASED_INTO for s in states):
