@@ -24,6 +24,7 @@ import enum
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +37,10 @@ from . import control, sql
 from .codec import decode_args
 from .conf import QUEUE_NAME_RE, awa_settings
 from .dependencies import after_outcomes, deleting, reopen_all, settle
-from .enqueueing import kind_unique_key
+from .enqueueing import KindKeys, is_kind_sequence_key, kind_keys
 from .exceptions import UniqueConflict, ValidationError
 from .followups import Cancelled, FollowupError, dispatch, send_signal
-from .kinds import JobArgs, check_priority, registry
+from .kinds import JobArgs, WorkerSpec, check_priority, registry
 from .models import Job, JobState, jobs_from_rows, load_json
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class Result:
 # A kind's attempt under way: a rekind leaves its jobs alone.
 IN_PROGRESS = (JobState.RUNNING, JobState.WAITING_EXTERNAL)
 MAX_KIND_LENGTH = 255  # awa_job.kind is a varchar(255)
-# How many of the jobs whose args do not fit the new kind a rekind names.
+# How many of the jobs a rekind refuses for one reason it names.
 UNFIT_SHOWN = 5
 
 
@@ -145,7 +146,13 @@ class Rekinded:
     first few, with the reason), so a worker fails them; ``keys_remade`` got the
     unique key the new kind's ``awa.Unique`` makes; ``keys_kept`` kept one made
     from the old kind (the new kind is not declared or declares no
-    ``awa.Unique``, or their args do not fit it).
+    ``awa.Unique``, or their args do not fit it). ``sequence_keys_remade`` got the
+    sequence key the new kind's ``sequence=`` makes; ``sequence_keys_kept`` kept
+    one made from the old kind's (for the same reasons). ``off_queue``: (queue,
+    jobs) of those on a queue other than the one the new kind's ``awa.Limit``
+    holds on (``force``). ``split``: jobs not rekinded that hold a sequence key
+    the rekinded jobs left, or run under one they joined (``force``), and
+    ``split_shown``, the first few (id, state, key).
     """
 
     changed: int
@@ -155,6 +162,11 @@ class Rekinded:
     unfit_shown: tuple[tuple[int, str], ...] = ()
     keys_remade: int = 0
     keys_kept: int = 0
+    sequence_keys_remade: int = 0
+    sequence_keys_kept: int = 0
+    off_queue: tuple[tuple[str, int], ...] = ()
+    split: int = 0
+    split_shown: tuple[tuple[int, str, str], ...] = ()
 
 
 def check_rekind(old_kind: str, new_kind: str, queues: Sequence[str]) -> None:
@@ -188,12 +200,21 @@ def rekind(
 
     Where the JobArgs class of ``new_kind`` is known here, each job's args are
     decoded with it as a worker would, and the job gets the unique key (and
-    states) ``enqueue`` gives such args of the new kind by its ``awa.Unique``.
-    Raises ``ValidationError`` if some args do not fit the class (unless
-    ``force``), ``UniqueConflict`` if two jobs would then hold one key, naming
-    them, and ``ValidationError`` for a bad kind or queue name: then nothing is
-    changed. The rows are read ``batch_size`` at a time and locked until the
-    transaction ends; a ``dry_run`` does all of it, then rolls it back.
+    states) and the sequence key ``enqueue`` gives such args of the new kind by
+    its ``awa.Unique`` and ``sequence=``. A sequence key given at enqueue
+    (``EnqueueRequest(sequence=)``) is kept, as is one made from the old kind
+    where the new kind declares no ``sequence=``: those jobs still run one at a
+    time, in order, behind the old kind's members of that key.
+
+    Raises ``ValidationError``, unless ``force``, if some args do not fit the
+    class, if the new kind has an ``awa.Limit`` and jobs wait on another queue
+    than its own (which ``enqueue`` refuses), or if a job not rekinded would be
+    left in a sequence the rekinded jobs leave, or one under way holds a key
+    they join (they could start before it finished); ``UniqueConflict`` if two
+    jobs would then hold one key, naming them, and ``ValidationError`` for a
+    bad kind or queue name: then nothing is changed. The rows are read
+    ``batch_size`` at a time and locked until the transaction ends; a
+    ``dry_run`` does all of it, then rolls it back.
     """
     check_rekind(old_kind, new_kind, queues)
     if batch_size < 1:
@@ -206,7 +227,13 @@ def rekind(
         "states": [str(s) for s in JobState.WAITING],
         "in_progress": [str(s) for s in IN_PROGRESS],
     }
-    tally = _Rekinding(new_kind=new_kind, args_cls=None if spec is None else spec.args_cls)
+    defaults = registry.defaults(new_kind)
+    tally = _Rekinding(
+        old_kind=old_kind,
+        new_kind=new_kind,
+        args_cls=None if spec is None else spec.args_cls,
+        limit_queue=defaults.queue if defaults.limited else None,
+    )
     try:
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
             after = 0
@@ -221,8 +248,9 @@ def rekind(
             # After the batches: a job claimed meanwhile is counted as under way.
             cursor.execute(sql.COUNT_UNDER_WAY, params)
             (in_progress,) = cursor.fetchone()
-            if spec is not None and tally.unfit and not force:
-                raise ValidationError(tally.unfit_refusal(old_kind, spec.args_cls))
+            tally.find_split(cursor, params)
+            if not force:
+                tally.refuse(spec)
             if dry_run:
                 transaction.set_rollback(True, using=using)
     except IntegrityError as exc:
@@ -233,11 +261,13 @@ def rekind(
         ) from exc
     if not dry_run:
         logger.info(
-            "rekind %s -> %s: %s job(s), %s unique key(s) remade, %s with args that do not fit",
+            "rekind %s -> %s: %s job(s), %s unique key(s) and %s sequence key(s) remade, "
+            "%s with args that do not fit",
             old_kind,
             new_kind,
             tally.changed,
             tally.keys_remade,
+            tally.sequence_keys_remade,
             tally.unfit,
         )
     return Rekinded(
@@ -248,6 +278,11 @@ def rekind(
         unfit_shown=tuple(tally.unfit_shown),
         keys_remade=tally.keys_remade,
         keys_kept=tally.keys_kept,
+        sequence_keys_remade=tally.sequence_keys_remade,
+        sequence_keys_kept=tally.sequence_keys_kept,
+        off_queue=tuple(sorted(tally.off_queue.items())),
+        split=tally.split,
+        split_shown=tuple(tally.split_shown),
     )
 
 
@@ -255,13 +290,23 @@ def rekind(
 class _Rekinding:
     """The batches of one rekind, and what they did so far."""
 
+    old_kind: str
     new_kind: str
     args_cls: type[JobArgs] | None  # None: the new kind is not declared here
+    limit_queue: str | None  # the queue the new kind's awa.Limit holds on; None: no limit
     changed: int = 0
     unfit: int = 0
     unfit_shown: list[tuple[int, str]] = field(default_factory=list)
     keys_remade: int = 0
     keys_kept: int = 0
+    sequence_keys_remade: int = 0
+    sequence_keys_kept: int = 0
+    off_queue: Counter[str] = field(default_factory=Counter)
+    # The sequence keys the rekinded jobs left, and those they joined.
+    left_keys: set[str] = field(default_factory=set)
+    joined_keys: set[str] = field(default_factory=set)
+    split: int = 0
+    split_shown: list[tuple[int, str, str]] = field(default_factory=list)
 
     def rekind(self, cursor: Any, rows: list[tuple[Any, ...]], params: dict[str, Any]) -> None:
         """Rekind one batch of ``LOCK_TO_REKIND``'s locked rows."""
@@ -269,18 +314,23 @@ class _Rekinding:
         remade: list[bool] = []
         keys: list[str | None] = []
         states: list[str | None] = []
+        sequence_keys: list[str | None] = []
         holders: dict[str, int] = {}  # key -> the job of this batch holding it
-        for job_id, args_json, state, queue, run_at, has_key in rows:
-            made = self.unique_key(job_id, args_json, queue, run_at)
+        for job_id, args_json, state, queue, run_at, has_key, sequence_key in rows:
+            if self.limit_queue is not None and queue != self.limit_queue:
+                self.off_queue[queue] += 1
+            made = self.kind_keys(job_id, args_json, queue, run_at)
+            sequence_keys.append(self.sequence_key(sequence_key, made))
+            unique = None if made is None else made.unique
             ids.append(job_id)
-            remade.append(made is not None)
-            keys.append(None if made is None else made[0])
-            states.append(None if made is None else json.dumps(made[1]))
-            if made is None:
+            remade.append(unique is not None)
+            keys.append(None if unique is None else unique[0])
+            states.append(None if unique is None else json.dumps(unique[1]))
+            if unique is None:
                 self.keys_kept += has_key
                 continue
             self.keys_remade += 1
-            key, held_in = made
+            key, held_in = unique
             if state in held_in:
                 if key in holders:
                     raise self.shared_key(holders[key], job_id, key)
@@ -302,16 +352,17 @@ class _Rekinding:
                 "remade": remade,
                 "unique_keys": keys,
                 "unique_states": states,
+                "sequence_keys": sequence_keys,
             },
         )
         self.changed += cursor.rowcount
 
-    def unique_key(
+    def kind_keys(
         self, job_id: int, args_json: str, queue: str, run_at: dt.datetime
-    ) -> tuple[str, list[str]] | None:
-        """The unique key and states of the job's args as the new kind's (None where the
-        kind is not declared or declares no ``awa.Unique``); a job whose args its
-        class cannot decode, as the worker decodes them, is counted unfit."""
+    ) -> KindKeys | None:
+        """The unique and sequence keys of the job's args as the new kind's (None where
+        the kind is not declared); a job whose args its class cannot decode, as the
+        worker decodes them, is counted unfit."""
         if self.args_cls is None:
             return None
         try:
@@ -323,7 +374,54 @@ class _Rekinding:
             if len(self.unfit_shown) < UNFIT_SHOWN:
                 self.unfit_shown.append((job_id, str(exc) or type(exc).__name__))
             return None
-        return kind_unique_key(args, queue=queue, run_at=run_at)
+        return kind_keys(args, queue=queue, run_at=run_at)
+
+    def sequence_key(self, old: str | None, made: KindKeys | None) -> str | None:
+        """The job's new sequence key; None where it keeps the one it has (or none).
+
+        A key given at enqueue wins over the kind's, there as here. One made from
+        the old kind is kept where the new kind makes none: the job stays in
+        line behind that key's unfinished members, which may be jobs of the old
+        kind left running, as it was promised when enqueued.
+        """
+        from_kind = old is not None and is_kind_sequence_key(old, self.old_kind)
+        if old is not None and not from_kind:
+            return None
+        if made is None or made.sequence is None:
+            self.sequence_keys_kept += from_kind
+            return None
+        self.sequence_keys_remade += 1
+        self.joined_keys.add(made.sequence)
+        if old is not None:
+            self.left_keys.add(old)
+        return made.sequence
+
+    def find_split(self, cursor: Any, params: dict[str, Any]) -> None:
+        """Find the jobs not rekinded left in a sequence the rekinded jobs left, and
+        those under way in one they joined (``sql.FIND_SEQUENCES_SPLIT``)."""
+        if not self.joined_keys:
+            return
+        cursor.execute(
+            sql.FIND_SEQUENCES_SPLIT,
+            {
+                "left_keys": sorted(self.left_keys),
+                "joined_keys": sorted(self.joined_keys),
+                "in_progress": params["in_progress"],
+                "limit": UNFIT_SHOWN,
+            },
+        )
+        rows = cursor.fetchall()
+        self.split = rows[0][3] if rows else 0
+        self.split_shown = [(job_id, state, key) for job_id, state, key, _ in rows]
+
+    def refuse(self, spec: WorkerSpec | None) -> None:
+        """Raise ``ValidationError`` for what ``force`` would let through."""
+        if spec is not None and self.unfit:
+            raise ValidationError(self.unfit_refusal(spec.args_cls))
+        if self.off_queue:
+            raise ValidationError(self.off_queue_refusal())
+        if self.split:
+            raise ValidationError(self.split_refusal())
 
     def shared_key(self, first: int, second: int, key: str) -> UniqueConflict:
         return UniqueConflict(
@@ -333,16 +431,47 @@ class _Rekinding:
             conflicting_id=first,
         )
 
-    def unfit_refusal(self, old_kind: str, args_cls: type[JobArgs]) -> str:
+    def unfit_refusal(self, args_cls: type[JobArgs]) -> str:
         shown = "; ".join(f"job {i}: {reason}" for i, reason in self.unfit_shown)
         more = (
             f"; and {self.unfit - len(self.unfit_shown):,} more" if self.unfit > UNFIT_SHOWN else ""
         )
         return (
-            f"rekind: the args of {self.unfit:,} job(s) of kind {old_kind!r} do not fit "
+            f"rekind: the args of {self.unfit:,} job(s) of kind {self.old_kind!r} do not fit "
             f"{args_cls.__qualname__} (kind {self.new_kind!r}), so a worker would fail "
             f"them: {shown}{more}. Nothing changed; with --force they are rekinded all the same"
         )
+
+    def off_queue_refusal(self) -> str:
+        return (
+            f"rekind: kind {self.new_kind!r} has an awa.Limit, which holds on its queue "
+            f"{self.limit_queue!r}, so enqueue refuses its jobs on any other; "
+            f"{self.off_queue.total():,} job(s) of kind {self.old_kind!r} wait on "
+            f"{off_queue_text(sorted(self.off_queue.items()))}. Nothing changed; move them "
+            f"to {self.limit_queue!r} first (awa_jobs move --kind {self.old_kind} --queue "
+            f"QUEUE --to {self.limit_queue}), or with --force they are rekinded where they "
+            "are and run there outside the limit"
+        )
+
+    def split_refusal(self) -> str:
+        shown = "; ".join(
+            f"job {i} ({state}, sequence key {key!r})" for i, state, key in self.split_shown
+        )
+        more = (
+            f"; and {self.split - len(self.split_shown):,} more" if self.split > UNFIT_SHOWN else ""
+        )
+        return (
+            f"rekind: the rekinded jobs would take the sequence key of kind {self.new_kind!r} "
+            f"(its sequence=), and could then start before {self.split:,} job(s) of their "
+            f"old or new key finish, out of their one-at-a-time order: {shown}{more}. "
+            "Nothing changed; rekind again once those are finished (or name their queue "
+            "too), or with --force the jobs are rekinded all the same"
+        )
+
+
+def off_queue_text(off_queue: Sequence[tuple[str, int]]) -> str:
+    """``Rekinded.off_queue`` for a message: queue(s) 'a' (3 jobs), 'b' (1 job)."""
+    return "queue(s) " + ", ".join(f"{queue!r} ({jobs:,} job(s))" for queue, jobs in off_queue)
 
 
 def parse_operation(name: str) -> Operation:

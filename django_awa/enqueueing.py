@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import operator
+import re
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
@@ -425,6 +426,18 @@ def _sequence_key(
     return key
 
 
+def is_kind_sequence_key(key: str, kind: str) -> bool:
+    """Whether ``key`` has the form of a sequence key ``_sequence_key`` makes from
+    ``kind``'s ``sequence=`` fields, not one given as ``EnqueueRequest(sequence=)``."""
+    prefix = f"{kind}:"
+    if not key.startswith(prefix):
+        return False
+    rest = key[len(prefix) :]
+    return (rest.startswith("[") and rest.endswith("]")) or re.fullmatch(
+        r"sha256:[0-9a-f]{64}", rest
+    ) is not None
+
+
 def _with_engine_metadata(user_json: str, engine_json: str) -> str:
     """The union of two JSON objects' texts, without decoding either.
 
@@ -439,18 +452,33 @@ def _with_engine_metadata(user_json: str, engine_json: str) -> str:
     return f"{user_json[:-1]}, {engine_json[1:]}"
 
 
-def kind_unique_key(
-    args: JobArgs, *, queue: str, run_at: dt.datetime
-) -> tuple[str, list[str]] | None:
-    """The unique key and the states holding it that ``enqueue(args, queue=queue,
-    run_at=run_at)`` gives by the ``awa.Unique`` of ``args``' kind, or None if the
-    kind declares none. Raises ``ValidationError`` naming the kind."""
-    unique = registry.defaults(args.kind).unique
-    if unique is None:
-        return None
+class KindKeys(NamedTuple):
+    """The keys ``enqueue`` makes from a job's args by its kind's declarations."""
+
+    # The unique key and the states holding it (the kind's ``awa.Unique``), or None.
+    unique: tuple[str, list[str]] | None
+    # The sequence key (the kind's ``sequence=``), or None.
+    sequence: str | None
+
+
+def kind_keys(args: JobArgs, *, queue: str, run_at: dt.datetime) -> KindKeys:
+    """The unique key (and the states holding it) and the sequence key that
+    ``enqueue(args, queue=queue, run_at=run_at)`` gives by the ``awa.Unique`` and
+    ``sequence=`` of ``args``' kind; None for what the kind does not declare.
+    Raises ``ValidationError`` naming the kind."""
+    defaults = registry.defaults(args.kind)
+    if defaults.unique is None and not defaults.sequence:
+        return KindKeys(unique=None, sequence=None)
     where = _where(args.kind)
     encoded, _ = _encoded_args(args, where, awa_settings().max_args_bytes)
-    return _unique_key(unique, args.kind, encoded, queue, run_at, where)
+    unique = (
+        None
+        if defaults.unique is None
+        else _unique_key(defaults.unique, args.kind, encoded, queue, run_at, where)
+    )
+    return KindKeys(
+        unique=unique, sequence=_sequence_key(None, defaults.sequence, args.kind, encoded, where)
+    )
 
 
 def _unique_key(

@@ -2123,7 +2123,8 @@ WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
 # keeps its kind. No index holds kind: awa_job's primary key from %(after)s on,
 # so the batches of one rekind scan ONLY awa_job once, never awa_job_done.
 LOCK_TO_REKIND = """
-SELECT id, args, state, queue, run_at, unique_key IS NOT NULL FROM ONLY awa_job
+SELECT id, args, state, queue, run_at, unique_key IS NOT NULL, metadata ->> 'awa_sequence'
+FROM ONLY awa_job
 WHERE kind = %(old_kind)s AND state = ANY(%(states)s::text[])
   AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
   AND id > %(after)s
@@ -2147,15 +2148,41 @@ LIMIT 1
 # -- REKIND_JOBS --
 # Give a batch of jobs LOCK_TO_REKIND locked another kind, after its JobArgs
 # class was renamed; where %(remade)s, the unique key and states made for the
-# new kind too (else the row keeps its own). Index: awa_job's primary key.
-REKIND_JOBS = """
+# new kind too (else the row keeps its own). Where %(sequence_keys)s has a key,
+# it becomes the job's sequence key, and a job parked under its old key
+# (PARKED_RUN_AT) gets its run_at back: no hand-off of its new key would
+# restore it, and the next claim parks it again if a member before it under
+# that key is unfinished. Index: awa_job's primary key.
+REKIND_JOBS = f"""
 UPDATE ONLY awa_job j
 SET kind = %(new_kind)s,
     unique_key = CASE WHEN v.remade THEN v.unique_key ELSE j.unique_key END,
-    unique_states = CASE WHEN v.remade THEN v.unique_states ELSE j.unique_states END
+    unique_states = CASE WHEN v.remade THEN v.unique_states ELSE j.unique_states END,
+    run_at = CASE WHEN v.sequence_key IS NOT NULL AND j.metadata ? '{SEQUENCE_RUN_AT_KEY}'
+                  THEN (j.metadata ->> '{SEQUENCE_RUN_AT_KEY}')::timestamptz ELSE j.run_at END,
+    metadata = CASE WHEN v.sequence_key IS NULL THEN j.metadata
+                    ELSE (j.metadata - '{SEQUENCE_RUN_AT_KEY}')
+                         || jsonb_build_object('awa_sequence', v.sequence_key) END
 FROM unnest(%(ids)s::bigint[], %(remade)s::bool[], %(unique_keys)s::text[],
-            %(unique_states)s::jsonb[]) AS v(id, remade, unique_key, unique_states)
+            %(unique_states)s::jsonb[], %(sequence_keys)s::text[])
+     AS v(id, remade, unique_key, unique_states, sequence_key)
 WHERE j.id = v.id AND j.state = ANY(%(states)s::text[])
+"""
+
+# -- FIND_SEQUENCES_SPLIT --
+# After REKIND_JOBS, in its transaction: the unfinished jobs that still hold a
+# sequence key the rekinded jobs left (%(left_keys)s: not rekinded, as a job
+# running or in a queue not named), and the jobs under way (%(in_progress)s)
+# holding one they joined (%(joined_keys)s): a rekinded job could start while
+# they have not finished. The first %(limit)s, their state, key, and how many
+# in all. Reads only. Index: awa_job_sequence_idx (its predicate, word for word).
+FIND_SEQUENCES_SPLIT = f"""
+SELECT id, state, metadata ->> 'awa_sequence', count(*) OVER () FROM ONLY awa_job
+WHERE metadata ? 'awa_sequence' AND state NOT IN {_FINAL}
+  AND ((metadata ->> 'awa_sequence') = ANY(%(left_keys)s::text[])
+       OR ((metadata ->> 'awa_sequence') = ANY(%(joined_keys)s::text[])
+           AND state = ANY(%(in_progress)s::text[])))
+ORDER BY id LIMIT %(limit)s
 """
 
 # -- COUNT_UNDER_WAY --

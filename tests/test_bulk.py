@@ -12,14 +12,16 @@ from django.db import connection
 from django.utils import timezone
 
 import django_awa as awa
-from django_awa import bulk, sql
+from django_awa import bulk, producer, sql
+from django_awa.execute import completed
+from django_awa.finalize import finalize
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState
 from django_awa.testing import run_jobs
 from tests.conftest import make_job, wait_for
 from tests.test_archive import in_thread
 from tests.test_commands import run, shell
-from tests.testapp.jobs import Act, Node, Receipt
+from tests.testapp.jobs import Act, KeyedSpan, Node, Receipt, SequencedSpan
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -257,6 +259,8 @@ def test_rekind_gives_the_waiting_jobs_of_a_renamed_kind_the_new_kind():
         "old_kind": "charge_card", "new_kind": "act", "dry_run": False,
         "rekinded": 4, "in_progress": 2, "new_kind_declared": True,
         "unfit": 0, "unfit_jobs": [], "unique_keys_remade": 0, "unique_keys_kept": 0,
+        "sequence_keys_remade": 0, "sequence_keys_kept": 0, "off_queue": {},
+        "sequences_split": 0,
     }  # fmt: skip
     assert kinds(waiting) == ["act"] * 4
     assert set(kinds([*under_way, *finished, elsewhere])) == {"charge_card"}
@@ -405,6 +409,138 @@ def test_a_job_claimed_while_rekind_waits_for_it_keeps_its_old_kind():
     row = Job.objects.get(id=claimed.id)
     assert (row.kind, row.state, row.unique_key) == ("print_receipt", JobState.RUNNING, None)
     assert kinds([waiting]) == ["receipt"]
+
+
+# Kind old_span: SequencedSpan's kind before the class was renamed, with its sequence="key".
+OLD_KEY_A = 'old_span:["a"]'
+
+
+def span_job(key: str, n: int, sequence: str | None = None, **fields: object) -> Job:
+    metadata = {"awa_sequence": sequence} if sequence else {}
+    fields.setdefault("metadata", metadata)
+    return make_job(kind="old_span", queue="seq", args={"key": key, "n": n}, **fields)
+
+
+def sequence_key(job: Job) -> str | None:
+    return Job.objects.get(id=job.id).metadata.get("awa_sequence")
+
+
+def test_rekinded_jobs_get_the_sequence_key_of_the_new_kind_and_wait_their_turn_in_it():
+    first = span_job("a", 1, OLD_KEY_A)
+    # Parked by a claim behind the first: its run_at kept in metadata.
+    enqueued_at = timezone.now() - dt.timedelta(minutes=1)
+    parked = span_job(
+        "a",
+        2,
+        run_at=dt.datetime(9999, 12, 31, tzinfo=dt.UTC),
+        metadata={"awa_sequence": OLD_KEY_A, "awa_sequence_run_at": enqueued_at.isoformat()},
+    )
+    given = span_job("b", 3, "ledger-7")  # EnqueueRequest(sequence="ledger-7")
+    unkeyed = span_job("c", 4)
+    newer = awa.enqueue(SequencedSpan(key="a", n=5))
+
+    out, code = run("awa_jobs", "rekind", "old_span", "sequenced_span")
+    assert code == 0, out
+    assert "3 of them got the sequence key of kind 'sequenced_span' (its sequence=)" in out, out
+    assert [sequence_key(j) for j in (first, parked, given, unkeyed)] == [
+        newer.metadata["awa_sequence"],
+        newer.metadata["awa_sequence"],
+        "ledger-7",
+        awa.enqueue(SequencedSpan(key="c")).metadata["awa_sequence"],
+    ]
+    row = Job.objects.get(id=parked.id)
+    assert (row.run_at, "awa_sequence_run_at" in row.metadata) == (enqueued_at, False)
+
+    # One member of each key at a time, the rekinded ones (enqueued first) before
+    # the job of the new kind.
+    claimed = producer.claim_sequenced("seq", 10, "default")
+    assert sorted(j.id for j in claimed) == [first.id, given.id, unkeyed.id]
+    assert finalize([completed(next(j for j in claimed if j.id == first.id))], "default")
+    (second,) = producer.claim_sequenced("seq", 10, "default")
+    assert second.id == parked.id
+    assert finalize([completed(second)], "default")
+    assert [j.id for j in producer.claim_sequenced("seq", 10, "default")] == [newer.id]
+
+
+def test_rekind_keeps_the_old_sequence_key_where_the_new_kind_declares_no_sequence():
+    running = span_job("a", 1, OLD_KEY_A, state=JobState.RUNNING, heartbeat_at=timezone.now())
+    waiting = span_job("a", 2, OLD_KEY_A)
+    out, code = run("awa_jobs", "rekind", "old_span", "span")
+    assert code == 0, out
+    assert (
+        "1 of them kept the sequence key made from kind 'old_span': kind 'span' declares no "
+        "sequence=, so they stay in line behind that key's unfinished jobs of kind 'old_span'"
+    ) in out, out
+    assert (kinds([waiting]), sequence_key(waiting)) == (["span"], OLD_KEY_A)
+    # It still waits for the old kind's running member of its key.
+    assert producer.claim_sequenced("seq", 10, "default") == []
+    assert finalize([completed(Job.objects.get(id=running.id))], "default")
+    assert [j.id for j in producer.claim_sequenced("seq", 10, "default")] == [waiting.id]
+
+
+def test_rekind_refuses_to_let_jobs_start_beside_their_sequence_unless_forced():
+    # Left behind: the old kind's running member of the key the waiting job leaves.
+    running_old = span_job("a", 1, OLD_KEY_A, state=JobState.RUNNING, heartbeat_at=timezone.now())
+    waiting_a = span_job("a", 2, OLD_KEY_A)
+    # Joined: a running job of the new kind holds the key the waiting job takes.
+    running_new = awa.enqueue(SequencedSpan(key="b"))
+    Job.objects.filter(id=running_new.id).update(state=JobState.RUNNING)
+    waiting_b = span_job("b", 3, 'old_span:["b"]')
+    jobs = [waiting_a, waiting_b]
+
+    out, code = run("awa_jobs", "rekind", "old_span", "sequenced_span")
+    assert code == 1, out
+    with pytest.raises(awa.ValidationError) as refused:
+        bulk.rekind("old_span", "sequenced_span", batch_size=1, using="default")
+    assert str(refused.value).startswith(
+        "rekind: the rekinded jobs would take the sequence key of kind 'sequenced_span' (its "
+        "sequence=), and could then start before 2 job(s) of their old or new key finish, out "
+        f"of their one-at-a-time order: job {running_old.id} (running, sequence key "
+        f"'old_span:[\"a\"]'); job {running_new.id} (running, sequence key "
+        "'sequenced_span:[\"b\"]'). Nothing changed; rekind again once those are finished"
+    ), refused.value
+    assert kinds(jobs) == ["old_span"] * 2
+    assert [sequence_key(j) for j in jobs] == [OLD_KEY_A, 'old_span:["b"]']
+
+    out, code = run("awa_jobs", "rekind", "old_span", "sequenced_span", "--force", "--json")
+    assert code == 0, out
+    document = json.loads(out)
+    assert (document["rekinded"], document["sequences_split"]) == (2, 2)
+    assert kinds(jobs) == ["sequenced_span"] * 2
+
+
+def test_rekind_refuses_jobs_off_the_queue_of_the_new_kinds_limit_unless_forced():
+    # KeyedSpan's awa.Limit holds on its queue, bykey: enqueue refuses it elsewhere.
+    with pytest.raises(awa.ValidationError, match="cannot be enqueued on 'flow'"):
+        awa.enqueue(KeyedSpan(key="k"), queue="flow")
+    on_queue = make_job(kind="old_keyed", queue="bykey", args={"key": "k"})
+    off_queue = [
+        make_job(kind="old_keyed", queue=queue, args={"key": "k"})
+        for queue in ("flow", "flow", "other")
+    ]
+    jobs = [on_queue, *off_queue]
+
+    result = shell("awa_jobs", "rekind", "old_keyed", "keyed_span")
+    assert result.returncode == 1, result.stderr
+    assert (
+        "rekind: kind 'keyed_span' has an awa.Limit, which holds on its queue 'bykey', so "
+        "enqueue refuses its jobs on any other; 3 job(s) of kind 'old_keyed' wait on queue(s) "
+        "'flow' (2 job(s)), 'other' (1 job(s)). Nothing changed; move them to 'bykey' first"
+    ) in result.stderr, result.stderr
+    assert kinds(jobs) == ["old_keyed"] * 4
+
+    out, code = run("awa_jobs", "rekind", "old_keyed", "keyed_span", "--queue", "bykey")
+    assert code == 0 and out.startswith("rekinded 1 job(s)"), out
+
+    out, code = run("awa_jobs", "rekind", "old_keyed", "keyed_span", "--force", "--dry-run")
+    assert code == 0, out
+    assert (
+        "3 of them wait on queue(s) 'flow' (2 job(s)), 'other' (1 job(s)), not on 'bykey', "
+        "where the awa.Limit of kind 'keyed_span' holds: they run there outside the limit"
+    ) in out, out
+    out, code = run("awa_jobs", "rekind", "old_keyed", "keyed_span", "--force", "--json")
+    assert json.loads(out)["off_queue"] == {"flow": 2, "other": 1}
+    assert kinds(jobs) == ["keyed_span"] * 4
 
 
 @pytest.mark.parametrize(

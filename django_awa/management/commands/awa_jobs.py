@@ -5,8 +5,8 @@ for operators (SPEC §15).
 --queue --kind``) that select every matching job; ``move`` and ``priority``
 take either too. Over a filter the work is done in batches (``django_awa.bulk``)
 and ``--dry-run`` only counts. ``rekind OLD_KIND NEW_KIND`` gives the jobs of a
-kind that wait to run another kind, and the unique keys of its ``awa.Unique``,
-in one transaction (``bulk.rekind``). Exit
+kind that wait to run another kind, and the unique and sequence keys of its
+``awa.Unique`` and ``sequence=``, in one transaction (``bulk.rekind``). Exit
 codes: see ``django_awa.management.operator`` (0 done, 1 nothing matched or not
 found or some refused, 2 usage error).
 """
@@ -127,7 +127,9 @@ class Command(OperatorCommand):
             "--force",
             action="store_true",
             help="rekind to a kind no @awa.worker of this project declares, or jobs "
-            "whose args its JobArgs class cannot decode",
+            "whose args its JobArgs class cannot decode, that wait on a queue other than "
+            "its awa.Limit's, or whose new sequence key would let them start before "
+            "jobs of their old or new key finish",
         )
         self.add_json(rekind)
 
@@ -361,6 +363,7 @@ class Command(OperatorCommand):
                 f"{done.keys_kept:,} of them {'would keep' if dry_run else 'kept'} the unique "
                 f"key made from kind {old_kind!r}: {why}"
             )
+        lines.extend(_rekind_sequence_lines(done, old_kind, new_kind, dry_run))
         document = {
             "old_kind": old_kind,
             "new_kind": new_kind,
@@ -372,6 +375,10 @@ class Command(OperatorCommand):
             "unfit_jobs": [{"id": i, "error": e} for i, e in done.unfit_shown],
             "unique_keys_remade": done.keys_remade,
             "unique_keys_kept": done.keys_kept,
+            "sequence_keys_remade": done.sequence_keys_remade,
+            "sequence_keys_kept": done.sequence_keys_kept,
+            "off_queue": dict(done.off_queue),
+            "sequences_split": done.split,
         }
         self.emit(options, document, "\n".join(lines))
         if not done.changed:
@@ -447,6 +454,43 @@ def _in_progress_line(old_kind: str, count: int) -> str:
         f"left {count:,} job(s) of kind {old_kind!r} running or waiting for a callback as "
         "they were: rekind again any that retry once their attempt is over"
     )
+
+
+def _rekind_sequence_lines(
+    done: bulk.Rekinded, old_kind: str, new_kind: str, dry_run: bool
+) -> list[str]:
+    """What a rekind did to the sequence keys and queues of the jobs it changed."""
+    lines = []
+    if done.sequence_keys_remade:
+        lines.append(
+            f"{done.sequence_keys_remade:,} of them {'would get' if dry_run else 'got'} the "
+            f"sequence key of kind {new_kind!r} (its sequence=)"
+        )
+    if done.sequence_keys_kept:
+        why = (
+            f"kind {new_kind!r} declares no sequence=, so they stay in line behind that key's "
+            f"unfinished jobs of kind {old_kind!r}"
+            if done.declared and not registry.defaults(new_kind).sequence
+            else f"their args do not fit kind {new_kind!r}, or it is not declared here"
+        )
+        lines.append(
+            f"{done.sequence_keys_kept:,} of them {'would keep' if dry_run else 'kept'} the "
+            f"sequence key made from kind {old_kind!r}: {why}"
+        )
+    if done.split:
+        shown = ", ".join(f"{i} ({state})" for i, state, _ in done.split_shown)
+        lines.append(
+            f"{done.split:,} job(s) of their old or new sequence key not rekinded and "
+            f"unfinished (job(s) {shown}): the rekinded jobs may start before they finish"
+        )
+    if done.off_queue:
+        queue = registry.defaults(new_kind).queue
+        lines.append(
+            f"{sum(jobs for _, jobs in done.off_queue):,} of them wait on "
+            f"{bulk.off_queue_text(done.off_queue)}, not on {queue!r}, where the awa.Limit "
+            f"of kind {new_kind!r} holds: they run there outside the limit"
+        )
+    return lines
 
 
 def _dependents_line(operation: bulk.Operation, count: int) -> str:
