@@ -592,7 +592,20 @@ def safe_repr(value: object) -> str:
 
 def unknown_kind_error(kind: str) -> str:
     """The error of a job whose kind no handler in this process declares: most
-    often a JobArgs class renamed (or removed) while jobs of it were queued."""
+    often a JobArgs class renamed (or removed) while jobs of it were queued.
+
+    A Django Task's kind (``task:<module path>``, backends.py) names a function,
+    not a JobArgs class: it is missing when renamed or moved, or when this
+    worker's settings do not route ``TASKS`` to awa.
+    """
+    prefix, _, path = kind.partition(":")
+    if prefix == "task" and path:
+        return (
+            f"unknown job kind {kind!r}: this worker finds no Django task {path} "
+            f"(the function renamed or moved, its app not installed, or TASKS in this "
+            f"worker's settings not using django_awa.backends.AwaTaskBackend?); once a "
+            f"worker finds it, retry the job (admin, or manage.py awa_jobs retry --kind {kind})"
+        )
     return (
         f"unknown job kind {kind!r}: no handler is registered in this worker "
         f"(its JobArgs class renamed, or its app removed?). A renamed class keeps the "

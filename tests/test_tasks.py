@@ -137,3 +137,17 @@ def test_a_run_after_postgres_cannot_store_is_refused_and_nothing_is_written():
     with pytest.raises(awa.ValidationError, match=r"run_at .*years 1 to 9999"):
         tasks.urgent.using(run_after=year_zero).enqueue()
     assert not Job.objects.exists()
+
+
+def test_a_task_the_worker_cannot_find_fails_with_an_error_about_tasks_not_jobargs():
+    from django_awa.testing import run_jobs
+
+    result = tasks.add.enqueue(1, 2)
+    Job.objects.filter(id=int(result.id)).update(kind="task:tests.testapp.tasks.removed")
+    assert run_jobs().counts["failed"] == 1
+    error = Job.objects.get(id=int(result.id)).errors[-1]["error"]
+    assert error.startswith(
+        "unknown job kind 'task:tests.testapp.tasks.removed': this worker finds no Django "
+        "task tests.testapp.tasks.removed"
+    )
+    assert "django_awa.backends.AwaTaskBackend" in error and "ClassVar" not in error
