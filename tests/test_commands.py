@@ -230,6 +230,19 @@ def test_real_processes_get_the_same_exit_codes_and_output():
     assert unknown.returncode == 2 and "invalid choice" in unknown.stderr
 
 
+def test_djangos_own_options_may_follow_the_subcommand_as_the_readme_writes_them():
+    job = failed(queue="billing")
+    retried = shell("awa_jobs", "retry", "--state", "failed", "-v", "2")
+    assert retried.returncode == 0, retried.stderr
+    assert "retried 1 of 1 matching job(s)" in retried.stdout and "1/1" in retried.stderr
+    assert Job.objects.get(id=job.id).state == JobState.AVAILABLE
+    stats = shell("awa_queues", "stats", "--no-color", "--settings", "tests.settings")
+    assert stats.returncode == 0, stats.stderr
+    missing = shell("awa_schedules", "pause", "nightly", "--traceback")
+    assert missing.returncode == 1 and "Traceback" in missing.stderr, missing.stderr
+    assert "no periodic schedule named 'nightly'" in missing.stderr
+
+
 # -- awa_queues ----------------------------------------------------------------------
 
 

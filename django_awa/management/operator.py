@@ -16,6 +16,8 @@ periodic schedules fire in ``AWA["DATABASE"]`` only.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -29,6 +31,12 @@ from django_awa.exceptions import ConfigurationError
 OK = 0
 NOTHING_MATCHED = 1
 USAGE = 2
+
+# The options BaseCommand.create_parser gives every command (--version, which
+# exits at once, aside).
+_DJANGO_OPTIONS = frozenset(
+    {"verbosity", "settings", "pythonpath", "traceback", "no_color", "force_color", "skip_checks"}
+)
 
 # The widest a table cell gets before it is cut with an ellipsis.
 CELL_WIDTH = 60
@@ -62,6 +70,7 @@ class OperatorCommand(BaseCommand):
         parser = super().create_parser(prog_name, subcommand, **kwargs)
         # After add_arguments: the parser's own errors (a missing subcommand) raise too.
         parser.__class__ = _OperatorParser
+        _share_django_options(parser)
         return parser
 
     def subcommands(self, parser: CommandParser, *, database: bool = True) -> Any:
@@ -91,6 +100,27 @@ class OperatorCommand(BaseCommand):
             self.stdout.write(json.dumps(document, default=_json_default, indent=2))
         elif text:
             self.stdout.write(text)
+
+
+def _share_django_options(parser: CommandParser) -> None:
+    """Let each subcommand take Django's own options (``-v 2``, ``--traceback``,
+    ``--settings``...) after its name too, as ``manage.py awa_jobs retry --state
+    failed -v 2``, where argparse hands everything after the name to the subparser.
+
+    Their copies default to nothing (``SUPPRESS``), so an option given before the
+    subcommand, or its default, stands unless the subcommand's copy is given.
+    """
+    shared = [
+        action
+        for action in parser._actions
+        if action.option_strings and action.dest in _DJANGO_OPTIONS
+    ]
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for choice in subcommands.choices.values():
+        for action in shared:
+            copied = copy.copy(action)
+            copied.default = argparse.SUPPRESS
+            choice._add_action(copied)
 
 
 def usage(message: str) -> CommandError:
