@@ -143,6 +143,11 @@ class Worker:
         state.start(self.heartbeat.run, "awa-heartbeat")
         state.start(self.maintenance.run, "awa-maintenance")
         self._wait_for_engine()
+        if not self.completer.connected.is_set():
+            # Stopped before the engine reached the database: nothing was claimed
+            # or run, so nothing waits to finish or be written. Its threads stop
+            # retrying now, rather than the drain waiting SHUTDOWN_TIMEOUT for them.
+            state.halt.set()
         self.handlers.start()
         producers = [
             state.start(producer.run, f"awa-producer-{producer.runner.name}")

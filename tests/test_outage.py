@@ -66,6 +66,24 @@ def read_only_afterwards():
     _set_read_only(False)
 
 
+def test_a_worker_that_never_reached_its_database_stops_at_once_on_sigterm(start_worker):
+    with socket.socket() as closed:  # a port nothing listens on once this closes
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    worker = start_worker(
+        env={
+            "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/awa",
+            "AWA_TEST_SHUTDOWN_TIMEOUT": "60",
+        }
+    )
+    wait_for(lambda: UNAVAILABLE in worker.output(), message=worker.output)
+    started = time.monotonic()
+    # It claimed and ran nothing: there is nothing to finish for SHUTDOWN_TIMEOUT.
+    assert worker.stop(timeout=10) == 0
+    assert time.monotonic() - started < 5, worker.output()
+    assert "stopped after 0 jobs" in worker.output()
+
+
 @pytest.mark.slow
 def test_a_read_only_server_is_waited_out_and_the_worker_says_so_once(
     start_worker, read_only_afterwards
