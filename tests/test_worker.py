@@ -525,8 +525,24 @@ def test_a_queue_concurrency_past_the_bound_is_refused_by_name():
 
 def test_bad_queue_option_is_refused(start_worker):
     worker = start_worker("--queue", "bad name")
-    assert worker.wait(20) != 0
+    assert worker.wait(20) == 2
     assert "invalid queue name" in worker.output()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--queue", "default=abc"), "concurrency must be a whole number"),
+        (("--queue", "default=0"), "concurrency must be 1 to 1,000"),
+        (("--processes", "0"), "--processes must be at least 1"),
+        (("--database", "nope"), "no database alias 'nope' in DATABASES"),
+        (("--reload", "--processes", "2"), "leave out --processes"),
+    ],
+)
+def test_a_bad_option_value_is_a_usage_error_exit_2_as_for_the_operator_commands(args, words):
+    with pytest.raises(CommandError, match=words) as refused:
+        call_command("awa_worker", *args)
+    assert refused.value.returncode == 2
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "1e400", "31536001"])

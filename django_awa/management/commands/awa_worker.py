@@ -32,6 +32,7 @@ from django_awa.conf import (
 from django_awa.db import database_alias
 from django_awa.exceptions import ConfigurationError
 from django_awa.logs import JobContextFilter
+from django_awa.management.operator import usage
 from django_awa.process import Worker
 
 logger = logging.getLogger("django_awa.process")
@@ -40,15 +41,15 @@ logger = logging.getLogger("django_awa.process")
 def parse_queue(value: str) -> tuple[str, int | None]:
     name, sep, concurrency = value.partition("=")
     if not QUEUE_NAME_RE.match(name):
-        raise CommandError(f"--queue {value!r}: invalid queue name {name!r}")
+        raise usage(f"--queue {value!r}: invalid queue name {name!r}")
     if not sep:
         return name, None
     try:
         n = int(concurrency)
     except ValueError:
-        raise CommandError(f"--queue {value!r}: concurrency must be a whole number") from None
+        raise usage(f"--queue {value!r}: concurrency must be a whole number") from None
     if not 1 <= n <= MAX_CONCURRENCY:
-        raise CommandError(f"--queue {value!r}: concurrency must be 1 to {MAX_CONCURRENCY:,}")
+        raise usage(f"--queue {value!r}: concurrency must be 1 to {MAX_CONCURRENCY:,}")
     return name, n
 
 
@@ -121,16 +122,16 @@ class Command(BaseCommand):
             queues = {name: q.concurrency for name, q in conf.queues.items()}
         processes = options["processes"]
         if processes < 1:
-            raise CommandError("--processes must be at least 1")
+            raise usage("--processes must be at least 1")
         try:
             alias = database_alias(options["database"])
         except ConfigurationError as exc:
-            raise CommandError(str(exc)) from exc
+            raise usage(str(exc)) from exc
         if options["shutdown_timeout"] is not None:
             try:  # again: call_command's keyword options skip the parser
                 timeout = shutdown_timeout(options["shutdown_timeout"])
             except argparse.ArgumentTypeError as exc:
-                raise CommandError(f"--shutdown-timeout: {exc}", returncode=2) from None
+                raise usage(f"--shutdown-timeout: {exc}") from None
             conf = dataclasses.replace(conf, shutdown_timeout=timeout)
         _configure_logging(options["verbosity"])
         if options["reload"]:
@@ -148,7 +149,7 @@ class Command(BaseCommand):
         """``--reload``: this process watches and restarts the worker; or, in the
         process it started, the worker that stops when a file changes."""
         if processes != 1:
-            raise CommandError("--reload runs one worker process: leave out --processes")
+            raise usage("--reload runs one worker process: leave out --processes")
         if not reloader.is_child():
             if "awa_worker" not in sys.argv:
                 raise CommandError(
