@@ -150,6 +150,12 @@ def prepare(
     else:
         args = item
         sequence = None
+    if isinstance(args, type) and issubclass(args, JobArgs):
+        name = args.__qualname__
+        raise ValidationError(
+            f"expected JobArgs or awa.EnqueueRequest, got the class {name} itself, not a job "
+            f"of it: enqueue {name}(...)"
+        )
     if not isinstance(args, JobArgs):
         raise ValidationError(
             f"expected JobArgs or awa.EnqueueRequest, got {type(args).__name__}: {args!r}"

@@ -487,6 +487,15 @@ def test_not_a_jobargs_is_refused():
         awa.enqueue({"n": 1})  # type: ignore[arg-type]
 
 
+def test_a_jobargs_class_given_for_an_instance_is_refused_saying_so():
+    words = r"got the class Echo itself, not a job of it: enqueue Echo\(\.\.\.\)"
+    with pytest.raises(awa.ValidationError, match=words):
+        awa.enqueue(Echo)  # type: ignore[arg-type]
+    with pytest.raises(awa.ValidationError, match=r"item 1: .*" + words):
+        awa.enqueue_many([Echo(n=1), Echo])  # type: ignore[list-item]
+    assert not Job.objects.exists()
+
+
 def test_oversized_args_are_refused_with_the_limit_named(settings):
     settings.AWA = {**settings.AWA, "MAX_ARGS_BYTES": 1000}
     with pytest.raises(awa.ValidationError, match="over the limit of 1000"):
