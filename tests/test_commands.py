@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +119,24 @@ def test_show_one_job_and_a_missing_one():
     out, code = run("awa_jobs", "show", str(job.id))
     assert code == 0 and "error: attempt 3" in out and "ValueError: card declined" in out
     assert run("awa_jobs", "show", "999999999")[1] == 1
+
+
+def test_show_gives_the_result_and_workflow_and_json_values_as_json():
+    workflow = uuid.uuid4()
+    now = timezone.now()
+    job = make_job(
+        state=JobState.COMPLETED, attempt=1, finalized_at=now, attempted_at=now,
+        args={"order": 42, "gift": True, "note": None}, result={"sent": True, "to": None},
+        workflow_id=workflow,
+    )  # fmt: skip
+    out, code = run("awa_jobs", "show", str(job.id))
+    assert code == 0
+    # In the order PostgreSQL's jsonb keeps the keys: shortest first.
+    assert '         args: {"gift": true, "note": null, "order": 42}' in out
+    assert '       result: {"to": null, "sent": true}' in out
+    assert f"  workflow_id: {workflow}" in out
+    shown = json.loads(run("awa_jobs", "show", str(job.id), "--json")[0])
+    assert shown["result"] == {"sent": True, "to": None} and shown["workflow_id"] == str(workflow)
 
 
 def test_retry_cancel_and_discard_by_id_and_by_filter():

@@ -13,6 +13,7 @@ found or some refused, 2 usage error).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from django.core.management.base import CommandParser
@@ -34,6 +35,8 @@ ALLOWED = {
     "discard": tuple(JobState),
 }
 PAST = {"retry": "retried", "cancel": "cancelled", "discard": "discarded"}
+# Columns ``show`` prints as JSON.
+_JSON_FIELDS = frozenset({"args", "result", "metadata", "tags", "progress"})
 
 
 def _last_error(job: Job) -> str | None:
@@ -206,13 +209,20 @@ class Command(OperatorCommand):
             "heartbeat_at": job.heartbeat_at,
             "deadline_at": job.deadline_at,
             "args": job.args,
+            "result": job.result,
             "errors": job.errors,
             "metadata": job.metadata,
             "tags": job.tags,
             "progress": job.progress,
             "callback_id": job.callback_id,
+            "workflow_id": job.workflow_id,
         }
-        lines = [f"{key:>13}: {value}" for key, value in document.items() if key != "errors"]
+        # The JSON columns as JSON (true, null), not as Python would print them.
+        lines = [
+            f"{key:>13}: {json.dumps(value) if key in _JSON_FIELDS else value}"
+            for key, value in document.items()
+            if key != "errors"
+        ]
         for entry in job.errors if isinstance(job.errors, list) else []:
             if isinstance(entry, dict):
                 lines.append(
