@@ -345,7 +345,10 @@ class Instrumentation:
         # For its follow-ups and dependents to link to (attempt_links), from now:
         # its outcome, and what it releases, may be written before the span ends
         # (the completer's batch, an atomic handler's transaction). No lock here.
-        self._new_links.append((job.id, span.get_span_context()))
+        # Without an SDK the span is a no-op one, its context invalid: no link.
+        span_context = span.get_span_context()
+        if span_context.is_valid:
+            self._new_links.append((job.id, span_context))
         if job.run_at is not None:
             # The handler begins now (attempted_at is written later, with the
             # outcome); the worker's clock against the database's run_at.

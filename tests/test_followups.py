@@ -765,3 +765,20 @@ def test_a_connection_lost_while_follow_ups_are_inserted_is_no_follow_up_failure
     assert "receipt follow-up exploded" in entry["error"], entry
     wait_for(lambda: "could not be finalized" in worker.output())
     assert f"follow-up failed for job {dropped.id}" not in worker.output(), worker.output()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_a_tracing_sdk_no_job_records_an_empty_trace_link(start_worker):
+    # The OpenTelemetry API is installed, no SDK configured: every span is a no-op
+    # one, with no trace to link to.
+    pytest.importorskip("opentelemetry")
+    awa.enqueue(Act(action="ok"))
+    flow = awa.Workflow("untraced")
+    first = flow.add(Act(tag="none"))
+    flow.add(Act(tag="none"), after=[first])
+    steps = flow.enqueue()
+    start_worker("--queue", "default")
+    wait_for_state(steps[1].id, JobState.COMPLETED)
+    followups = wait_for(lambda: list(Job.objects.filter(kind="echo")), timeout=15)
+    for job in [*followups, Job.objects.get(id=steps[1].id)]:
+        assert "links" not in job.metadata.get("awa_trace", {}), job.metadata
