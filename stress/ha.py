@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the results here too")
     opts = parser.parse_args(argv)
     if opts.short:
-        opts.settle, opts.rate, opts.lag = 8.0, 25.0, 3.0
+        opts.settle, opts.rate, opts.lag = 4.0, 25.0, 3.0
     return opts
 
 
