@@ -32,10 +32,10 @@ pytest_plugins = ["django_awa.testing.pytest"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``AWA_SLOW_TESTS=0`` skips the tests marked ``slow`` (faults of real workers, soaks,
-    several workers holding a limit together, the pooler, the upgrade, the demo and the docs
-    build, several seconds each): ``.ci/run`` runs them
-    in the first of its three test runs only. By default they run."""
+    """``AWA_SLOW_TESTS=0`` skips the tests marked ``slow`` (faults of real workers, handlers
+    outlasting ``STALE_AFTER`` or their timeout, soaks, several workers holding a limit
+    together, the pooler, the upgrade, the demo and the docs build, several seconds each):
+    ``.ci/run`` runs them in the first of its three test runs only. By default they run."""
     if os.environ.get("AWA_SLOW_TESTS", "1") != "0":
         return
     skip = pytest.mark.skip(reason="slow: AWA_SLOW_TESTS=0 (.ci/run runs it in its first run)")

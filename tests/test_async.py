@@ -112,6 +112,7 @@ def test_shutdown_cancels_an_async_handler_still_running(start_worker):
         Job.objects.filter(id=job.id).delete()
 
 
+@pytest.mark.slow
 def test_an_async_handlers_progress_shows_and_heartbeats_keep_it_alive(start_worker):
     # 4.5 s: past STALE_AFTER (3 s in tests), so only heartbeats keep it from a rescue.
     job = awa.enqueue(AsyncAct(action="progress", seconds=4.5))
@@ -153,6 +154,7 @@ def test_an_async_handler_past_its_timeout_is_cancelled_and_retried(start_worker
     assert not _ran(job.id, "timed-async:end")
 
 
+@pytest.mark.slow
 def test_a_sync_handler_past_its_timeout_is_given_up_and_keeps_its_slot(start_worker):
     job = awa.enqueue(Timed(seconds=3))
     start_worker("--queue", "default=1")

@@ -147,6 +147,7 @@ def test_processes_option_runs_several_processes(start_worker):
     assert len(notes) == 2
 
 
+@pytest.mark.slow
 def test_a_killed_child_of_a_processes_group_is_started_again(start_worker):
     # A child killed by SIGKILL (the OOM killer) took its share of the capacity with
     # it while the supervisor ran on, saying nothing.
