@@ -23,6 +23,7 @@ Environment knobs (all optional):
 
 pip runs again only when setup.cfg, pyproject.toml or one of these knobs
 changed since the last successful install (a stamp file in the virtualenv).
+``python3.12 _bootstrap.py`` makes the virtualenv ready and exits.
 
 This file must stay importable by old Pythons so that it can refuse them with
 a clear message: no syntax newer than 3.6 here.
@@ -191,3 +192,9 @@ def ensure_environment(script, argv):
     if os.name == "nt":  # no real exec on Windows: run and pass the exit code on
         sys.exit(subprocess.run(args).returncode)
     os.execv(str(python), args)
+
+
+if __name__ == "__main__":
+    # python3.12 _bootstrap.py: only make the virtualenv ready (AWA_VENV and the other
+    # knobs above), then exit; .ci/run installs one while the tests of another run.
+    ensure_environment(__file__, sys.argv[1:])
