@@ -358,6 +358,7 @@ def test_a_timed_out_attempt_keeps_its_key_until_its_handler_returns(start_worke
         assert "timed out" in job.errors[0]["error"], job.errors
 
 
+@pytest.mark.slow
 def test_kind_rate_limit_per_key(start_worker) -> None:
     start_three(start_worker, "keyrate=4")
     awa.enqueue_many([RatedSpan(key=k, n=i, seconds=0.0) for i in range(10) for k in "ab"])
