@@ -113,6 +113,13 @@ if os.environ.get("AWA_TEST_FLOW_QUEUES") == "rated_bykey":
         **AWA["QUEUES"],  # type: ignore[dict-item]
         "bykey": {"concurrency": 4, "rate_limit": "1000/s"},
     }
+if os.environ.get("AWA_TEST_FLOW_QUEUES") == "glob_lowered":
+    # A worker deployed with a lower global_concurrency for queue glob than the
+    # workers still running the settings before it (a rolling deploy).
+    AWA["QUEUES"] = {
+        **AWA["QUEUES"],  # type: ignore[dict-item]
+        "glob": {"concurrency": 6, "global_concurrency": 2},
+    }
 if os.environ.get("AWA_TEST_FLOW_QUEUES") == "shared":
     # Weighted sharing of one process's places (WORKER_CONCURRENCY).
     AWA["WORKER_CONCURRENCY"] = 4

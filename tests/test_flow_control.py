@@ -312,6 +312,38 @@ def test_global_concurrency_holds_across_three_workers(start_worker) -> None:
 
 
 @pytest.mark.slow
+def test_a_global_concurrency_lowered_in_a_rolling_deploy_holds_the_larger_then_the_new(
+    start_worker,
+) -> None:
+    # Mid-deploy: a worker with the settings before (glob: 4 places) beside one
+    # deployed with 2. The fleet runs at most the larger limit, the new worker taking
+    # no place while one above its limit is held; once the old worker stopped, 2.
+    old = start_worker("--queue", "glob", env=FLOW_ENV)
+    new = start_worker("--queue", "glob", env={"AWA_TEST_FLOW_QUEUES": "glob_lowered"})
+    wait_for(
+        lambda: all("listening for new jobs" in w.output() for w in (old, new)),
+        timeout=30,
+        message="the two workers did not both start",
+    )
+    awa.enqueue_many([awa.EnqueueRequest(Span(n=i, seconds=0.1), queue="glob") for i in range(30)])
+    all_finished("span", 30, timeout=90)
+    overlap = max_overlap("queue = %s", ["glob"])
+    assert overlap <= 4, f"{overlap} runs of queue glob overlapped; the larger limit is 4"
+    assert overlap >= 3, f"at most {overlap} ran at once: the old worker's 4 places went unused"
+    assert old.stop() == 0
+    stopped = timezone.now()
+    awa.enqueue_many(
+        [awa.EnqueueRequest(Span(n=i, seconds=0.1), queue="glob") for i in range(30, 50)]
+    )
+    all_finished("span", 50, timeout=90)
+    after = "queue = %s AND started_at >= %s"
+    overlap = max_overlap(after, ["glob", stopped])
+    assert overlap <= 2, f"{overlap} runs overlapped with only the lowered limit, 2, deployed"
+    assert overlap == 2, "the new worker did not use its 2 places once the old one stopped"
+    assert new.stop() == 0
+
+
+@pytest.mark.slow
 def test_rate_limit_holds_across_three_workers(start_worker) -> None:
     run_rate_limit(start_worker)
 
