@@ -139,6 +139,14 @@ def test_show_gives_the_result_and_workflow_and_json_values_as_json():
     assert shown["result"] == {"sent": True, "to": None} and shown["workflow_id"] == str(workflow)
 
 
+def test_show_prints_json_values_in_the_letters_they_were_written_in():
+    job = make_job(args={"city": "Zürich", "greeting": "こんにちは"}, tags=["café"])
+    out, code = run("awa_jobs", "show", str(job.id))
+    assert code == 0
+    assert '"city": "Zürich"' in out and '"greeting": "こんにちは"' in out
+    assert '         tags: ["café"]' in out
+
+
 def test_retry_cancel_and_discard_by_id_and_by_filter():
     one, _ = failed(queue="billing"), failed(queue="billing")
     other = failed(queue="email")

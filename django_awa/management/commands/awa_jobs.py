@@ -219,7 +219,7 @@ class Command(OperatorCommand):
         }
         # The JSON columns as JSON (true, null), not as Python would print them.
         lines = [
-            f"{key:>13}: {json.dumps(value) if key in _JSON_FIELDS else value}"
+            f"{key:>13}: {json.dumps(value, ensure_ascii=False) if key in _JSON_FIELDS else value}"
             for key, value in document.items()
             if key != "errors"
         ]
