@@ -46,7 +46,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # Of the tables Django's flush names: the rows post_migrate writes back after each flush
 # (content types, permissions: a hundred or so) are deleted; the tables written since the
-# last flush (a page on disk, dead rows included) are truncated, with the listed tables
+# last flush (a page on disk, dead rows included, in the table or one inheriting from it,
+# as awa_job_done and its segments do from awa_job) are truncated, with the listed tables
 # referencing them. Empty tables are left alone: truncating a table rebuilds (and syncs to
 # disk) each of its indexes, which made the flush of every table most of the cost of a
 # transactional test's teardown.
@@ -60,9 +61,14 @@ BEGIN
         SELECT unnest(ARRAY[%(tables)s]::regclass[])
     ), refilled(oid) AS (
         SELECT unnest(ARRAY[%(refilled)s]::regclass[])
+    ), descendant(head, oid) AS (
+        SELECT oid, oid FROM listed
+        UNION
+        SELECT descendant.head, inherits.inhrelid
+        FROM pg_inherits inherits JOIN descendant ON inherits.inhparent = descendant.oid
     ), flushed(oid) AS (
-        SELECT oid FROM listed
-        WHERE pg_relation_size(oid) > 0 AND oid NOT IN (SELECT oid FROM refilled)
+        SELECT head FROM descendant
+        WHERE pg_relation_size(oid) > 0 AND head NOT IN (SELECT oid FROM refilled)
         UNION
         SELECT constraint_.conrelid
         FROM pg_constraint constraint_ JOIN flushed ON constraint_.confrelid = flushed.oid
