@@ -147,10 +147,11 @@ def start_handed_on(state: WorkerState, hand_on: HandOn) -> None:
         state.queues[job.queue].inbox.put(attempt)
 
 
-def release_held_leases(state: WorkerState, attempts: Sequence[Attempt | AttemptResult]) -> None:
+def release_held_leases(state: WorkerState, attempts: Sequence[Attempt | AttemptResult]) -> bool:
     """Free the key's places kept (``held_until`` set) for these lost attempts, whose
-    handlers returned or never began (``sql.RELEASE_HELD_LEASES``). Should it fail
-    (logged), they free once their ``held_until`` passes, within ``STALE_AFTER``."""
+    handlers returned or never began (``sql.RELEASE_HELD_LEASES``); whether it did.
+    Should it fail (logged), they free once their ``held_until`` passes, within
+    ``STALE_AFTER``."""
     try:
         with db.cursor(state.alias) as cursor:
             cursor.execute(sql.RELEASE_HELD_LEASES, attempt_keys(attempts))
@@ -161,6 +162,8 @@ def release_held_leases(state: WorkerState, attempts: Sequence[Attempt | Attempt
             exc_info=True,
         )
         reset_connection()
+        return False
+    return True
 
 
 def give_back_unstarted(state: WorkerState, jobs: list[ClaimedJob]) -> None:

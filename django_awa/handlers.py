@@ -39,12 +39,11 @@ from typing import Any
 
 from django.db import connections
 
-from . import db, sql, wakeups
+from . import db, wakeups
 from .completer import notify_freed, release_held_leases
 from .execute import (
     Attempt,
     AttemptResult,
-    attempt_keys,
     describe,
     errored,
     from_exception,
@@ -568,16 +567,7 @@ class HandlerPool:
         with self.running_lock:
             kept = list(self.state.kept.values())
             self.state.kept.clear()
-        if not kept:
-            return
-        try:
-            with db.cursor(self.state.alias) as cursor:
-                cursor.execute(sql.RELEASE_HELD_LEASES, attempt_keys(kept))
-        except DB_ERRORS as exc:
-            logger.warning(
-                "could not free the key's places kept for %s abandoned handler(s) (%s); they "
-                "free within STALE_AFTER", len(kept), exc,
-            )  # fmt: skip
+        if not kept or not release_held_leases(self.state, kept):
             return
         logger.info(
             "freed the key's places kept for the abandoned handlers of job(s) %s, which end "
