@@ -1,7 +1,7 @@
 """What each statement of the plain path costs PostgreSQL per job.
 
     python benchmarks/statement_cost.py [--jobs 20000] [--batch 100] [--without-index NAME]
-                                        [--prune {segments,rows}]
+                                        [--prune {segments,rows}] [--forget]
 
 Enqueues --jobs no-op jobs into a fresh database (``awa_bench_cost``, dropped
 afterwards), then runs the worker's statements by hand, batch by batch, as a
@@ -14,7 +14,9 @@ table (``pg_stat_user_tables``). Works without ``pg_stat_statements`` (the
 machine's server does not preload it). Execution time under EXPLAIN ANALYZE
 includes the instrumentation's own overhead: compare statements, not absolute
 figures across machines. ``--without-index`` (repeatable) drops the named index
-after migrating, to show what keeping it costs each job.
+after migrating, to show what keeping it costs each job. ``--forget`` completes
+with the form ``COMPLETED_RETENTION = 0`` runs (``sql.FORGETTING``): the completed
+rows deleted, not moved.
 
 Then the jobs' retention passes (``COMPLETED_RETENTION`` 0.5 s) and the script
 removes them: ``--prune segments`` (the default) by the maintenance's
@@ -146,6 +148,11 @@ def main() -> None:
         default="segments",
         help="remove the finished jobs by dropping their segment (default) or row by row",
     )
+    parser.add_argument(
+        "--forget",
+        action="store_true",
+        help="complete as COMPLETED_RETENTION = 0 does: the completed rows are not kept",
+    )
     args = parser.parse_args()
 
     with psycopg.connect(ADMIN_DSN, autocommit=True) as admin:
@@ -186,6 +193,7 @@ def main() -> None:
                 "deadlines": "{}",
                 "default_deadline": 1800.0,
             }
+            complete = sql.FORGETTING[sql.COMPLETE] if args.forget else sql.COMPLETE
             for batch in range(args.jobs // args.batch):
                 for name, value in _explain(cursor, sql.CLAIM, claim).items():
                     totals["CLAIM"][name] += value
@@ -196,7 +204,7 @@ def main() -> None:
                     "run_lease": "{" + ",".join(str(r[1]) for r in rows) + "}",
                     "started_ago": "{" + ",".join("0.001" for _ in rows) + "}",
                 }
-                for name, value in _explain(cursor, sql.COMPLETE, done).items():
+                for name, value in _explain(cursor, complete, done).items():
                     totals["COMPLETE"][name] += value
                 if batch % 10 == 9:
                     for name, value in _explain(

@@ -48,6 +48,7 @@ else:
         from django_tasks.signals import task_enqueued, task_finished, task_started
 
 from . import sql
+from .conf import not_kept_note
 from .db import postgresql_problem
 from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, prepare
 from .execute import JobContext
@@ -280,7 +281,7 @@ class AwaTaskBackend(BaseTaskBackend):
         try:
             job = Job.objects.using(alias).get(id=int(result_id), kind__startswith="task:")
         except (ValueError, OverflowError, Job.DoesNotExist):
-            raise TaskResultDoesNotExist(result_id) from None
+            raise TaskResultDoesNotExist(f"{result_id}{not_kept_note()}") from None
         task = _task_for(job.kind.partition(":")[2])
         if task is None:
             raise TaskResultDoesNotExist(f"{result_id}: task {job.kind} is not known here")

@@ -101,7 +101,9 @@ DESCRIPTIONS: dict[str, str] = {
         "`@awa.worker(deadline=...)` overrides it per kind."
     ),
     "SHUTDOWN_TIMEOUT": "On SIGTERM/SIGINT, how long in-flight jobs get to finish.",
-    "COMPLETED_RETENTION": "Completed jobs older than this are pruned; `None` keeps them.",
+    "COMPLETED_RETENTION": (
+        "Completed jobs older than this are pruned; `None` keeps them, 0 keeps none."
+    ),
     "FAILED_RETENTION": (
         "Failed and cancelled jobs older than this are pruned; `None` keeps them."
     ),
@@ -362,12 +364,14 @@ def problems(raw: Any = None) -> list[tuple[str, str]]:
             found.append((key, f"AWA[{key!r}]: {exc}"))
             continue
         longest = MAX_RETENTION if key.endswith("_RETENTION") else MAX_DURATION
-        if not 0 < seconds <= longest:
+        # COMPLETED_RETENTION = 0: completed jobs are not kept (sql.FORGETTING).
+        zero = key == "COMPLETED_RETENTION"
+        if not (0 <= seconds if zero else 0 < seconds) or seconds > longest:
             found.append(
                 (
                     key,
-                    f"AWA[{key!r}] must be a positive duration of at most "
-                    f"{longest / 86400:.0f} days, got {value!r}",
+                    f"AWA[{key!r}] must be {'0 or ' if zero else ''}a positive duration of "
+                    f"at most {longest / 86400:.0f} days, got {value!r}",
                 )
             )
     if "DATABASE" in raw:
@@ -593,6 +597,14 @@ def awa_settings() -> AwaSettings:
         ),
         worker_concurrency=merged["WORKER_CONCURRENCY"],
     )
+
+
+def not_kept_note() -> str:
+    """What a "no job with id N" message adds when completed jobs are not kept
+    (``COMPLETED_RETENTION = 0``): the job may have completed."""
+    if awa_settings().completed_retention == 0:
+        return " (or it completed: AWA['COMPLETED_RETENTION'] is 0, completed jobs are not kept)"
+    return ""
 
 
 @receiver(setting_changed)

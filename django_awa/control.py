@@ -17,6 +17,7 @@ from .conf import (
     MAX_GLOBAL_CONCURRENCY,
     QUEUE_NAME_RE,
     awa_settings,
+    not_kept_note,
     parse_rate,
     positive_int,
 )
@@ -32,7 +33,7 @@ def _get(job_id: int, alias: str) -> Job:
     try:
         return Job.objects.using(alias).get(id=job_id)
     except Job.DoesNotExist:
-        raise JobNotFound(f"no job with id {job_id}") from None
+        raise JobNotFound(f"no job with id {job_id}{not_kept_note()}") from None
 
 
 def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:

@@ -156,6 +156,8 @@ def _write(
     else:
         now = time.monotonic()
         params = db.as_columns([result.params(now) for result in results])
+    if plain:
+        statement = _kept_or_forgotten(statement)
     if leased:
         statement = sql.RELEASING[statement]
     with db.cursor(alias) as cursor:
@@ -172,6 +174,14 @@ def _write(
         for result, row in zip(applied, returned, strict=True):
             result.has_dependents = row[1]
     return applied
+
+
+def _kept_or_forgotten(statement: str) -> str:
+    """One of COMPLETE's forms, or its ``sql.FORGETTING`` form (if it has one) when
+    completed jobs are not kept (``COMPLETED_RETENTION = 0``)."""
+    if awa_settings().completed_retention == 0:
+        return sql.FORGETTING.get(statement, statement)
+    return statement
 
 
 def _holds_leases(results: Iterable[AttemptResult]) -> bool:
@@ -259,7 +269,7 @@ def _complete_handing_on(
             "places": places,
         }
     with db.cursor(alias) as cursor:
-        cursor.execute(statement, {**params, **claim_params()})
+        cursor.execute(_kept_or_forgotten(statement), {**params, **claim_params()})
         rows = cursor.fetchall()
         done = [row for row in rows if not row[0]]
         if len(done) < len(results):

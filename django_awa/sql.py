@@ -1277,13 +1277,35 @@ _ONE_ATTEMPT = f"""SELECT j.id, %(started_ago)s::float8 AS started_ago, {_KEEPS_
     FOR UPDATE OF j SKIP LOCKED"""
 
 
-def _complete_writes(attempts: str) -> str:
+# The completed rows a completion under COMPLETED_RETENTION = 0 still writes into
+# awa_job_done_current (FORGETTING): a job others depend on, whose state their
+# settling looks up (in this transaction, or a later one for a dependent
+# enqueued after it finished), and a workflow's member, by whose states the
+# workflow finishes.
+_STILL_READ = "gone.has_dependents OR gone.workflow_id IS NOT NULL"
+
+
+def _complete_writes(attempts: str, *, forget: bool = False) -> str:
     """COMPLETE's CTEs (held, kept, gone, moved) for ``attempts`` (``_ATTEMPT_ARRAYS``
     or ``_ONE_ATTEMPT``); ``{dependents}``, ``{returning_j}`` and ``{returning}`` left
     to fill. The rows kept or moved are found by primary key, = ANY of the ids held:
     joined with ``held`` only, the planner took a batch of hundreds for a hash
     against a read of the whole table, or, planned while the table looked empty,
-    read its whole primary key once per row held."""
+    read its whole primary key once per row held. With ``forget``, the form
+    FORGETTING names: only the deleted rows something still reads are moved."""
+    if forget:
+        moved = f"""moved AS (
+    SELECT {{returning}} FROM gone
+),
+stayed AS (
+    INSERT INTO awa_job_done_current ({JOB_COLUMNS})
+    SELECT * FROM gone WHERE {_STILL_READ}
+)"""
+    else:
+        moved = f"""moved AS (
+    INSERT INTO awa_job_done_current ({JOB_COLUMNS}) SELECT * FROM gone
+    RETURNING {{returning}}
+)"""
     return f"""
 WITH held AS (
     {attempts}
@@ -1303,10 +1325,7 @@ gone AS (
       AND NOT held.keeps_key{{dependents}}
     RETURNING {_DONE_ROW}
 ),
-moved AS (
-    INSERT INTO awa_job_done_current ({JOB_COLUMNS}) SELECT * FROM gone
-    RETURNING {{returning}}
-)"""
+{moved}"""
 
 
 _COMPLETE_TAIL = "\nSELECT * FROM kept UNION ALL SELECT * FROM moved\n"
@@ -1370,10 +1389,11 @@ COMPLETE_ONE_RETURNING_ROWS = _COMPLETE_ONE.format(dependents="", **_ALL_COLUMNS
 # Returns the completed rows' (id, has_dependents) in the columns of id and
 # has_dependents, the others NULL (claimed false), and the claimed rows
 # (claimed true). Index: as COMPLETE and HAND_ON.
-def _complete_hand_on(attempts: str, keys: str, besides: str) -> str:
-    """COMPLETE_HAND_ON for ``attempts`` (as ``_complete_writes``) and ``keys`` (as
-    ``_next_members``); ``besides`` leaves the members it completes out of ``nxt``."""
-    writes = _complete_writes(attempts).format(
+def _complete_hand_on(attempts: str, keys: str, besides: str, *, forget: bool = False) -> str:
+    """COMPLETE_HAND_ON for ``attempts`` (as ``_complete_writes``, ``forget`` too) and
+    ``keys`` (as ``_next_members``); ``besides`` leaves the members it completes out
+    of ``nxt``."""
+    writes = _complete_writes(attempts, forget=forget).format(
         dependents=_STANDALONE,
         returning_j="j.id, j.has_dependents, j.metadata ->> 'awa_sequence' AS seq",
         returning="id, has_dependents, metadata ->> 'awa_sequence'",
@@ -1405,6 +1425,42 @@ COMPLETE_HAND_ON = _complete_hand_on(
 # any plan would; the statistics autovacuum then gathers make PostgreSQL plan
 # it again.)
 COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %(id)s::bigint")
+
+
+# -- FORGETTING --
+# COMPLETE's forms (COMPLETE, COMPLETE_ONE, COMPLETE_HAND_ON and their
+# variants) as they run when AWA["COMPLETED_RETENTION"] is 0: completed jobs
+# are not kept. The completion deletes the row from awa_job and writes it
+# nowhere, unless something still reads it (_STILL_READ): those move into
+# awa_job_done_current as before, and leave with it at the next pruning pass.
+# A row that holds its unique key is completed in place as before. Each
+# returns what its keeping form returns, read from the deleted rows. Not the
+# _RETURNING_ROWS forms: they write jobs with follow-ups, which may name their
+# trigger in after= (inserted later in the same transaction, they would find
+# it gone), and jobs whose outcome a signal receiver is given; those are kept
+# until the next pruning pass too. Per job, no heap tuple and no four index
+# entries in awa_job_done_current (benchmarks/statement_cost.py --forget).
+def _forgetting() -> dict[str, str]:
+    arrays = _complete_writes(_ATTEMPT_ARRAYS, forget=True) + _COMPLETE_TAIL
+    one = _complete_writes(_ONE_ATTEMPT, forget=True) + _COMPLETE_TAIL
+    return {
+        COMPLETE: arrays.format(dependents="", **_ID_FLAG),
+        COMPLETE_STANDALONE: arrays.format(dependents=_STANDALONE, **_ID_FLAG),
+        COMPLETE_ONE: one.format(dependents="", **_ID_FLAG),
+        COMPLETE_ONE_STANDALONE: one.format(dependents=_STANDALONE, **_ID_FLAG),
+        COMPLETE_HAND_ON: _complete_hand_on(
+            _ATTEMPT_ARRAYS,
+            _KEY_ARRAYS,
+            " AND s.id <> ALL(ARRAY(SELECT id FROM done))",
+            forget=True,
+        ),
+        COMPLETE_HAND_ON_ONE: _complete_hand_on(
+            _ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %(id)s::bigint", forget=True
+        ),
+    }
+
+
+FORGETTING = _forgetting()
 
 
 # -- RELEASING --
@@ -1491,6 +1547,8 @@ RELEASING = {
         COMPLETE,
         COMPLETE_STANDALONE,
         COMPLETE_RETURNING_ROWS,
+        FORGETTING[COMPLETE],
+        FORGETTING[COMPLETE_STANDALONE],
     )
 }
 
@@ -2428,6 +2486,8 @@ PREPARED = frozenset(
         FINALIZE_ONE_RETURNING_ROWS,
     }
 )
+# COMPLETE's forms for one outcome are prepared in their FORGETTING form too.
+PREPARED |= {FORGETTING[statement] for statement in FORGETTING.keys() & PREPARED}
 
 
 # ==== The fleet and its figures (fleet.py, metrics.py) ====

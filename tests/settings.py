@@ -136,6 +136,7 @@ for _key in (
     "MAINTENANCE_INTERVAL",
     "SHUTDOWN_TIMEOUT",
     "DEFAULT_DEADLINE",
+    "COMPLETED_RETENTION",
 ):
     if os.environ.get(f"AWA_TEST_{_key}"):
         AWA[_key] = float(os.environ[f"AWA_TEST_{_key}"])

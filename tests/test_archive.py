@@ -26,7 +26,8 @@ from django_awa.maintenance import ARCHIVE_BATCH, Maintenance
 from django_awa.models import Job, JobState
 from django_awa.producer import claim
 from tests.conftest import make_job, wait_for
-from tests.testapp.jobs import Act, Echo
+from tests.testapp.jobs import Act, Echo, Noop, SequencedSpan
+from tests.testapp.models import FlowRun, Ledger
 
 ago = lambda **kw: timezone.now() - dt.timedelta(**kw)  # noqa: E731
 
@@ -423,22 +424,29 @@ def test_between_sweeps_a_tick_reads_only_rows_finished_since_the_last(monkeypat
 def _complete_in_worker(*rows: dict[str, object]) -> list[int]:
     """Claim, run and complete one job per entry of ``rows`` (its fields) as a worker
     does: the producer's CLAIM, the handler pool, the completer's batched COMPLETE."""
+    from tests.conftest import due_job
+
+    ids = [due_job(**fields).id for fields in rows]
+    _run_as_a_worker("default", len(ids))
+    return ids
+
+
+def _run_as_a_worker(queue: str, concurrency: int) -> None:
+    """One claim of up to ``concurrency`` due jobs of ``queue``, run and written as a
+    worker does: the producer's CLAIM, the handler pool, one batch of the completer."""
     from django_awa.completer import Completer
     from django_awa.handlers import HandlerPool
     from django_awa.producer import Producer
     from django_awa.state import WorkerState
-    from tests.conftest import due_job
 
-    ids = [due_job(**fields).id for fields in rows]
-    state = WorkerState.create({"default": len(ids)})
-    runner = state.queues["default"]
+    state = WorkerState.create({queue: concurrency})
+    runner = state.queues[queue]
     Producer(state, runner).run_once()
     pool = HandlerPool(state)
     while pool.run_once(runner, timeout=0):
         pass
     assert Completer(state).run_once() == []
     assert not state.running
-    return ids
 
 
 @pytest.mark.django_db
@@ -599,3 +607,90 @@ def test_segments_renamed_and_dropped_under_a_running_worker_lose_no_job(start_w
     assert not Job.objects.exists()
     assert segments() == []
     assert "could not be stored" not in worker.output()
+
+
+# -- COMPLETED_RETENTION = 0: completed jobs are not kept (sql.FORGETTING) --------------
+
+
+def _where(job_id: int) -> str | None:
+    """The table holding job ``job_id``'s row, None once it is gone."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tableoid::regclass::text FROM awa_job WHERE id = %s", [job_id])
+        row = cursor.fetchone()
+    return row[0] if row else None
+
+
+@pytest.mark.django_db
+def test_with_no_retention_a_completion_keeps_only_the_rows_something_still_reads(settings):
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 0}
+    plain = awa.enqueue(Noop(n=1))
+    unique = awa.Unique(by_args=True, states=("available", "running", "completed"))
+    held = awa.enqueue(Noop(n=2), unique=unique)
+    depended_on = awa.enqueue(Noop(n=3))
+    dependent = awa.enqueue(Echo(n=3), after=[depended_on])
+    flow = awa.Workflow("kept")
+    member = flow.add(Noop(n=4))
+    (member,) = flow.enqueue()
+
+    _run_as_a_worker("bulk", 10)
+
+    # One batch wrote all four: the plain job is gone, nowhere in any table (and
+    # asking for it says why it may be)...
+    assert _where(plain.id) is None
+    with pytest.raises(awa.JobNotFound, match="or it completed: .*'COMPLETED_RETENTION'.* 0"):
+        awa.cancel(plain.id)
+    # ...the key holder completed in place, still holding its key...
+    assert _where(held.id) == "awa_job"
+    assert Job.objects.get(id=held.id).state == JobState.COMPLETED
+    with pytest.raises(awa.UniqueConflict):
+        awa.enqueue(Noop(n=2), unique=unique)
+    # ...the job another depends on kept, and its dependent released by it...
+    assert _where(depended_on.id) == "awa_job_done_current"
+    assert Job.objects.get(id=dependent.id).state == JobState.AVAILABLE
+    # ...and the workflow's member kept: the workflow is complete, not empty.
+    assert _where(member.id) == "awa_job_done_current"
+    assert awa.workflow_status(member.workflow_id).counts[JobState.COMPLETED] == 1
+    # The kept rows leave at the next pruning pass, as a retention of 0 asks (the
+    # test's transaction began before they finished: its now() is earlier).
+    kept = [held.id, depended_on.id, member.id]
+    Job.objects.filter(id__in=kept).update(finalized_at=ago(seconds=1))
+    assert Maintenance().prune() == 3
+    assert not Job.objects.filter(id__in=kept).exists()
+
+
+@pytest.mark.django_db
+def test_with_no_retention_a_completion_alone_is_not_kept_either(settings):
+    # A batch of one: the prepared COMPLETE_ONE form, not the arrays.
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 0}
+    alone = awa.enqueue(Noop(n=1))
+    _run_as_a_worker("bulk", 1)
+    assert _where(alone.id) is None
+    # With a retention, the same completion keeps the job.
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
+    kept = awa.enqueue(Noop(n=2))
+    _run_as_a_worker("bulk", 1)
+    assert _where(kept.id) == "awa_job_done_current"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_keeping_no_completed_jobs_runs_follow_ups_and_sequences(start_worker):
+    # A job with follow-ups is kept until the next pruning pass, so they may name
+    # it (lineage, after=); a sequence's members hand on (COMPLETE_HAND_ON's form).
+    worker = start_worker(
+        "--queue", "default", "--queue", "echo", "--queue", "bulk", "--queue", "seq",
+        env={"AWA_TEST_COMPLETED_RETENTION": "0"},
+    )  # fmt: skip
+    with transaction.atomic():
+        plain = awa.enqueue_many([Noop(n=n) for n in range(50)])
+        act = awa.enqueue(Act(action="ok"))
+        members = [awa.enqueue(SequencedSpan(key="s", n=n, seconds=0)) for n in range(5)]
+    wait_for(
+        lambda: not Job.objects.exclude(state=JobState.COMPLETED).exists(),
+        timeout=20,
+        message=lambda: str(list(Job.objects.values_list("id", "kind", "state"))),
+    )
+    assert not Job.objects.filter(id__in=[*plain, *(j.id for j in members)]).exists()
+    # Act's two on_completed follow-ups ran (and, plain completions, are gone too).
+    assert Ledger.objects.filter(note=f"echo:{act.id}").count() == 2
+    assert FlowRun.objects.filter(key="s").count() == 5
+    assert "Traceback" not in worker.output()

@@ -465,7 +465,7 @@ GOOD: dict[str, list[Any]] = {
     "MAINTENANCE_INTERVAL": [1, 0.25],
     "DEFAULT_DEADLINE": [None, 60, dt.timedelta(minutes=5)],
     "SHUTDOWN_TIMEOUT": [1, 30.0],
-    "COMPLETED_RETENTION": [None, 86400],
+    "COMPLETED_RETENTION": [None, 86400, 0, dt.timedelta(0)],  # 0: none kept
     "FAILED_RETENTION": [None, dt.timedelta(days=7)],
     "CALLBACK_SECRET": [None, "s3cret"],
     "PRIORITY_AGING_INTERVAL": [None, 60],
@@ -492,6 +492,12 @@ BAD_DURATION = [
     10**200,  # a float, but no timestamp lies that far away
     dt.timedelta.max,
 ]
+# What COMPLETED_RETENTION takes beyond the other durations: zero (keep no completed job).
+BAD_RETENTION = [
+    value
+    for value in BAD_DURATION
+    if not any(type(value) is type(zero) and value == zero for zero in (0, dt.timedelta(0)))
+]
 BAD: dict[str, list[Any]] = {
     "DATABASE": ["nope", 3, None, ["default"], {"default": 1}, ""],
     "QUEUES": [
@@ -514,7 +520,7 @@ BAD: dict[str, list[Any]] = {
     "MAINTENANCE_INTERVAL": [*BAD_DURATION, None],
     "DEFAULT_DEADLINE": BAD_DURATION,
     "SHUTDOWN_TIMEOUT": [*BAD_DURATION, None],
-    "COMPLETED_RETENTION": BAD_DURATION,
+    "COMPLETED_RETENTION": BAD_RETENTION,
     "FAILED_RETENTION": BAD_DURATION,
     "CALLBACK_SECRET": ["", 5, b"bytes", ["x"]],
     "PRIORITY_AGING_INTERVAL": BAD_DURATION,

@@ -17,6 +17,7 @@ AWA = {
     "QUEUES": {"bench": {}},
 }
 
-# sustained.py --completed-retention: completed jobs pruned this many seconds on.
+# sustained.py --completed-retention, run.py --set django-awa.completed_retention=S:
+# completed jobs pruned this many seconds on (0: not kept).
 if os.environ.get("BENCH_COMPLETED_RETENTION"):
     AWA["COMPLETED_RETENTION"] = float(os.environ["BENCH_COMPLETED_RETENTION"])

@@ -8,6 +8,9 @@
   ``--set django-awa.processes=P`` change them (``--processes`` is used only
   when the command offers it; otherwise P separate worker commands run);
 - finished jobs: ``awa_job`` rows of the bench queue in state ``completed``;
+  with ``--set django-awa.completed_retention=0`` (``COMPLETED_RETENTION = 0``:
+  completed jobs are deleted as they complete) the jobs ever enqueued less
+  those of the bench queue still to finish;
 - ORM workloads: ``TouchAccount`` / ``TouchAccountAtomic`` (``atomic=True``)
   jobs in the bench queue, handlers in ``djbench/awa_app/jobs.py``;
 - extra workloads: a drain whose every job has an ``on_completed`` follow-up
@@ -38,11 +41,17 @@ class DjangoAwa(System):
     module = "django_awa"
     distribution = "django-awa"
     count_done_sql = "SELECT count(*) FROM awa_job WHERE state = 'completed' AND queue = 'bench'"
+    # With COMPLETED_RETENTION = 0 a completed job leaves no row: every id the
+    # sequence gave (enqueue takes one per job) less the bench jobs not finished.
+    count_gone_sql = """
+        SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('awa_job', 'id')), 0)
+             - (SELECT count(*) FROM awa_job WHERE queue = 'bench' AND state <> 'completed')"""
     count_followups_sql = f"SELECT count(*) FROM awa_job WHERE queue = '{FOLLOWUP_QUEUE}'"  # noqa: S608
     # The defaults a user gets: `awa_worker --queue bench`, one process, the
     # default concurrency (0 here means "not given on the command line").
-    settings = {"processes": 1, "concurrency": 0}
-    defaults = {"processes": 1, "concurrency": 0}
+    # completed_retention: AWA["COMPLETED_RETENTION"] in seconds ("": the default).
+    settings = {"processes": 1, "concurrency": 0, "completed_retention": ""}
+    defaults = {"processes": 1, "concurrency": 0, "completed_retention": ""}
     # The fastest ORM-handler drain found on 2 cores (see README).
     orm_best = {"processes": 2, "concurrency": 20}
     orm_handlers = ("orm", "atomic")
@@ -60,14 +69,29 @@ class DjangoAwa(System):
     def describe(self) -> str:
         processes = int(self.settings["processes"])
         concurrency = int(self.settings["concurrency"])
+        retention = str(self.settings["completed_retention"])
+        kept = f", COMPLETED_RETENTION={retention}" if retention else ""
         if processes == 1 and not concurrency:
-            return "awa_worker defaults: 1 process, concurrency 10"
-        return f"processes={processes}, concurrency={concurrency or 10}"
+            return f"awa_worker defaults: 1 process, concurrency 10{kept}"
+        return f"processes={processes}, concurrency={concurrency or 10}{kept}"
 
     def env(self, **extra: str) -> dict[str, str]:
         env = super().env(**{"DJANGO_SETTINGS_MODULE": SETTINGS, **extra})
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO_ROOT)])
+        if self.settings["completed_retention"] != "":
+            env["BENCH_COMPLETED_RETENTION"] = str(self.settings["completed_retention"])
         return env
+
+    def count_done(self) -> int:
+        if not self._keeps_none():
+            return super().count_done()
+        row = self.connection().execute(self.count_gone_sql).fetchone()
+        return int(row[0] or 0) if row else 0
+
+    def _keeps_none(self) -> bool:
+        """Whether the worker keeps no completed job (``completed_retention=0``)."""
+        retention = str(self.settings["completed_retention"])
+        return retention != "" and float(retention) == 0
 
     def worker_env(self, mode: str) -> dict[str, str]:
         if mode == "followups":

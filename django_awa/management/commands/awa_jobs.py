@@ -20,7 +20,7 @@ from django.core.management.base import CommandParser
 from django.db.models import QuerySet
 
 from django_awa import bulk, control
-from django_awa.conf import QUEUE_NAME_RE, did_you_mean
+from django_awa.conf import QUEUE_NAME_RE, did_you_mean, not_kept_note
 from django_awa.exceptions import UniqueConflict, ValidationError
 from django_awa.kinds import registry
 from django_awa.management.operator import OperatorCommand, nothing, table, usage
@@ -201,7 +201,7 @@ class Command(OperatorCommand):
     def show(self, options: dict[str, Any]) -> None:
         job = Job.objects.using(self.alias).filter(id=options["job_id"]).first()
         if job is None:
-            raise nothing(f"no job with id {options['job_id']}")
+            raise nothing(f"no job with id {options['job_id']}{not_kept_note()}")
         document = {
             **_summary(job),
             "created_at": job.created_at,
