@@ -211,6 +211,8 @@ ATTEMPT_STATEMENTS = [
     "COMPLETE",
     "COMPLETE_STANDALONE",
     "COMPLETE_RETURNING_ROWS",
+    "FORGETTING[COMPLETE]",
+    "FORGETTING[COMPLETE_STANDALONE]",
     "HEARTBEAT",
     "STILL_HELD",
     "SET_PROGRESS",
@@ -218,19 +220,29 @@ ATTEMPT_STATEMENTS = [
 ]
 
 
+def statement_named(name: str) -> str:
+    """``sql.<name>``; for ``FORGETTING[<X>]``, the form ``sql.FORGETTING`` holds for
+    ``sql.<X>`` (COMPLETED_RETENTION = 0)."""
+    from django_awa import sql
+
+    if name.startswith("FORGETTING["):
+        return sql.FORGETTING[getattr(sql, name.removeprefix("FORGETTING[").removesuffix("]"))]
+    return getattr(sql, name)
+
+
 def explained(name: str, ids: list[int]) -> list[str]:
     """The plan of statement ``sql.<name>`` for a batch of attempts of ``ids``."""
-    from django_awa import db, sql
+    from django_awa import db
 
     params = attempt_params(ids)
-    if name.startswith("COMPLETE"):
+    if name.startswith(("COMPLETE", "FORGETTING")):
         params.update(
             id=db.int_array(ids),
             run_lease=db.int_array(params["run_lease"]),  # type: ignore[arg-type]
             started_ago=db.float_array(params["started_ago"]),  # type: ignore[arg-type]
         )
     with connection.cursor() as cursor:
-        cursor.execute("EXPLAIN " + getattr(sql, name), params)
+        cursor.execute("EXPLAIN " + statement_named(name), params)
         return [row[0] for row in cursor.fetchall()]
 
 
@@ -335,6 +347,8 @@ ONE_OUTCOME_STATEMENTS = [
     "COMPLETE_ONE",
     "COMPLETE_ONE_STANDALONE",
     "COMPLETE_ONE_RETURNING_ROWS",
+    "FORGETTING[COMPLETE_ONE]",
+    "FORGETTING[COMPLETE_ONE_STANDALONE]",
     "FINALIZE_ONE",
     "FINALIZE_ONE_STANDALONE",
     "FINALIZE_ONE_RETURNING_ROWS",
@@ -349,12 +363,11 @@ def test_the_prepared_outcome_of_one_attempt_reads_it_by_primary_key_when_planne
     statement, which PostgreSQL may plan once for any parameters after its fifth
     run: that plan must still find the one row by primary key, with statistics that
     say nothing is running, never read the running rows or the table."""
-    from django_awa import sql
     from tests.conftest import generic_plan
 
     batch = attempt_params(running_since_an_idle_analyze)
     params = {key: value[0] for key, value in batch.items() if isinstance(value, list)}
-    shown = generic_plan(getattr(sql, name), params)
+    shown = generic_plan(statement_named(name), params)
     assert "awa_job_running_idx" not in shown, shown
     assert re.search(r"Index Scan using awa_job_pkey on awa_job j(_\d+)? ", shown), shown
     assert "Seq Scan on awa_job" not in shown, shown
