@@ -28,6 +28,7 @@ from django.db import DatabaseError, transaction
 
 from . import db, sql, wakeups
 from .compat import savepoint_create
+from .conf import not_kept_note
 from .enqueueing import Inserted, PreparedJob, unique_conflict
 from .exceptions import ValidationError
 from .followups import Cancelled, FollowupError, Outcome, dispatch, followup_registry, send_signal
@@ -75,6 +76,7 @@ def insert_with_dependencies(
             raise ValidationError(
                 f"after names job id {unknown[0]}, which does not exist"
                 + (f" (nor do {', '.join(map(str, unknown[1:]))})" if len(unknown) > 1 else "")
+                + not_kept_note()
             )
         depended_on = {i for p in prepared for i in p.after}
         for p in prepared:

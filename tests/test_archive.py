@@ -637,8 +637,11 @@ def test_with_no_retention_a_completion_keeps_only_the_rows_something_still_read
     # One batch wrote all four: the plain job is gone, nowhere in any table (and
     # asking for it says why it may be)...
     assert _where(plain.id) is None
-    with pytest.raises(awa.JobNotFound, match="or it completed: .*'COMPLETED_RETENTION'.* 0"):
+    with pytest.raises(awa.JobNotFound, match=r"or it completed: .*'COMPLETED_RETENTION'.* 0"):
         awa.cancel(plain.id)
+    # A job that waits for it can no longer be enqueued, as once it is pruned.
+    with pytest.raises(awa.ValidationError, match=f"job id {plain.id}, .*or it completed"):
+        awa.enqueue(Echo(n=1), after=[plain.id])
     # ...the key holder completed in place, still holding its key...
     assert _where(held.id) == "awa_job"
     assert Job.objects.get(id=held.id).state == JobState.COMPLETED
