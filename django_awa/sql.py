@@ -1278,9 +1278,9 @@ _ONE_ATTEMPT = f"""SELECT j.id, %(started_ago)s::float8 AS started_ago, {_KEEPS_
 
 
 # The completed rows a completion under COMPLETED_RETENTION = 0 still writes into
-# awa_job_done_current (FORGETTING): a job others depend on, whose state their
-# settling looks up (in this transaction, or a later one for a dependent
-# enqueued after it finished), and a workflow's member, by whose states the
+# awa_job_done_current (FORGETTING): a job others depend on, whose state the
+# settling of its dependents looks up (now, or when another of their
+# dependencies finishes), and a workflow's member, by whose states the
 # workflow finishes.
 _STILL_READ = "gone.has_dependents OR gone.workflow_id IS NOT NULL"
 
@@ -1409,9 +1409,8 @@ UNION ALL SELECT false, {_null_row_but("d", ("id", "has_dependents"))} FROM done
 """
 
 
-COMPLETE_HAND_ON = _complete_hand_on(
-    _ATTEMPT_ARRAYS, _KEY_ARRAYS, " AND s.id <> ALL(ARRAY(SELECT id FROM done))"
-)
+_BESIDES_DONE = " AND s.id <> ALL(ARRAY(SELECT id FROM done))"
+COMPLETE_HAND_ON = _complete_hand_on(_ATTEMPT_ARRAYS, _KEY_ARRAYS, _BESIDES_DONE)
 
 # -- COMPLETE_HAND_ON_ONE --
 # COMPLETE_HAND_ON for one completion (%(id)s, %(run_lease)s, %(started_ago)s)
@@ -1424,7 +1423,8 @@ COMPLETE_HAND_ON = _complete_hand_on(
 # table of a page or two without statistics that plan reads awa_job whole, as
 # any plan would; the statistics autovacuum then gathers make PostgreSQL plan
 # it again.)
-COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %(id)s::bigint")
+_BESIDES_ONE = " AND s.id <> %(id)s::bigint"
+COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, _BESIDES_ONE)
 
 
 # -- FORGETTING --
@@ -1449,14 +1449,9 @@ def _forgetting() -> dict[str, str]:
         COMPLETE_ONE: one.format(dependents="", **_ID_FLAG),
         COMPLETE_ONE_STANDALONE: one.format(dependents=_STANDALONE, **_ID_FLAG),
         COMPLETE_HAND_ON: _complete_hand_on(
-            _ATTEMPT_ARRAYS,
-            _KEY_ARRAYS,
-            " AND s.id <> ALL(ARRAY(SELECT id FROM done))",
-            forget=True,
+            _ATTEMPT_ARRAYS, _KEY_ARRAYS, _BESIDES_DONE, forget=True
         ),
-        COMPLETE_HAND_ON_ONE: _complete_hand_on(
-            _ONE_ATTEMPT, _ONE_KEY, " AND s.id <> %(id)s::bigint", forget=True
-        ),
+        COMPLETE_HAND_ON_ONE: _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, _BESIDES_ONE, forget=True),
     }
 
 
