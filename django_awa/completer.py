@@ -325,7 +325,7 @@ class Completer:
             )
             if hand_on is not None:
                 start_handed_on(self.state, hand_on)
-        notify_freed(self.state, (result for result in batch if not result.locked), handed_on)
+        notify_freed(self.state, [result for result in batch if not result.locked], handed_on)
         written = []
         for result in batch:
             if result.locked:

@@ -80,7 +80,8 @@ class _FollowupsFailed(Exception):
 
 
 def _has_followups(result: AttemptResult) -> bool:
-    return result.outcome is not None and followup_registry.has(result.outcome, result.job.kind)
+    outcome = result.outcome  # a property: read once, for every result of a batch
+    return outcome is not None and followup_registry.has(outcome, result.job.kind)
 
 
 def _heard(outcomes: Iterable[Outcome | None]) -> set[Outcome]:
@@ -103,9 +104,9 @@ def _started_ago(results: Sequence[AttemptResult]) -> str:
 
 
 def _wants_rows(results: Sequence[AttemptResult]) -> bool:
-    if any(result.state == JobState.WAITING_EXTERNAL for result in results):
+    if JobState.WAITING_EXTERNAL in {result.state for result in results}:
         return True  # to see a callback that arrived early
-    return bool(_heard(result.outcome for result in results))
+    return bool(_heard({result.outcome for result in results}))
 
 
 # The statements _write runs, by (every outcome a plain completion, one outcome
@@ -132,9 +133,7 @@ def _write(
         return []
     by_id = {r.job.id: r for r in results}
     leased = _holds_leases(results)
-    plain = all(
-        r.state == JobState.COMPLETED and r.progress is None and r.result is None for r in results
-    )
+    plain = _completions(results)
     # An atomic handler's outcome, or a batch of one: the prepared form for one.
     one = len(results) == 1 and not leased
     in_transaction, alone, with_rows = _FORMS[plain, one]
@@ -149,8 +148,8 @@ def _write(
         )
     elif plain:
         params = {
-            "id": db.int_array(r.job.id for r in results),
-            "run_lease": db.int_array(r.job.run_lease for r in results),
+            "id": db.int_array([r.job.id for r in results]),
+            "run_lease": db.int_array([r.job.run_lease for r in results]),
             "started_ago": _started_ago(results),
         }
     else:
@@ -480,7 +479,7 @@ def finalize(
     for result in results:
         (special if _has_followups(result) else plain).append(result)
     rows = _wants_rows(plain)
-    dependents = any(r.job.has_dependents for r in plain)
+    dependents = any([r.job.has_dependents for r in plain])
     handing_on = bool(finished_keys(plain))
     if (
         handing_on
@@ -521,8 +520,11 @@ def finalize(
 
 def _completions(results: Sequence[AttemptResult]) -> bool:
     """Whether every result is a completion without progress or result (sql.COMPLETE's)."""
+    # Over a batch, this module's per-job passes are comprehensions, not generator
+    # expressions: a comprehension runs inline (PEP 709), where a generator is
+    # resumed once per job.
     return all(
-        r.state == JobState.COMPLETED and r.progress is None and r.result is None for r in results
+        [r.state == JobState.COMPLETED and r.progress is None and r.result is None for r in results]
     )
 
 

@@ -586,6 +586,14 @@ def test_an_earlier_attempts_early_callback_does_not_block_this_ones():
     ]
 
 
+def test_an_early_callback_is_applied_at_the_park_of_a_kind_without_follow_ups():
+    # No follow-up asks for the parked row: finalize reads it all the same, for the answer.
+    job = parked_row(kind="echo", args={"n": 1}, state=JobState.RUNNING, run_lease=1)
+    assert awa.complete_external(job.callback_id, {"early": True}).state == JobState.RUNNING
+    row = _park_in_process(job.id)
+    assert row.state == JobState.COMPLETED and row.metadata == {RESULT_KEY: {"early": True}}
+
+
 def test_an_early_callback_whose_followup_fails_leaves_the_job_parked():
     job = parked_row(state=JobState.RUNNING, run_lease=1)
     awa.complete_external(job.callback_id, {"explode": True})

@@ -619,6 +619,24 @@ def test_atomic_handler_of_a_stale_attempt_rolls_its_writes_back():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_signal_is_sent_for_a_kind_without_follow_ups():
+    # No follow-up asks for the written rows: the receiver does (finalize._wants_rows).
+    received = []
+
+    def receiver(sender, job, **kwargs):
+        received.append((job.id, job.state))
+
+    signals.job_completed.connect(receiver)
+    try:
+        job = awa.enqueue(Echo(n=1))
+        (claimed,) = claim("echo", 1, "default")
+        finalize([completed(claimed)], "default")
+        assert received == [(job.id, JobState.COMPLETED)]
+    finally:
+        signals.job_completed.disconnect(receiver)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_signals_are_sent_after_commit_only():
     received = []
 
