@@ -476,8 +476,11 @@ def finalize(
     _hold_leases([r for r in results if r.keeps_lease], alias)
     plain: list[AttemptResult] = []
     special: list[AttemptResult] = []
-    for result in results:
-        (special if _has_followups(result) else plain).append(result)
+    if followup_registry.all:
+        for result in results:
+            (special if _has_followups(result) else plain).append(result)
+    else:
+        plain.extend(results)  # no follow-up declared in this process: nothing to ask a job
     rows = _wants_rows(plain)
     dependents = any([r.job.has_dependents for r in plain])
     handing_on = bool(finished_keys(plain))
@@ -534,8 +537,10 @@ def _again_with_dependents(
     """Write, in a transaction that settles their dependents (and hands their
     sequences on), the ``results`` a standalone statement left out for their
     dependents; return those that applied."""
-    written = {r.job.id for r in applied}
-    flagged = [r for r in results if r.has_dependents and not r.locked and r.job.id not in written]
+    flagged = [r for r in results if r.has_dependents and not r.locked]
+    if flagged:  # (rare: the set of those written is made only then)
+        written = {r.job.id for r in applied}
+        flagged = [r for r in flagged if r.job.id not in written]
     if not flagged:
         return []
     with transaction.atomic(using=alias):

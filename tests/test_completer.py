@@ -8,6 +8,7 @@ import psycopg
 import pytest
 
 from django_awa.completer import Completer
+from django_awa.followups import followup_registry
 from django_awa.handlers import HandlerPool
 from django_awa.listener import listen_params
 from django_awa.models import Job, JobState
@@ -50,6 +51,22 @@ def test_run_once_writes_the_queued_results_and_forgets_their_attempts():
     }
     assert not state.running and state.processed == 3
     assert Completer(state).run_once() == []  # nothing queued: returns at once
+
+
+@pytest.mark.django_db
+def test_a_process_that_declares_no_follow_up_writes_its_outcomes_all_the_same(monkeypatch):
+    # finalize asks no result for its follow-ups when none is declared at all (the
+    # test app declares some): every outcome still goes to the statement.
+    monkeypatch.setattr(followup_registry, "all", [])
+    monkeypatch.setattr(followup_registry, "_specs", {})
+    state, ids = _run(3)
+
+    assert Completer(state).run_once() == []
+
+    assert set(Job.objects.filter(id__in=ids).values_list("state", flat=True)) == {
+        JobState.COMPLETED
+    }
+    assert not state.running and state.processed == 3
 
 
 @pytest.mark.django_db(transaction=True)

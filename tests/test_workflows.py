@@ -16,7 +16,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
-from django_awa.execute import Attempt, AttemptResult, run_attempt
+from django_awa.execute import Attempt, AttemptResult, completed, run_attempt
 from django_awa.finalize import finalize
 from django_awa.followups import FollowupSpec, Outcome, followup_registry
 from django_awa.maintenance import Maintenance
@@ -299,6 +299,24 @@ def test_an_atomic_dependency_releases_its_dependent_in_its_own_transaction():
     assert second.state == JobState.BLOCKED
     run_next()
     assert Job.objects.get(id=first.id).result == {"atomic": "one"}
+    assert state(second) == JobState.AVAILABLE
+
+
+@db
+def test_a_job_that_gained_a_dependent_while_it_ran_settles_it_when_it_completes():
+    # Claimed without dependents, its completion goes to the one statement that is its
+    # own transaction, which leaves out a job with dependents: written again, in the
+    # transaction that releases its dependent (finalize._again_with_dependents).
+    from tests.testapp.jobs import Echo
+
+    first = awa.enqueue(Echo(n=1))
+    (claimed,) = claim("echo", 1, "default")
+    assert not claimed.has_dependents
+    second = awa.enqueue(Echo(n=2), after=[first])
+    assert second.state == JobState.BLOCKED
+
+    assert [r.job.id for r in finalize([completed(claimed)], "default")] == [first.id]
+    assert state(first) == JobState.COMPLETED
     assert state(second) == JobState.AVAILABLE
 
 
