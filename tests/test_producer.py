@@ -80,3 +80,17 @@ def test_a_failed_claim_gives_its_room_back(monkeypatch):
     with pytest.raises(OperationalError):
         producer.run_once()
     assert producer.runner.held == 0 and not state.running
+
+
+@pytest.mark.django_db
+def test_a_claimed_rows_json_columns_hold_what_the_row_holds():
+    # Parsed from the claim's text (models._json_parsed), empty or not, as the ORM reads them.
+    empty = due_job()
+    full = due_job(errors=[{"attempt": 1}], metadata={"k": [1, {}]}, tags=["t"], result=[])
+    claimed = {job.id: job for job in producer_module.claim("default", 10, "default")}
+    for job in (empty, full):
+        row = Job.objects.get(id=job.id)
+        columns = ("args", "errors", "metadata", "tags", "progress", "unique_states", "result")
+        got = [getattr(claimed[job.id], name) for name in columns]
+        want = [getattr(row, name) for name in columns]
+        assert got == want and [type(v) for v in got] == [type(v) for v in want]
