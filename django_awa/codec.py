@@ -343,6 +343,16 @@ def decode_args(cls: type[JobArgs], data: Any) -> JobArgs:
         values = {}
         for name, hint, optional in plan:
             value = data.get(name, _MISSING)
+            kind = type(value)
+            # A number or bool of exactly its field's type (as JSON gives it, most
+            # often): _plain_ok's check for that type alone, without the call.
+            if kind is hint and (
+                (kind is int and value.bit_length() <= MAX_INT_BITS)
+                or (kind is float and math.isfinite(value))
+                or kind is bool
+            ):
+                values[name] = value
+                continue
             if value is _MISSING or not _plain_ok(hint, value, optional):
                 break  # the general path names what is wrong
             values[name] = float(value) if hint is float and isinstance(value, int) else value
