@@ -78,12 +78,28 @@ IDLE_CHECK_AFTER = 1.0
 # seconds, before the event loop stops (the process's threads get 3 s in all).
 LOOP_GRACE = 1.0
 
-_thread = threading.local()
+
+class _ThreadState(threading.local):
+    """A thread's own: its connection objects, and what the checks around its jobs keep.
+
+    The class's values are a new thread's: each job reads them as plain
+    attributes (a thread's first read finds the class's), with no call to
+    ``getattr`` or to ``_thread_connections`` once a thread has its connections.
+    """
+
+    connections: list[tuple[Any, bool]] | None = None  # _thread_connections()
+    outages = 0  # db.outage_count when the thread last looked (close_dead_connections)
+    last_job_at = 0.0  # time.monotonic() after its last job (job_done)
+    handler_thread = False  # a handler thread's: outside any transaction between jobs
+    pooled = False  # its last job held a pooled connection (release_connections)
+
+
+_thread = _ThreadState()
 
 
 def _thread_connections() -> list[tuple[Any, bool]]:
     """This thread's Django connections, each with whether its alias has Django's pool."""
-    wrappers: list[tuple[Any, bool]] | None = getattr(_thread, "connections", None)
+    wrappers = _thread.connections
     if wrappers is None:
         wrappers = _thread.connections = [
             (connections[alias], db.is_pooled(connections[alias])) for alias in connections
@@ -104,14 +120,14 @@ def close_dead_connections() -> None:
     would cost the job an attempt. Under load, two comparisons and nothing
     more.
     """
-    wrappers = _thread_connections()
+    wrappers = _thread.connections or _thread_connections()
     if _thread.outages != db.outage_count:
         _thread.outages = db.outage_count
         for conn, _pooled in wrappers:
             with contextlib.suppress(Exception):
                 conn.close()
         return
-    if time.monotonic() - getattr(_thread, "last_job_at", 0.0) < IDLE_CHECK_AFTER:
+    if time.monotonic() - _thread.last_job_at < IDLE_CHECK_AFTER:
         return
     for conn, _pooled in wrappers:
         # Outside a transaction only: a test's (run_once) is not the worker's to close.
@@ -162,7 +178,7 @@ def discard_open_transactions(marks: list[tuple[int, bool]] | None) -> list[str]
     check: attribute reads, no query.
     """
     left = []
-    for index, (conn, pooled) in enumerate(_thread_connections()):
+    for index, (conn, pooled) in enumerate(_thread.connections or _thread_connections()):
         if conn.connection is None:
             continue
         # Between a handler thread's jobs: no atomic block, autocommit as configured.
@@ -221,7 +237,7 @@ def release_connections(keep: bool = False) -> bool:
     Returns whether the thread held a pooled connection, kept or not.
     """
     held = False
-    for conn, pooled in _thread_connections():
+    for conn, pooled in _thread.connections or _thread_connections():
         if conn.connection is None:
             continue
         if conn.errors_occurred:
@@ -432,7 +448,7 @@ class HandlerPool:
                 self.execute(handler, attempt)
                 if gate is None:
                     continue
-                handler.on_pool = getattr(_thread, "pooled", False)
+                handler.on_pool = _thread.pooled
                 gate.note(runner.name, handler.on_pool)
                 if slot and (not handler.on_pool or gate.wanted_elsewhere(runner.name)):
                     release_connections()
@@ -626,7 +642,7 @@ class HandlerPool:
     def _run_logged(self, attempt: Attempt) -> AttemptResult | None:
         """Run it; the result handed on or written (None: a stale atomic attempt)."""
         result: AttemptResult | None
-        marks = None if getattr(_thread, "handler_thread", False) else transaction_marks()
+        marks = None if _thread.handler_thread else transaction_marks()
         try:
             resolved = resolve_handler(attempt.job)
             if isinstance(resolved, AttemptResult):
