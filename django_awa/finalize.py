@@ -100,7 +100,10 @@ def _started_ago(results: Sequence[AttemptResult]) -> str:
     """Each result's ``started_ago`` as a batch's ``%(started_ago)s::float8[]``, the
     clock read once for the batch rather than once a job."""
     now = time.monotonic()
-    return db.float_array([r.started_ago(now) for r in results])
+    # AttemptResult.started_ago's arithmetic, without a call a job.
+    return db.float_array(
+        [None if (started := r.started) is None else max(0.0, now - started) for r in results]
+    )
 
 
 def _wants_rows(results: Sequence[AttemptResult]) -> bool:
@@ -526,9 +529,8 @@ def _completions(results: Sequence[AttemptResult]) -> bool:
     # Over a batch, this module's per-job passes are comprehensions, not generator
     # expressions: a comprehension runs inline (PEP 709), where a generator is
     # resumed once per job.
-    return all(
-        [r.state == JobState.COMPLETED and r.progress is None and r.result is None for r in results]
-    )
+    completed = JobState.COMPLETED  # read once: an enum member is no plain attribute
+    return all([r.state == completed and r.progress is None and r.result is None for r in results])
 
 
 def _again_with_dependents(
@@ -553,8 +555,9 @@ def _again_with_dependents(
 def _log_all(applied: Sequence[AttemptResult]) -> None:
     # Completed jobs are logged at INFO only: whether it is on is asked once a batch.
     info = logger.isEnabledFor(logging.INFO)
+    completed = JobState.COMPLETED  # read once: an enum member is no plain attribute
     for result in applied:
-        if info or result.state != JobState.COMPLETED:
+        if info or result.state != completed:
             _log(result)
 
 

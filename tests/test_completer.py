@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import psycopg
 import pytest
+from django.utils import timezone
 
 from django_awa.completer import Completer
 from django_awa.followups import followup_registry
@@ -67,6 +69,23 @@ def test_a_process_that_declares_no_follow_up_writes_its_outcomes_all_the_same(m
         JobState.COMPLETED
     }
     assert not state.running and state.processed == 3
+
+
+@pytest.mark.django_db
+def test_a_batchs_attempted_at_is_when_each_of_its_handlers_began():
+    # One array of started_ago for the batch (finalize._started_ago): each job's own.
+    state, ids = _run(2)
+    results = [state.results.get_nowait() for _ in ids]
+    now = time.monotonic()
+    results[0].started, results[1].started = now - 30.0, now - 60.0
+    for result in results:
+        state.results.put(result)
+
+    assert Completer(state).run_once() == []
+
+    began = {job.id: job.attempted_at for job in Job.objects.filter(id__in=ids)}
+    ago = [(timezone.now() - began[r.job.id]).total_seconds() for r in results]
+    assert 29 < ago[0] < 45 and 59 < ago[1] < 75
 
 
 @pytest.mark.django_db(transaction=True)
