@@ -1,6 +1,7 @@
 """The instructions one awa_worker spends per job, counted by valgrind's callgrind.
 
     .venv/bin/python benchmarks/instructions.py [--jobs 2000,8000] [--repeats 3] [--base DIR]
+                                                [--path]
 
 On a shared machine a drain's time and CPU move by 10 to 30% from one run to the
 next. Callgrind counts what the process executes, whatever else the machine is
@@ -19,6 +20,16 @@ sizes in ``--jobs`` give the cost of a job as the difference of their totals
 divided by the difference of their sizes. Under valgrind the worker runs
 about fifty times slower and one thread at a time: the count is the work of the
 worker's Python code (and the libraries it calls), not a prediction of its speed.
+
+``--path`` counts the worker's per-job path alone, without its threads: one
+process claims batches of 100 (``producer.claim``), runs each job through
+``HandlerPool.execute`` as a handler thread does and writes the batch with
+``Completer.run_once``, until every job is done (default sizes 600,2600). No
+thread switches, timers or maintenance land in it, and ``PYTHONHASHSEED`` is
+fixed, so repeats agree to within about 0.5% where the drains above spread by
+tens of percent: it shows a change of a few percent in the path. It calls the
+engine's internals, so a ``--base`` checkout must have the same ones (code from
+2026-12-07 on).
 
 ``--base DIR`` (a second checkout, e.g. ``git worktree add DIR main``) runs
 DIR's django_awa too, alternating with this checkout's: before and after in one
@@ -114,18 +125,76 @@ def drain(code: Path, jobs: int, template: str, timeout: float) -> int:
     return int(found.group(1))
 
 
+# --path: the per-job path in one thread (see the docstring), N jobs in batches of 100.
+PATH = """
+import sys
+import django
+django.setup()
+from django_awa import handlers
+from django_awa.completer import Completer
+from django_awa.execute import Attempt
+from django_awa.handlers import HandlerPool, HandlerThread, release_connections
+from django_awa.producer import claim
+from django_awa.state import WorkerState
+n, batch = int(sys.argv[1]), 100
+state = WorkerState.create({"bench": 10})
+runner = state.queues["bench"]
+pool, completer = HandlerPool(state), Completer(state)
+handler = HandlerThread(runner=runner, name="awa-bench_0")
+handlers._thread.handler_thread = True
+for _ in range(n // batch):
+    attempts = [Attempt(job=job, alias=state.alias) for job in claim("bench", batch, state.alias)]
+    assert len(attempts) == batch, len(attempts)
+    with state.running_lock:  # what Producer.run_once records of a claim
+        for attempt in attempts:
+            state.running[attempt.job.id] = attempt
+            state.waiting.add(attempt.job.id)
+    runner.held += len(attempts)
+    for attempt in attempts:
+        pool.execute(handler, attempt)
+    release_connections()
+    assert not completer.run_once()
+assert not state.running, len(state.running)
+"""
+
+
+def path(code: Path, jobs: int, template: str, timeout: float) -> int:
+    """Instructions callgrind counted in ``code``'s per-job path run for ``jobs`` jobs."""
+    create_database(DB, template)
+    env = {**_env(DB, code), "PYTHONHASHSEED": "0"}
+    subprocess.run([sys.executable, "-c", ENQUEUE, str(jobs)], env=env, cwd=code, check=True)
+    run = subprocess.run(
+        [
+            "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+            sys.executable, "-c", PATH, str(jobs),
+        ],
+        env=env, cwd=code, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    found = re.search(r"Collected : (\d+)", run.stderr)
+    if run.returncode != 0 or found is None:
+        raise RuntimeError(f"the path of {code} did not run {jobs} jobs:\n{run.stderr[-2000:]}")
+    drop_database(DB)
+    return int(found.group(1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--jobs", default="2000,8000", help="the two drain sizes (default 2000,8000)"
-    )
+    parser.add_argument("--jobs", help="the two sizes (default 2000,8000; with --path 600,2600)")
     parser.add_argument("--repeats", type=int, default=3, help="pairs of drains per checkout")
     parser.add_argument("--base", type=Path, help="a second checkout to count too")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per drain")
+    parser.add_argument(
+        "--path", action="store_true", help="the per-job path in one thread, not a worker"
+    )
     args = parser.parse_args()
-    small, large = sorted(int(n) for n in args.jobs.split(","))
-    if not 0 < small < large or args.repeats < 1:
-        parser.error("--jobs needs two different positive sizes, --repeats at least 1")
+    sizes = args.jobs or ("600,2600" if args.path else "2000,8000")
+    small, large = sorted(int(n) for n in sizes.split(","))
+    count = path if args.path else drain
+    if not 0 < small < large or args.repeats < 1 or (args.path and small % 100 + large % 100):
+        parser.error(
+            "--jobs needs two different positive sizes (multiples of 100 with --path), "
+            "--repeats at least 1"
+        )
     if shutil.which("valgrind") is None:
         sys.exit("instructions.py needs valgrind (apt-get install valgrind)")
     codes = {"this checkout": ROOT}
@@ -135,6 +204,11 @@ def main() -> None:
     per_job: dict[str, list[float]] = {name: [] for name in codes}
     try:
         for name, template in templates.items():
+            # Compiled first: a run that compiles the modules it imports counts that
+            # too, and only the first run of a checkout would (140 to 300 million
+            # instructions, most of a job's cost in a --path difference).
+            sources = [codes[name] / "django_awa", codes[name] / "benchmarks" / "djbench"]
+            subprocess.run([sys.executable, "-m", "compileall", "-q", *sources], check=True)
             create_database(template)
             migrate = [sys.executable, "-m", "django", "migrate", "-v0"]
             env = _env(template, codes[name])
@@ -143,7 +217,7 @@ def main() -> None:
             names = list(codes) if repeat % 2 == 0 else list(reversed(codes))
             for name in names:
                 template = templates[name]
-                counts = {n: drain(codes[name], n, template, args.timeout) for n in (small, large)}
+                counts = {n: count(codes[name], n, template, args.timeout) for n in (small, large)}
                 cost = (counts[large] - counts[small]) / (large - small)
                 per_job[name].append(cost)
                 print(
