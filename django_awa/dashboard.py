@@ -149,8 +149,6 @@ class Tally:
         running = running or {}
         bounds = WAIT_BOUNDS
         queue, entry = "", None
-        # _count_outcome's, without a call a result, its members read once.
-        completed, failed, retryable = JobState.COMPLETED, JobState.FAILED, JobState.RETRYABLE
         with self._lock:
             for result in results:
                 job = result.job
@@ -158,13 +156,7 @@ class Tally:
                     queue = job.queue
                     entry = self._entry(queue)
                 if not result.snoozed:
-                    state = result.state
-                    if state == completed:
-                        entry.completed += 1
-                    elif state == failed:
-                        entry.failed += 1
-                    elif state == retryable:
-                        entry.retried += 1
+                    _count_outcome(entry, result.state)
                 started = result.started
                 claimed_at, due = job.heartbeat_at, job.run_at
                 if started is None or claimed_at is None or due is None:

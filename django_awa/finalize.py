@@ -100,10 +100,7 @@ def _started_ago(results: Sequence[AttemptResult]) -> str:
     """Each result's ``started_ago`` as a batch's ``%(started_ago)s::float8[]``, the
     clock read once for the batch rather than once a job."""
     now = time.monotonic()
-    # AttemptResult.started_ago's arithmetic, without a call a job.
-    return db.float_array(
-        [None if (started := r.started) is None else max(0.0, now - started) for r in results]
-    )
+    return db.float_array([r.started_ago(now) for r in results])
 
 
 def _wants_rows(results: Sequence[AttemptResult]) -> bool:

@@ -83,8 +83,7 @@ class _ThreadState(threading.local):
     """A thread's own: its connection objects, and what the checks around its jobs keep.
 
     The class's values are a new thread's: each job reads them as plain
-    attributes (a thread's first read finds the class's), with no call to
-    ``getattr`` or to ``_thread_connections`` once a thread has its connections.
+    attributes (a thread's first read finds the class's), with no ``getattr``.
     """
 
     connections: list[tuple[Any, bool]] | None = None  # _thread_connections()
@@ -120,7 +119,7 @@ def close_dead_connections() -> None:
     would cost the job an attempt. Under load, two comparisons and nothing
     more.
     """
-    wrappers = _thread.connections or _thread_connections()
+    wrappers = _thread_connections()
     if _thread.outages != db.outage_count:
         _thread.outages = db.outage_count
         for conn, _pooled in wrappers:
@@ -178,7 +177,7 @@ def discard_open_transactions(marks: list[tuple[int, bool]] | None) -> list[str]
     check: attribute reads, no query.
     """
     left = []
-    for index, (conn, pooled) in enumerate(_thread.connections or _thread_connections()):
+    for index, (conn, pooled) in enumerate(_thread_connections()):
         if conn.connection is None:
             continue
         # Between a handler thread's jobs: no atomic block, autocommit as configured.
@@ -237,7 +236,7 @@ def release_connections(keep: bool = False) -> bool:
     Returns whether the thread held a pooled connection, kept or not.
     """
     held = False
-    for conn, pooled in _thread.connections or _thread_connections():
+    for conn, pooled in _thread_connections():
         if conn.connection is None:
             continue
         if conn.errors_occurred:

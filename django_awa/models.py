@@ -669,9 +669,7 @@ def _json_parsed(values: Sequence[Any]) -> list[Any]:
     for i in _JSON_FIELDS:
         text = converted[i]
         if isinstance(text, str):
-            # load_json's own test first, without the call: most rows' errors,
-            # metadata and tags are empty, three calls a claimed row.
-            converted[i] = [] if text == "[]" else {} if text == "{}" else load_json(text)
+            converted[i] = load_json(text)
     return converted
 
 

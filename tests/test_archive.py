@@ -32,13 +32,18 @@ from tests.testapp.models import FlowRun, Ledger
 ago = lambda **kw: timezone.now() - dt.timedelta(**kw)  # noqa: E731
 
 
-def table_of(job_id: int) -> str:
-    """The table that physically holds the row: awa_job, awa_job_done or one of its segments."""
+def tables_of(job_id: int) -> list[str]:
+    """The tables that physically hold the row: awa_job, awa_job_done or its segments."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT tableoid::regclass::text FROM awa_job WHERE id = %s", [job_id])
-        rows = cursor.fetchall()
-    assert len(rows) == 1, f"job {job_id} is in {len(rows)} places"
-    return rows[0][0]
+        return [row[0] for row in cursor.fetchall()]
+
+
+def table_of(job_id: int) -> str:
+    """The one table that holds the row."""
+    tables = tables_of(job_id)
+    assert len(tables) == 1, f"job {job_id} is in {len(tables)} places"
+    return tables[0]
 
 
 def finished(state: str = JobState.COMPLETED, **fields) -> Job:
@@ -614,10 +619,7 @@ def test_segments_renamed_and_dropped_under_a_running_worker_lose_no_job(start_w
 
 def _where(job_id: int) -> str | None:
     """The table holding job ``job_id``'s row, None once it is gone."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT tableoid::regclass::text FROM awa_job WHERE id = %s", [job_id])
-        row = cursor.fetchone()
-    return row[0] if row else None
+    return table_of(job_id) if tables_of(job_id) else None
 
 
 @pytest.mark.django_db
