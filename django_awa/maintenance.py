@@ -51,8 +51,15 @@ BATCH = 1000
 PRUNE_EVERY = 60.0
 # awa_job_done_current is renamed once its oldest row is this fraction of
 # COMPLETED_RETENTION old: a completed job is dropped with its segment between
-# the retention and (1 + this) times it after it finished.
+# the retention and (1 + this) times it after it finished...
 SEGMENT_SPAN = 0.25
+# ...and once it is this many seconds old at least. Each rename makes a table
+# (with its indexes, trigger and types) and each drop removes one: about 280
+# catalog rows left for VACUUM and 66 kB of catalog a time. With a short
+# retention (under 40 minutes, or 0 and the few rows still read kept) a segment
+# renamed at every pass, once a minute, would leave 1,440 of those a day, which
+# with autovacuum off stay for good.
+MIN_SEGMENT_AGE = 600.0
 # A retention of None keeps rows for ever: kept rows of such a state are kept
 # for longer than any allowed retention.
 KEEP_ALWAYS = 2 * MAX_RETENTION
@@ -805,14 +812,14 @@ class Maintenance:
         """Drop the finished segments past retention, whole; start a new current one
         when due. Returns how many jobs went with the dropped segments.
 
-        Completed jobs are written into ``awa_job_done_current`` (migration
-        0016). Once its oldest row is ``SEGMENT_SPAN`` of ``COMPLETED_RETENTION``
-        old, it is renamed ``awa_job_done_<timestamp>`` and a new one takes
-        its place; no row enters a renamed segment after that. Once a renamed
-        segment's newest completed row is past retention, the rows that must
-        stay (others depend on them, or they are within their retention) are
-        copied into ``awa_job_done``, the others' dependency edges deleted, and
-        the table dropped, in one transaction. A lock not had within a second
+        Completed jobs are written into ``awa_job_done_current`` (migration 0016). Once
+        its oldest row is ``SEGMENT_SPAN`` of ``COMPLETED_RETENTION`` old, and
+        ``MIN_SEGMENT_AGE`` at least, it is renamed ``awa_job_done_<timestamp>`` and a
+        new one takes its place; no row enters a renamed segment after that. Once a
+        renamed segment's newest completed row is past retention, the rows that must
+        stay (others depend on them, or they are within their retention) are copied into
+        ``awa_job_done``, the others' dependency edges deleted, and the table dropped,
+        in one transaction. A lock not had within a second
         (``sql.SEGMENT_LOCK_TIMEOUT``) leaves it for the next pass.
         """
         retention = self.conf.completed_retention
@@ -826,7 +833,7 @@ class Maintenance:
             cursor.execute(sql.CURRENT_SEGMENT_AGE)
             age = cursor.fetchone()[0]
         name = "awa_job_done_" + time.strftime("%Y%m%d_%H%M%S", time.gmtime())
-        due = age is not None and age >= SEGMENT_SPAN * retention
+        due = age is not None and age >= max(SEGMENT_SPAN * retention, MIN_SEGMENT_AGE)
         if due and name not in segments:  # not renamed in this same second
 
             def rotate(cursor: Any) -> bool:

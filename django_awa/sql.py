@@ -1432,13 +1432,14 @@ COMPLETE_HAND_ON_ONE = _complete_hand_on(_ONE_ATTEMPT, _ONE_KEY, _BESIDES_ONE)
 # variants) as they run when AWA["COMPLETED_RETENTION"] is 0: completed jobs
 # are not kept. The completion deletes the row from awa_job and writes it
 # nowhere, unless something still reads it (_STILL_READ): those move into
-# awa_job_done_current as before, and leave with it at the next pruning pass.
+# awa_job_done_current as before, and leave with it (Maintenance.rotate_finished:
+# once its oldest row is MIN_SEGMENT_AGE old).
 # A row that holds its unique key is completed in place as before. Each
 # returns what its keeping form returns, read from the deleted rows. Not the
 # _RETURNING_ROWS forms: they write jobs with follow-ups, which may name their
 # trigger in after= (inserted later in the same transaction, they would find
 # it gone), and jobs whose outcome a signal receiver is given; those are kept
-# until the next pruning pass too. Per job, no heap tuple and no four index
+# until their segment goes too. Per job, no heap tuple and no four index
 # entries in awa_job_done_current (benchmarks/statement_cost.py --forget).
 def _forgetting() -> dict[str, str]:
     arrays = _complete_writes(_ATTEMPT_ARRAYS, forget=True) + _COMPLETE_TAIL

@@ -21,8 +21,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 import django_awa as awa
+from django_awa import maintenance as maintenance_module
 from django_awa import sql
-from django_awa.maintenance import ARCHIVE_BATCH, Maintenance
+from django_awa.maintenance import ARCHIVE_BATCH, MIN_SEGMENT_AGE, Maintenance
 from django_awa.models import Job, JobState
 from django_awa.producer import claim
 from tests.conftest import make_job, wait_for
@@ -514,12 +515,16 @@ def rows_in(table: str) -> int:
 
 @pytest.mark.django_db
 def test_completed_jobs_leave_with_their_segment_once_all_of_it_is_past_retention(settings):
-    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 3600}
     ids = _complete_in_worker({}, {}, {})
     maintenance = Maintenance()
 
-    # A quarter of the retention old: renamed, a new current one started, nothing dropped.
-    Job.objects.filter(id__in=ids).update(finalized_at=ago(seconds=20))
+    # Not yet a quarter of the retention old: left as it is.
+    Job.objects.filter(id__in=ids).update(finalized_at=ago(seconds=880))
+    assert maintenance.prune() == 0
+    assert segments() == []
+    # A quarter of it: renamed, a new current one started, nothing dropped.
+    Job.objects.filter(id__in=ids).update(finalized_at=ago(seconds=920))
     assert maintenance.prune() == 0
     [segment] = segments()
     assert segment.startswith("awa_job_done_20")
@@ -534,12 +539,12 @@ def test_completed_jobs_leave_with_their_segment_once_all_of_it_is_past_retentio
     assert table_of(later[0]) == "awa_job_done_current"
 
     # One row still within retention keeps the whole segment.
-    Job.objects.filter(id__in=ids[:2]).update(finalized_at=ago(seconds=120))
+    Job.objects.filter(id__in=ids[:2]).update(finalized_at=ago(seconds=7200))
     assert maintenance.prune() == 0
     assert segments() == [segment]
 
     # All past it: dropped whole, every row with it, and nothing else.
-    Job.objects.filter(id=ids[2]).update(finalized_at=ago(seconds=61))
+    Job.objects.filter(id=ids[2]).update(finalized_at=ago(seconds=3610))
     assert maintenance.prune() == 3
     assert segments() == []
     assert not Job.objects.filter(id__in=ids).exists()
@@ -548,9 +553,9 @@ def test_completed_jobs_leave_with_their_segment_once_all_of_it_is_past_retentio
 
 @pytest.mark.django_db
 def test_a_job_made_live_again_in_a_segment_moves_back_into_awa_job(settings):
-    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 3600}
     current, renamed = _complete_in_worker({}, {})
-    Job.objects.filter(id=renamed).update(finalized_at=ago(seconds=30))
+    Job.objects.filter(id=renamed).update(finalized_at=ago(seconds=920))
     Maintenance().prune()
     assert table_of(renamed) == segments()[0]
     # The ORM (or raw SQL) makes each live: the segment's trigger moves it.
@@ -564,7 +569,7 @@ def test_a_job_made_live_again_in_a_segment_moves_back_into_awa_job(settings):
 def test_a_segment_in_use_is_left_for_the_next_pass(settings):
     settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
     ids = _complete_in_worker({}, {})
-    Job.objects.filter(id__in=ids).update(finalized_at=ago(seconds=120))
+    Job.objects.filter(id__in=ids).update(finalized_at=ago(seconds=MIN_SEGMENT_AGE + 10))
     reader = psycopg.connect(**connection.get_connection_params() | {"autocommit": False})
     try:
         # A long read of awa_job holds a lock on every child until it ends:
@@ -580,14 +585,36 @@ def test_a_segment_in_use_is_left_for_the_next_pass(settings):
     assert not Job.objects.filter(id__in=ids).exists()
 
 
+@pytest.mark.django_db
+def test_a_short_retention_renames_its_segment_once_ten_minutes_at_most(settings):
+    # Each rename makes a table and each drop removes one (catalog rows for
+    # VACUUM): with a retention of a minute, not one every pass.
+    settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 60}
+    ids = _complete_in_worker({}, {})
+    maintenance = Maintenance()
+    Job.objects.filter(id__in=ids).update(finalized_at=ago(seconds=MIN_SEGMENT_AGE - 10))
+    assert maintenance.prune() == 0
+    assert segments() == []
+    assert {table_of(job_id) for job_id in ids} == {"awa_job_done_current"}
+    # Ten minutes old: renamed, and dropped in the same pass, all of it past retention.
+    Job.objects.filter(id__in=ids).update(finalized_at=ago(seconds=MIN_SEGMENT_AGE + 10))
+    assert maintenance.prune() == 2
+    assert segments() == []
+    assert not Job.objects.filter(id__in=ids).exists()
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_segments_renamed_and_dropped_under_a_running_worker_lose_no_job(start_worker, settings):
+def test_segments_renamed_and_dropped_under_a_running_worker_lose_no_job(
+    start_worker, settings, monkeypatch
+):
     # The worker's prepared COMPLETE names awa_job_done_current: each rename
     # makes it write into the new table, and a drop never takes a job not yet
     # past retention. Every job is either still there, completed, or was
-    # counted by the prune that dropped its segment.
+    # counted by the prune that dropped its segment. (Renamed as often as the
+    # passes come, here: the pruning runs in this process.)
     settings.AWA = {**settings.AWA, "COMPLETED_RETENTION": 1}
+    monkeypatch.setattr(maintenance_module, "MIN_SEGMENT_AGE", 0.0)
     worker = start_worker("--queue", "echo")
     maintenance = Maintenance()
     awa.enqueue(Echo(n=-1))  # the worker is up and completing before the clock starts
@@ -655,11 +682,13 @@ def test_with_no_retention_a_completion_keeps_only_the_rows_something_still_read
     # ...and the workflow's member kept: the workflow is complete, not empty.
     assert _where(member.id) == "awa_job_done_current"
     assert awa.workflow_status(member.workflow_id).counts[JobState.COMPLETED] == 1
-    # The kept rows leave at the next pruning pass, as a retention of 0 asks (the
-    # test's transaction began before they finished: its now() is earlier).
+    # The kept rows leave with their segment, once it is MIN_SEGMENT_AGE old.
     kept = [held.id, depended_on.id, member.id]
-    Job.objects.filter(id__in=kept).update(finalized_at=ago(seconds=1))
-    assert Maintenance().prune() == 3
+    Job.objects.filter(id__in=kept).update(finalized_at=ago(seconds=MIN_SEGMENT_AGE - 10))
+    assert Maintenance().prune() == 1  # the key holder, from awa_job
+    assert segments() == []
+    Job.objects.filter(id__in=kept).update(finalized_at=ago(seconds=MIN_SEGMENT_AGE + 10))
+    assert Maintenance().prune() == 2
     assert not Job.objects.filter(id__in=kept).exists()
 
 
