@@ -316,9 +316,10 @@ def _link_triggers(cursor: db.Cursor, promoted: list[int], finished: list[int]) 
     ``finished`` (SPEC §15: workflow steps link to their trigger): the attempt span
     that ran here, else the trace the dependency recorded when enqueued (its outcome
     written by a callback, ``awa.cancel``, a rescue: ``Instrumentation.trigger_links``).
-    Nothing without the otel extra, or for a dependency with neither."""
+    Nothing without the otel extra or a tracer provider (no span would record the
+    links: not even the query), or for a dependency with neither."""
     tracing = instrumentation()
-    if tracing is None:
+    if tracing is None or not tracing.traces():
         return
     cursor.execute(sql.TRIGGER_EDGES, {"ids": promoted, "finished": finished})
     edges = cursor.fetchall()

@@ -20,8 +20,15 @@
 ``AWA["OPENTELEMETRY"]``: ``None`` (default) instruments when
 ``opentelemetry`` can be imported, ``False`` never (nothing is imported),
 ``True`` requires it (a system check error names the key when it is missing).
-Without an SDK configured, the API's calls do nothing. Nothing here imports
-``opentelemetry`` until ``instrumentation()`` is first asked and allowed to.
+Nothing here imports ``opentelemetry`` until ``instrumentation()`` is first asked
+and allowed to.
+
+Traces cost nothing while no tracer provider is set (the API alone, often pulled
+in by other libraries, or ``NoOpTracerProvider``): no span would ever be recorded,
+so no ``awa_trace`` is written, no link looked up, no attempt span started
+(``Instrumentation.traces``, asked per call: a project may set its SDK's provider
+once its worker runs).
+The metrics are unaffected: they go through the metrics API, whatever the tracer.
 """
 
 from __future__ import annotations
@@ -99,13 +106,16 @@ def _reset(*, setting: str, **kwargs: Any) -> None:
 
 
 def with_trace(metadata_json: str | None) -> str | None:
-    """Engine metadata text with ``awa_trace`` added from the current span, if any.
+    """Engine metadata text with ``awa_trace`` added from the current span, if any
+    (and a tracer provider is set: ``Instrumentation.traces``).
 
     ``None`` in, ``None`` out when there is nothing to add; text that has an
     ``awa_trace`` already (a follow-up's) is left as it is.
     """
     found = instrumentation()
     if found is None or (metadata_json is not None and '"awa_trace"' in metadata_json):
+        return metadata_json
+    if not found.traces():  # no tracer provider: this process records no spans
         return metadata_json
     trace = found.current_context()
     if trace is None:
@@ -128,7 +138,7 @@ def followup_trace(trigger: Job) -> dict[str, Any] | None:
     """A follow-up's ``awa_trace``: the current span as parent (if any) and a link
     to the trigger (``Instrumentation.trigger_links``)."""
     found = instrumentation()
-    if found is None:
+    if found is None or not found.traces():
         return None
     trace = found.current_context() or {}
     metadata = trigger.metadata
@@ -158,7 +168,8 @@ class _Labels:
 
 
 class Traced:
-    """One attempt's span while its handler runs (``Instrumentation.start``/``finish``)."""
+    """One attempt's span while its handler runs (``Instrumentation.start``/``finish``):
+    ``span`` and ``token`` None without a tracer provider, its timing kept for the metrics."""
 
     __slots__ = ("job_id", "labels", "span", "started", "token", "unended", "waited")
 
@@ -183,6 +194,7 @@ class Instrumentation:
         from . import __version__
 
         self.trace = trace
+        self._no_provider = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
         self.propagator = TraceContextTextMapPropagator()
         self.tracer = trace.get_tracer("django_awa", __version__)
         meter = metrics.get_meter("django_awa", __version__)
@@ -233,6 +245,17 @@ class Instrumentation:
         self._pending: deque[tuple[_Labels, float | None, float, str]] = deque()
 
     # -- context -----------------------------------------------------------------
+
+    def traces(self) -> bool:
+        """Whether spans can be recorded here: a tracer provider is set (an SDK's).
+
+        Without one (the API's proxy with nothing behind it, or its no-op
+        provider) every span is a no-op: its links and the ``awa_trace`` that
+        would parent it are not worth a query, a write or the attempt's span.
+        Asked per call, not once: the provider may be set after this was made
+        (the SDK configured once Django is set up).
+        """
+        return not isinstance(self.trace.get_tracer_provider(), self._no_provider)
 
     def current_context(self) -> dict[str, Any] | None:
         """The current span's W3C headers, or None without a valid current span."""
@@ -319,13 +342,31 @@ class Instrumentation:
         Per attempt this costs one ``start_span`` (its attributes passed in the
         call), one context attach and the clock; what depends only on the kind,
         queue and worker (the span's name, most attributes, the metrics'
-        labels) is built once and reused.
+        labels) is built once and reused. Without a tracer provider (``traces``)
+        there is no span: the clock only, for the metrics.
         """
         kind, queue = job.kind, job.queue
         static = self._static.get((kind, queue, worker))
         if static is None:
             static = self._static_for(kind, queue, worker)
         name, fixed, labels = static
+        if not self.traces():
+            # No tracer provider: the span would be a no-op one (or, under an
+            # enqueuing span's context, that context again, linked to for nothing).
+            # The metrics' timing only.
+            traced = Traced(job.id, None, None, labels)
+        else:
+            traced = self._begin_span(job, name, fixed, labels)
+        if job.run_at is not None:
+            # The handler begins now (attempted_at is written later, with the
+            # outcome); the worker's clock against the database's run_at.
+            # timezone.now() is naive, as run_at is, in a project without USE_TZ.
+            traced.waited = max(0.0, (timezone.now() - job.run_at).total_seconds())
+        traced.started = time.perf_counter()
+        return traced
+
+    def _begin_span(self, job: JobRow, name: str, fixed: dict[str, Any], labels: _Labels) -> Traced:
+        """``start``'s span, current from now in this thread."""
         metadata = job.metadata
         trace_entry = metadata.get("awa_trace") if isinstance(metadata, dict) else None
         parent = links = None
@@ -345,16 +386,9 @@ class Instrumentation:
         # For its follow-ups and dependents to link to (attempt_links), from now:
         # its outcome, and what it releases, may be written before the span ends
         # (the completer's batch, an atomic handler's transaction). No lock here.
-        # Without an SDK the span is a no-op one, its context invalid: no link.
         span_context = span.get_span_context()
         if span_context.is_valid:
             self._new_links.append((job.id, span_context))
-        if job.run_at is not None:
-            # The handler begins now (attempted_at is written later, with the
-            # outcome); the worker's clock against the database's run_at.
-            # timezone.now() is naive, as run_at is, in a project without USE_TZ.
-            traced.waited = max(0.0, (timezone.now() - job.run_at).total_seconds())
-        traced.started = time.perf_counter()
         return traced
 
     def finish(
@@ -378,7 +412,8 @@ class Instrumentation:
         attempt was cancelled, rescued or timed out had its result ignored.
         """
         try:
-            self._detach(traced.token)
+            if traced.token is not None:
+                self._detach(traced.token)
         finally:
             self._end(traced, result, error, lost=lost)
 
@@ -404,15 +439,16 @@ class Instrumentation:
             outcome = "lost"
         else:
             outcome = str(result.state)
-        if span.is_recording():  # a span the sampler dropped takes nothing more
-            if error is not None:
-                span.record_exception(error)
-                span.set_status(self._status(self._error, f"{type(error).__name__}: {error}"))
-            else:
-                span.set_attribute("awa.job.outcome", outcome)
-                if result is not None and not lost and result.error:
-                    span.set_status(self._status(self._error, result.error[:1000]))
-        span.end()
+        if span is not None:  # None: no tracer provider when the attempt started
+            if span.is_recording():  # a span the sampler dropped takes nothing more
+                if error is not None:
+                    span.record_exception(error)
+                    span.set_status(self._status(self._error, f"{type(error).__name__}: {error}"))
+                else:
+                    span.set_attribute("awa.job.outcome", outcome)
+                    if result is not None and not lost and result.error:
+                        span.set_status(self._status(self._error, result.error[:1000]))
+            span.end()
         pending = self._pending
         pending.append((traced.labels, traced.waited, elapsed, outcome))
         if len(pending) > PENDING_KEPT:

@@ -406,6 +406,85 @@ def _exported_spans(directory: Path) -> list[dict[str, Any]]:
     ]
 
 
+def _noted_statements(directory: Path) -> list[str]:
+    """The trace links' statements the worker processes ran (tests/otel_settings.py)."""
+    return [
+        line for path in directory.glob("statements-*.txt") for line in path.read_text().split()
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_without_a_tracer_provider_costs_no_trace_statement_until_one_is_set(
+    start_worker, tmp_path: Path
+):
+    # The API alone (a library pulled it in, no SDK set up): no span would ever be
+    # recorded, so no link is looked up or written, no awa_trace either. The
+    # project may set its SDK's provider later: from then on, it traces.
+    env = {
+        "DJANGO_SETTINGS_MODULE": "tests.otel_settings",
+        "AWA_TEST_OTEL_DIR": str(tmp_path),
+        "AWA_TEST_OTEL_TRACER": "late",
+    }
+    start_worker("--queue", "default", "--queue", "flow", env=env)
+    requests: list[str] = []  # the enqueuing spans' ids
+
+    def run(name: str) -> tuple[Job, Job, Job, Job]:
+        # Enqueued under a span this process's SDK records: each job carries its trace.
+        with TRACER.start_as_current_span(f"POST /{name}") as request:
+            flow = awa.Workflow()
+            first = flow.add(Node(name=f"{name}-first"))
+            flow.add(Node(name=f"{name}-second"), after=[first])
+            first_job, second_job = flow.enqueue()
+            enqueuing = awa.enqueue(Act(action="propagate", tag="none"))  # from its handler
+            followed = awa.enqueue(Act(action="ok"))  # two follow-ups, built there
+        for job in (second_job, enqueuing, followed):
+            wait_for_state(job.id, "completed")
+        requests.append(f"{request.get_span_context().span_id:016x}")
+        return first_job, second_job, enqueuing, followed
+
+    def echoes(job: Job) -> list[Job]:
+        return list(Job.objects.filter(kind="echo", args__n=job.id).order_by("id"))
+
+    first, second, enqueuing, followed = run("untraced")
+    assert _noted_statements(tmp_path) == []
+    assert "links" not in Job.objects.get(id=second.id).metadata["awa_trace"]
+    [from_handler] = echoes(enqueuing)
+    assert "awa_trace" not in from_handler.metadata
+    followups = echoes(followed)
+    assert len(followups) == 2 and not any("awa_trace" in f.metadata for f in followups)
+    assert _exported_spans(tmp_path) == []
+
+    def steps_timed() -> int:  # the metrics go on without a tracer provider
+        return sum(
+            point["count"]
+            for export in _last_exports(tmp_path).values()
+            for point in export.get("awa.job.attempt.duration", ())
+            if point["attributes"]["awa.job.kind"] == "node"
+        )
+
+    wait_for(lambda: steps_timed() == 2, message="the steps' durations were not exported")
+
+    wait_for_state(awa.enqueue(Act(action="tracing", tag="none")).id, "completed")
+    first, second, enqueuing, followed = run("traced")
+    assert _noted_statements(tmp_path) == ["TRIGGER_EDGES", "ADD_TRACE_LINKS"]
+
+    def span_ids() -> dict[int, str] | None:
+        found = {
+            int(s["attributes"]["messaging.message.id"]): s["context"]["span_id"][2:]
+            for s in _exported_spans(tmp_path)
+        }
+        return found if {first.id, enqueuing.id, followed.id} <= found.keys() else None
+
+    span_id = wait_for(span_ids, message="the traced attempts' spans were not exported")
+    [link] = Job.objects.get(id=second.id).metadata["awa_trace"]["links"]
+    assert link["traceparent"].split("-")[2] == span_id[first.id]
+    [from_handler] = echoes(enqueuing)
+    assert from_handler.metadata["awa_trace"]["traceparent"].split("-")[2] == requests[-1]
+    for followup in echoes(followed):
+        [link] = followup.metadata["awa_trace"]["links"]
+        assert link["traceparent"].split("-")[2] == span_id[followed.id]
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_timed_out_attempts_span_ends_when_its_outcome_is_written_and_only_once(

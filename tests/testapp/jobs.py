@@ -184,6 +184,23 @@ def act(job: awa.JobContext):
         case "pid":
             _ledger(job, f"pid:{os.getpid()}")
             return None
+        case "tracing":
+            # The project's SDK set up once the worker runs (tests/otel_settings.py).
+            from tests.otel_settings import install_tracer_provider
+
+            install_tracer_provider()
+            return None
+        case "propagate":
+            # An Echo enqueued under the trace context the job recorded, made current
+            # as an instrumentation makes an incoming request's (tests/test_otel.py).
+            from opentelemetry import context, propagate
+
+            token = context.attach(propagate.extract(job.metadata.get("awa_trace", {})))
+            try:
+                awa.enqueue(Echo(n=job.id, note="propagated"))
+            finally:
+                context.detach(token)
+            return None
         case "backend_pid":
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_backend_pid()")
