@@ -23,11 +23,13 @@
 Nothing here imports ``opentelemetry`` until ``instrumentation()`` is first asked
 and allowed to.
 
-Traces cost nothing while no tracer provider is set (the API alone, often pulled
-in by other libraries, or ``NoOpTracerProvider``): no span would ever be recorded,
-so no ``awa_trace`` is written, no link looked up, no attempt span started
-(``Instrumentation.traces``, asked per call: a project may set its SDK's provider
-once its worker runs).
+While no tracer provider is set (the API alone, often pulled in by other
+libraries, or ``NoOpTracerProvider``) no span is recorded here, so none is
+started for an attempt and no workflow step's links are looked up
+(``Instrumentation.traces``, asked per call: a project may set its SDK's
+provider once its worker runs). A trace context made current all the same (from
+an incoming request's headers) is still passed on in ``awa_trace``, with the
+links a follow-up takes from its trigger's: no statement of its own.
 The metrics are unaffected: they go through the metrics API, whatever the tracer.
 """
 
@@ -106,16 +108,16 @@ def _reset(*, setting: str, **kwargs: Any) -> None:
 
 
 def with_trace(metadata_json: str | None) -> str | None:
-    """Engine metadata text with ``awa_trace`` added from the current span, if any
-    (and a tracer provider is set: ``Instrumentation.traces``).
+    """Engine metadata text with ``awa_trace`` added from the current span, if any.
 
-    ``None`` in, ``None`` out when there is nothing to add; text that has an
-    ``awa_trace`` already (a follow-up's) is left as it is.
+    With or without a tracer provider here: a context made current from an
+    incoming request's headers is passed on to the job, as the API passes it on
+    without an SDK, for a worker that records spans. ``None`` in, ``None`` out
+    when there is nothing to add; text that has an ``awa_trace`` already (a
+    follow-up's) is left as it is.
     """
     found = instrumentation()
     if found is None or (metadata_json is not None and '"awa_trace"' in metadata_json):
-        return metadata_json
-    if not found.traces():  # no tracer provider: this process records no spans
         return metadata_json
     trace = found.current_context()
     if trace is None:
@@ -136,9 +138,10 @@ def count_written(results: Iterable[AttemptResult]) -> None:
 
 def followup_trace(trigger: Job) -> dict[str, Any] | None:
     """A follow-up's ``awa_trace``: the current span as parent (if any) and a link
-    to the trigger (``Instrumentation.trigger_links``)."""
+    to the trigger (``Instrumentation.trigger_links``); passed on with or without
+    a tracer provider here, as ``with_trace`` passes on a context."""
     found = instrumentation()
-    if found is None or not found.traces():
+    if found is None:
         return None
     trace = found.current_context() or {}
     metadata = trigger.metadata

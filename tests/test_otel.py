@@ -418,8 +418,9 @@ def test_a_worker_without_a_tracer_provider_costs_no_trace_statement_until_one_i
     start_worker, tmp_path: Path
 ):
     # The API alone (a library pulled it in, no SDK set up): no span would ever be
-    # recorded, so no link is looked up or written, no awa_trace either. The
-    # project may set its SDK's provider later: from then on, it traces.
+    # recorded here, so no attempt span and no link looked up or written; a context
+    # made current all the same is passed on, as the API passes it on. The project
+    # may set its SDK's provider later: from then on, it traces.
     env = {
         "DJANGO_SETTINGS_MODULE": "tests.otel_settings",
         "AWA_TEST_OTEL_DIR": str(tmp_path),
@@ -448,10 +449,15 @@ def test_a_worker_without_a_tracer_provider_costs_no_trace_statement_until_one_i
     first, second, enqueuing, followed = run("untraced")
     assert _noted_statements(tmp_path) == []
     assert "links" not in Job.objects.get(id=second.id).metadata["awa_trace"]
+    # Passed on without a span of the worker's: the request's context the handler
+    # made current, and the trigger's own trace as the follow-ups' link.
     [from_handler] = echoes(enqueuing)
-    assert "awa_trace" not in from_handler.metadata
+    assert from_handler.metadata["awa_trace"]["traceparent"].split("-")[2] == requests[-1]
     followups = echoes(followed)
-    assert len(followups) == 2 and not any("awa_trace" in f.metadata for f in followups)
+    assert len(followups) == 2
+    for followup in followups:
+        [link] = followup.metadata["awa_trace"]["links"]
+        assert link["traceparent"].split("-")[2] == requests[-1]
     assert _exported_spans(tmp_path) == []
 
     def steps_timed() -> int:  # the metrics go on without a tracer provider
