@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from django.contrib.auth.models import Permission
 from django.contrib.contenttypes.models import ContentType
@@ -21,6 +22,7 @@ from django.core.management.color import Style
 from django.db import connection
 from django.db.backends.postgresql.operations import DatabaseOperations
 from django.utils import timezone
+from psycopg import sql as pgsql
 
 from django_awa.models import Job
 from tests.testapp.followups import CALLS, FAIL
@@ -219,6 +221,38 @@ def start_worker(transactional_db: Any, tmp_path: Path) -> Iterator[Callable[...
         worker.close()
         # Shown by pytest only when the test failed.
         print(f"--- worker {i} (pid {worker.pid}) output ---\n{worker.output()[-6000:]}")  # noqa: T201
+
+
+def connect_to(dbname: str) -> psycopg.Connection[Any]:
+    """A psycopg connection to ``dbname`` on the test server, in autocommit."""
+    s = connection.settings_dict
+    django_only = {"isolation_level", "server_side_binding", "pool", "assume_role"}
+    options = {k: v for k, v in s["OPTIONS"].items() if k not in django_only}
+    return psycopg.connect(
+        dbname=dbname,
+        host=s["HOST"] or None,
+        port=s["PORT"] or None,
+        user=s["USER"] or None,
+        password=s["PASSWORD"] or None,
+        autocommit=True,
+        **options,
+    )
+
+
+@contextlib.contextmanager
+def scratch_database(suffix: str) -> Iterator[str]:
+    """A new empty database on the test server, named after the test database and
+    ``suffix``; dropped afterwards."""
+    name = f"{connection.settings_dict['NAME']}_{suffix}"
+    ident = pgsql.Identifier(name)
+    with connect_to(connection.settings_dict["NAME"]) as admin:
+        admin.execute(pgsql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+        admin.execute(pgsql.SQL("CREATE DATABASE {}").format(ident))
+    try:
+        yield name
+    finally:
+        with connect_to(connection.settings_dict["NAME"]) as admin:
+            admin.execute(pgsql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
 
 
 def wait_for(

@@ -53,11 +53,10 @@ from django.core.management import call_command
 from django.db import connection, migrations, models
 from django.db.migrations.loader import MigrationLoader
 from django.db.models.functions import Now
-from psycopg import sql as pgsql
 
 from django_awa import sql
 from stress import audit
-from tests.conftest import ROOT, WorkerProcess, wait_for
+from tests.conftest import ROOT, WorkerProcess, connect_to, scratch_database, wait_for
 
 PREVIOUS_RELEASE = "0.1.0"
 PREVIOUS_COMMIT = "2526d2ee4cace4998d05fa39d0525ec7e14e2f59"
@@ -270,35 +269,11 @@ def unique(owner: str) -> dict[str, Any]:
 # -- the upgrade database ----------------------------------------------------------------
 
 
-def _connect(dbname: str) -> psycopg.Connection[Any]:
-    """A psycopg connection to ``dbname`` on the test server, in autocommit."""
-    s = connection.settings_dict
-    django_only = {"isolation_level", "server_side_binding", "pool", "assume_role"}
-    options = {k: v for k, v in s["OPTIONS"].items() if k not in django_only}
-    return psycopg.connect(
-        dbname=dbname,
-        host=s["HOST"] or None,
-        port=s["PORT"] or None,
-        user=s["USER"] or None,
-        password=s["PASSWORD"] or None,
-        autocommit=True,
-        **options,
-    )
-
-
 @pytest.fixture
 def upgrade_db(transactional_db: Any) -> Iterator[str]:
     """A database of its own (the test database has this release's schema already)."""
-    name = f"{connection.settings_dict['NAME']}_upgrade"
-    ident = pgsql.Identifier(name)
-    with _connect(connection.settings_dict["NAME"]) as admin:
-        admin.execute(pgsql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
-        admin.execute(pgsql.SQL("CREATE DATABASE {}").format(ident))
-    try:
+    with scratch_database("upgrade") as name:
         yield name
-    finally:
-        with _connect(connection.settings_dict["NAME"]) as admin:
-            admin.execute(pgsql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
 
 
 class Upgrade:
@@ -401,7 +376,7 @@ def test_previous_release_and_this_one_share_a_live_database(
     old = Release(OLD, previous_release, upgrade_db)
     new = Release(NEW, ROOT, upgrade_db)
     began = time.monotonic()
-    with _connect(upgrade_db) as conn:
+    with connect_to(upgrade_db) as conn:
         db = Upgrade(conn)
         by_old: list[int] = []  # ids of the jobs each release enqueued
         by_new: list[int] = []
@@ -575,7 +550,7 @@ def test_going_back_before_segments_under_this_releases_worker(
     job run once and completed at its first attempt; and the same again when the
     migrations are applied once more under it."""
     new = Release(NEW, ROOT, upgrade_db)
-    with _connect(upgrade_db) as conn:
+    with connect_to(upgrade_db) as conn:
         db = Upgrade(conn)
         new.migrate()
         worker = new.worker(start_worker)
@@ -646,7 +621,7 @@ def test_going_back_keeps_a_completion_committed_while_it_runs(upgrade_db: str) 
     # completion's transaction by itself.
     new.run("back", "-m", "django", "migrate", "django_awa", "0016", "--no-input", "-v0")
     (job_id,) = new.enqueue({"items": act(1, action="ok", tag="late")})[0]
-    with _connect(upgrade_db) as conn, _connect(upgrade_db) as writer:
+    with connect_to(upgrade_db) as conn, connect_to(upgrade_db) as writer:
         db = Upgrade(conn)
         # What a worker's completion does (sql.COMPLETE), left open.
         writer.autocommit = False
@@ -699,7 +674,7 @@ def test_an_index_build_interrupted_and_run_again_is_valid(upgrade_db: str) -> N
     (the migration recorded as applied, the index never used)."""
     new = Release(NEW, ROOT, upgrade_db)
     new.run("to 0012", "-m", "django", "migrate", "django_awa", "0012", "--no-input", "-v0")
-    with _connect(upgrade_db) as conn, _connect(upgrade_db) as writer:
+    with connect_to(upgrade_db) as conn, connect_to(upgrade_db) as writer:
         db = Upgrade(conn)
         writer.autocommit = False
         writer.execute("INSERT INTO awa_job_done SELECT * FROM ONLY awa_job WHERE false")
