@@ -61,6 +61,7 @@ import datetime as dt
 import functools
 import hashlib
 import logging
+import pkgutil
 import random
 import re
 import sys
@@ -844,6 +845,50 @@ def _is_pool_timeout(exc: BaseException) -> bool:
         c.__name__ == "PoolTimeout" and c.__module__.startswith("psycopg_pool")
         for c in type(exc).__mro__
     )
+
+
+# -- the schema: django-awa's migrations applied to a database ---------------------
+
+_UNDEFINED_TABLE = "42P01"
+
+
+def database_address(alias: str) -> str:
+    """Where database ``alias`` is, for messages: ``HOST:PORT/NAME``."""
+    settings_dict = connections[alias].settings_dict
+    host = settings_dict.get("HOST") or "local socket"
+    return f"{host}:{settings_dict.get('PORT') or 5432}/{settings_dict.get('NAME')}"
+
+
+def migrations_not_in_step(alias: str) -> tuple[list[str], list[str]]:
+    """django-awa's migrations this code has that database ``alias`` has not applied, and
+    those applied there that it does not have (a newer release's), each sorted.
+
+    Cheap enough for every worker's start-up: one read of ``django_migrations`` (none
+    there at all, on a database never migrated, is nothing applied), against the
+    names of the modules of ``django_awa.migrations``, listed as Django's loader lists
+    them but not imported. Django's ``MigrationLoader`` would import every app's
+    migrations and build their graph, tens of milliseconds. It holds because
+    django-awa squashes no migrations: a squashed one is recorded under its own name
+    or under those it ``replaces``, and only the loader knows which stand for which.
+    Other database errors raise.
+    """
+    from . import migrations
+
+    known = {
+        name
+        for _, name, is_package in pkgutil.iter_modules(migrations.__path__)
+        if not is_package and name[0] not in "_~"  # as MigrationLoader skips
+    }
+    try:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.APPLIED_MIGRATIONS)
+            applied = {name for (name,) in cursor.fetchall()}
+    except ProgrammingError as exc:
+        cause = _psycopg_cause(exc)
+        if cause is None or cause.sqlstate != _UNDEFINED_TABLE:
+            raise
+        applied = set()
+    return sorted(known - applied), sorted(applied - known)
 
 
 # -- riding through outages ---------------------------------------------------------

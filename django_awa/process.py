@@ -98,16 +98,13 @@ class Worker:
         if self.install_signal_handlers:
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
                 signal.signal(signum, self._on_signal)
-        settings_dict = connections[state.alias].settings_dict
         connections_told, warnings = self._connections_report()
         logger.info(
-            "awa worker %s starting: queues %s; database %r (%s:%s/%s); %s",
+            "awa worker %s starting: queues %s; database %r (%s); %s",
             state.name,
             ", ".join(f"{q.name}={q.concurrency}" for q in state.queues.values()),
             state.alias,
-            settings_dict.get("HOST") or "local socket",
-            settings_dict.get("PORT") or 5432,
-            settings_dict.get("NAME"),
+            db.database_address(state.alias),
             connections_told,
         )
         for warning in warnings:

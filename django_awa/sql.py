@@ -2023,6 +2023,15 @@ FROM pg_roles AS r, pg_database AS d
 WHERE r.rolname = session_user AND d.datname = current_database()
 """
 
+# -- APPLIED_MIGRATIONS --
+# django-awa's migrations applied to this database, as Django records them
+# (its MigrationRecorder's table), read by the worker at start-up to refuse a
+# schema older than its code. The table is missing on a database never
+# migrated. A few hundred rows, no lock.
+APPLIED_MIGRATIONS = """
+SELECT name FROM django_migrations WHERE app = 'django_awa'
+"""
+
 # -- WRITABLE_SERVER --
 # Whether this session's server takes writes: not a hot standby (in
 # recovery) and not read-only. Checked before competing for the maintenance

@@ -6,6 +6,8 @@ import datetime as dt
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -13,12 +15,13 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
+from django.db.migrations.loader import MigrationLoader
 from django.db.models import Count
 from django.utils import timezone
 
 import django_awa as awa
 from django_awa.models import Job, JobState, MaintenanceLease, Worker
-from tests.conftest import make_job, wait_for, wait_for_state
+from tests.conftest import ROOT, make_job, scratch_database, wait_for, wait_for_state
 from tests.testapp.jobs import Act, Bailout, Echo, LeakyAtomic, Severed, Unhandled
 from tests.testapp.models import Ledger, Order
 
@@ -522,6 +525,79 @@ def test_a_queue_concurrency_past_the_bound_is_refused_by_name():
         words = rf"--queue '{value}': concurrency must be 1 to 1,000"
         with pytest.raises(CommandError, match=words):
             parse_queue(value)
+
+
+def _awa_migrations() -> list[str]:
+    """django-awa's migrations as Django's own loader finds them."""
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    found = {name: m for (app, name), m in loader.disk_migrations.items() if app == "django_awa"}
+    # The worker's cheap start-up check compares names: it holds without squashes.
+    assert not [name for name, migration in found.items() if migration.replaces]
+    return sorted(found)
+
+
+def _refused(worker, database: str, missing: str):
+    assert worker.wait(15) == 1  # a CommandError, at once
+    output = worker.output()
+    settings_dict = connection.settings_dict
+    server = f"{settings_dict['HOST'] or 'local socket'}:{settings_dict['PORT'] or 5432}"
+    assert (
+        f"CommandError: django-awa's migrations are not applied to database 'default' "
+        f"({server}/{database}): {missing}; run `manage.py migrate django_awa` before "
+        "starting workers"
+    ) in output
+    assert "awa worker" not in output and "unavailable" not in output
+    return output
+
+
+def test_a_worker_refuses_a_database_never_migrated_naming_the_migrations(start_worker):
+    names = _awa_migrations()
+    with scratch_database("unmigrated") as name:
+        worker = start_worker("--queue", "default", env={"AWA_TEST_DB_NAME": name})
+        _refused(worker, name, f"{len(names)} are missing, {names[0]} to {names[-1]}")
+
+
+def test_a_worker_refuses_a_database_behind_its_code_even_with_processes(start_worker):
+    *_, before, last_but_one, last = _awa_migrations()  # 0016, 0017 and 0018 today
+    with scratch_database("behind") as name:
+        env = {"AWA_TEST_DB_NAME": name}
+        subprocess.run(
+            [sys.executable, "-m", "django", "migrate", "django_awa", before, "-v0"],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            check=True,
+            timeout=120,
+        )
+        single = start_worker("--queue", "default", env=env)
+        group = start_worker("--queue", "default", "--processes", "2", env=env)
+        missing = f"{last_but_one}, {last} are missing"
+        _refused(single, name, missing)
+        # The supervisor checks before it forks: no child started, none restarted.
+        assert "supervisor" not in _refused(group, name, missing)
+
+
+@pytest.fixture
+def newer_migration():
+    """A django-awa migration recorded that this code does not have: a newer release's."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO django_migrations (app, name, applied) "
+            "VALUES ('django_awa', '9999_of_a_newer_release', now())"
+        )
+    yield "9999_of_a_newer_release"
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM django_migrations WHERE name = '9999_of_a_newer_release'")
+
+
+def test_a_worker_starts_on_a_database_ahead_of_its_code_and_says_so(start_worker, newer_migration):
+    worker = start_worker("--queue", "default")
+    job = awa.enqueue(Act(action="ok"))
+    wait_for_state(job.id, JobState.COMPLETED)
+    assert (
+        "has django-awa migrations this worker does not know, a newer release's: "
+        f"{newer_migration}; starting"
+    ) in worker.output()
+    assert worker.stop() == 0
 
 
 def test_bad_queue_option_is_refused(start_worker):

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import connections
+from django.db import DEFAULT_DB_ALIAS, connections
 
-from django_awa import reloader
+from django_awa import db, reloader
 from django_awa.conf import (
     DEFAULT_CONCURRENCY,
     MAX_CONCURRENCY,
@@ -34,6 +34,7 @@ from django_awa.exceptions import ConfigurationError
 from django_awa.logs import JobContextFilter
 from django_awa.management.operator import usage
 from django_awa.process import Worker
+from django_awa.state import DB_ERRORS
 
 logger = logging.getLogger("django_awa.process")
 
@@ -71,6 +72,53 @@ def shutdown_timeout(value: str | float) -> float:
             f"({MAX_DURATION / 86400:.0f} days), got {value!r}"
         )
     return seconds
+
+
+def check_migrations(alias: str) -> None:
+    """Refuse to start on a database that lacks migrations of this code, naming them.
+
+    Its statements would fail there on every poll, a table or a column missing,
+    and the worker would run on logging them. Once, before ``--processes`` forks
+    and before ``--reload`` starts its worker, on the main thread's connection,
+    left open for the worker's own first read (``Worker.run``): one round trip
+    more at start-up. Migrations applied there that this code does not have (a
+    newer release's, while a rollout runs) are said and the worker starts: they
+    are written to be applied under the release before's running workers
+    (README, *Upgrading*). A database that cannot be read now (down, failing
+    over) is not judged: the worker starts and rides the outage, as before.
+    """
+    try:
+        missing, unknown = db.migrations_not_in_step(alias)
+    except DB_ERRORS as exc:
+        connections[alias].close()
+        logger.warning(
+            "could not read which django-awa migrations database %r has applied; "
+            "starting without checking them: %s",
+            alias,
+            " ".join(str(exc).split()),
+        )
+        return
+    where = f"database {alias!r} ({db.database_address(alias)})"
+    if missing:
+        command = "manage.py migrate django_awa"
+        if alias != DEFAULT_DB_ALIAS:
+            command += f" --database {alias}"
+        named = (
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+            if len(missing) <= 3
+            else f"{len(missing)} are missing, {missing[0]} to {missing[-1]}"
+        )
+        raise CommandError(
+            f"django-awa's migrations are not applied to {where}: {named}; "
+            f"run `{command}` before starting workers"
+        )
+    if unknown:
+        logger.info(
+            "%s has django-awa migrations this worker does not know, a newer release's: %s; "
+            "starting, as a release's migrations leave the one before working",
+            where,
+            ", ".join(unknown),
+        )
 
 
 class Command(BaseCommand):
@@ -134,6 +182,7 @@ class Command(BaseCommand):
                 raise usage(f"--shutdown-timeout: {exc}") from None
             conf = dataclasses.replace(conf, shutdown_timeout=timeout)
         _configure_logging(options["verbosity"])
+        check_migrations(alias)
         if options["reload"]:
             self._reload(processes, queues, alias, conf)
             return
