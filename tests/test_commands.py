@@ -270,6 +270,18 @@ def test_djangos_own_options_may_follow_the_subcommand_as_the_readme_writes_them
     assert "no periodic schedule named 'nightly'" in missing.stderr
 
 
+def test_a_djangos_option_before_the_subcommand_stands_unless_given_after_it_too():
+    def progress(*args: str) -> str:
+        failed(queue="billing")
+        err = io.StringIO()
+        call_command("awa_jobs", *args, stdout=io.StringIO(), stderr=err)
+        return err.getvalue()
+
+    assert "1/1" in progress("-v", "2", "retry", "--state", "failed")
+    assert "1/1" not in progress("-v", "2", "retry", "--state", "failed", "-v", "1")
+    assert "1/1" not in progress("retry", "--state", "failed")  # Django's default, 1
+
+
 # -- awa_queues ----------------------------------------------------------------------
 
 

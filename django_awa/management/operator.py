@@ -17,7 +17,6 @@ periodic schedules fire in ``AWA["DATABASE"]`` only.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -32,11 +31,9 @@ OK = 0
 NOTHING_MATCHED = 1
 USAGE = 2
 
-# The options BaseCommand.create_parser gives every command (--version, which
-# exits at once, aside).
-_DJANGO_OPTIONS = frozenset(
-    {"verbosity", "settings", "pythonpath", "traceback", "no_color", "force_color", "skip_checks"}
-)
+# Django's create_parser adds --skip-checks (when the command runs system checks)
+# with parser.add_argument, not add_base_argument, where the others are seen.
+_SKIP_CHECKS = (("--skip-checks",), {"action": "store_true", "help": "Skip system checks."})
 
 # The widest a table cell gets before it is cut with an ellipsis.
 CELL_WIDTH = 60
@@ -66,22 +63,51 @@ class _SubcommandParser(_OperatorParser):
 class OperatorCommand(BaseCommand):
     """A command with subcommands, ``--json``, ``--database``, and the exit codes above."""
 
+    # Django's own options as create_parser adds them (add_base_argument's arguments),
+    # and what add_subparsers returned in subcommands(), whose ``choices`` are the
+    # subcommands' parsers: each subcommand takes those options too.
+    _django_options: list[tuple[tuple[str, ...], dict[str, Any]]]
+    _subcommands: Any
+
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        self._django_options = []
         parser = super().create_parser(prog_name, subcommand, **kwargs)
         # After add_arguments: the parser's own errors (a missing subcommand) raise too.
         parser.__class__ = _OperatorParser
-        _share_django_options(parser)
+        self._share_django_options()
         return parser
+
+    def add_base_argument(self, parser: CommandParser, *args: Any, **kwargs: Any) -> None:
+        super().add_base_argument(parser, *args, **kwargs)
+        if "--version" not in args:  # it exits at once: before the subcommand only
+            self._django_options.append((args, kwargs))
+
+    def _share_django_options(self) -> None:
+        """Let each subcommand take Django's own options (``-v 2``, ``--traceback``,
+        ``--settings``...) after its name too, as ``manage.py awa_jobs retry --state
+        failed -v 2``, where argparse hands everything after the name to the subparser.
+
+        Each is added again to every subcommand, as Django added it but defaulting to
+        nothing (``SUPPRESS``), so an option given before the subcommand, or its
+        default, stands unless the subcommand's copy is given.
+        """
+        shared = list(self._django_options)
+        if self.requires_system_checks and not any("--skip-checks" in a for a, _ in shared):
+            shared.append(_SKIP_CHECKS)
+        for choice in self._subcommands.choices.values():
+            for args, kwargs in shared:
+                super().add_base_argument(choice, *args, **{**kwargs, "default": argparse.SUPPRESS})
 
     def subcommands(self, parser: CommandParser, *, database: bool = True) -> Any:
         """The subcommands' action group: each subparser raises usage errors as ours do,
-        and takes ``--database`` unless ``database`` is false."""
-        return parser.add_subparsers(
+        takes Django's own options, and ``--database`` unless ``database`` is false."""
+        self._subcommands = parser.add_subparsers(
             dest="action",
             required=True,
             metavar="ACTION",
             parser_class=_SubcommandParser if database else _OperatorParser,
         )
+        return self._subcommands
 
     def database(self, options: dict[str, Any]) -> str:
         """The alias ``--database`` names (``AWA["DATABASE"]`` without it); a usage error
@@ -100,27 +126,6 @@ class OperatorCommand(BaseCommand):
             self.stdout.write(json.dumps(document, default=_json_default, indent=2))
         elif text:
             self.stdout.write(text)
-
-
-def _share_django_options(parser: CommandParser) -> None:
-    """Let each subcommand take Django's own options (``-v 2``, ``--traceback``,
-    ``--settings``...) after its name too, as ``manage.py awa_jobs retry --state
-    failed -v 2``, where argparse hands everything after the name to the subparser.
-
-    Their copies default to nothing (``SUPPRESS``), so an option given before the
-    subcommand, or its default, stands unless the subcommand's copy is given.
-    """
-    shared = [
-        action
-        for action in parser._actions
-        if action.option_strings and action.dest in _DJANGO_OPTIONS
-    ]
-    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for choice in subcommands.choices.values():
-        for action in shared:
-            copied = copy.copy(action)
-            copied.default = argparse.SUPPRESS
-            choice._add_action(copied)
 
 
 def usage(message: str) -> CommandError:
