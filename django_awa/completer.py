@@ -92,10 +92,11 @@ def reserve_hand_on(state: WorkerState, batch: list[AttemptResult]) -> HandOn | 
 
     One place per finished member, on its queue, where this worker serves the
     queue, its claims are not under limits (those claim under the queue's lock,
-    ``sql.CLAIM_LIMITED``), the worker is not stopping, and a place is free
-    now (no waiting). ``None`` when there is none to reserve.
+    ``sql.CLAIM_LIMITED``), the worker is not stopping nor its claims paused
+    (``ClaimPause``: the heartbeat cannot write), and a place is free now (no
+    waiting). ``None`` when there is none to reserve.
     """
-    if state.stopping.is_set():
+    if state.stopping.is_set() or state.claim_pause.holds():
         return None
     wanted: dict[str, int] = {}
     for result in batch:

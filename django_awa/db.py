@@ -978,12 +978,12 @@ class Reconnect:
             _outage_logger.warning(
                 "django-awa: database %r unavailable (%s: %s); every worker thread "
                 "reconnects by itself, backing off up to %.0fs%s",
-                self.alias, self.service, _one_line(exc), RECONNECT_MOST, _cause_hint(exc),
+                self.alias, self.service, one_line(exc), RECONNECT_MOST, _cause_hint(exc),
             )  # fmt: skip
         else:
             _outage_logger.debug(
                 "%s: database %r still unavailable (try %s): %s",
-                self.service, self.alias, self.retries, _one_line(exc),
+                self.service, self.alias, self.retries, one_line(exc),
             )  # fmt: skip
         delay = self.delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not a secret
         self.delay = min(self.delay * 2, RECONNECT_MOST)
@@ -1054,7 +1054,7 @@ def close_thread_connections() -> None:
         connections.close_all()
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -12,6 +12,8 @@ by run_lease, and the worker's row in the registry (``fleet.py``).
 An attempt whose row no longer matches (cancelled, rescued or finalized
 meanwhile) gets its cancelled flag set, so its handler learns the attempt was
 lost and the handler pool may replace a stuck thread.
+While its passes fail (its connection dropped and the server refuses it
+another), the worker's producers claim nothing (``state.ClaimPause``).
 """
 
 from __future__ import annotations
@@ -62,12 +64,20 @@ class Heartbeat:
         db.hold_connection(reconnect)
         self.connected.set()
         self.last_beat = time.monotonic()
+        pause = state.claim_pause
         while not state.halt.wait(PROGRESS_INTERVAL):
+            began = time.monotonic()
             try:
                 self.run_once(due_only=True)
                 db.release(state.alias)  # pooled: held only during a pass
                 reconnect.succeeded()
+                pause.went_through()
             except DB_ERRORS as exc:
+                # The heartbeat is due again at the next pass, after the backoff
+                # rather than a HEARTBEAT_INTERVAL on, so the pass that goes
+                # through has reached the database: only then do claims resume.
+                self.last_beat = float("-inf")
+                pause.failed(began, exc)
                 reconnect.failed(exc)
             except Exception:
                 # Never let this thread die: without heartbeats every running

@@ -48,7 +48,7 @@ from .finalize import finalize
 from .kinds import registry
 from .models import ClaimedJob, claimed_jobs
 from .slots import SHORT_RETRY, Slots
-from .state import DB_ERRORS, QueueRunner, WorkerState, log_context
+from .state import CLAIM_PAUSE_POLL, DB_ERRORS, QueueRunner, WorkerState, log_context
 
 logger = logging.getLogger(__name__)
 
@@ -464,9 +464,13 @@ class Producer:
     def _run(self) -> None:
         state, runner = self.state, self.runner
         reconnect = db.Reconnect(f"producer of queue {runner.name}", state.alias, state.stopping)
+        pause = state.claim_pause
         while not state.stopping.is_set():
             if state.results.qsize() > state.backlog_limit:
                 state.stopping.wait(0.01)
+                continue
+            if pause.holds():  # the heartbeat cannot write: a job claimed would run twice
+                state.stopping.wait(CLAIM_PAUSE_POLL)
                 continue
             try:
                 jobs = self.run_once()

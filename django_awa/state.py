@@ -10,6 +10,8 @@ stop them. ``process.Worker`` makes the state and starts the services.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import queue as queue_module
 import socket
@@ -27,7 +29,7 @@ from django.db import DatabaseError, InterfaceError, connections
 
 from .conf import AwaSettings, awa_settings
 from .dashboard import Tally
-from .db import ConnectionNeed, connection_need
+from .db import ConnectionNeed, connection_need, one_line
 from .logs import log_context, set_worker
 from .otel import count_written
 from .wakeups import Outbox
@@ -37,6 +39,8 @@ __all__ = ["DB_ERRORS", "QueueRunner", "WorkerState", "log_context", "reset_conn
 if TYPE_CHECKING:
     from .execute import Attempt, AttemptResult
     from .models import JobRow
+
+logger = logging.getLogger(__name__)
 
 DB_ERRORS = (DatabaseError, InterfaceError, psycopg.Error)
 
@@ -358,6 +362,86 @@ class QueueRunner:
             self.shared.give(self.name, 1)
 
 
+# The least time the heartbeat's passes fail in a row before claims pause: a
+# connection dropped alone is opened again by the next pass, within
+# RECONNECT_FIRST and a PROGRESS_INTERVAL (about 0.35 s).
+CLAIM_PAUSE_LEAST = 1.0
+# How often a producer whose claims pause looks whether they resume, seconds.
+CLAIM_PAUSE_POLL = 0.05
+
+
+class ClaimPause:
+    """The worker claims no job while its heartbeat cannot reach the database.
+
+    A job claimed then gets no heartbeat: maintenance rescues it after
+    ``STALE_AFTER`` while it runs here, and it runs twice. Such a heartbeat
+    thread lost its connection (a server restart, ``pg_terminate_backend``, a
+    pooler) and the server refuses it another (a role's or a database's
+    ``CONNECTION LIMIT`` or ``max_connections`` reached, by this worker's
+    handler threads or other clients; Django's pool with none free), while the
+    producers' connections still work. Once its passes have failed in a row
+    for ``after`` seconds (a ``HEARTBEAT_INTERVAL``, at least
+    ``CLAIM_PAUSE_LEAST``, at most a quarter of ``STALE_AFTER``: a single
+    dropped connection, opened again by the next pass, pauses nothing), the
+    producers (``holds``) and the completer's hand-on of sequences claim
+    nothing until a pass goes through. Jobs already claimed run on.
+
+    ``failing_since`` (``time.monotonic()`` when the failing passes began;
+    ``inf`` while they go through) is written by the heartbeat thread alone
+    and read without a lock before every claim; ``lock`` orders the WARNING
+    that claims pause, logged once by the first producer to find them paused,
+    with the INFO that they resume.
+    """
+
+    def __init__(self, conf: AwaSettings) -> None:
+        self.after = min(max(CLAIM_PAUSE_LEAST, conf.heartbeat_interval), conf.stale_after / 4)
+        self.stale_after = conf.stale_after
+        self.failing_since = math.inf
+        self.error = ""  # the failing heartbeat's last error, for the WARNING
+        self.paused = False  # the WARNING was logged; the INFO is due at the resume
+        self.lock = threading.Lock()
+
+    def holds(self) -> bool:
+        """Whether claims pause now: the heartbeat's passes failed for ``after`` seconds."""
+        failing = time.monotonic() - self.failing_since  # -inf while they go through
+        if failing <= self.after:
+            return False
+        if not self.paused:
+            with self.lock:
+                if self.paused or self.failing_since == math.inf:
+                    return True  # logged by another producer; or resumed meanwhile
+                self.paused = True
+            logger.warning(
+                "django-awa: the heartbeat has not reached the database for %.1fs (%s): "
+                "this worker claims no jobs until it does, since a job claimed now would "
+                "get no heartbeat and be rescued after STALE_AFTER (%.0fs) to run a second "
+                "time; the jobs it runs keep running",
+                failing, self.error, self.stale_after,
+            )  # fmt: skip
+        return True
+
+    def failed(self, began: float, exc: BaseException) -> None:
+        """A heartbeat pass begun at ``began`` raised a database error."""
+        self.error = one_line(exc)
+        if self.failing_since == math.inf:
+            self.failing_since = began
+
+    def went_through(self) -> None:
+        """A heartbeat pass went through: claims resume. A comparison while none failed."""
+        if self.failing_since == math.inf:
+            return
+        with self.lock:
+            failed_for = time.monotonic() - self.failing_since
+            self.failing_since = math.inf
+            paused, self.paused = self.paused, False
+        if paused:
+            logger.info(
+                "django-awa: the heartbeat reached the database again after %.1fs; "
+                "this worker claims jobs again",
+                failed_for,
+            )
+
+
 @dataclass(eq=False)
 class WorkerState:
     """The fields a worker's services share; ``running_lock`` guards ``running``,
@@ -399,9 +483,12 @@ class WorkerState:
     backlog_limit: int = 1000
     # This worker's wake-ups after its own commits (wakeups.py), sent by the listener.
     outbox: Outbox = field(init=False)
+    # Whether producers claim: not while the heartbeat cannot write (ClaimPause).
+    claim_pause: ClaimPause = field(init=False)
 
     def __post_init__(self) -> None:
         self.outbox = Outbox(self.alias, self.wake)
+        self.claim_pause = ClaimPause(self.conf)
 
     def count_outcomes(
         self, written: list[AttemptResult], running: dict[int, Attempt] | None = None

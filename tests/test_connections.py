@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+import psycopg
 import pytest
 from django.db import connection
 from django.test import override_settings
@@ -349,3 +350,81 @@ def test_the_producers_of_several_queues_share_one_connection(limited_role, star
     jobs = [awa.enqueue(Act(action="ok")), awa.enqueue(Echo(n=1)), awa.enqueue(Noop(n=1))]
     for job in jobs:
         wait_for_state(job.id, JobState.COMPLETED)
+
+
+def _connect_as(role: str) -> psycopg.Connection:
+    settings_dict = connection.settings_dict
+    return psycopg.connect(
+        host=settings_dict["HOST"] or "localhost",
+        port=settings_dict["PORT"] or 5432,
+        dbname=settings_dict["NAME"],
+        user=role,
+        autocommit=True,
+    )
+
+
+def _take_the_heartbeats_slot(role: str) -> psycopg.Connection:
+    """Terminate the worker's heartbeat backend and take its slot under ``role``'s limit.
+
+    The heartbeat's connection is the one whose last statement registered the
+    worker (``fleet.beat``, each ``HEARTBEAT_INTERVAL``); the main thread's, at
+    start-up, is closed. Should the heartbeat reconnect before this connects,
+    it goes again.
+    """
+    for _ in range(20):
+        pids = wait_for(
+            lambda: _sql(
+                "SELECT pid FROM pg_stat_activity WHERE usename = %s "
+                "AND query LIKE '%%INSERT INTO awa_worker %%'",
+                [role],
+            )
+        )
+        assert len(pids) == 1, pids
+        [(pid,)] = pids
+        _sql("SELECT pg_terminate_backend(%s)", [pid])
+        wait_for(lambda pid=pid: not _sql("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]))
+        try:
+            return _connect_as(role)
+        except psycopg.OperationalError as exc:
+            assert "too many connections" in str(exc), exc
+    raise AssertionError("the heartbeat took its slot back every time")
+
+
+PAUSED = "the heartbeat has not reached the database for"
+RESUMED = "the heartbeat reached the database again after"
+
+
+@pytest.mark.slow
+def test_no_job_is_claimed_while_the_heartbeat_cannot_reconnect(limited_role, start_worker):
+    # The role may open as many connections as the idle worker holds (its
+    # producer, completer, heartbeat, maintenance and LISTEN). The heartbeat's
+    # backend is terminated and its slot taken: the server refuses it another,
+    # while the producer's connection still works. A job claimed then would get
+    # no heartbeat, be rescued after STALE_AFTER (3 s) and run twice: none is
+    # claimed until the heartbeat reaches the database again.
+    role = limited_role(5)
+    worker = start_worker("--queue", "bulk=2", env={**SETTINGS, "AWA_TEST_DB_USER": role})
+    wait_for(lambda: "listening for new jobs" in worker.output(), timeout=30)
+    wait_for(lambda: _backends(role) == 5, message=lambda: f"{_backends(role)} backends")
+    holder = _take_the_heartbeats_slot(role)
+    try:
+        wait_for(lambda: "unavailable (heartbeat:" in worker.output(), message=worker.output)
+        time.sleep(1.5)  # the heartbeat has failed past ClaimPause.after (0.75 s here)
+        ids = awa.enqueue_many([Noop(n=i) for i in range(4)])
+        time.sleep(2)  # the producer, woken by the NOTIFY, would have claimed them at once
+        states = set(Job.objects.filter(id__in=ids).values_list("state", "attempt"))
+        assert states == {(JobState.AVAILABLE, 0)}, states
+    finally:
+        holder.close()
+    wait_for(
+        lambda: not Job.objects.filter(id__in=ids).exclude(state=JobState.COMPLETED).exists(),
+        timeout=30,
+        message=worker.output,
+    )
+    assert set(Job.objects.filter(id__in=ids).values_list("attempt", flat=True)) == {1}
+    log = worker.output()
+    [paused] = [line for line in log.splitlines() if PAUSED in line]
+    assert "WARNING" in paused and "too many connections for role" in paused, paused
+    assert "claims no jobs until it does" in paused and "run a second time" in paused, paused
+    assert log.count(RESUMED) == 1, log
+    assert "rescued job" not in log, log

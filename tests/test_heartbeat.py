@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
+import time
 
 import pytest
+from django.db import OperationalError
 from django.utils import timezone
 
 from django_awa.conf import awa_settings
 from django_awa.execute import Attempt
 from django_awa.heartbeat import Heartbeat, fresh_for
 from django_awa.models import Job, JobState
-from django_awa.state import WorkerState
+from django_awa.state import ClaimPause, WorkerState
 from tests.conftest import make_job
 
 pytestmark = pytest.mark.django_db
@@ -83,3 +86,43 @@ def test_a_row_left_alone_is_beaten_before_it_could_look_stale():
         conf = dataclasses.replace(awa_settings(), heartbeat_interval=interval, stale_after=stale)
         assert 0 < fresh_for(conf) <= interval
         assert fresh_for(conf) + interval < stale
+
+
+def test_claims_pause_while_the_heartbeat_fails_past_its_bound_and_resume_when_it_goes_through(
+    caplog,
+):
+    # The subprocess test: test_connections.py's
+    # test_no_job_is_claimed_while_the_heartbeat_cannot_reconnect.
+    pause = WorkerState.create({"default": 1}).claim_pause
+    refused = OperationalError('FATAL: too many connections for role "app"')
+    with caplog.at_level(logging.INFO, logger="django_awa.state"):
+        pause.went_through()  # nothing failed: nothing said
+        assert not pause.holds()
+        # A pass failed just now, then the next went through (a dropped connection
+        # opened again): no pause, nothing said.
+        pause.failed(time.monotonic(), refused)
+        assert not pause.holds()
+        pause.went_through()
+        assert not caplog.records
+        # Failing in a row past the bound: every producer finds claims paused, and
+        # the first says so, once.
+        pause.failed(time.monotonic() - pause.after - 0.1, refused)
+        pause.failed(time.monotonic(), refused)  # the same outage: its start stays
+        assert pause.holds() and pause.holds()
+        pause.went_through()
+        assert not pause.holds()
+        pause.went_through()
+    [warning, info] = caplog.records
+    assert warning.levelno == logging.WARNING
+    assert "the heartbeat has not reached the database for " in warning.getMessage()
+    assert 'too many connections for role "app"' in warning.getMessage()
+    assert "claims no jobs until it does" in warning.getMessage()
+    assert "rescued after STALE_AFTER (3s) to run a second time" in warning.getMessage()
+    assert info.levelno == logging.INFO
+    assert "the heartbeat reached the database again after" in info.getMessage()
+
+
+def test_claims_pause_after_a_heartbeat_interval_of_failures_well_before_stale_after():
+    for interval, stale, after in ((5.0, 30.0, 5.0), (0.5, 30.0, 1.0), (25.0, 30.0, 7.5)):
+        conf = dataclasses.replace(awa_settings(), heartbeat_interval=interval, stale_after=stale)
+        assert ClaimPause(conf).after == after

@@ -117,6 +117,9 @@ def test_a_read_only_server_is_waited_out_and_the_worker_says_so_once(
     log = worker.output()
     assert log.count(UNAVAILABLE) == 1, log
     assert log.count(AVAILABLE_AGAIN) == 1, log
+    # Its heartbeat could not write either: claims paused, and resumed once it could.
+    assert log.count("the heartbeat has not reached the database") == 1, log
+    assert log.count("the heartbeat reached the database again") == 1, log
     new_holder, new_term = _lease()
     assert new_holder == holder  # the same worker leads again, on a writable server
     assert new_term >= term
