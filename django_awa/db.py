@@ -934,8 +934,8 @@ class Reconnect:
     closes the thread's connections (the next use opens a new one, on
     whatever server is the primary by then: a connection to a server that
     went read-only, SQLSTATE 25006, is closed like a dropped one) and waits a
-    backoff that doubles from ``RECONNECT_FIRST`` to ``RECONNECT_MOST``
-    seconds, or until ``stop`` is set.
+    backoff that doubles from ``RECONNECT_FIRST`` to ``most`` seconds
+    (``RECONNECT_MOST`` unless given), or until ``stop`` is set.
 
     The process logs one WARNING when the first of its threads finds
     ``alias`` unavailable, and one INFO line once every thread that failed
@@ -943,10 +943,18 @@ class Reconnect:
     how long the database was unavailable; each thread's retries are DEBUG.
     """
 
-    def __init__(self, service: str, alias: str, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        service: str,
+        alias: str,
+        stop: threading.Event | None = None,
+        *,
+        most: float = RECONNECT_MOST,
+    ) -> None:
         self.service = service
         self.alias = alias
         self.stop = stop or threading.Event()
+        self.most = most
         self.delay = RECONNECT_FIRST
         self.retries = 0  # failures since the last success
 
@@ -986,7 +994,7 @@ class Reconnect:
                 self.service, self.alias, self.retries, one_line(exc),
             )  # fmt: skip
         delay = self.delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not a secret
-        self.delay = min(self.delay * 2, RECONNECT_MOST)
+        self.delay = min(self.delay * 2, self.most)
         self.stop.wait(delay)
 
     def succeeded(self) -> None:

@@ -35,6 +35,11 @@ PROGRESS_INTERVAL = 0.25
 # A handler running this long gets its start stored while it runs; one that
 # returns sooner has it stored with its outcome, one write instead of two.
 MARK_STARTED_AFTER = 0.1
+# The longest the heartbeat waits between two tries while the database is
+# unavailable (the other threads wait up to db.RECONNECT_MOST): the worker
+# claims nothing until a heartbeat goes through (state.ClaimPause), so once the
+# database is back its claims should not wait out a long backoff.
+RECONNECT_MOST = 1.0
 
 
 def fresh_for(conf: AwaSettings) -> float:
@@ -60,7 +65,7 @@ class Heartbeat:
 
     def run(self) -> None:
         state = self.state
-        reconnect = db.Reconnect("heartbeat", state.alias, state.halt)
+        reconnect = db.Reconnect("heartbeat", state.alias, state.halt, most=RECONNECT_MOST)
         db.hold_connection(reconnect)
         self.connected.set()
         self.last_beat = time.monotonic()

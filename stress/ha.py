@@ -34,6 +34,7 @@ are reported, expected).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -186,6 +187,11 @@ def run_mode(opts: argparse.Namespace, synchronous: bool) -> dict[str, Any]:
         for fault in results["faults"]:
             measure(fault, workload)
         results["counts"] = dict(workload.counts)
+        # A worker says its outage is over once none of its threads failed for
+        # db.OUTAGE_SETTLES (5 s) after the last came back: waited for here, up to
+        # 30 s, rather than read at whatever moment the audit ended.
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: outages_over(workers.logs()), 30, "the outages said over", 0.5)
         results["logs"] = outage_lines(workers.logs())
         results["ledger"] = str(ledger.path)
         return results
@@ -290,6 +296,14 @@ def measure(fault: dict[str, Any], workload: Any) -> None:
         fault["attempts_lost"] = attempts_lost(cursor, workload.ids, at, until)
     windows = [end - start for start, end in workload.outages if at <= start <= until]
     fault["enqueue_outage"] = round(max(windows, default=0.0), 1)
+
+
+def outages_over(text: str) -> bool:
+    """Whether every outage the workers logged has its recovery line too."""
+    lines = outage_lines(text)
+    return sum("unavailable (" in line for line in lines) == sum(
+        "available again after" in line for line in lines
+    )
 
 
 def outage_lines(text: str) -> list[str]:

@@ -7,12 +7,14 @@ settings from ``tests/conn_settings.py``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 
 import psycopg
 import pytest
@@ -394,6 +396,15 @@ PAUSED = "the heartbeat has not reached the database for"
 RESUMED = "the heartbeat reached the database again after"
 
 
+def _heartbeat_tries(log: str) -> list[float]:
+    """When the heartbeat tried the database and failed, from ``-v 3``'s lines, seconds."""
+    return [
+        datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for line in log.splitlines()
+        if "unavailable (heartbeat:" in line or "heartbeat: database 'default' still" in line
+    ]
+
+
 @pytest.mark.slow
 def test_no_job_is_claimed_while_the_heartbeat_cannot_reconnect(limited_role, start_worker):
     # The role may open as many connections as the idle worker holds (its
@@ -403,7 +414,9 @@ def test_no_job_is_claimed_while_the_heartbeat_cannot_reconnect(limited_role, st
     # no heartbeat, be rescued after STALE_AFTER (3 s) and run twice: none is
     # claimed until the heartbeat reaches the database again.
     role = limited_role(5)
-    worker = start_worker("--queue", "bulk=2", env={**SETTINGS, "AWA_TEST_DB_USER": role})
+    worker = start_worker(
+        "--queue", "bulk=2", "-v", "3", env={**SETTINGS, "AWA_TEST_DB_USER": role}
+    )  # fmt: skip
     wait_for(lambda: "listening for new jobs" in worker.output(), timeout=30)
     wait_for(lambda: _backends(role) == 5, message=lambda: f"{_backends(role)} backends")
     holder = _take_the_heartbeats_slot(role)
@@ -411,11 +424,20 @@ def test_no_job_is_claimed_while_the_heartbeat_cannot_reconnect(limited_role, st
         wait_for(lambda: "unavailable (heartbeat:" in worker.output(), message=worker.output)
         time.sleep(1.5)  # the heartbeat has failed past ClaimPause.after (0.75 s here)
         ids = awa.enqueue_many([Noop(n=i) for i in range(4)])
-        time.sleep(2)  # the producer, woken by the NOTIFY, would have claimed them at once
+        # The producer, woken by the NOTIFY, would have claimed them at once. Long
+        # enough, too, for the heartbeat's seventh try: with the other threads'
+        # backoff (up to 5 s), its wait before it would be 1.6 s at least.
+        time.sleep(5)
         states = set(Job.objects.filter(id__in=ids).values_list("state", "attempt"))
         assert states == {(JobState.AVAILABLE, 0)}, states
     finally:
         holder.close()
+    # Claims wait for the heartbeat: it tries again at most a second apart (and a
+    # pass), so they resume soon after the database takes it back.
+    tries = _heartbeat_tries(worker.output())
+    assert len(tries) >= 7, worker.output()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(tries)]
+    assert max(gaps) < 1.6, gaps
     wait_for(
         lambda: not Job.objects.filter(id__in=ids).exclude(state=JobState.COMPLETED).exists(),
         timeout=30,
