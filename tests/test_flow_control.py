@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
@@ -1431,6 +1431,21 @@ def test_a_member_handed_on_while_the_worker_stops_is_given_back_unused() -> Non
     assert again.id == claimed.id and again.attempt == 1
     # A stopping worker reserves no place at all.
     assert reserve_hand_on(state, [completed(head)]) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_member_is_handed_on_while_the_heartbeat_cannot_reach_the_database() -> None:
+    # A hand-on claims the next member: with the heartbeat failing (state.ClaimPause)
+    # it would get no heartbeat, be rescued after STALE_AFTER and run twice.
+    awa.enqueue_many([SequencedSpan(key="h", n=i) for i in range(2)])
+    (head,) = producer.claim_sequenced("seq", 10, "default")
+    state = _serving({"seq": 2})
+    pause = state.claim_pause
+    pause.failed(time.monotonic() - pause.after - 1, DatabaseError("refused"))
+    assert reserve_hand_on(state, [completed(head)]) is None
+    assert state.queues["seq"].held == 0
+    pause.went_through()  # a heartbeat went through: claims, hand-ons too, resume
+    assert reserve_hand_on(state, [completed(head)]) is not None
 
 
 @pytest.mark.django_db(transaction=True)
