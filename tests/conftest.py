@@ -223,8 +223,9 @@ def start_worker(transactional_db: Any, tmp_path: Path) -> Iterator[Callable[...
         print(f"--- worker {i} (pid {worker.pid}) output ---\n{worker.output()[-6000:]}")  # noqa: T201
 
 
-def connect_to(dbname: str) -> psycopg.Connection[Any]:
-    """A psycopg connection to ``dbname`` on the test server, in autocommit."""
+def connect_to(dbname: str, user: str | None = None) -> psycopg.Connection[Any]:
+    """A psycopg connection to ``dbname`` on the test server, in autocommit (as
+    ``user``, else the tests' own)."""
     s = connection.settings_dict
     django_only = {"isolation_level", "server_side_binding", "pool", "assume_role"}
     options = {k: v for k, v in s["OPTIONS"].items() if k not in django_only}
@@ -232,8 +233,8 @@ def connect_to(dbname: str) -> psycopg.Connection[Any]:
         dbname=dbname,
         host=s["HOST"] or None,
         port=s["PORT"] or None,
-        user=s["USER"] or None,
-        password=s["PASSWORD"] or None,
+        user=user or s["USER"] or None,
+        password=None if user else s["PASSWORD"] or None,
         autocommit=True,
         **options,
     )

@@ -26,7 +26,7 @@ from django_awa.checks import check_connections
 from django_awa.db import connection_need
 from django_awa.execute import from_exception
 from django_awa.models import Job, JobState
-from tests.conftest import ROOT, wait_for, wait_for_state
+from tests.conftest import ROOT, connect_to, wait_for, wait_for_state
 from tests.testapp.jobs import Act, Echo, Nap, Noop, Touch
 from tests.testapp.models import Ledger, Order
 
@@ -354,17 +354,6 @@ def test_the_producers_of_several_queues_share_one_connection(limited_role, star
         wait_for_state(job.id, JobState.COMPLETED)
 
 
-def _connect_as(role: str) -> psycopg.Connection:
-    settings_dict = connection.settings_dict
-    return psycopg.connect(
-        host=settings_dict["HOST"] or "localhost",
-        port=settings_dict["PORT"] or 5432,
-        dbname=settings_dict["NAME"],
-        user=role,
-        autocommit=True,
-    )
-
-
 def _take_the_heartbeats_slot(role: str) -> psycopg.Connection:
     """Terminate the worker's heartbeat backend and take its slot under ``role``'s limit.
 
@@ -386,7 +375,7 @@ def _take_the_heartbeats_slot(role: str) -> psycopg.Connection:
         _sql("SELECT pg_terminate_backend(%s)", [pid])
         wait_for(lambda pid=pid: not _sql("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]))
         try:
-            return _connect_as(role)
+            return connect_to(connection.settings_dict["NAME"], user=role)
         except psycopg.OperationalError as exc:
             assert "too many connections" in str(exc), exc
     raise AssertionError("the heartbeat took its slot back every time")
