@@ -247,6 +247,27 @@ def test_the_dashboard_draws_real_outcomes_and_redraws_without_a_reload(
     assert JobCount.objects.exists()
 
 
+def test_the_charts_axes_read_as_round_figures_in_their_units(
+    login: Any,  # noqa: F811
+    superuser: Any,  # noqa: F811
+):
+    """The y axis tops out at a round figure above the highest point, and says counts
+    as counts and waits as durations: "30,000" jobs a minute, "5.0 s", not "32831"
+    (the highest point plus a tenth) or "4.8"."""
+    minute = awa_now().replace(second=0, microsecond=0) - dt.timedelta(minutes=2)
+    StatMinute.objects.create(queue="default", minute=minute, completed=29_846, oldest_due=4.4)
+    page = login(superuser)
+    page.goto(DASHBOARD_URL)
+
+    def axis(chart: str) -> list[str]:
+        labels: list[str] = page.locator(f"#awa-chart-{chart} text.awa-axis-y").all_text_contents()
+        return labels
+
+    assert axis("outcomes") == ["0", "15,000", "30,000"]
+    assert axis("oldest") == ["0", "2.5 s", "5.0 s"]
+    assert axis("wait") == ["0", "500 ms", "1.0 s"]  # no waits: the axis of 0 to 1 s
+
+
 def test_a_dashboard_whose_session_ended_says_so_and_stops_polling(
     login: Any,  # noqa: F811
     superuser: Any,  # noqa: F811

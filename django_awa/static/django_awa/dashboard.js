@@ -59,7 +59,24 @@
     return date.toISOString().slice(11, 16);
   }
 
-  function draw(svg, lines) {
+  // The axis's top: the least of 1, 2, 3, 4, 5, 6 or 8 times a power of ten that is
+  // not below the highest value, so the gridlines read as round figures.
+  function roundTop(highest) {
+    if (!(highest > 0)) {
+      return 1;
+    }
+    var power = Math.pow(10, Math.floor(Math.log10(highest)));
+    var steps = [1, 2, 3, 4, 5, 6, 8, 10];
+    for (var i = 0; i < steps.length; i++) {
+      if (steps[i] * power >= highest) {
+        return steps[i] * power;
+      }
+    }
+    return 10 * power;
+  }
+
+  // format: how the axis says a value (count, or seconds).
+  function draw(svg, lines, format) {
     while (svg.firstChild) {
       svg.removeChild(svg.firstChild);
     }
@@ -71,16 +88,15 @@
         }
       });
     });
-    var scale = top > 0 ? top * 1.1 : 1;
+    var scale = roundTop(top);
     var points = lines.length ? lines[0].values.length : 0;
     var plotW = WIDTH - LEFT - RIGHT;
     var plotH = HEIGHT - TOP - BOTTOM;
     [0, 0.5, 1].forEach(function (f) {
       var y = TOP + plotH - f * plotH;
       node("line", { x1: LEFT, x2: WIDTH - RIGHT, y1: y, y2: y, class: "awa-grid" }, svg);
-      var label = node("text", { x: LEFT - 4, y: y + 3, "text-anchor": "end" }, svg);
-      var value = f * scale;
-      label.textContent = value >= 100 ? value.toFixed(0) : value.toPrecision(2);
+      var label = node("text", { x: LEFT - 4, y: y + 3, "text-anchor": "end", class: "awa-axis-y" }, svg);
+      label.textContent = f === 0 ? "0" : format(f * scale);
     });
     var start = new Date(data.start);
     var span = points * data.step_seconds * 1000;
@@ -183,12 +199,12 @@
       { name: "completed", values: series.completed },
       { name: "failed", values: series.failed },
       { name: "retried", values: series.retried },
-    ]);
+    ], count);
     draw(document.getElementById("awa-chart-wait"), [
       { name: "p50", values: series.wait_p50 },
       { name: "p95", values: series.wait_p95 },
-    ]);
-    draw(document.getElementById("awa-chart-oldest"), [{ name: "oldest", values: series.oldest_due }]);
+    ], seconds);
+    draw(document.getElementById("awa-chart-oldest"), [{ name: "oldest", values: series.oldest_due }], seconds);
     document.getElementById("awa-total-completed").textContent = count(series.totals.completed);
     document.getElementById("awa-total-failed").textContent = count(series.totals.failed);
     document.getElementById("awa-total-retried").textContent = count(series.totals.retried);
