@@ -836,6 +836,28 @@ def test_queue_overview_shows_limits_held_back_jobs_and_rate_and_edits_limits(
     assert default.locator("td.limits").inner_text() == "none"
 
 
+def test_the_queue_page_fits_a_laptop_screen_its_controls_two_lines_a_queue(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    """At 1280 px, with the admin's sidebar open, the table of queues is wider than the
+    page: it scrolls in its own box, as the admin's changelists do, and each queue's
+    pause and limit controls stay on two lines. It ran off the right of the page, and
+    its controls, squeezed into a column a word wide, made every row 170 px tall."""
+    for queue in ("billing", "default", "email"):
+        make_job(queue=queue)
+    page = login(superuser)
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.goto(QUEUES_URL)
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    row = page.locator('tr[data-queue="default"]').bounding_box()
+    assert row
+    # A line of a button and one of inputs and a button: 95 px here.
+    assert row["height"] < 120, row
+    controls = page.locator('tr[data-queue="default"] td.controls')
+    controls.get_by_role("button", name="Set limits").scroll_into_view_if_needed()
+    assert controls.get_by_role("button", name="Set limits").is_visible()
+
+
 def test_queue_limits_form_refuses_a_bad_number_and_needs_change_permission(
     client: Any, superuser: User, viewer: User
 ) -> None:
