@@ -71,7 +71,14 @@ def insert_with_dependencies(
         mine = {p.id for p in prepared}
         existing = sorted({i for p in prepared for i in p.after if i not in mine})
         found = _flag_existing(cursor, existing)
-        unknown = [i for i in existing if i not in found]
+        # An id drawn just now named no job when the caller wrote `after`: the
+        # caller's id for an unknown job (one of another database, say), not
+        # the new job it happens to equal.
+        drawn_here = {p.id for p in missing}
+        unknown = sorted(
+            {i for i in existing if i not in found}
+            | {i for p in missing for i in p.after if i in drawn_here}
+        )
         if unknown:
             raise ValidationError(
                 f"after names job id {unknown[0]}, which does not exist"

@@ -172,7 +172,9 @@ class Workflow:
         graphs = [flow._prepare(alias) for flow in flows]
         prepared = [job for graph in graphs for job in graph]
         # The ids of every new step, drawn in one statement.
-        ids = iter(_reserve(alias, len(prepared)))
+        drawn = _reserve(alias, len(prepared))
+        _check_not_drawn(flows, graphs, set(drawn))
+        ids = iter(drawn)
         for flow, graph in zip(flows, graphs, strict=True):
             flow._number(graph, [next(ids) for _ in graph])
         with transaction.atomic(using=alias):
@@ -273,6 +275,23 @@ class Workflow:
                 else:
                     order.append(ref.id if isinstance(ref, Job) else ref)
             job.after = list(dict.fromkeys(order))
+
+
+def _check_not_drawn(
+    flows: list[Workflow], graphs: list[list[PreparedJob]], drawn: set[int]
+) -> None:
+    """``ValidationError`` if a step's ``after`` gives as a job id one of the ids just
+    drawn for the new steps: it named no job when it was written (an id of another
+    database, say), and taken for the step that drew it, it would be an edge no one
+    asked for, a cycle even, with both steps blocked for ever."""
+    for flow, graph in zip(flows, graphs, strict=True):
+        for step, job in zip(flow.steps, graph, strict=True):
+            clash = next((i for i in job.after if i in drawn), None)
+            if clash is not None:
+                raise ValidationError(
+                    f"{flow!r}: {step!r}: after names job id {clash}, which does not exist; "
+                    f"nothing was enqueued"
+                )
 
 
 def _step_at(flows: list[Workflow], position: int) -> tuple[Workflow, Step]:

@@ -534,6 +534,44 @@ def test_an_after_id_no_job_can_have_is_refused_as_unknown():
     assert not Job.objects.exists()
 
 
+def _next_job_id() -> int:
+    """The id the next job drawn will get (nothing else draws ids in these tests)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT coalesce(pg_sequence_last_value("
+            "pg_get_serial_sequence('awa_job', 'id')::regclass), 0) + 1"
+        )
+        return cursor.fetchone()[0]
+
+
+@db
+def test_an_after_id_equal_to_an_id_drawn_for_the_new_jobs_is_refused_as_unknown():
+    # An id that names no job (of another database, a model's pk given by
+    # mistake) may equal the id the enqueue draws for a new job: it was taken
+    # for that job, a self-edge the database refused with an IntegrityError,
+    # or, in a workflow, an edge to a sibling no one named: a cycle, every step
+    # blocked for ever.
+    existing = awa.enqueue(Node(name="existing"))
+    before = _counts()
+    flagged = Job.objects.get(id=existing.id).has_dependents
+    flow = awa.Workflow("looped by an id")
+    first = flow.add(Node(name="first"), after=[existing, _next_job_id() + 1])
+    flow.add(Node(name="second"), after=[first])
+    with pytest.raises(
+        awa.ValidationError,
+        match=rf"'node' of .*after names job id {_next_job_id() + 1}, which does not exist",
+    ):
+        flow.enqueue()
+    with pytest.raises(awa.ValidationError, match=f"job id {_next_job_id()}, which does not"):
+        awa.enqueue(Node(name="alone"), after=[existing, _next_job_id()])
+    with pytest.raises(awa.ValidationError, match=f"job id {_next_job_id() + 1}, which does"):
+        awa.enqueue_many(
+            [awa.EnqueueRequest(Node(name=f"m{i}"), after=[_next_job_id() + 1]) for i in range(2)]
+        )
+    assert _counts() == before
+    assert Job.objects.get(id=existing.id).has_dependents == flagged
+
+
 def _order_flow(n: int, *, before: Job | None = None) -> awa.Workflow:
     """A diamond: ``charge``, then ``pack`` and ``invoice``, then ``ship`` (after
     ``before`` too, when given)."""
