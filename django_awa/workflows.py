@@ -30,7 +30,7 @@ from .enqueueing import (
     prepare,
     unique_conflict,
 )
-from .exceptions import ValidationError
+from .exceptions import UniqueConflict, ValidationError
 from .kinds import JobArgs
 from .models import Job, JobState
 
@@ -182,18 +182,26 @@ class Workflow:
             if inserted.skipped:
                 flow, step = _step_at(flows, inserted.skipped[0])
                 others = len(flows) - 1
-                # Leaving the block by raising rolls back every workflow.
-                raise unique_conflict(
-                    prepared[inserted.skipped[0]],
-                    alias,
-                    where=f"{step!r}: ",
-                    then=f"; nothing of {flow!r}"
+                then = (
+                    f"; nothing of {flow!r}"
                     + (
                         f" nor of the {others} other workflow{'s' if others > 1 else ''}"
                         if others
                         else ""
                     )
-                    + " was enqueued",
+                    + " was enqueued"
+                )
+                # Leaving the block by raising rolls back every workflow.
+                twin = _twin(flows, prepared, inserted.skipped[0], set(inserted.ids))
+                if twin is not None:
+                    # The holder is a step enqueued with it: no job holds the
+                    # key once this rolls back, so none is named.
+                    raise UniqueConflict(
+                        f"{step!r}: a job of kind {prepared[inserted.skipped[0]].kind!r} "
+                        f"has the same unique key as {twin!r}, enqueued with it" + then
+                    )
+                raise unique_conflict(
+                    prepared[inserted.skipped[0]], alias, where=f"{step!r}: ", then=then
                 )
         rows = {job.id: job for job in Job.objects.using(alias).filter(id__in=inserted.ids)}
         position = 0
@@ -292,6 +300,20 @@ def _check_not_drawn(
                     f"{flow!r}: {step!r}: after names job id {clash}, which does not exist; "
                     f"nothing was enqueued"
                 )
+
+
+def _twin(
+    flows: list[Workflow], prepared: list[PreparedJob], position: int, inserted: set[int]
+) -> Step | None:
+    """The step inserted in the same statement as the step at ``position`` (which was
+    skipped) with the same unique key, if any."""
+    key = prepared[position].unique_key
+    if key is None:
+        return None
+    for index, job in enumerate(prepared):
+        if index != position and job.id in inserted and job.unique_key == key:
+            return _step_at(flows, index)[1]
+    return None
 
 
 def _step_at(flows: list[Workflow], position: int) -> tuple[Workflow, Step]:

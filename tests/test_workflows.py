@@ -473,6 +473,31 @@ def test_a_unique_clash_in_a_workflow_writes_none_of_it():
 
 
 @db
+def test_two_steps_with_one_unique_key_are_refused_naming_the_step_not_a_rolled_back_job():
+    # The second step's key was held by the first, inserted by the same
+    # statement: the error named that step's id as the holding job, a job that
+    # no longer existed once the clash rolled the workflow back.
+    unique = awa.Unique(by_args=True)
+    flow = awa.Workflow("twins")
+    first = flow.add(awa.EnqueueRequest(Node(name="twin"), unique=unique))
+    flow.add(awa.EnqueueRequest(Node(name="twin"), unique=unique), after=[first])
+    with pytest.raises(
+        awa.UniqueConflict,
+        match=r"Step 1 .*same unique key as <Step 0 'node' of <Workflow twins .*enqueued with it; "
+        r"nothing of <Workflow twins",
+    ) as clash:
+        flow.enqueue()
+    assert clash.value.conflicting_id is None
+    other = awa.Workflow("other")
+    other.add(awa.EnqueueRequest(Node(name="twin"), unique=unique))
+    again = awa.Workflow("twins")
+    again.add(awa.EnqueueRequest(Node(name="twin"), unique=unique))
+    with pytest.raises(awa.UniqueConflict, match=r"as <Step 0 'node' of <Workflow other "):
+        awa.Workflow.enqueue_many([other, again])
+    assert _counts() == (0, 0)
+
+
+@db
 def test_a_dependent_whose_unique_states_leave_out_blocked_holds_its_key_while_it_waits():
     # states= copied from SPEC §3's list, without "blocked": the dependent would
     # take its key only when its dependency's outcome released it, and a clash
