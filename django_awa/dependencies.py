@@ -470,7 +470,8 @@ def deleting(ids: Sequence[int], alias: str) -> list[int]:
     dependents ready for it; return those to ``settle`` once the rows are gone.
 
     The rule (README, *Results and workflows*): a deleted dependency that
-    completed stays met (``sql.MEET_BY_DELETION`` removes the edges to it);
+    completed stays met (``sql.MEET_BY_DELETION`` removes the edges to it, for
+    dependents in any state: a retry makes one wait for its dependencies again);
     any other counts as cancelled for ``requires="completed"`` dependents
     (they are cancelled, with their ``on_cancelled`` follow-ups, and the
     cascade goes on) and as finished for ``requires="finished"`` ones.
@@ -489,7 +490,8 @@ def deleting(ids: Sequence[int], alias: str) -> list[int]:
             cursor.execute(sql.LOCK_BLOCKED, {"ids": dependents})
             dependents = [row[0] for row in cursor.fetchall()]
         completed = [job_id for job_id, state in rows if state == JobState.COMPLETED]
-        if completed and dependents:
+        if completed:
+            # Those not blocked too: a retry makes them wait for it again.
             cursor.execute(sql.MEET_BY_DELETION, {"completed": completed})
     return dependents
 

@@ -1793,10 +1793,12 @@ WHERE id IN (
 # (state, finalized_at).
 # The pruned jobs' own dependency edges go with them (primary key of
 # awa_job_dependency); edges naming them as a dependency stay until their
-# dependent is pruned, but for a blocked dependent of a pruned completed job
-# (one that waits for another dependency still): that edge goes, as the
-# dependency was met (a requires='completed' dependency whose row is gone
-# otherwise counts as deleted before it finished, see MEET_BY_DELETION).
+# dependent is pruned, but for the dependents of a pruned completed job: that
+# edge goes, as the dependency was met (a requires='completed' dependency whose
+# row is gone otherwise counts as deleted before it finished, see
+# MEET_BY_DELETION), whatever the dependent's state: a blocked one waits for
+# another dependency still, a failed or cancelled one waits for its
+# dependencies again once retried.
 # Index: the primary key of awa_job_dependency for the pruned jobs' own edges
 # (= ANY(ARRAY(...)): with IN (SELECT ...) the planner hashed the pruned ids
 # and read all 1,000,000 edges of benchmarks/workflows.py --plans),
@@ -1822,9 +1824,9 @@ edges AS (
 ),
 met AS (
     DELETE FROM awa_job_dependency AS e
-    USING gone AS g, ONLY awa_job AS b
+    USING gone AS g
     WHERE g.has_dependents AND g.state = 'completed' AND e.depends_on_id = g.id
-      AND b.id = e.job_id AND b.state = 'blocked'
+      AND e.job_id <> ALL(ARRAY(SELECT id FROM gone))
 )
 SELECT count(*) FROM gone
 """
@@ -2811,8 +2813,8 @@ FOR UPDATE
 # dependencies failed or was cancelled: among %(finished)s (the outcomes this
 # transaction wrote), or among all of them when NULL (new or retried jobs).
 # A requires='completed' dependency whose row is gone was deleted before it
-# finished (admin discard, ORM or raw DELETE; a completed one's edges to
-# blocked jobs go with it, MEET_BY_DELETION, PRUNE_FINISHED): it counts as
+# finished (admin discard, ORM or raw DELETE; a completed one's edges go
+# with it, MEET_BY_DELETION, PRUNE_FINISHED): it counts as
 # cancelled, its state given as 'deleted', when %(finished)s is NULL (the
 # deleting transaction, maintenance's settle_orphans). An outcome's
 # transaction looks at its own outcomes only (a fan-in callback's 10,000
@@ -2885,7 +2887,7 @@ WHERE j.id = t.id AND jsonb_typeof(j.metadata) = 'object'
 # it requires available (or scheduled, while their run_at is ahead). A
 # dependency's row that no longer exists counts as finished, not completed:
 # it was deleted (before it finished, or pruned after; a completed one's
-# edges to blocked jobs go with it). Index: the primary key of
+# edges go with it). Index: the primary key of
 # awa_job_dependency (job_id, ...), the newest dependencies first (in a
 # fan-in, those still running), stopping at the first unmet one; primary key
 # lookups of the dependencies. The order is kept in a subquery: PostgreSQL
@@ -2995,17 +2997,17 @@ FOR UPDATE
 """
 
 # -- MEET_BY_DELETION --
-# In the deleting transaction, before the DELETE: the edges from blocked
-# jobs to the completed ones among the jobs being deleted go, as those
-# dependencies were met; every other edge to them stays and, its row gone,
-# counts as a cancelled dependency for requires='completed' (the dependent is
-# cancelled, CANCEL_BY_DEPENDENCY) and as a finished one for
-# requires='finished' (PROMOTE_READY). Index: awa_dependency_dependents_idx.
+# In the deleting transaction, before the DELETE: the edges to the completed
+# ones among the jobs being deleted go, as those dependencies were met: those
+# of blocked jobs, and those of any other dependent too, which a retry (or the
+# retry of the dependency that cancelled it) makes wait for its dependencies
+# again. Every other edge to them stays and, its row gone, counts as a
+# cancelled dependency for requires='completed' (the dependent is cancelled,
+# CANCEL_BY_DEPENDENCY) and as a finished one for requires='finished'
+# (PROMOTE_READY). Index: awa_dependency_dependents_idx.
 MEET_BY_DELETION = """
 DELETE FROM awa_job_dependency AS e
-USING ONLY awa_job AS b
 WHERE e.depends_on_id = ANY(%(completed)s::bigint[])
-  AND b.id = e.job_id AND b.state = 'blocked'
 """
 
 # -- ORPHANED_BLOCKED --

@@ -900,6 +900,36 @@ def test_a_deleted_or_pruned_completed_dependency_stays_met():
 
 
 @db
+def test_a_retried_dependent_of_a_pruned_or_deleted_completed_dependency_runs_again():
+    # A completed dependency pruned after COMPLETED_RETENTION (a day), or
+    # deleted, took with it only the edges of dependents that were blocked:
+    # retrying a failed dependent (kept a week), or the dependency that had
+    # cancelled one, made it wait for its dependencies again, and the one gone
+    # counted as deleted before it finished: cancelled at once, never run.
+    charge = awa.enqueue(Node(name="charge"))
+    stock = awa.enqueue(Node(name="stock"))
+    ship = awa.enqueue(Node(name="ship", action="terminal"), after=[charge])
+    pack = awa.enqueue(Node(name="pack"), after=[charge, stock])
+    awa.cancel(stock.id)
+    assert state(pack) == JobState.CANCELLED
+    receipt = awa.enqueue(Node(name="receipt"))
+    mail = awa.enqueue(Node(name="mail", action="terminal"), after=[receipt])
+    assert run_all() == [charge.id, ship.id, receipt.id, mail.id]
+    assert (state(ship), state(mail)) == (JobState.FAILED, JobState.FAILED)
+    long_ago = timezone.now() - dt.timedelta(days=2)
+    Job.objects.filter(id=charge.id).update(finalized_at=long_ago)
+    assert Maintenance("default").prune() == 1
+    Job.objects.filter(id=receipt.id).delete()
+
+    assert awa.retry(ship.id).state == JobState.AVAILABLE
+    assert awa.retry(mail.id).state == JobState.AVAILABLE
+    awa.retry(stock.id)
+    assert state(pack) == JobState.BLOCKED  # waits for stock again, not for charge
+    assert sorted(run_all()) == sorted([ship.id, mail.id, stock.id, pack.id])
+    assert (runs(ship), runs(mail), state(pack)) == (2, 2, JobState.COMPLETED)
+
+
+@db
 def test_a_dependency_deleted_by_raw_sql_is_settled_by_maintenance():
     gone = awa.enqueue(Node(name="gone"))
     waiting = awa.enqueue(Node(name="waiting"), after=[gone])
