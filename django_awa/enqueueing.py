@@ -297,6 +297,14 @@ def dependency_ids(after: Any, where: str, *, alias: str | None = None) -> list[
                 # Refused here: the database would fail on it rather than find no job.
                 raise ValidationError(f"{where}: after names job id {item}, which does not exist")
             job_id = item
+        elif _is_step(item):
+            # A Workflow's steps come here only from awa.enqueue / EnqueueRequest:
+            # Workflow.add takes them before.
+            raise ValidationError(
+                f"{where}: after names {item!r}: a Workflow's step is taken by "
+                f"Workflow.add(after=...) of its own workflow; here, give its job "
+                f"(step.job, once its workflow is enqueued)"
+            )
         else:
             raise ValidationError(
                 f"{where}: after takes Job rows or job ids (or a Workflow's steps), "
@@ -305,6 +313,12 @@ def dependency_ids(after: Any, where: str, *, alias: str | None = None) -> list[
         if job_id not in ids:
             ids.append(job_id)
     return ids
+
+
+def _is_step(item: object) -> bool:
+    from .workflows import Step  # workflows.py imports this module
+
+    return isinstance(item, Step)
 
 
 def dependency_databases(after: Any) -> set[str]:

@@ -455,6 +455,23 @@ def test_cycles_and_bad_references_are_refused_naming_them_with_nothing_written(
 
 
 @db
+def test_a_step_given_to_enqueue_is_refused_saying_to_give_its_job():
+    # The error said after takes "(or a Workflow's steps)", of the step it refused.
+    flow = awa.Workflow("done")
+    step = flow.add(Node(name="step"))
+    flow.enqueue()
+    before = _counts()
+    with pytest.raises(
+        awa.ValidationError, match=r"after names <Step 0 .*Workflow.add\(after=.*\(step\.job,"
+    ):
+        awa.enqueue(Node(name="next"), after=[step])
+    with pytest.raises(awa.ValidationError, match=r"enqueue_many item 0: .*\(step\.job,"):
+        awa.enqueue_many([awa.EnqueueRequest(Node(name="next"), after=[step])])
+    assert _counts() == before
+    assert awa.enqueue(Node(name="next"), after=[step.job]).state == JobState.BLOCKED
+
+
+@db
 def test_a_unique_clash_in_a_workflow_writes_none_of_it():
     unique = awa.Unique(by_args=True)
     holder = awa.enqueue(Node(name="held"), unique=unique)
