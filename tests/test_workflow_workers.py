@@ -11,7 +11,7 @@ from django.db.models import Count
 
 import django_awa as awa
 from django_awa.models import Job, JobState
-from tests.conftest import wait_for, wait_for_state
+from tests.conftest import connect_to, wait_for, wait_for_state
 from tests.testapp.jobs import Node
 from tests.testapp.models import Ledger
 
@@ -109,6 +109,43 @@ def test_a_dependency_rescued_after_its_worker_was_killed_releases_its_dependent
     assert "rescued: stale heartbeat" in dep_row.errors[0]["error"]
     assert done.attempted_at >= dep_row.finalized_at
     assert Ledger.objects.filter(job_id=after.id).count() == 1
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_releasing_a_dependent_leaves_it_to_the_rerun(start_worker):
+    """SIGKILL between a dependency's outcome and its dependents' release: the
+    outcome's transaction, stopped on a dependent's row lock, dies with it; no
+    dependent runs until the rescued dependency has run again and completed."""
+    dep = awa.enqueue(Node(name="dep"))
+    after = awa.enqueue(Node(name="after"), after=[dep])
+    report = awa.enqueue(Node(name="report"), after=[dep], requires="finished")
+    name = connection.settings_dict["NAME"]
+    with connect_to(name) as holder, connect_to(name) as watcher:
+        holder.execute("BEGIN")
+        holder.execute("SELECT id FROM awa_job WHERE id = %s FOR UPDATE", [report.id])
+        timings = {"AWA_TEST_STALE_AFTER": "3", "AWA_TEST_HEARTBEAT_INTERVAL": "0.5"}
+        first = start_worker("--queue", "flow=2", env=timings)
+
+        def releasing() -> bool:
+            row = watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone()
+            return bool(row and row[0])
+
+        # The outcome is written, its transaction waits to release the dependents.
+        wait_for(releasing, timeout=30, message=first.output)
+        first.kill()
+        holder.execute("ROLLBACK")
+    assert Job.objects.get(id=dep.id).state == JobState.RUNNING
+    start_worker("--queue", "flow=2", env=timings)
+    wait_for_state(after.id, JobState.COMPLETED, timeout=60)
+    wait_for_state(report.id, JobState.COMPLETED, timeout=60)
+    dep_row = Job.objects.get(id=dep.id)
+    assert dep_row.attempt >= 2 and "rescued: stale heartbeat" in dep_row.errors[0]["error"]
+    for job in (after, report):
+        assert Job.objects.get(id=job.id).attempted_at >= dep_row.finalized_at
+        assert Ledger.objects.filter(job_id=job.id).count() == 1
 
 
 @pytest.mark.slow
