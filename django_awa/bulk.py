@@ -649,11 +649,11 @@ def _discard(ids: list[int], alias: str, result: Result, args: _Args) -> None:
         # discarded jobs' dependents are settled in this batch's transaction.
         dependents = deleting(ids, alias)
         cursor.execute(sql.DISCARD_JOBS, params)
-        deleted = cursor.rowcount
+        deleted = cursor.fetchone()[0]
         # A finished row maintenance moved into awa_job_done while the DELETE
         # waited for it was not visible to that statement: the next one sees it.
         cursor.execute(sql.DISCARD_JOBS, params)
-        deleted += cursor.rowcount
+        deleted += cursor.fetchone()[0]
         cascaded = settle(dependents, alias)
     result.changed += deleted
     result.dependents += len(cascaded)

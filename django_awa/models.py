@@ -123,6 +123,8 @@ class JobQuerySet(models.QuerySet["Job"]):
         with transaction.atomic(using=alias):
             ids = list(self.filter(has_dependents=True).values_list("id", flat=True))
             dependents = deleting(ids, alias)
+            # Their own dependency edges go with them, as pruning's do.
+            Dependency.objects.using(alias).filter(job_id__in=self.values("id")).delete()
             deleted = super().delete()
             settle(dependents, alias)
         return deleted

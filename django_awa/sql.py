@@ -2271,9 +2271,19 @@ WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
 
 # -- DISCARD_JOBS --
 # Delete a batch of jobs, finished ones in awa_job_done too. A running job's
-# worker then finds no row for its (id, run_lease) and writes nothing.
+# worker then finds no row for its (id, run_lease) and writes nothing. Their
+# own dependency edges go with them, as PRUNE_FINISHED's do (edges naming them
+# as a dependency stay: their dependents are settled by that rule). Returns
+# how many jobs it deleted. Index: the primary key of awa_job_dependency.
 DISCARD_JOBS = """
-DELETE FROM awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
+WITH gone AS (
+    DELETE FROM awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
+    RETURNING id
+),
+edges AS (
+    DELETE FROM awa_job_dependency WHERE job_id = ANY(ARRAY(SELECT id FROM gone))
+)
+SELECT count(*) FROM gone
 """
 
 # ==== External callbacks (callbacks.py) ====

@@ -16,6 +16,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 import django_awa as awa
+from django_awa import bulk
 from django_awa.execute import Attempt, AttemptResult, completed, run_attempt
 from django_awa.finalize import finalize
 from django_awa.followups import FollowupSpec, Outcome, followup_registry
@@ -891,6 +892,24 @@ def test_deleting_an_unfinished_dependency_cancels_its_completed_dependents_in_t
     assert state(batch.job) == JobState.BLOCKED  # it waits for "other" still
     assert run_all() == [other.job.id, batch.job.id]
     assert awa.workflow_status(flow.id).finished
+
+
+@db
+def test_deleted_jobs_take_their_own_dependency_edges_with_them():
+    # Pruning removed a job's own edges, deleting it (ORM, the admin's discard)
+    # did not: discarding a cancelled workflow left its edges for ever.
+    first = awa.enqueue(Node(name="first"))
+    waiting = awa.enqueue(Node(name="waiting"), after=[first])
+    flow = _order_flow(1)
+    flow.enqueue()
+    Job.objects.filter(id=waiting.id).delete()
+    assert not Dependency.objects.filter(job_id=waiting.id).exists()
+    jobs = Job.objects.filter(workflow_id=flow.id)
+    preview = bulk.preview(jobs, bulk.Operation.DISCARD)
+    result = bulk.run(jobs, bulk.Operation.DISCARD, up_to=preview.up_to)
+    assert result.changed == 4
+    assert not Dependency.objects.exists()
+    assert run_all() == [first.id]
 
 
 @db
