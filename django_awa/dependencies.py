@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from django.db import DatabaseError, transaction
 
@@ -53,14 +53,20 @@ def enqueue_with_dependencies(prepared: PreparedJob, alias: str) -> Job:
 
 
 def insert_with_dependencies(
-    prepared: Sequence[PreparedJob], alias: str, *, ids: bool = True
+    prepared: Sequence[PreparedJob],
+    alias: str,
+    *,
+    ids: bool = True,
+    where: Callable[[int], str] | None = None,
 ) -> Inserted:
     """Insert jobs some of which have dependencies, in the caller's transaction.
 
     ``after`` of each names existing job ids or, for a Workflow's steps, the
     ``id`` drawn beforehand for another new job. Raises ``ValidationError``
-    naming an unknown dependency, with nothing written. Returns the ids (in
-    input order, unique duplicates skipped) and the skipped positions.
+    naming an unknown dependency, with nothing written, after ``where`` of the
+    position of the first job naming it (``"enqueue_many item 3: "``), if
+    given. Returns the ids (in input order, unique duplicates skipped) and the
+    skipped positions.
     """
     with transaction.atomic(using=alias), db.cursor(alias) as cursor:
         missing = [p for p in prepared if p.id is None]
@@ -80,8 +86,10 @@ def insert_with_dependencies(
             | {i for p in missing for i in p.after if i in drawn_here}
         )
         if unknown:
+            position = next(n for n, p in enumerate(prepared) if unknown[0] in p.after)
             raise ValidationError(
-                f"after names job id {unknown[0]}, which does not exist"
+                (where(position) if where is not None else "")
+                + f"after names job id {unknown[0]}, which does not exist"
                 + (f" (nor do {', '.join(map(str, unknown[1:]))})" if len(unknown) > 1 else "")
                 + not_kept_note()
             )

@@ -14,7 +14,7 @@ import math
 import operator
 import re
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple
 
@@ -722,7 +722,7 @@ def enqueue_many(
             raise ValidationError(f"enqueue_many item {index}: {exc}") from exc
     if not prepared:
         return []
-    return insert(prepared, alias).ids
+    return insert(prepared, alias, where=lambda n: f"enqueue_many item {n}: ").ids
 
 
 async def aenqueue(
@@ -787,7 +787,13 @@ class Inserted(NamedTuple):
     skipped: list[int]
 
 
-def insert(prepared: Sequence[PreparedJob], alias: str, *, ids: bool = True) -> Inserted:
+def insert(
+    prepared: Sequence[PreparedJob],
+    alias: str,
+    *,
+    ids: bool = True,
+    where: Callable[[int], str] | None = None,
+) -> Inserted:
     """Insert validated jobs on ``alias``, in its current transaction: the one way jobs
     are written (``enqueue`` through ``enqueue_prepared``, which reads the row back).
 
@@ -800,13 +806,14 @@ def insert(prepared: Sequence[PreparedJob], alias: str, *, ids: bool = True) -> 
     ``ids=False`` is for callers that need no ids (the completer's follow-ups):
     jobs nothing can refuse then take theirs from the column's default and are
     streamed with COPY however few; only the others draw ids, to tell which
-    were skipped.
+    were skipped. ``where`` names a job by its position in an error about its
+    ``after`` (``dependencies.insert_with_dependencies``).
     """
     if any(p.after for p in prepared):
         # Imported here: dependencies.py sits above this module.
         from .dependencies import insert_with_dependencies
 
-        return insert_with_dependencies(prepared, alias, ids=ids)
+        return insert_with_dependencies(prepared, alias, ids=ids, where=where)
     if len(prepared) == 1:
         row = _insert_alone(prepared[0], alias)
         if row is None:

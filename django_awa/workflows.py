@@ -178,7 +178,12 @@ class Workflow:
         for flow, graph in zip(flows, graphs, strict=True):
             flow._number(graph, [next(ids) for _ in graph])
         with transaction.atomic(using=alias):
-            inserted = insert_with_dependencies(prepared, alias, ids=True)
+            inserted = insert_with_dependencies(
+                prepared,
+                alias,
+                ids=True,
+                where=lambda n: "{!r}: {!r}: ".format(*_step_at(flows, n)),
+            )
             if inserted.skipped:
                 flow, step = _step_at(flows, inserted.skipped[0])
                 others = len(flows) - 1

@@ -577,6 +577,30 @@ def test_an_after_id_no_job_can_have_is_refused_as_unknown():
     assert not Job.objects.exists()
 
 
+@db
+def test_an_unknown_after_id_names_the_item_or_step_that_gave_it():
+    # enqueue_many promises to name a bad item's index; a step's error names it.
+    existing = awa.enqueue(Node(name="existing"))
+    with pytest.raises(
+        awa.ValidationError, match=r"^enqueue_many item 1: after names job id 987654321, which"
+    ):
+        awa.enqueue_many(
+            [
+                awa.EnqueueRequest(Node(name="a"), after=[existing]),
+                awa.EnqueueRequest(Node(name="b"), after=[987654321]),
+            ]
+        )
+    flow = awa.Workflow("named")
+    flow.add(Node(name="a"))
+    flow.add(Node(name="b"), after=[existing, 987654321])
+    with pytest.raises(
+        awa.ValidationError,
+        match=r"^<Workflow named \(2 steps\)>: <Step 1 'node' .*>: after names job id 987654321",
+    ):
+        flow.enqueue()
+    assert Job.objects.count() == 1
+
+
 def _next_job_id() -> int:
     """The id the next job drawn will get (nothing else draws ids in these tests)."""
     with connection.cursor() as cursor:
