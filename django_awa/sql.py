@@ -214,12 +214,29 @@ def _sequence_free(row: str) -> str:
     so two claimers can at worst both pass a member over, never both start two.
     Index: awa_job_sequence_idx ((metadata ->> 'awa_sequence'), id) WHERE
     metadata ? 'awa_sequence' AND state NOT IN the finished states (this
-    predicate, word for word, so the planner uses it): one entry read per probe."""
-    return f"""(NOT {row}.metadata ? 'awa_sequence' OR NOT EXISTS (
+    predicate, word for word, so the planner uses it): one entry read per probe.
+
+    A member retried after it finished (``RETRIED_KEY``, set by RETRY_JOBS and
+    REOPEN_CASCADED) is back in its place while a later member may be running,
+    one that started while it was finished: it also waits for that one to end.
+    Only such a member reads its key's later members."""
+    return f"""(NOT {row}.metadata ? 'awa_sequence' OR (NOT EXISTS (
             SELECT 1 FROM ONLY awa_job AS s
             WHERE s.metadata ? 'awa_sequence'
               AND (s.metadata ->> 'awa_sequence') = ({row}.metadata ->> 'awa_sequence')
-              AND s.id < {row}.id AND s.state NOT IN {_FINAL}))"""
+              AND s.id < {row}.id AND s.state NOT IN {_FINAL})
+          AND (NOT {row}.metadata ? '{RETRIED_KEY}' OR NOT EXISTS (
+            SELECT 1 FROM ONLY awa_job AS s
+            WHERE s.metadata ? 'awa_sequence'
+              AND (s.metadata ->> 'awa_sequence') = ({row}.metadata ->> 'awa_sequence')
+              AND s.id > {row}.id AND s.state NOT IN {_FINAL} AND s.state = 'running'))))"""
+
+
+# The metadata key of a sequence member retried after it finished (_sequence_free).
+RETRIED_KEY = "awa_sequence_retried"
+# What a retry or a reopening sets on a row's metadata: the key above on a member.
+_RETRIED_MARK = f"""CASE WHEN metadata ? 'awa_sequence'
+        THEN jsonb_build_object('{RETRIED_KEY}', true) ELSE '{{}}'::jsonb END"""
 
 
 def _limit_key(row: str, limit: str = "kl.v") -> str:
@@ -2131,7 +2148,7 @@ INSERT INTO awa_job SELECT * FROM moved
 RETRY_JOBS = f"""
 UPDATE ONLY awa_job
 SET state = 'available', attempt = 0, run_at = now(), finalized_at = NULL, snoozed = false,
-    metadata = metadata - 'awa_cancelled_by',
+    metadata = (metadata - 'awa_cancelled_by') || {_RETRIED_MARK},
     {_ATTEMPT_CLEARED}
 WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
 RETURNING {JOB_COLUMNS}
@@ -3059,14 +3076,14 @@ SELECT count(*) FROM ONLY awa_job WHERE id = ANY(%(ids)s::bigint[]) AND state = 
 # Index: awa_dependency_dependents_idx.
 # The dependents are found first (MATERIALIZED): the planner would otherwise
 # walk every cancelled job.
-REOPEN_CASCADED = """
+REOPEN_CASCADED = f"""
 WITH dependents AS MATERIALIZED (
     SELECT DISTINCT e.job_id FROM awa_job_dependency AS e
     WHERE e.depends_on_id = ANY(%(ids)s::bigint[])
 )
 UPDATE ONLY awa_job AS j
 SET state = 'blocked', finalized_at = NULL, attempt = 0, snoozed = false,
-    metadata = j.metadata - 'awa_cancelled_by'
+    metadata = (j.metadata - 'awa_cancelled_by') || {_RETRIED_MARK}
 FROM dependents
 WHERE j.id = dependents.job_id
   AND j.state = 'cancelled'

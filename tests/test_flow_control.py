@@ -1468,6 +1468,27 @@ def test_cancel_hands_on_and_maintenance_restores_a_member_whose_turn_came_other
     assert [j.id for j in producer.claim("seq", 10, "default")] == [third.id]
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("claim", [producer.claim, producer.claim_sequenced])
+def test_a_member_retried_while_a_later_one_runs_waits_for_it_then_goes_first(claim) -> None:
+    # Member 0 is cancelled, so member 1 starts; retrying 0 puts it back in its place,
+    # but member 1 already runs: 0 starts only once 1 has ended (one at a time), and
+    # before 2, which has not started.
+    def claimed() -> list[int]:
+        return [job.id for job in claim("seq", 10, "default")]
+
+    ids = awa.enqueue_many([SequencedSpan(key="rt", n=i, seconds=0.0) for i in range(3)])
+    awa.cancel(ids[0])
+    (running,) = producer.claim_sequenced("seq", 10, "default")
+    assert running.id == ids[1]
+    assert awa.retry(ids[0]).state == JobState.AVAILABLE
+    assert claimed() == []  # not beside member 1, which runs
+    assert finalize([completed(running)], "default")
+    assert claimed() == [ids[0]]
+    assert finalize([completed(Job.objects.get(id=ids[0]))], "default")
+    assert claimed() == [ids[2]]
+
+
 @pytest.mark.slow
 def test_a_long_sequence_hands_on_member_after_member_without_polls(start_worker) -> None:
     # A 30 s poll interval and a member enqueued before the workers start: every
