@@ -256,6 +256,21 @@ def _limit_key(row: str, limit: str = "kl.v") -> str:
               END"""
 
 
+# The longest limit key (its text, in bytes) a lease keeps as it is: awa_limit_lease_unique
+# is a btree, whose entries (kind, key and slot) hold at most 2,704 bytes. A longer key
+# (a long by= value) is kept as its digest, one per value: as it was, its lease
+# could not be written, and the claim that wrote it failed, every claim of its
+# queue, so one such job stalled all of them. Only where a lease is looked up or
+# written (a row per fitting key), never per candidate.
+MAX_LEASE_KEY = 2000
+
+
+def _lease_key(key: str) -> str:
+    """The ``awa_limit_lease.key`` of the limit key ``key`` (``_limit_key``'s text)."""
+    return f"""(CASE WHEN octet_length({key}) <= {MAX_LEASE_KEY} THEN {key}
+              ELSE 'sha256:' || encode(sha256(convert_to({key}, 'UTF8')), 'hex') END)"""
+
+
 # A candidate c's kind limit, looked up in the %(kinds)s object itself: no join,
 # so the candidates' scan keeps awa_job_claim_idx's order and stops at its LIMIT
 # whatever the planner's statistics say (a join with kl let a table without
@@ -522,7 +537,8 @@ free AS (
            row_number() OVER (PARTITION BY k.kind, k.gkey ORDER BY g.s) AS nth
     FROM (SELECT DISTINCT kind, gkey, conc FROM fits WHERE conc IS NOT NULL) AS k
     CROSS JOIN LATERAL generate_series(1, k.conc) AS g(s)
-    LEFT JOIN awa_limit_lease AS l ON l.kind = k.kind AND l.key = k.gkey AND l.slot = g.s
+    LEFT JOIN awa_limit_lease AS l
+        ON l.kind = k.kind AND l.key = {_lease_key("k.gkey")} AND l.slot = g.s
     WHERE l.id IS NULL OR NOT {_LEASE_HELD.format(l="l")}
 ),
 picked AS (
@@ -532,11 +548,11 @@ picked AS (
 ),
 leased AS (
     INSERT INTO awa_limit_lease AS l (kind, key, slot, job_id, run_lease, taken_at)
-    SELECT f.kind, f.gkey, s.slot, p.id, p.run_lease + 1, t.now
+    SELECT f.kind, {_lease_key("f.gkey")}, s.slot, p.id, p.run_lease + 1, t.now
     FROM picked AS p JOIN fits AS f ON f.id = p.id
     JOIN free AS s ON s.kind = f.kind AND s.gkey = f.gkey AND s.nth = f.nth
     CROSS JOIN t
-    ORDER BY f.kind, f.gkey, s.slot
+    ORDER BY 1, 2, 3
     ON CONFLICT (kind, key, slot) DO UPDATE
     SET job_id = excluded.job_id, run_lease = excluded.run_lease, taken_at = excluded.taken_at,
         held_until = NULL
@@ -840,7 +856,8 @@ free AS (
     FROM (SELECT DISTINCT kind, gkey, conc FROM ranked
           WHERE conc IS NOT NULL AND nth <= room) AS k
     CROSS JOIN LATERAL generate_series(1, k.conc) AS g(s)
-    LEFT JOIN awa_limit_lease AS l ON l.kind = k.kind AND l.key = k.gkey AND l.slot = g.s
+    LEFT JOIN awa_limit_lease AS l
+        ON l.kind = k.kind AND l.key = {_lease_key("k.gkey")} AND l.slot = g.s
     WHERE l.id IS NULL OR NOT {_LEASE_HELD.format(l="l")}
 ),
 fits AS MATERIALIZED (
@@ -853,9 +870,9 @@ fits AS MATERIALIZED (
 ),
 leased AS (
     INSERT INTO awa_limit_lease AS l (kind, key, slot, job_id, run_lease, taken_at)
-    SELECT f.kind, f.gkey, f.slot, f.id, f.run_lease, now() FROM fits AS f
+    SELECT f.kind, {_lease_key("f.gkey")}, f.slot, f.id, f.run_lease, now() FROM fits AS f
     WHERE f.conc IS NOT NULL
-    ORDER BY f.kind, f.gkey, f.slot
+    ORDER BY 1, 2, 3
     ON CONFLICT (kind, key, slot) DO UPDATE
     SET job_id = excluded.job_id, run_lease = excluded.run_lease, taken_at = excluded.taken_at,
         held_until = NULL

@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import re
+import secrets
 import signal
 import threading
 import time
@@ -501,6 +502,37 @@ def test_a_lease_key_is_the_json_text_jsonb_writes_for_the_values() -> None:
     assert {lease[3]: lease[1] for lease in _leases()} == written
     assert written[ids[1]] == '[""]' and written[ids[3]] == "[null]"
     assert written[ids[2]] == '[{"a": null, "zz": [1, 2.50]}]'
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("locked", [False, True])
+def test_a_long_key_is_leased_as_its_digest_and_still_holds_one_at_a_time(locked: bool) -> None:
+    # A by= value too long for the lease index (its entries hold at most 2,704 bytes):
+    # the claim that wrote its lease failed, and with it every claim of the queue.
+    # Its lease now keeps its digest, one per value, and the key holds as any other.
+    long, other = secrets.token_hex(1500), secrets.token_hex(1500)  # incompressible
+    ids = awa.enqueue_many(
+        [KeyedSpan(key=long), KeyedSpan(key="short"), KeyedSpan(key=long), KeyedSpan(key=other)]
+    )
+    limits = producer.queue_limits("bykey", "default")
+    if locked:  # under the queue's lock (a rate on the queue): CLAIM_LIMITED
+        rate = conf.Rate(count=10_000, period=1.0, text="10000/s")
+        rated = dataclasses.replace(limits, rate_limit=rate)
+
+        def claim() -> list[int]:
+            return sorted(job.id for job in claim_limited(rated) or [])
+    else:
+
+        def claim() -> list[int]:
+            return sorted(_claim_keyed(limits))
+
+    assert claim() == [ids[0], ids[1], ids[3]]
+    keys = {job: key for _, key, _, job, _ in _leases()}
+    assert keys[ids[1]] == '["short"]'
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", keys[ids[0]]) and keys[ids[3]] != keys[ids[0]]
+    assert claim() == []  # the long key's second job waits for its first
+    assert finalize([completed(Job.objects.get(id=ids[0]))], "default")
+    assert claim() == [ids[2]]
 
 
 @pytest.mark.django_db(transaction=True)
