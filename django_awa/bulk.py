@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import IntegrityError, connections, transaction
-from django.db.models import Max, QuerySet
+from django.db.models import Count, Max, QuerySet
 from django.utils.text import Truncator
 
 from . import control, sql
@@ -495,6 +495,40 @@ def check_arguments(
         check_priority(priority, "priority")
 
 
+def pinned_kinds(queue: str) -> dict[str, str]:
+    """The kinds whose ``awa.Limit`` holds on another queue than ``queue``, with that
+    queue: a job of one moved to ``queue`` would run there beside its limit."""
+    return {
+        kind: spec.queue
+        for kind, spec in registry.workers.items()
+        if spec.limit is not None and spec.queue != queue
+    }
+
+
+def check_move(jobs: QuerySet[Job], queue: str) -> None:
+    """Raise ``ValidationError`` if ``jobs`` (those a move would take) hold jobs of a
+    kind whose ``awa.Limit`` holds on another queue than ``queue``, as enqueue does."""
+    pinned = pinned_kinds(queue)
+    if not pinned:
+        return
+    found = dict(
+        jobs.filter(kind__in=list(pinned))
+        .order_by("kind")
+        .values("kind")
+        .annotate(n=Count("id"))
+        .values_list("kind", "n")
+    )
+    if found:
+        kinds = ", ".join(
+            f"{kind!r} ({n:,} job(s); its queue {pinned[kind]!r})" for kind, n in found.items()
+        )
+        raise ValidationError(
+            f"move: kind(s) {kinds} have an awa.Limit, which holds on the kind's queue, so "
+            f"enqueue refuses their jobs on any other; moved to {queue!r} they would run "
+            f"beside their limit. Nothing changed; leave those kinds out of the jobs to move"
+        )
+
+
 def targets(queryset: QuerySet[Job], operation: Operation) -> QuerySet[Job]:
     """The jobs of ``queryset`` the operation applies to."""
     return queryset.filter(state__in=list(ALLOWED[operation]))
@@ -533,6 +567,8 @@ def run(
     result = Result(operation=operation)
     if up_to is None:
         return result
+    if operation == Operation.MOVE:
+        check_move(targets(queryset, operation).filter(id__lte=up_to), str(queue))
     apply = _BATCH[operation]
     ids_query = targets(queryset, operation).filter(id__lte=up_to)
     # A cancel goes from the newest job back: a job's dependents are newer than
@@ -662,7 +698,9 @@ def _discard(ids: list[int], alias: str, result: Result, args: _Args) -> None:
 
 def _move(ids: list[int], alias: str, result: Result, args: _Args) -> None:
     with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-        cursor.execute(sql.MOVE_JOBS, {**_params(ids, Operation.MOVE), "queue": args.queue})
+        params = {**_params(ids, Operation.MOVE), "queue": args.queue,
+                  "pinned": list(pinned_kinds(str(args.queue)))}  # fmt: skip
+        cursor.execute(sql.MOVE_JOBS, params)
         moved = cursor.rowcount
         if moved:
             cursor.execute(sql.NOTIFY_QUEUES, {"queues": [args.queue]})

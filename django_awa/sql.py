@@ -2207,10 +2207,13 @@ CANCEL_JOBS = _releasing(CANCEL_JOBS, exact=False, kept="SELECT id FROM old WHER
 
 # -- MOVE_JOBS --
 # Move a batch of jobs that wait to run (not running, not finished) to another
-# queue. Index: awa_job's primary key.
+# queue, but those of a kind whose awa.Limit holds on another queue (%(pinned)s:
+# bulk.check_move refused them; one rekinded since stays). Index: awa_job's
+# primary key.
 MOVE_JOBS = """
 UPDATE ONLY awa_job SET queue = %(queue)s
 WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
+  AND kind <> ALL(%(pinned)s::text[])
 """
 
 # -- LOCK_TO_REKIND --

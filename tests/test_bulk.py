@@ -177,6 +177,34 @@ def test_a_bad_argument_is_named_in_a_real_process():
     assert result.returncode == 2 and "priority must be 1 (highest) to 4" in result.stderr
 
 
+def test_a_move_refuses_jobs_of_a_limited_kind_off_its_queue_and_allows_them_onto_it():
+    # KeyedSpan's awa.Limit holds on its queue, bykey: a worker of another queue would
+    # run its jobs beside the limit, a key's two jobs at once (enqueue refuses that).
+    keyed = awa.enqueue_many([KeyedSpan(key="a"), KeyedSpan(key="a")])
+    other = awa.enqueue(Act(), queue="bykey")
+    everything = Job.objects.filter(queue="bykey")
+    found = bulk.preview(everything, bulk.Operation.MOVE)
+    with pytest.raises(
+        awa.ValidationError,
+        match=r"move: kind\(s\) 'keyed_span' \(2 job\(s\); its queue 'bykey'\) have an "
+        r"awa\.Limit, .* moved to 'elsewhere' they would run beside their limit\. Nothing changed",
+    ):
+        bulk.run(everything, bulk.Operation.MOVE, up_to=found.up_to, queue="elsewhere")
+    assert set(Job.objects.values_list("queue", flat=True)) == {"bykey"}
+    assert producer.claim("elsewhere", 10, "default") == []
+    result = shell("awa_jobs", "move", "--queue", "bykey", "--to", "elsewhere")
+    assert result.returncode == 1 and "would run beside their limit" in result.stderr
+    assert set(Job.objects.values_list("queue", flat=True)) == {"bykey"}
+
+    # Others move; and jobs of the kind left on another queue move onto its own.
+    acts = Job.objects.filter(id=other.id)
+    assert bulk.run(acts, bulk.Operation.MOVE, up_to=other.id, queue="elsewhere").changed == 1
+    Job.objects.filter(id=keyed[0]).update(queue="stray")
+    strays = Job.objects.filter(queue="stray")
+    assert bulk.run(strays, bulk.Operation.MOVE, up_to=keyed[0], queue="bykey").changed == 1
+    assert Job.objects.get(id=keyed[0]).queue == "bykey"
+
+
 def test_only_jobs_up_to_the_previewed_id_are_touched():
     before = [make_job(queue="q", state=JobState.FAILED, finalized_at=timezone.now())]
     found = bulk.preview(Job.objects.filter(queue="q"), bulk.Operation.RETRY)
