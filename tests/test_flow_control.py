@@ -1521,6 +1521,27 @@ def test_a_member_retried_while_a_later_one_runs_waits_for_it_then_goes_first(cl
     assert claimed() == [ids[2]]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_member_reopened_with_its_retried_dependency_waits_for_a_later_one_running() -> None:
+    # The member is cancelled with its failed dependency, so the next one starts;
+    # retrying the dependency reopens the member, which waits for the next one.
+    dependency = awa.enqueue(Span(n=0))
+    first = awa.enqueue(SequencedSpan(key="ro", n=0), after=[dependency])
+    later = awa.enqueue(SequencedSpan(key="ro", n=1))
+    (attempt,) = producer.claim("flow", 10, "default")
+    assert finalize([failed_terminally(attempt, "boom")], "default")
+    assert Job.objects.get(id=first.id).state == JobState.CANCELLED
+    (running,) = producer.claim_sequenced("seq", 10, "default")
+    assert running.id == later.id
+    awa.retry(dependency.id)
+    (attempt,) = producer.claim("flow", 10, "default")
+    assert finalize([completed(attempt)], "default")
+    assert Job.objects.get(id=first.id).state == JobState.AVAILABLE
+    assert producer.claim_sequenced("seq", 10, "default") == []
+    assert finalize([completed(running)], "default")
+    assert [job.id for job in producer.claim("seq", 10, "default")] == [first.id]
+
+
 @pytest.mark.slow
 def test_a_long_sequence_hands_on_member_after_member_without_polls(start_worker) -> None:
     # A 30 s poll interval and a member enqueued before the workers start: every
