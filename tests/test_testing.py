@@ -103,6 +103,24 @@ class AssertEnqueuedTests(TestCase):
         with pytest.raises(TypeError, match="expected a JobArgs instance or subclass"):
             assert_enqueued("echo")  # type: ignore[arg-type]
 
+    def test_a_queue_or_count_that_could_match_nothing_is_refused_by_name(self):
+        awa.enqueue(Echo(n=1))
+        # Not "expected 1 job(s) ..., found 1": a count of "1" equals no number.
+        with pytest.raises(TypeError, match=r"\(\): count must be a whole .* or None, got '1'"):
+            assert_enqueued(Echo, count="1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"refute_enqueued\(\): count must be .* got -1"):
+            refute_enqueued(Echo, count=-1)
+        with pytest.raises(TypeError, match=r"count must be .* got True"):
+            assert_enqueued(Echo, count=True)
+        # A list of queues matched no job: enqueued() answered [] and refute_enqueued passed.
+        with pytest.raises(TypeError, match=r"refute_enqueued\(\): queue must be a queue's name"):
+            refute_enqueued(Echo, queue=["echo"])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"enqueued\(\): queue must be .* got \['echo'\]"):
+            enqueued(Echo, queue=["echo"])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"assert_enqueued\(\): queue must be .* got 1"):
+            assert_enqueued(Echo, queue=1)  # type: ignore[arg-type]
+        assert_enqueued(Echo, queue="echo", count=1)
+
 
 class RunJobsTests(TestCase):
     def test_runs_due_jobs_and_their_followups_in_the_tests_transaction(self):
@@ -159,6 +177,19 @@ class RunJobsTests(TestCase):
         # Act's second completed follow-up is skipped for tag "none": nothing else enqueued.
         assert Job.objects.get(id=echo.id).state == JobState.AVAILABLE
         assert run_jobs(kinds=[Echo]).completed == 1
+
+    def test_kinds_or_a_queue_that_would_choose_nothing_are_refused_by_name(self):
+        awa.enqueue(Echo(n=1))
+        # A lone name was taken letter by letter, a list of queues as no queue: nothing
+        # ran, and the report said so without saying why.
+        with pytest.raises(TypeError, match=r"got 'echo' alone: pass kinds=\['echo'\]"):
+            run_jobs(kinds="echo")
+        with pytest.raises(TypeError, match=r"got the class Echo alone: pass kinds=\[Echo\]"):
+            run_jobs(kinds=Echo)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"run_jobs\(\): queue must be .* got \['echo'\]"):
+            run_jobs(queue=["echo"])  # type: ignore[arg-type]
+        assert_enqueued(Echo, count=1)  # nothing ran
+        assert run_jobs(kinds=("echo",), queue="echo").completed == 1
 
     def test_paused_queues_are_skipped(self):
         awa.pause_queue("echo")
@@ -319,6 +350,14 @@ class AsyncTestCaseTests(TestCase):
         assert found.id == job.id
         report = await sync_to_async(run_jobs)()
         assert report.completed == 1
+
+    async def test_perform_job_of_an_async_handler_says_how_to_call_it_from_async_code(self):
+        # Not asgiref's "just await the async function directly", with the
+        # handler's coroutine never awaited.
+        async_handler = r"'async_act' is async and this thread runs an event loop .*sync_to_async"
+        with pytest.raises(RuntimeError, match=async_handler):
+            perform_job(AsyncAct(action="value", n=2))
+        assert await sync_to_async(perform_job)(AsyncAct(action="value", n=2)) == {"doubled": 4}
 
 
 class TransactionalRunJobsTests(TransactionTestCase):

@@ -19,6 +19,7 @@ to their ``conftest.py`` for the ``awa_jobs`` fixture.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 from collections import Counter
@@ -115,7 +116,20 @@ def enqueued(
     transaction, it sees what the test enqueued.
     """
     kind, _ = _kind_and_fields(args_cls, {}, "enqueued()")
+    _check_queue(queue, "enqueued()")
     return _waiting(kind, queue, using)
+
+
+def _check_queue(queue: object, where: str) -> None:
+    """``queue`` is ``None`` or a queue's name: a list or a number would match no job."""
+    if queue is not None and not isinstance(queue, str):
+        raise TypeError(f"{where}: queue must be a queue's name (a str) or None, got {queue!r}")
+
+
+def _check_count(count: object, where: str) -> None:
+    """``count`` is ``None`` or a whole number from 0: ``"1"`` or ``-1`` matches no number."""
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+        raise TypeError(f"{where}: count must be a whole number from 0 or None, got {count!r}")
 
 
 def _waiting(kind: str | None, queue: str | None, using: str | None) -> list[Job]:
@@ -137,6 +151,7 @@ def _matching(
     """The waiting jobs that match, all waiting jobs (of connection ``using``), and a
     description of what was asked."""
     kind, wanted = _kind_and_fields(args_or_cls, fields, where)
+    _check_queue(queue, where)
     everything = _waiting(None, None, using)
     found = [
         job
@@ -179,10 +194,12 @@ def assert_enqueued(
     class (any args); ``fields`` are args fields that must have these values;
     ``queue`` the queue it must be on; ``count`` how many must match exactly
     (default: at least one). "Waiting" means available, scheduled or
-    retryable: a job that ran to completion is no longer enqueued. Reads on
+    retryable, or blocked on its dependencies: a job that ran to completion is
+    no longer enqueued. Reads on
     connection ``using`` (default ``AWA["DATABASE"]``), as ``enqueued`` and
     ``run_jobs`` do. Raises ``AssertionError`` listing the jobs that are enqueued.
     """
+    _check_count(count, "assert_enqueued()")
     found, everything, asked = _matching(args_or_cls, queue, fields, "assert_enqueued()", using)
     if count is None and not found:
         raise AssertionError(f"expected a job of {asked} to be enqueued, but none is; "
@@ -209,6 +226,7 @@ def refute_enqueued(
     ``count``. Reads on connection ``using`` (default ``AWA["DATABASE"]``).
     Raises ``AssertionError`` listing the jobs that match.
     """
+    _check_count(count, "refute_enqueued()")
     found, _, asked = _matching(args_or_cls, queue, fields, "refute_enqueued()", using)
     if count is None and found:
         raise AssertionError(f"expected no job of {asked} to be enqueued, found "
@@ -302,8 +320,9 @@ def run_jobs(
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValidationError(f"run_jobs(): limit must be a positive integer, got {limit!r}")
+    _check_queue(queue, "run_jobs()")
     alias = database_alias(using)
-    kind_names = None if kinds is None else sorted({_kind_name(k) for k in kinds})
+    kind_names = None if kinds is None else _kind_names(kinds)
     filters = {"queue": queue, "kinds": kind_names}
     conf = awa_settings()
     ran: list[int] = []
@@ -356,6 +375,18 @@ def _still_due(alias: str, filters: dict[str, Any]) -> bool:
         cursor.execute(sql.DUE_INLINE, filters)
         row = cursor.fetchone()
     return bool(row and row[0])
+
+
+def _kind_names(kinds: Iterable[str | type[JobArgs]]) -> list[str]:
+    """The kind names of ``kinds``, a collection: a lone name would be iterated
+    letter by letter (and match nothing), a lone class not at all."""
+    if isinstance(kinds, str):
+        alone = f"{kinds!r} alone: pass kinds=[{kinds!r}]"
+    elif isinstance(kinds, type) and issubclass(kinds, JobArgs):
+        alone = f"the class {kinds.__qualname__} alone: pass kinds=[{kinds.__qualname__}]"
+    else:
+        return sorted({_kind_name(k) for k in kinds})
+    raise TypeError(f"run_jobs(): kinds takes a list of kind names or JobArgs classes, got {alone}")
 
 
 def _kind_name(kind: str | type[JobArgs]) -> str:
@@ -435,7 +466,8 @@ def perform_job(args: JobArgs, **context: Any) -> Any:
     ``args`` go through the same JSON round trip as an enqueued job's. The
     return value is not interpreted (an ``awa.Snooze`` comes back as it is),
     and what the handler raises propagates. ``async def`` handlers run to
-    completion. ``set_progress`` is kept on the context's attempt;
+    completion (from async code: ``await sync_to_async(perform_job)(...)``).
+    ``set_progress`` is kept on the context's attempt;
     ``register_callback`` needs a row (use ``run_jobs``).
     """
     if not isinstance(args, JobArgs):
@@ -451,6 +483,15 @@ def perform_job(args: JobArgs, **context: Any) -> Any:
     spec = registry.handler_for(args.kind)
     if spec is None:
         raise LookupError(f"perform_job(): no handler is registered for kind {args.kind!r}")
+    if spec.is_async and _loop_running():
+        # asgiref's "cannot use AsyncToSync in the same thread as an async event
+        # loop" would leave the handler's coroutine never awaited, and the caller
+        # cannot "await the async function directly" as it advises.
+        raise RuntimeError(
+            f"perform_job(): the handler of kind {args.kind!r} is async and this thread runs "
+            f"an event loop (an async test?): call "
+            f"`await sync_to_async(perform_job)(...)` instead"
+        )
     encoded = encode_checked(args)
     decoded = decode_args(spec.args_cls, encoded)
     now = dt.datetime.now(dt.UTC)
@@ -470,3 +511,12 @@ def perform_job(args: JobArgs, **context: Any) -> Any:
     job.id = context.get("id", 0)
     running = Attempt(job=job, alias=database_alias(None))
     return call_handler(spec, JobContext(running, decoded, _keep_progress))
+
+
+def _loop_running() -> bool:
+    """Whether this thread runs an event loop (the caller is async code)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
