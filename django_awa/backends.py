@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import reprlib
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from . import sql
 from .conf import not_kept_note
 from .db import postgresql_problem
 from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, prepare
+from .exceptions import ValidationError
 from .execute import JobContext
 from .kinds import JobArgs, WorkerSpec, check_max_attempts, registry
 from .models import Job, JobState
@@ -221,6 +223,43 @@ def _send_finished(
     task_finished.send(sender=type(backend), task_result=finished)
 
 
+def _check_json_arguments(args: Sequence[Any], kwargs: Mapping[str, Any], where: str) -> None:
+    """Refuse a call whose arguments are not JSON values, as Django's backends do.
+
+    awa's codec stores a ``datetime``, ``Decimal`` or ``UUID`` as a string, which a
+    job's ``JobArgs`` field turns back, but a task's arguments have no field: the
+    function would get the string. ``ValidationError`` names the argument.
+    """
+    stack: list[tuple[str, Any]] = [(f"args[{i}]", value) for i, value in enumerate(args)]
+    stack += [(f"kwargs[{name!r}]", value) for name, value in kwargs.items()]
+    seen: set[int] = set()  # a list or dict met twice (or holding itself) is walked once
+    while stack:
+        path, value = stack.pop()
+        if value is None or isinstance(value, (str, int, float)):  # bool is an int
+            continue
+        if isinstance(value, (list, tuple, dict)):
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if not isinstance(key, str):
+                        raise ValidationError(
+                            f"{where}: {path} has the key {key!r}, not a string: a task's "
+                            f"arguments are JSON, whose objects have string keys"
+                        )
+                    stack.append((f"{path}[{key!r}]", item))
+            else:
+                stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+            continue
+        raise ValidationError(
+            f"{where}: {path} is a {type(value).__qualname__}, not a JSON value "
+            f"({reprlib.repr(value)}): a task's arguments may hold only str, int, float, "
+            f"bool, None, lists and dicts with string keys, as Django requires; pass a JSON "
+            f"form of it (value.isoformat(), str(value)) and convert it back in the task"
+        )
+
+
 class AwaTaskBackend(BaseTaskBackend):
     task_class = AwaTask
     supports_defer = True
@@ -254,19 +293,25 @@ class AwaTaskBackend(BaseTaskBackend):
     ) -> TaskResult[P, R]:
         """Insert the task as an awa job in the caller's transaction."""
         self.validate_task(task)
+        where = f"task {task.module_path}"
+        _check_json_arguments(args, kwargs, where)
         alias = database_alias(self.database)
         call = TaskCall(args=list(args), kwargs=dict(kwargs), backend=self.alias)
-        prepared = prepare(
-            EnqueueRequest(
-                call,
-                queue=task.queue_name,
-                priority=awa_priority(task.priority),
-                run_at=task.run_after,
-                max_attempts=getattr(task, "max_attempts", 1),
-            ),
-            # Django's priority (-100 to 100): awa's own keeps only its quarter.
-            metadata_json=json.dumps({PRIORITY_KEY: task.priority}),
-        )
+        try:
+            prepared = prepare(
+                EnqueueRequest(
+                    call,
+                    queue=task.queue_name,
+                    priority=awa_priority(task.priority),
+                    run_at=task.run_after,
+                    max_attempts=getattr(task, "max_attempts", 1),
+                ),
+                # Django's priority (-100 to 100): awa's own keeps only its quarter.
+                metadata_json=json.dumps({PRIORITY_KEY: task.priority}),
+            )
+        except ValidationError as exc:
+            # Named as the task, not as the kind "task" all tasks' calls share.
+            raise ValidationError(f"{where}: {exc}") from exc
         prepared.kind = f"{KIND_PREFIX}:{task.module_path}"
         job = enqueue_prepared(prepared, alias)
         result = self.result_from_job(job, task)

@@ -139,6 +139,38 @@ def test_a_run_after_postgres_cannot_store_is_refused_and_nothing_is_written():
     assert not Job.objects.exists()
 
 
+def test_arguments_that_are_not_json_values_are_refused_naming_the_task_and_the_argument():
+    """awa's codec stored a datetime, Decimal or UUID as a string, which the task then
+    got: Django's own backends refuse them, and so does this one, before writing."""
+    import decimal
+    import uuid
+
+    import django_awa as awa
+
+    when = timezone.now()
+    refused = {
+        r"args\[0\] is a datetime, not a JSON value": ((when, 1), {}),
+        r"args\[1\] is a Decimal": ((1, decimal.Decimal("1.5")), {}),
+        r"kwargs\['b'\]\['ids'\]\[1\] is a UUID": ((1,), {"b": {"ids": [1, uuid.uuid4()]}}),
+        r"args\[0\] has the key 1, not a string": (({1: "a"}, 2), {}),
+    }
+    for message, (args, kwargs) in refused.items():
+        with pytest.raises(
+            awa.ValidationError, match=r"^task tests\.testapp\.tasks\.add: " + message
+        ):
+            tasks.add.enqueue(*args, **kwargs)
+    # What awa's codec refuses itself is named as the task too, not as kind 'task'.
+    with pytest.raises(awa.ValidationError, match=r"^task tests\.testapp\.tasks\.add: .*nan"):
+        tasks.add.enqueue(float("nan"), 1)
+    assert not Job.objects.exists()
+    # JSON values go through as Django gives them back: a tuple as a list.
+    shared = [1]
+    result = tasks.add.enqueue((1, 2), {"a": [shared, shared], "b": None, "c": True})
+    assert Job.objects.get(id=int(result.id)).args["args"] == [
+        [1, 2], {"a": [[1], [1]], "b": None, "c": True},
+    ]  # fmt: skip
+
+
 def test_a_task_the_worker_cannot_find_fails_with_an_error_about_tasks_not_jobargs():
     from django_awa.testing import run_jobs
 
