@@ -191,6 +191,22 @@ class RunJobsTests(TestCase):
         assert_enqueued(Echo, count=1)  # nothing ran
         assert run_jobs(kinds=("echo",), queue="echo").completed == 1
 
+    def test_a_database_without_awas_migrations_is_named_before_anything_runs(self):
+        # As pytest-django's --nomigrations leaves it: the tables the models make take an
+        # enqueue, and a run failed on 'relation "awa_job_done_current" does not exist'.
+        job = awa.enqueue(Echo(n=1))
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DELETE FROM django_migrations WHERE app = 'django_awa' AND name LIKE '0016%%'"
+            )
+        missing = (
+            r"run_jobs\(\): django-awa's migrations are not applied to database 'default' "
+            r"\(.*\): 1 missing \(0016_finished_segments\).*not pytest-django's --nomigrations"
+        )
+        with pytest.raises(awa.ConfigurationError, match=missing):
+            run_jobs()
+        assert Job.objects.get(id=job.id).state == JobState.AVAILABLE
+
     def test_paused_queues_are_skipped(self):
         awa.pause_queue("echo")
         awa.enqueue(Echo(n=1))

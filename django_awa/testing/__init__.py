@@ -34,7 +34,7 @@ from ..codec import _encode, decode_args, encode_checked
 from ..compat import savepoint_create
 from ..conf import awa_settings
 from ..enqueueing import database_alias
-from ..exceptions import ValidationError
+from ..exceptions import ConfigurationError, ValidationError
 from ..execute import (
     Attempt,
     AttemptResult,
@@ -323,6 +323,7 @@ def run_jobs(
     _check_queue(queue, "run_jobs()")
     alias = database_alias(using)
     kind_names = None if kinds is None else _kind_names(kinds)
+    _require_migrations(alias)
     filters = {"queue": queue, "kinds": kind_names}
     conf = awa_settings()
     ran: list[int] = []
@@ -362,6 +363,26 @@ def run_jobs(
                 continue
             counts[_outcome_name(result)] += 1
             ran.append(job.id)
+
+
+def _require_migrations(alias: str) -> None:
+    """Raise, naming them, if django-awa's migrations are not all applied to ``alias``.
+
+    Its tables made from the models alone (pytest-django's ``--nomigrations``) take
+    an enqueue, but a run fails on a table only a migration makes
+    (``relation "awa_job_done_current" does not exist``), which says nothing of why.
+    One read of ``django_migrations`` (``db.migrations_not_in_step``).
+    """
+    missing, _ = db.migrations_not_in_step(alias)
+    if not missing:
+        return
+    named = ", ".join(missing) if len(missing) <= 3 else f"{missing[0]} to {missing[-1]}"
+    raise ConfigurationError(
+        f"run_jobs(): django-awa's migrations are not applied to database {alias!r} "
+        f"({db.database_address(alias)}): {len(missing)} missing ({named}). Its tables need "
+        f"the SQL they hold, which the models do not describe: run the tests with "
+        f"migrations (not pytest-django's --nomigrations), or `manage.py migrate django_awa`"
+    )
 
 
 def _report(ran: list[int], counts: Counter[str], alias: str) -> RunReport:
