@@ -61,6 +61,8 @@ KIND_PREFIX = "task"
 RETURN_KEY = "awa_task_return"
 ERRORS_KEY = "awa_task_errors"
 PRIORITY_KEY = "awa_task_priority"
+# The keys AwaTaskBackend takes in TASKS[...]["OPTIONS"].
+OPTIONS = ("DATABASE",)
 
 STATUS = {
     JobState.SCHEDULED: TaskResultStatus.READY,
@@ -272,9 +274,21 @@ class AwaTaskBackend(BaseTaskBackend):
         self.database = self.options.get("DATABASE")
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        """Django's checks, and ``OPTIONS["DATABASE"]`` naming a PostgreSQL alias: else
-        every ``enqueue`` and ``get_result`` would raise ``ConfigurationError``."""
+        """Django's checks; ``OPTIONS`` holding only ``DATABASE`` (a misspelt key would
+        leave the tasks' jobs in ``AWA["DATABASE"]`` in silence), and that naming a
+        PostgreSQL alias: else every ``enqueue`` and ``get_result`` would raise
+        ``ConfigurationError``."""
         messages = list(super().check(**kwargs))
+        unknown = sorted(map(repr, set(self.options) - set(OPTIONS)))
+        if unknown:
+            messages.append(
+                checks.Error(
+                    f"TASKS[{self.alias!r}]['OPTIONS'] has unknown key(s) {', '.join(unknown)}; "
+                    f"AwaTaskBackend takes only {', '.join(map(repr, OPTIONS))}",
+                    hint="Spell it as listed, or remove it.",
+                    id="awa.E103",
+                )
+            )
         if self.database is None:
             return messages
         where = f"TASKS[{self.alias!r}]['OPTIONS']['DATABASE']"

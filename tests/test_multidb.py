@@ -201,6 +201,13 @@ def test_the_tasks_backend_database_option_is_checked_and_used():
     assert error.id == "awa.E102"
     assert "TASKS['bulk']['OPTIONS']['DATABASE'] names no entry of DATABASES" in error.msg
     assert AwaTaskBackend("bulk", {"OPTIONS": {"DATABASE": "other"}}).check() == []
+    # A misspelt key left the jobs in AWA["DATABASE"], with no word.
+    (error,) = AwaTaskBackend("bulk", {"OPTIONS": {"DATABSE": "other"}}).check()
+    assert error.id == "awa.E103"
+    assert error.msg == (
+        "TASKS['bulk']['OPTIONS'] has unknown key(s) 'DATABSE'; AwaTaskBackend takes only "
+        "'DATABASE'"
+    )
     backend = AwaTaskBackend("default", {"OPTIONS": {"DATABASE": "other"}})
     result = backend.enqueue(tasks.add, [2, 3], {})
     assert Job.objects.using("other").filter(id=int(result.id), kind__startswith="task:").exists()
