@@ -32,24 +32,24 @@ if TYPE_CHECKING:
     from django.tasks import TaskContext, TaskResult, TaskResultStatus
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import Task, TaskError
-    from django.tasks.exceptions import TaskResultDoesNotExist
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
     from django.tasks.signals import task_enqueued, task_finished, task_started
 else:
     try:  # Django 6
         from django.tasks import TaskContext, TaskResult, TaskResultStatus
         from django.tasks.backends.base import BaseTaskBackend
         from django.tasks.base import Task, TaskError
-        from django.tasks.exceptions import TaskResultDoesNotExist
+        from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
         from django.tasks.signals import task_enqueued, task_finished, task_started
     except ImportError:  # Django 5.2 with the django-tasks backport
         from django_tasks import TaskContext, TaskResult, TaskResultStatus
         from django_tasks.backends.base import BaseTaskBackend
         from django_tasks.base import Task, TaskError
-        from django_tasks.exceptions import TaskResultDoesNotExist
+        from django_tasks.exceptions import InvalidTask, TaskResultDoesNotExist
         from django_tasks.signals import task_enqueued, task_finished, task_started
 
 from . import sql
-from .conf import not_kept_note
+from .conf import QUEUE_NAME_RE, not_kept_note
 from .db import postgresql_problem
 from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, prepare
 from .exceptions import ValidationError
@@ -301,6 +301,16 @@ class AwaTaskBackend(BaseTaskBackend):
             problem = f"{where}: {found}"
         hint = "Name a PostgreSQL alias of DATABASES, or leave it out for AWA['DATABASE']."
         return [*messages, checks.Error(problem, hint=hint, id="awa.E102")]
+
+    def validate_task(self, task: Task[..., Any]) -> None:
+        """Django's checks, and a ``queue_name`` awa can store: refused when the task is
+        declared (or ``.using()`` makes it), not at its first ``enqueue``."""
+        super().validate_task(task)
+        if not isinstance(task.queue_name, str) or not QUEUE_NAME_RE.match(task.queue_name):
+            raise InvalidTask(
+                f"Queue {task.queue_name!r} is not a valid awa queue name: 1 to 128 letters, "
+                f"digits, '_', '.', ':' or '-'."
+            )
 
     def enqueue[**P, R](
         self, task: Task[P, R], args: Sequence[Any], kwargs: Mapping[str, Any]

@@ -171,6 +171,27 @@ def test_arguments_that_are_not_json_values_are_refused_naming_the_task_and_the_
     ]  # fmt: skip
 
 
+def test_a_queue_name_awa_cannot_store_is_refused_when_the_task_is_declared():
+    """Django takes any name listed in QUEUES; awa's enqueue refused it, at the first
+    call, as "job of kind 'task': invalid queue name"."""
+    from django.test import override_settings
+
+    try:
+        from django.tasks import task
+        from django.tasks.exceptions import InvalidTask
+    except ImportError:
+        from django_tasks import task
+        from django_tasks.exceptions import InvalidTask
+
+    backend = {"BACKEND": "django_awa.backends.AwaTaskBackend"}
+    with override_settings(TASKS={"default": {**backend, "QUEUES": ["default", "my queue"]}}):
+        with pytest.raises(InvalidTask, match=r"^Queue 'my queue' is not a valid awa queue name"):
+            task(queue_name="my queue")(tasks.add.func)
+        with pytest.raises(InvalidTask, match="'my queue' is not a valid awa queue name"):
+            tasks.add.using(queue_name="my queue")
+        assert tasks.add.using(queue_name="default").enqueue(1, 2).status == "READY"
+
+
 def test_a_task_the_worker_cannot_find_fails_with_an_error_about_tasks_not_jobargs():
     from django_awa.testing import run_jobs
 
