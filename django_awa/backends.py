@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from django.apps import apps
 from django.conf import settings
 from django.core import checks
-from django.db import connections
+from django.db import connections, transaction
 from django.utils import timezone
 
 if TYPE_CHECKING:
@@ -49,8 +49,9 @@ else:
         from django_tasks.signals import task_enqueued, task_finished, task_started
 
 from . import sql
+from .compat import savepoint_create
 from .conf import QUEUE_NAME_RE, not_kept_note
-from .db import postgresql_problem
+from .db import postgresql_problem, transaction_failed
 from .enqueueing import EnqueueRequest, database_alias, enqueue_prepared, prepare
 from .exceptions import ValidationError
 from .execute import JobContext
@@ -178,6 +179,12 @@ def _run_task(job: JobContext) -> Any:
         raise RuntimeError(f"task {job.kind}: job {job.id} has no database")
     result = backend.result_from_job(job.row, task)
     task_started.send(sender=type(backend), task_result=result)
+    connection = connections[alias]
+    # A worker runs the task in autocommit. Inside a transaction (run_jobs in a
+    # TestCase) a database error the task meets aborts it: the error could not be
+    # recorded, and the "transaction is aborted" of recording it would replace it.
+    # The task's writes are rolled back to here first, as run_jobs would after it.
+    savepoint = savepoint_create(using=alias) if connection.in_atomic_block else None
     try:
         if task.takes_context:
             value = task.call(TaskContext(task_result=result), *call.args, **call.kwargs)
@@ -190,15 +197,22 @@ def _run_task(job: JobContext) -> Any:
             "exception_class_path": f"{type(exc).__module__}.{type(exc).__qualname__}",
             "traceback": "".join(traceback.format_exception(exc)),
         }
-        with connections[alias].cursor() as cursor:
+        if savepoint is not None and (transaction_failed(alias) or connection.needs_rollback):
+            connection.needs_rollback = False  # else Django refuses the rollback too
+            transaction.savepoint_rollback(savepoint, using=alias)
+        with connection.cursor() as cursor:
             cursor.execute(
                 sql.RECORD_TASK_ERROR,
                 {"error": json.dumps([error]), "id": job.id, "run_lease": job.row.run_lease},
             )
+        if savepoint is not None:
+            transaction.savepoint_commit(savepoint, using=alias)
         if job.attempt >= job.max_attempts:  # no retry: the task is finished
             errors = [*result.errors, TaskError(**error)]
             _send_finished(backend, result, TaskResultStatus.FAILED, errors=errors)
         raise
+    if savepoint is not None:
+        transaction.savepoint_commit(savepoint, using=alias)
     _send_finished(backend, result, TaskResultStatus.SUCCESSFUL, value=value)
     # Stored as Job.result by the completing transaction (SPEC §9, §11).
     return value

@@ -266,6 +266,22 @@ class RunJobsTests(TestCase):
             "failed": 1,
         }
 
+    def test_a_database_error_in_a_django_task_is_its_recorded_error(self):
+        # Recording the task's error in the aborted transaction failed, and that
+        # failure ("current transaction is aborted") was recorded instead, with no
+        # result.errors.
+        from tests.testapp import tasks
+
+        for how, error in (("raw", "DataError: division by zero"), ("orm", "DataError")):
+            result = tasks.bad_sql.enqueue(how)
+            assert run_jobs().failed == 1
+            row = Job.objects.get(id=int(result.id))
+            assert row.errors[-1]["error"].startswith(error), row.errors
+            result.refresh()
+            assert [e.exception_class_path for e in result.errors] == ["django.db.utils.DataError"]
+            assert "division by zero" in result.errors[0].traceback or how == "orm"
+            assert not Ledger.objects.filter(note=f"task-{how}").exists()  # rolled back
+
     def test_a_transaction_the_handler_leaves_open_is_its_error_and_undone(self):
         # A worker closes such a connection (rolling it back) and records an error;
         # here the test's transaction must go on, at the depth it had.

@@ -47,3 +47,18 @@ def leave() -> None:
 @task()
 def not_a_number() -> float:
     return float("nan")
+
+
+@task()
+def bad_sql(how: str) -> None:
+    """Writes a Ledger row, then meets a database error: a raw statement's or the ORM's."""
+    from django.db import connection
+
+    from tests.testapp.models import Ledger
+
+    Ledger.objects.create(job_id=0, attempt=0, run_lease=0, note=f"task-{how}")
+    if how == "raw":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 / 0")
+    else:  # the note is longer than its column
+        Ledger.objects.create(job_id=0, attempt=0, run_lease=0, note="x" * 101)
