@@ -310,6 +310,24 @@ class RunJobsTests(TestCase):
         assert list(Order.objects.values_list("reference", flat=True)) == ["r1"]
         assert_enqueued(Echo, note="receipt:r1")
 
+    def test_the_rows_say_when_their_handlers_began_as_a_workers_do(self):
+        # attempted_at stayed empty under run_jobs (a worker's handler pool stores it),
+        # and a Django task's result had no started_at or last_attempted_at.
+        from tests.testapp import tasks
+
+        before = timezone.now()
+        awa.enqueue(Echo(n=1))
+        awa.enqueue(Act(action="raise"))  # retryable
+        awa.enqueue(AsyncAct(action="ok"))
+        awa.enqueue(Pay(reference="began"))  # atomic
+        task = tasks.add.enqueue(1, 2)
+        assert run_jobs().ran == 7  # and the follow-ups of Act's retry and Pay
+        for row in Job.objects.exclude(state=JobState.AVAILABLE):
+            assert row.attempted_at is not None, (row.kind, row.state)
+            assert before <= row.attempted_at <= (row.finalized_at or timezone.now())
+        task.refresh()
+        assert task.started_at is not None and task.last_attempted_at is not None
+
     def test_an_atomic_handler_whose_followup_fails_is_reported_as_retried(self):
         job = awa.enqueue(Pay(reference="bad-followup-report"))
         report = run_jobs(kinds=[Pay], include_scheduled=True)

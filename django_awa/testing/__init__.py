@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -434,6 +435,9 @@ def _run_one(attempt: Attempt) -> AttemptResult | None:
     # only then, so its error is recorded and the test's transaction goes on.
     # An atomic one gets a savepoint too, to be undone if it leaves a block open.
     savepoint = savepoint_create(using=alias) if connection.in_atomic_block else None
+    # When the handler began, stored as the row's attempted_at with the outcome,
+    # as a worker's handler pool does (HandlerPool sets it as a thread takes the job).
+    attempt.started = time.monotonic()
     if atomic:
         spec, args = cast(tuple[WorkerSpec, JobArgs], resolved)
         written = run_atomic_attempt(attempt, spec, args)
@@ -465,6 +469,7 @@ def _run_one(attempt: Attempt) -> AttemptResult | None:
         result = left_open(attempt.job, left + closed, undone)
     elif atomic:
         return written
+    result.started = attempt.started
     applied = finalize([result], alias)
     return applied[0] if applied else None
 
