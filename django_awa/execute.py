@@ -12,6 +12,7 @@ import concurrent.futures
 import datetime as dt
 import json
 import logging
+import os
 import threading
 import time
 import traceback
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from asgiref.sync import ThreadSensitiveContext, async_to_sync, sync_to_async
+from django.core.exceptions import SynchronousOnlyOperation
 from django.db import connections
 
 from . import db, sql
@@ -250,6 +252,7 @@ class JobContext:
 
     def dependencies(self) -> list[Job]:
         """The jobs this one waited for, each with its ``result``, in ``after`` order."""
+        _refuse_on_event_loop("dependencies")
         return self._attempt.instance().dependencies()
 
     async def adependencies(self) -> list[Job]:
@@ -272,6 +275,7 @@ class JobContext:
         ``ValidationError``. One callback per attempt: a second call raises
         ``RuntimeError`` naming the first, which stays registered.
         """
+        _refuse_on_event_loop("register_callback")
         seconds = callback_timeout(timeout, "register_callback: timeout")
         job = self._attempt.job
         if self._attempt.callback_id is not None:
@@ -313,6 +317,22 @@ class JobContext:
     async def aregister_callback(self, timeout: float | dt.timedelta) -> CallbackToken:
         """``register_callback`` for ``async def`` handlers (it writes to the database)."""
         return await sync_to_async(self.register_callback)(timeout)
+
+
+def _refuse_on_event_loop(method: str) -> None:
+    """Name the awaitable form when a database method is called from async code (an
+    ``async def`` handler): Django's ``SynchronousOnlyOperation`` would say only "use
+    a thread or sync_to_async". Not with ``DJANGO_ALLOW_ASYNC_UNSAFE``, as Django's own."""
+    if os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE"):
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise SynchronousOnlyOperation(
+        f"job.{method}() reads or writes the database, which Django refuses on an event "
+        f"loop: from an async def handler call `await job.a{method}(...)`"
+    )
 
 
 # How long a callback registered apart from the handler's transaction waits for the

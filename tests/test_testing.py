@@ -345,6 +345,21 @@ class RunJobsTests(TestCase):
         assert report.counts == {"completed": 2, "retryable": 1}
         assert Job.objects.get(kind="echo").args["note"] == "from-async-handler"
 
+    def test_a_sync_database_method_in_an_async_handler_names_its_awaitable_form(self):
+        # Django's SynchronousOnlyOperation said "use a thread or sync_to_async".
+        jobs = {
+            method: awa.enqueue(AsyncAct(action=f"sync_{method}"))
+            for method in ("callback", "dependencies")
+        }
+        assert run_jobs(kinds=[AsyncAct]).retryable == 2
+        for method, name in (("callback", "register_callback"), ("dependencies", "dependencies")):
+            error = Job.objects.get(id=jobs[method].id).errors[-1]["error"]
+            assert error.startswith(
+                f"SynchronousOnlyOperation: job.{name}() reads or writes the database, which "
+                f"Django refuses on an event loop: from an async def handler call "
+                f"`await job.a{name}(...)`"
+            ), error
+
     def test_async_progress_is_stored_with_the_outcome(self):
         job = awa.enqueue(AsyncAct(action="progress"))
         run_jobs()

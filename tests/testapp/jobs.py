@@ -416,6 +416,10 @@ async def async_act(job: awa.JobContext):
         case "callback":
             token = await job.aregister_callback(timeout=60)
             return awa.WaitForCallback(token)
+        case "sync_callback":  # the sync form, from the event loop
+            return awa.WaitForCallback(job.register_callback(timeout=60))
+        case "sync_dependencies":
+            return [dependency.result for dependency in job.dependencies()]
         case "progress":
             job.set_progress(60, "async halfway")
             await asyncio.sleep(args.seconds)
