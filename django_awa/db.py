@@ -891,6 +891,22 @@ def migrations_not_in_step(alias: str) -> tuple[list[str], list[str]]:
     return sorted(known - applied), sorted(applied - known)
 
 
+def not_migrated(alias: str, missing: Sequence[str]) -> str:
+    """What a worker or ``run_jobs`` says of database ``alias`` lacking django-awa's
+    ``missing`` migrations (``migrations_not_in_step``): "django-awa's migrations are
+    not applied to database 'default' (host:5432/name): 0016_x, 0017_y are missing",
+    the first and last named when there are more than three."""
+    named = (
+        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+        if len(missing) <= 3
+        else f"{len(missing)} are missing, {missing[0]} to {missing[-1]}"
+    )
+    return (
+        f"django-awa's migrations are not applied to database {alias!r} "
+        f"({database_address(alias)}): {named}"
+    )
+
+
 # -- riding through outages ---------------------------------------------------------
 
 _outage_logger = logging.getLogger("django_awa.outage")

@@ -377,12 +377,10 @@ def _require_migrations(alias: str) -> None:
     missing, _ = db.migrations_not_in_step(alias)
     if not missing:
         return
-    named = ", ".join(missing) if len(missing) <= 3 else f"{missing[0]} to {missing[-1]}"
     raise ConfigurationError(
-        f"run_jobs(): django-awa's migrations are not applied to database {alias!r} "
-        f"({db.database_address(alias)}): {len(missing)} missing ({named}). Its tables need "
-        f"the SQL they hold, which the models do not describe: run the tests with "
-        f"migrations (not pytest-django's --nomigrations), or `manage.py migrate django_awa`"
+        f"run_jobs(): {db.not_migrated(alias, missing)}. Its tables need the SQL they hold, "
+        f"which the models do not describe: run the tests with migrations (not "
+        f"pytest-django's --nomigrations), or `manage.py migrate django_awa`"
     )
 
 

@@ -98,25 +98,19 @@ def check_migrations(alias: str) -> None:
             " ".join(str(exc).split()),
         )
         return
-    where = f"database {alias!r} ({db.database_address(alias)})"
     if missing:
         command = "manage.py migrate django_awa"
         if alias != DEFAULT_DB_ALIAS:
             command += f" --database {alias}"
-        named = (
-            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
-            if len(missing) <= 3
-            else f"{len(missing)} are missing, {missing[0]} to {missing[-1]}"
-        )
         raise CommandError(
-            f"django-awa's migrations are not applied to {where}: {named}; "
-            f"run `{command}` before starting workers"
+            f"{db.not_migrated(alias, missing)}; run `{command}` before starting workers"
         )
     if unknown:
         logger.info(
-            "%s has django-awa migrations this worker does not know, a newer release's: %s; "
-            "starting, as a release's migrations leave the one before working",
-            where,
+            "database %r (%s) has django-awa migrations this worker does not know, a newer "
+            "release's: %s; starting, as a release's migrations leave the one before working",
+            alias,
+            db.database_address(alias),
             ", ".join(unknown),
         )
 
