@@ -151,11 +151,13 @@ def start_handed_on(state: WorkerState, hand_on: HandOn) -> None:
 def release_held_leases(state: WorkerState, attempts: Sequence[Attempt | AttemptResult]) -> bool:
     """Free the key's places kept (``held_until`` set) for these lost attempts, whose
     handlers returned or never began (``sql.RELEASE_HELD_LEASES``); whether it did.
-    Should it fail (logged), they free once their ``held_until`` passes, within
+    A cancelled sequence member's place freed wakes the claimers of its key's next
+    member. Should it fail (logged), they free once their ``held_until`` passes, within
     ``STALE_AFTER``."""
     try:
         with db.cursor(state.alias) as cursor:
             cursor.execute(sql.RELEASE_HELD_LEASES, attempt_keys(attempts))
+            sequences = {row[0] for row in cursor.fetchall() if row[0] is not None}
     except DB_ERRORS:
         logger.warning(
             "could not free the key's place kept for job(s) %s; it frees within STALE_AFTER",
@@ -164,6 +166,8 @@ def release_held_leases(state: WorkerState, attempts: Sequence[Attempt | Attempt
         )
         reset_connection()
         return False
+    if sequences:
+        wake_freed(state, set(), sequences)
     return True
 
 
@@ -209,8 +213,13 @@ def notify_freed(
         key = job.metadata.get(SEQUENCE_KEY) if job.metadata else None
         if key is not None and result.state in JobState.FINAL and key not in handed_on:
             sequences.add(key)
-    if not queues and not sequences:
-        return
+    if queues or sequences:
+        wake_freed(state, queues, sequences)
+
+
+def wake_freed(state: WorkerState, queues: set[str], sequences: set[str]) -> None:
+    """Wake the claimers of ``queues`` and of the next members of ``sequences``
+    (``notify_freed``)."""
     # This process's own producers first, without waiting for the round trip
     # below: the outcomes are committed, so the capacity is free now.
     state.wake(queues)
@@ -396,6 +405,7 @@ class Completer:
                 applied = finalize(batch, self.state.alias, hand_on)
                 self.reconnect.succeeded()
                 self.state.count_outcomes(applied, self.state.running)
+                self.free_stale_sequences(batch, applied)
                 return
             except Exception as exc:  # noqa: BLE001 - one bad outcome must not stop the completer
                 if isinstance(exc, DB_ERRORS) and db.is_transient(exc):
@@ -412,6 +422,24 @@ class Completer:
             self.write_batch(batch[half:], hand_on)
         else:
             self.write_unstorable(batch[0], error)
+
+    def free_stale_sequences(
+        self, batch: list[AttemptResult], applied: list[AttemptResult]
+    ) -> None:
+        """Free the key's places kept for the sequence members of ``batch`` whose
+        outcome was stale (cancelled while they ran): their handlers returned.
+
+        The handler frees its place itself once it knows of the cancel
+        (``HandlerPool.release_held_lease``); one that returned before the cancel's
+        NOTIFY reached it knows nothing, and its key would wait ``STALE_AFTER``.
+        Costs nothing for batches without sequence members."""
+        members = [r for r in batch if r.job.metadata and SEQUENCE_KEY in r.job.metadata]
+        if not members:
+            return
+        written = {id(r) for r in applied}
+        stale = [r for r in members if not r.locked and id(r) not in written]
+        if stale:
+            release_held_leases(self.state, stale)
 
     def write_unstorable(self, result: AttemptResult, exc: Exception) -> None:
         """Record ``result``'s attempt as failed, naming why its outcome could not be written."""

@@ -43,8 +43,8 @@ def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     same transaction (the cascade); those with ``requires="finished"`` may run.
     A running job is cancelled at once; its handler sees ``is_cancelled()``
     within a second and whatever it returns is discarded; of a kind with
-    ``awa.Limit(concurrency=...)``, its key's place stays taken until that
-    handler returns (while its worker lives). ``on_cancelled``
+    ``awa.Limit(concurrency=...)``, or a sequence member, its key's place stays
+    taken until that handler returns (while its worker lives). ``on_cancelled``
     follow-ups are inserted in the same transaction (a failing one raises and
     nothing changes). A job already finished is returned unchanged.
     Raises ``JobNotFound``.

@@ -182,6 +182,13 @@ class Attempt:
     def key(self) -> tuple[int, int]:
         return (self.job.id, self.job.run_lease)
 
+    @property
+    def sequenced(self) -> bool:
+        """A sequence member: cancelled while its handler runs, its key's place is
+        kept until the handler returns (``sql.CANCEL_JOBS``), as a limited key's is."""
+        metadata = self.job.metadata
+        return bool(metadata) and "awa_sequence" in metadata
+
     def instance(self) -> Job:
         """The attempt's job as a ``Job``: built from its claimed row on first use, then
         kept (``JobContext.row`` gives the handler the same instance each time)."""

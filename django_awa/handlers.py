@@ -569,7 +569,7 @@ class HandlerPool:
         stale) and the abandoned ones. Should it fail, the place frees once the
         lease's ``held_until`` passes.
         """
-        if attempt.job.kind in registry.leased_kinds():
+        if attempt.sequenced or attempt.job.kind in registry.leased_kinds():
             release_held_leases(self.state, [attempt])
 
     def release_kept_leases(self) -> None:
@@ -901,7 +901,7 @@ class HandlerPool:
                 # Its key's place stays taken while the handler really runs: the
                 # heartbeat renews the lease until it returns (execute frees it
                 # then), the worker frees it at exit (release_kept_leases).
-                if attempt.holds_key:
+                if attempt.holds_key or attempt.sequenced:
                     self.state.kept[job.id, job.run_lease] = attempt
                 if attempt.timed_out is not None:
                     # Its timed-out outcome, written now, keeps that lease (held

@@ -165,12 +165,13 @@ class Heartbeat:
         outcome of a timed-out one whose thread was abandoned; renewed each
         heartbeat until the handler returns (``HandlerPool.execute`` deletes
         it then), an abandoned thread's too (``WorkerState.kept``). Nothing to
-        do, and no statement, for any other.
+        do, and no statement, for any other. A cancelled sequence member's key
+        is kept alike (``sql.SEQUENCE_HOLD_KIND``).
         """
         leased = registry.leased_kinds()
-        if not leased:
-            return
-        lost = [a for a in attempts if a.cancelled.is_set() and a.job.kind in leased]
+        lost = [
+            a for a in attempts if a.cancelled.is_set() and (a.job.kind in leased or a.sequenced)
+        ]
         if not lost:
             return
         with db.cursor(self.state.alias) as cursor:

@@ -219,7 +219,10 @@ def _sequence_free(row: str) -> str:
     A member retried after it finished (``RETRIED_KEY``, set by RETRY_JOBS and
     REOPEN_CASCADED) is back in its place while a later member may be running,
     one that started while it was finished: it also waits for that one to end.
-    Only such a member reads its key's later members."""
+    Only such a member reads its key's later members.
+
+    A member cancelled while its handler may still run in a live worker keeps its
+    key's place (``_sequence_held``) until that handler returns."""
     return f"""(NOT {row}.metadata ? 'awa_sequence' OR (NOT EXISTS (
             SELECT 1 FROM ONLY awa_job AS s
             WHERE s.metadata ? 'awa_sequence'
@@ -229,7 +232,25 @@ def _sequence_free(row: str) -> str:
             SELECT 1 FROM ONLY awa_job AS s
             WHERE s.metadata ? 'awa_sequence'
               AND (s.metadata ->> 'awa_sequence') = ({row}.metadata ->> 'awa_sequence')
-              AND s.id > {row}.id AND s.state NOT IN {_FINAL} AND s.state = 'running'))))"""
+              AND s.id > {row}.id AND s.state NOT IN {_FINAL} AND s.state = 'running'))
+          AND NOT {_sequence_held(row)}))"""
+
+
+# The awa_limit_lease kind of a sequence's place kept for a cancelled member's
+# handler (no kind can be named so: kinds.KIND_RE). Its key is the sequence key,
+# its slot 0, its attempt the cancelled one's; held_until is always set.
+SEQUENCE_HOLD_KIND = "#sequence"
+
+
+def _sequence_held(row: str) -> str:
+    """True while ``row``'s sequence key has a place kept (``held_until`` ahead) for
+    the handler of a cancelled member that may still run (CANCEL_JOBS): renewed by
+    its worker while it runs, deleted when it returns (RELEASE_HELD_LEASES), run out
+    within STALE_AFTER once its worker is gone. Index: awa_limit_lease_unique."""
+    return f"""EXISTS (
+            SELECT 1 FROM awa_limit_lease AS sh
+            WHERE sh.kind = '{SEQUENCE_HOLD_KIND}'
+              AND sh.key = ({row}.metadata ->> 'awa_sequence') AND sh.held_until > now())"""
 
 
 # The metadata key of a sequence member retried after it finished (_sequence_free).
@@ -1042,10 +1063,12 @@ restored AS (
     RETURNING j.queue
 )"""
 # Whether the next member j may be claimed into a place on queue {place}
-# (NULL: none): on that queue, available, due, its queue not paused.
+# (NULL: none): on that queue, available, due, its queue not paused, and its
+# key's place not kept for a cancelled member's handler (_sequence_held).
 _TAKE = f"""{{place}} IS NOT NULL AND j.queue = {{place}} AND j.state = 'available'
            AND coalesce((j.metadata ->> '{SEQUENCE_RUN_AT_KEY}')::timestamptz, j.run_at) <= now()
-           AND NOT EXISTS (SELECT 1 FROM awa_queue AS q WHERE q.name = j.queue AND q.paused)"""
+           AND NOT EXISTS (SELECT 1 FROM awa_queue AS q WHERE q.name = j.queue AND q.paused)
+           AND NOT {_sequence_held("j")}"""
 
 
 # The keys handed on and the places for their next members: two arrays side by
@@ -1639,11 +1662,13 @@ RENEW_HELD_LEASES = HOLD_LEASES.rstrip() + " AND l.held_until IS NOT NULL\n"
 # -- RELEASE_HELD_LEASES --
 # The handlers of these lost attempts returned (or never began), or their
 # worker is exiting, which ends them: the leases kept for them go. One the
-# claim holds locked at that instant is waited for.
-RELEASE_HELD_LEASES = """
+# claim holds locked at that instant is waited for. Returns the sequence keys
+# whose place went (SEQUENCE_HOLD_KIND): their next members' claimers are woken.
+RELEASE_HELD_LEASES = f"""
 DELETE FROM awa_limit_lease AS l
 USING unnest(%(id)s::bigint[], %(run_lease)s::bigint[]) AS a(id, run_lease)
 WHERE l.job_id = a.id AND l.run_lease = a.run_lease AND l.held_until IS NOT NULL
+RETURNING CASE WHEN l.kind = '{SEQUENCE_HOLD_KIND}' THEN l.key END
 """
 
 # -- SET_PROGRESS --
@@ -2183,15 +2208,29 @@ RETURNING {JOB_COLUMNS}
 # batch). Locks the rows in id order
 # (two batches never wait on each other in a cycle); returns each one's
 # previous state, so running attempts can be told through NOTIFY awa_cancel.
+# A live running sequence member (see below) keeps its key's place: a lease of
+# kind SEQUENCE_HOLD_KIND for its attempt, held_until %(stale_after)s ahead (one
+# a key; a stale one left by a dead worker is taken over), so the key's next
+# member waits for its handler (_sequence_held), as a limited kind's key does.
 CANCEL_JOBS = f"""
 WITH old AS (
-    SELECT id, state,
+    SELECT id, state, run_lease, metadata ->> 'awa_sequence' AS seq,
            state = 'running'
            AND heartbeat_at >= now() - make_interval(secs => %(stale_after)s) AS live
     FROM ONLY awa_job
     WHERE id = ANY(%(ids)s::bigint[]) AND state = ANY(%(states)s::text[])
     ORDER BY id
     FOR UPDATE
+),
+sequence_held AS (
+    INSERT INTO awa_limit_lease (kind, key, slot, job_id, run_lease, taken_at, held_until)
+    SELECT DISTINCT ON (seq) '{SEQUENCE_HOLD_KIND}', seq, 0, id, run_lease, now(),
+           now() + make_interval(secs => %(stale_after)s)
+    FROM old WHERE live AND seq IS NOT NULL
+    ORDER BY seq, id DESC
+    ON CONFLICT (kind, key, slot) DO UPDATE
+    SET job_id = EXCLUDED.job_id, run_lease = EXCLUDED.run_lease,
+        taken_at = EXCLUDED.taken_at, held_until = EXCLUDED.held_until
 )
 UPDATE ONLY awa_job AS j
 SET state = 'cancelled', finalized_at = now(),

@@ -46,7 +46,7 @@ from django_awa.followups import WAITING_FOR_CALLBACK
 from django_awa.kinds import registry
 from django_awa.maintenance import Maintenance
 from django_awa.models import Job, JobState, LimitLease, Queue
-from django_awa.sequences import HandOn
+from django_awa.sequences import HandOn, hand_off
 from django_awa.state import SharedConcurrency, WorkerState
 from tests.conftest import WorkerProcess, generic_plan, wait_for, wait_for_state
 from tests.testapp.jobs import (
@@ -1497,7 +1497,48 @@ def test_cancel_hands_on_and_maintenance_restores_a_member_whose_turn_came_other
     assert Maintenance().restore_parked() == {"seq"}
     assert not _parked(Job.objects.get(id=third.id))  # first unfinished now: restored
     assert _parked(Job.objects.get(id=fourth.id))
+    # The cancelled head's handler may still run (a fresh heartbeat): its key waits.
+    assert producer.claim("seq", 10, "default") == []
+    with connection.cursor() as cursor:  # it returned (HandlerPool.release_held_lease)
+        cursor.execute(sql.RELEASE_HELD_LEASES, {"id": [head.id], "run_lease": [1]})
     assert [j.id for j in producer.claim("seq", 10, "default")] == [third.id]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("claim", [producer.claim, producer.claim_sequenced, "hand_on"])
+def test_a_cancelled_member_keeps_its_key_while_its_handler_may_still_run(claim) -> None:
+    # A running member cancelled while its worker lives (its heartbeat is fresh):
+    # its handler may go on, ignoring is_cancelled(), and the next member would run
+    # beside it. Its key's place is kept, as a limited kind's is, until the handler
+    # returns (its worker frees it) or its worker is gone (held_until runs out).
+    first, second = awa.enqueue_many([SequencedSpan(key="k", n=0), SequencedSpan(key="k", n=1)])
+    [job] = producer.claim("seq", 10, "default")
+    assert job.id == first
+    awa.cancel(first)
+
+    def next_member() -> list[int]:
+        if claim == "hand_on":  # the hand-on of another member of the key finishing
+            key = job.metadata["awa_sequence"]
+            _, claimed = hand_off([(key, "seq")], "default", HandOn({"seq": 1}))
+            return [j.id for j in claimed]
+        assert callable(claim)
+        return [j.id for j in claim("seq", 10, "default")]
+
+    [lease] = LimitLease.objects.all()
+    assert (lease.kind, lease.job_id, lease.run_lease) == (sql.SEQUENCE_HOLD_KIND, first, 1)
+    assert lease.held_until is not None
+    assert next_member() == []
+    Maintenance().rescue()
+    assert LimitLease.objects.count() == 1  # not swept: it is held
+    with connection.cursor() as cursor:
+        params = {"id": [first], "run_lease": [1], "stale_after": 60}
+        cursor.execute(sql.RENEW_HELD_LEASES, params)
+        assert cursor.rowcount == 1
+    # Its worker died with the handler: nothing renews the place, which runs out.
+    LimitLease.objects.update(held_until=timezone.now() - dt.timedelta(seconds=1))
+    assert next_member() == [second]
+    Maintenance().rescue()
+    assert LimitLease.objects.count() == 0  # swept once run out
 
 
 @pytest.mark.django_db(transaction=True)
@@ -1605,6 +1646,67 @@ def test_a_worker_stopping_mid_sequence_leaves_no_member_claimed_or_running(star
     runs = list(FlowRun.objects.order_by("started_at"))
     assert [r.n for r in runs] == list(range(200))  # each once, in order
     assert all(a.ended_at <= b.started_at for a, b in itertools.pairwise(runs))
+
+
+@pytest.mark.slow
+def test_a_cancelled_member_holds_its_sequence_until_its_handler_returns(start_worker) -> None:
+    # A sync handler that ignores is_cancelled() runs on ~4 s after its running
+    # member is cancelled, past STALE_AFTER (3 s; its worker renews its key's place
+    # meanwhile): the next member of its key starts only once it returned (freed by
+    # its worker then, not STALE_AFTER later), never beside it.
+    worker = start_worker("--queue", "seq=4")
+    wait_for(lambda: "listening for new jobs" in worker.output(), 30)
+    head, *_ = awa.enqueue_many(
+        [SequencedSpan(key="c", n=0, first_seconds=4.5, seconds=0.05)]
+        + [SequencedSpan(key="c", n=i, seconds=0.05) for i in (1, 2)]
+    )
+    wait_for(lambda: FlowRun.objects.filter(n=0).exists(), 20)
+    awa.cancel(head)
+    all_finished("sequenced_span", 3)
+    assert Job.objects.get(id=head).state == JobState.CANCELLED
+    wait_for(lambda: not FlowRun.objects.filter(ended_at__isnull=True).exists(), 10)
+    cancelled, *others = FlowRun.objects.order_by("started_at")
+    assert [r.n for r in others] == [1, 2]
+    assert cancelled.n == 0 and cancelled.ended_at is not None
+    assert others[0].started_at >= cancelled.ended_at, (
+        f"member 1 started {(cancelled.ended_at - others[0].started_at).total_seconds():.2f}s "
+        "before the cancelled member's handler returned"
+    )
+    assert overlaps_within_key("sequenced_span") == 0
+    gap = (others[0].started_at - cancelled.ended_at).total_seconds()
+    assert gap < 2, f"member 1 began {gap:.1f}s after the cancelled handler returned"
+    wait_for(lambda: _leases() == [], 10)
+    assert worker.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_cancelled_member_of_a_killed_worker_frees_its_sequence_within_stale_after(
+    start_worker,
+) -> None:
+    # The cancelled member's handler would run a minute, but its worker is killed:
+    # nothing renews its key's place, which frees within STALE_AFTER (3 s), and the
+    # next member runs on another worker.
+    victim = start_worker("--queue", "seq=4")
+    wait_for(lambda: "listening for new jobs" in victim.output(), 30)
+    head, following = awa.enqueue_many(
+        [
+            SequencedSpan(key="k", n=0, first_seconds=60, seconds=0.05),
+            SequencedSpan(key="k", n=1, seconds=0.05),
+        ]
+    )
+    wait_for(lambda: FlowRun.objects.filter(n=0).exists(), 20)
+    awa.cancel(head)
+    [lease] = LimitLease.objects.all()  # held for the handler that runs on
+    assert (lease.kind, lease.job_id) == (sql.SEQUENCE_HOLD_KIND, head)
+    victim.signal(signal.SIGKILL)
+    victim.wait(10)
+    killed_at = timezone.now()
+    start_worker("--queue", "seq=4")
+    wait_for_state(following, JobState.COMPLETED, 30)
+    run = FlowRun.objects.get(n=1)
+    assert run.started_at >= lease.held_until, "member 1 ran while the place was held"
+    assert (run.started_at - killed_at).total_seconds() < 10
+    wait_for(lambda: _leases() == [], 20)
 
 
 @pytest.mark.slow
