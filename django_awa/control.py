@@ -202,6 +202,8 @@ def set_queue_limits(
     """
     where = f"set_queue_limits({name!r})"
     _check_queue_name(name, "set_queue_limits")
+    if not isinstance(reset, bool):
+        raise ValidationError(f"{where}: reset must be True or False, got {reset!r}")
     changes: dict[str, Any] = {}
     if rate_limit is not KEEP:
         if rate_limit is None:

@@ -125,7 +125,12 @@ class Limit:
         if self.rate is not None:
             parse_rate(self.rate, "awa.Limit(rate=)")
         if self.by is not None:
-            fields_of(self.by, "awa.Limit(by=)")
+            names = fields_of(self.by, "awa.Limit(by=)")
+            if repeated := sorted({n for n in names if names.count(n) > 1}):
+                raise ValidationError(
+                    f"awa.Limit(by=) names field {', '.join(map(repr, repeated))} more than "
+                    f"once, got {self.by!r}: give each field once"
+                )
 
     @property
     def parsed_rate(self) -> Rate | None:

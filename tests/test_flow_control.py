@@ -2105,6 +2105,7 @@ def test_queue_limits_in_the_settings_are_parsed(settings) -> None:
         ({"rate": "5 per second"}, "rate=) must be a rate"),
         ({"concurrency": 1, "by": ""}, "by=) takes a field name"),
         ({"concurrency": 1, "by": ["key"]}, "by=) takes a field name"),
+        ({"concurrency": 1, "by": ("key", "n", "key")}, "by=) names field 'key' more than once"),
     ],
 )
 def test_a_bad_limit_is_refused_when_declared(options, words) -> None:
@@ -2160,6 +2161,14 @@ def test_set_queue_limits_validates_and_keeps_what_it_is_not_given() -> None:
         "rate_limit": None, "global_concurrency": 3}  # fmt: skip
     limits = producer.queue_limits("q", "default")
     assert limits.rate_limit is None and limits.global_concurrency == 3
+    # reset takes True or False: "yes" (or "no", which is truthy) is refused, nothing written.
+    for word in ("yes", "no"):
+        with pytest.raises(
+            awa.ValidationError,
+            match=rf"set_queue_limits\('q'\): reset must be True or False, got '{word}'",
+        ):
+            awa.set_queue_limits("q", reset=word)  # type: ignore[arg-type]
+    assert producer.queue_limits("q", "default").global_concurrency == 3
     assert awa.set_queue_limits("q", reset=True) == {}
     assert not producer.queue_limits("q", "default").limited
 
