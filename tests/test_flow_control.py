@@ -1680,6 +1680,33 @@ def test_a_cancelled_member_holds_its_sequence_until_its_handler_returns(start_w
 
 
 @pytest.mark.slow
+def test_a_cancelled_members_abandoned_handler_holds_its_sequence_until_it_returns(
+    start_worker,
+) -> None:
+    # The cancelled handler outlives the stuck grace (5 s) and its thread is
+    # abandoned and replaced: its key's place stays kept, renewed while it runs.
+    worker = start_worker("--queue", "seq=4")
+    wait_for(lambda: "listening for new jobs" in worker.output(), 30)
+    head, following = awa.enqueue_many(
+        [
+            SequencedSpan(key="a", n=0, first_seconds=9, seconds=0.05),
+            SequencedSpan(key="a", n=1, seconds=0.05),
+        ]
+    )
+    wait_for(lambda: FlowRun.objects.filter(n=0).exists(), 20)
+    awa.cancel(head)
+    wait_for(lambda: "abandoned (" in worker.output(), 20, worker.output)
+    wait_for_state(following, JobState.COMPLETED, 30)
+    cancelled, run = FlowRun.objects.get(n=0), FlowRun.objects.get(n=1)
+    assert cancelled.ended_at is not None and run.started_at >= cancelled.ended_at, (
+        "member 1 ran beside the abandoned handler"
+    )
+    assert (run.started_at - cancelled.ended_at).total_seconds() < 2
+    wait_for(lambda: _leases() == [], 10)
+    assert worker.stop() == 0
+
+
+@pytest.mark.slow
 def test_a_cancelled_member_of_a_killed_worker_frees_its_sequence_within_stale_after(
     start_worker,
 ) -> None:
