@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
+from dataclasses import dataclass
 from unittest import mock
 
 import pytest
@@ -36,6 +37,26 @@ from tests.testapp.jobs import (
     Unhandled,
 )
 from tests.testapp.models import Ledger, Order
+
+
+@dataclass
+class CancelsItself(awa.JobArgs):
+    """A sequence member whose handler cancels its own job (a handler may)."""
+
+    key: str = ""
+    n: int = 0
+
+
+@awa.worker(CancelsItself, queue="selfcancel", sequence="key")
+def cancels_itself(job: awa.JobContext) -> None:
+    Ledger.objects.create(
+        job_id=job.id,
+        attempt=job.attempt,
+        run_lease=job.row.run_lease,
+        note=f"{job.args.key}{job.args.n}",
+    )
+    if job.args.n == 0:
+        awa.cancel(job.id)
 
 
 def _notes() -> list[str]:
@@ -125,6 +146,15 @@ class AssertEnqueuedTests(TestCase):
 
 
 class RunJobsTests(TestCase):
+    def test_a_member_cancelled_by_its_own_handler_hands_its_sequence_on(self):
+        # Its handler returned: the key's place the cancel kept for it is freed, and
+        # the next member runs in the same call (now() stands still in the test's
+        # transaction, so a place left kept would hold the key for good).
+        awa.enqueue_many([CancelsItself(key="s", n=0), CancelsItself(key="s", n=1)])
+        report = run_jobs(queue="selfcancel")
+        assert _notes() == ["s0", "s1"], report
+        assert sorted(Job.objects.values_list("state", flat=True)) == ["cancelled", "completed"]
+
     def test_runs_due_jobs_and_their_followups_in_the_tests_transaction(self):
         job = awa.enqueue(Act(action="ok"))
         report = run_jobs()

@@ -40,6 +40,7 @@ from ..execute import (
     Attempt,
     AttemptResult,
     JobContext,
+    attempt_keys,
     call_handler,
     resolve_handler,
     run_attempt,
@@ -48,6 +49,7 @@ from ..finalize import finalize, run_atomic_attempt
 from ..handlers import discard_open_transactions, left_open, transaction_marks
 from ..kinds import JobArgs, WorkerSpec, registry
 from ..models import Job, JobState, jobs_from_rows
+from ..sequences import SEQUENCE_KEY
 
 __all__ = [
     "RunLimitReached",
@@ -361,6 +363,11 @@ def run_jobs(
         for job in claimed:
             result = _run_one(Attempt(job=job, alias=alias))
             if result is None:
+                if job.metadata and SEQUENCE_KEY in job.metadata:
+                    # Cancelled while it ran (its handler, say): the handler returned,
+                    # so the key's place the cancel kept for it goes, as a worker's would.
+                    with db.cursor(alias) as cursor:
+                        cursor.execute(sql.RELEASE_HELD_LEASES, attempt_keys([Attempt(job, alias)]))
                 continue
             counts[_outcome_name(result)] += 1
             ran.append(job.id)
