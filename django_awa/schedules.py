@@ -286,6 +286,10 @@ def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
         changed = (row.cron, row.timezone) != (schedule.cron, schedule.timezone)
         if changed:
             row.cron, row.timezone, row.kind = schedule.cron, schedule.timezone, schedule.args.kind
+            # Edited in code: it starts from now, as a new schedule does. The old
+            # cron's last fire is no mark for the new one's: from it, a cron made
+            # every minute would catch up every minute since the old last fire.
+            row.last_fire_at = now
         if schedule.missed == "coalesce":
             last = schedule.last_fire_between(row.last_fire_at or now, now)
             fires = [] if last is None else [last]

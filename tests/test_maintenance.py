@@ -333,6 +333,34 @@ def test_a_fixed_hour_fires_once_when_the_clocks_go_back(periodic_schedule):
     assert nightly.next_after(nights[0]) == nights[1]
 
 
+@pytest.mark.parametrize("missed", ["coalesce", "catch_up"])
+def test_a_cron_or_timezone_edited_in_code_fires_from_now_not_from_the_old_last_fire(
+    periodic_schedule, missed
+):
+    periodic_schedule("edited", "0 3 * * *", Report(day="e"), missed=missed)
+    start = dt.datetime(2026, 3, 2, 2, 0, 30, tzinfo=dt.UTC)
+    fire_due("default", now=start)
+    assert fire_due("default", now=start + dt.timedelta(hours=1)) == 1  # 03:00
+    # At 10:00 a deploy makes it every minute (workers ran all along): the minutes
+    # since 03:00 were never its fire times, and nothing is enqueued for them.
+    schedules.pop("edited")
+    periodic_schedule("edited", "* * * * *", Report(day="e"), missed=missed)
+    edited_at = start + dt.timedelta(hours=8)
+    assert fire_due("default", now=edited_at) == 0
+    row = PeriodicSchedule.objects.get(name="edited")
+    assert (row.cron, row.last_fire_at) == ("* * * * *", edited_at)
+    assert row.next_fire_at == dt.datetime(2026, 3, 2, 10, 1, tzinfo=dt.UTC)
+    assert fire_due("default", now=edited_at + dt.timedelta(minutes=1)) == 1  # 10:01
+    # A timezone edited: the same, from now.
+    schedules.pop("edited")
+    periodic_schedule(
+        "edited", "0 * * * *", Report(day="e"), missed=missed, timezone="Asia/Kolkata"
+    )
+    assert fire_due("default", now=edited_at + dt.timedelta(hours=3)) == 0
+    fire_times = [j.run_at.strftime("%H:%M") for j in Job.objects.filter(kind="report")]
+    assert sorted(fire_times) == ["03:00", "10:01"]
+
+
 def test_periodic_catch_up_enqueues_every_missed_fire(periodic_schedule):
     periodic_schedule("catch", "*/10 * * * * *", Report(day="x"), missed="catch_up")
     start = timezone.now().replace(microsecond=0)
