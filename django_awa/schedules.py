@@ -239,6 +239,9 @@ def periodic(
         check_priority(priority, where)
     try:
         prepare(args, queue=queue, priority=priority)  # validates args and queue now
+    except ValidationError as exc:
+        # Named: several schedules in one jobs.py may fire the same kind.
+        raise ValidationError(f"{where}: {exc}") from exc
     except ConfigurationError:
         # AWA settings that cannot be read: awa.E001 names them (manage.py check, and
         # every command that checks). Raising here, as jobs.py is imported, would

@@ -377,6 +377,7 @@ def test_periodic_catch_up_enqueues_every_missed_fire(periodic_schedule):
         ("* * * * *", {"timezone": "Mars/Olympus"}, "unknown timezone"),
         ("* * * * *", {"missed": "sometimes"}, "missed must be one of"),
         ("* * * * *", {"priority": 9}, "priority"),
+        ("* * * * *", {"queue": "bad queue"}, "^periodic 'bad': .*invalid queue name 'bad queue'"),
         # What croniter takes but cron does not mean: refused, by field.
         ("R * * * *", {}, r"R \(random\) in the minute field 'R' is not supported"),
         ("0 H(0-5) * * *", {}, r"H \(hashed\) in the hour field 'H\(0-5\)' is not supported"),
@@ -395,6 +396,12 @@ def test_periodic_declarations_are_validated(cron, kwargs, message):
     with pytest.raises(awa.ValidationError, match=message):
         awa.periodic("bad", cron, Report(), **kwargs)
     assert "bad" not in schedules
+
+
+def test_args_that_cannot_be_stored_are_refused_naming_the_schedule():
+    with pytest.raises(awa.ValidationError, match=r"^periodic 'nul-args': args of kind 'report'"):
+        awa.periodic("nul-args", "0 3 * * *", Report(day="nul\x00"))
+    assert "nul-args" not in schedules
 
 
 def test_a_schedule_name_declared_twice_is_refused_naming_both_places(periodic_schedule):
