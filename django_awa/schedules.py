@@ -273,11 +273,21 @@ def fire_due(alias: str, now: dt.datetime) -> int:
     """Enqueue every fire of every declared schedule due at ``now``; returns how many
     were enqueued. The caller's clock judges: maintenance passes the database's."""
     fired = 0
-    for schedule in list(schedules.values()):
+    declared = list(schedules.values())
+    for schedule in declared:
         try:
             fired += _fire(schedule, alias, now)
         except Exception:
             logger.exception("periodic %r failed to fire", schedule.name)
+    # A stored schedule no jobs.py declares is removed: marked so (no next fire, one
+    # write), so that declared again it starts from then, not from its last fire.
+    try:
+        with transaction.atomic(using=alias):
+            PeriodicSchedule.objects.using(alias).exclude(
+                name__in=[schedule.name for schedule in declared]
+            ).exclude(next_fire_at=None).update(next_fire_at=None)
+    except Exception:
+        logger.exception("periodic: marking removed schedules failed")
     return fired
 
 
@@ -286,12 +296,17 @@ def _fire(schedule: Periodic, alias: str, now: dt.datetime) -> int:
         row, created = _get_or_create_locked(schedule, alias, now)
         if created or row.paused:
             return 0
-        changed = (row.cron, row.timezone) != (schedule.cron, schedule.timezone)
+        # No next fire: removed from code (fire_due marked it), and declared again.
+        changed = row.next_fire_at is None or (row.cron, row.timezone) != (
+            schedule.cron,
+            schedule.timezone,
+        )
         if changed:
             row.cron, row.timezone, row.kind = schedule.cron, schedule.timezone, schedule.args.kind
-            # Edited in code: it starts from now, as a new schedule does. The old
-            # cron's last fire is no mark for the new one's: from it, a cron made
-            # every minute would catch up every minute since the old last fire.
+            # Edited in code, or back in it: it starts from now, as a new schedule
+            # does. The last fire is no mark for what was missed: from it, a cron
+            # made every minute would catch up every minute since then, and one
+            # back after a month away would catch up the month.
             row.last_fire_at = now
         if schedule.missed == "coalesce":
             last = schedule.last_fire_between(row.last_fire_at or now, now)

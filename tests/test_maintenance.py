@@ -361,6 +361,24 @@ def test_a_cron_or_timezone_edited_in_code_fires_from_now_not_from_the_old_last_
     assert sorted(fire_times) == ["03:00", "10:01"]
 
 
+def test_a_schedule_back_in_code_after_its_removal_fires_from_then(periodic_schedule):
+    periodic_schedule("away", "* * * * *", Report(day="a"), missed="catch_up")
+    start = dt.datetime(2026, 3, 2, 2, 0, 30, tzinfo=dt.UTC)
+    fire_due("default", now=start)
+    assert fire_due("default", now=start + dt.timedelta(minutes=1)) == 1  # 02:01
+    schedules.pop("away")  # removed from jobs.py: it never fires
+    assert fire_due("default", now=start + dt.timedelta(minutes=2)) == 0
+    assert PeriodicSchedule.objects.get(name="away").next_fire_at is None
+    # A day later it is declared again: the day's minutes, when it was not in the
+    # code while workers ran, are not caught up.
+    periodic_schedule("away", "* * * * *", Report(day="a"), missed="catch_up")
+    back = start + dt.timedelta(days=1)
+    assert fire_due("default", now=back) == 0
+    assert fire_due("default", now=back + dt.timedelta(minutes=1)) == 1
+    fire_times = sorted(j.run_at for j in Job.objects.filter(kind="report"))
+    assert [f.strftime("%d %H:%M") for f in fire_times] == ["02 02:01", "03 02:01"]
+
+
 def test_periodic_catch_up_enqueues_every_missed_fire(periodic_schedule):
     periodic_schedule("catch", "*/10 * * * * *", Report(day="x"), missed="catch_up")
     start = timezone.now().replace(microsecond=0)
