@@ -311,6 +311,18 @@ def test_coalesce_enqueues_only_the_last_fire_after_more_missed_than_a_catch_up(
     assert job.run_at == later.replace(microsecond=0)
 
 
+def test_coalesce_finds_the_latest_fire_without_walking_every_missed_one(
+    periodic_schedule, monkeypatch
+):
+    # It walked every fire since the last (some 40 µs each: minutes after weeks of an
+    # every-second schedule) and stopped at MAX_COALESCED, firing that one instead.
+    monkeypatch.setattr("django_awa.schedules.MAX_COALESCED", 20_000)
+    every_second = periodic_schedule("long-down", "* * * * * *", Report(day="l"))
+    down = dt.datetime(2026, 3, 2, tzinfo=dt.UTC)
+    up = down + dt.timedelta(days=1, microseconds=400_000)  # 86,400 fires missed
+    assert every_second.last_fire_between(down, up) == up.replace(microsecond=0)
+
+
 def test_a_fixed_hour_fires_once_when_the_clocks_go_back(periodic_schedule):
     # Paris, 2026-10-25: 03:00 CEST becomes 02:00 CET, and 02:30 comes twice.
     nightly = periodic_schedule(
