@@ -414,6 +414,27 @@ def test_one_bad_followup_does_not_roll_back_the_rest_of_the_batch():
 
 
 @db
+def test_a_followup_whose_query_fails_does_not_fail_the_others_of_the_batch():
+    """A follow-up function's failed query aborts the finalize transaction: the
+    functions of the batch's other jobs, if they read the database, must not be
+    called in it, or each would fail too and lose its job's outcome."""
+    before = [awa.enqueue(Act(action="ok", tag="reads-db")) for _ in range(2)]
+    bad = awa.enqueue(Act(action="ok", tag="db-error"))
+    after = [awa.enqueue(Act(action="ok", tag="reads-db")) for _ in range(2)]
+    claimed = claim("default", 10, "default")
+    results = [run_attempt(Attempt(job=j, alias="default")) for j in claimed]
+    finalize(results, "default")
+    for job in [*before, *after]:
+        row = Job.objects.get(id=job.id)
+        assert row.state == JobState.COMPLETED, (job.id, row.state, row.errors)
+        assert notes(job.id) == ["completed-1", "completed-2"]
+    row = Job.objects.get(id=bad.id)
+    assert row.state == JobState.RETRYABLE
+    assert "act_completed failed: DataError: division by zero" in row.errors[-1]["error"]
+    assert [note.partition(":")[0] for note in notes(bad.id)] == ["retried"]
+
+
+@db
 def test_a_refused_unique_followup_in_a_batch_fails_only_its_own_trigger():
     # Plain follow-ups take their ids from the column default and a unique one
     # draws its own: the refusal must still be pinned on the right trigger.

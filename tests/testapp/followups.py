@@ -49,6 +49,13 @@ def act_completed(args: Act, job):
         time.sleep(30)
     if args.tag == "drop-connection":
         _terminate_own_backend()  # the follow-ups' INSERT then finds the connection gone
+    if args.tag == "db-error":
+        # A query that fails leaves the finalize transaction aborted.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 / 0")
+    if args.tag == "reads-db":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
     if FAIL["completed"] or args.tag == "fail-completed":
         raise RuntimeError("completed follow-up exploded")
     if args.tag == "unique-clash":
