@@ -332,14 +332,12 @@ def _apply_with_followups(results: Sequence[AttemptResult], alias: str) -> list[
         try:
             batch.append((result, build(row, context.after(row))))
         except FollowupError as exc:
-            if isinstance(exc.__cause__, DatabaseError):
-                if db.connection_lost(alias):
-                    raise exc.__cause__ from None  # not the follow-up's failure
-                # Its query aborted the transaction: the other jobs' functions would
-                # fail in it too. They are written again once it is rolled back.
-                failures[result.job.id] = (result, exc)
-                break
             failures[result.job.id] = (result, exc)
+            if db.transaction_failed(alias):
+                # A query of the function failed and aborted the transaction: the
+                # other jobs' functions would fail in it too. They are written
+                # again once it is rolled back.
+                break
     if not failures:
         failures = _insert_followups(batch, alias)
     if failures:

@@ -414,12 +414,17 @@ def test_one_bad_followup_does_not_roll_back_the_rest_of_the_batch():
 
 
 @db
-def test_a_followup_whose_query_fails_does_not_fail_the_others_of_the_batch():
-    """A follow-up function's failed query aborts the finalize transaction: the
-    functions of the batch's other jobs, if they read the database, must not be
-    called in it, or each would fail too and lose its job's outcome."""
+@pytest.mark.parametrize(
+    ("tag", "error"),
+    [("db-error", "DataError: division by zero"), ("db-error-caught", "ValueError: no order")],
+)
+def test_a_followup_whose_query_fails_does_not_fail_the_others_of_the_batch(tag, error):
+    """A follow-up function's failed query aborts the finalize transaction (whether
+    the function lets the error out or raises another): the functions of the
+    batch's other jobs, if they read the database, must not be called in it, or
+    each would fail too and lose its job's outcome."""
     before = [awa.enqueue(Act(action="ok", tag="reads-db")) for _ in range(2)]
-    bad = awa.enqueue(Act(action="ok", tag="db-error"))
+    bad = awa.enqueue(Act(action="ok", tag=tag))
     after = [awa.enqueue(Act(action="ok", tag="reads-db")) for _ in range(2)]
     claimed = claim("default", 10, "default")
     results = [run_attempt(Attempt(job=j, alias="default")) for j in claimed]
@@ -430,7 +435,7 @@ def test_a_followup_whose_query_fails_does_not_fail_the_others_of_the_batch():
         assert notes(job.id) == ["completed-1", "completed-2"]
     row = Job.objects.get(id=bad.id)
     assert row.state == JobState.RETRYABLE
-    assert "act_completed failed: DataError: division by zero" in row.errors[-1]["error"]
+    assert f"act_completed failed: {error}" in row.errors[-1]["error"]
     assert [note.partition(":")[0] for note in notes(bad.id)] == ["retried"]
 
 

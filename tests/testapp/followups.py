@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from django.db import connection
+from django.db import DataError, connection
 
 import django_awa as awa
 from django_awa.db import listen_params
@@ -49,10 +49,15 @@ def act_completed(args: Act, job):
         time.sleep(30)
     if args.tag == "drop-connection":
         _terminate_own_backend()  # the follow-ups' INSERT then finds the connection gone
-    if args.tag == "db-error":
+    if args.tag.startswith("db-error"):
         # A query that fails leaves the finalize transaction aborted.
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1 / 0")
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 / 0")
+        except DataError as exc:
+            if args.tag == "db-error-caught":
+                raise ValueError(f"no order: {exc}") from None
+            raise
     if args.tag == "reads-db":
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
