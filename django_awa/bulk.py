@@ -34,7 +34,7 @@ from django.db.models import Count, Max, QuerySet
 from django.utils.text import Truncator
 
 from . import control, sql
-from .codec import decode_args
+from .codec import MAX_ERROR_CHARS, check_text, decode_args, escape_text
 from .conf import QUEUE_NAME_RE, awa_settings
 from .dependencies import after_outcomes, deleting, reopen_all, settle
 from .enqueueing import KindKeys, is_kind_sequence_key, kind_keys
@@ -176,6 +176,10 @@ def check_rekind(old_kind: str, new_kind: str, queues: Sequence[str]) -> None:
             raise ValidationError(
                 f"rekind: the {what} must be 1-{MAX_KIND_LENGTH} characters, got {kind!r}"
             )
+        try:
+            check_text(kind)
+        except ValueError as exc:
+            raise ValidationError(f"rekind: the {what} {kind!r} cannot be stored: {exc}") from None
     if old_kind == new_kind:
         raise ValidationError(f"rekind: the jobs are of kind {old_kind!r} already")
     bad = [queue for queue in queues if not QUEUE_NAME_RE.match(queue)]
@@ -645,7 +649,7 @@ def _retry(ids: list[int], alias: str, result: Result, args: _Args) -> None:
 
 
 def _cancel(ids: list[int], alias: str, result: Result, args: _Args) -> None:
-    context = Cancelled(reason=args.reason)
+    context = Cancelled(reason=escape_text(args.reason, MAX_ERROR_CHARS))  # as control.cancel
     params = {
         **_params(ids, Operation.CANCEL),
         "error": context.error_entry,

@@ -577,6 +577,9 @@ def test_rekind_refuses_jobs_off_the_queue_of_the_new_kinds_limit_unless_forced(
         ("awa_jobs", "rekind", "act", "act"),
         ("awa_jobs", "rekind", "act", "echo", "--queue", "bad!name"),
         ("awa_jobs", "rekind", "act", "x" * 256, "--force"),
+        # Kinds PostgreSQL cannot hold: a Latin-1 terminal's bytes, a NUL.
+        ("awa_jobs", "rekind", "caf\udce9", "act"),
+        ("awa_jobs", "rekind", "act", "a\x00b", "--force"),
         ("awa_jobs", "rekind", "act"),
     ],
 )

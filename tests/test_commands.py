@@ -22,7 +22,7 @@ import django_awa as awa
 from django_awa.models import Job, JobState, PeriodicSchedule, Queue
 from django_awa.schedules import schedules
 from tests.conftest import ROOT, make_job
-from tests.testapp.jobs import Node
+from tests.testapp.jobs import Act, Node
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -192,6 +192,28 @@ def test_retry_cancel_and_discard_by_id_and_by_filter():
     assert run("awa_jobs", "retry", "--queue", "email")[1] == 1  # nothing left to match
 
 
+def test_a_cancel_reason_postgresql_cannot_hold_is_kept_escaped_as_a_handlers_is():
+    by_filter = [awa.enqueue(Act(action="ok")) for _ in range(2)]
+    # A real process: a Latin-1 terminal's "café" reaches Python as "caf\udce9".
+    done = shell("awa_jobs", "cancel", "--kind", "act", "--reason", "caf\udce9 closed")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("cancelled 2 of 2 matching job(s)")
+    by_id = awa.enqueue(Act(action="ok"))
+    out, code = run("awa_jobs", "cancel", str(by_id.id), "--reason", "caf\udce9 closed")
+    assert (code, out) == (0, f"cancelled 1 job(s): {by_id.id}\n")
+    api = awa.enqueue(Act(action="ok"))
+    awa.cancel(api.id, "nul\x00here")
+    for job, reason in [
+        *[(j, "caf\\udce9 closed") for j in [*by_filter, by_id]],
+        (api, "nul\\x00here"),
+    ]:
+        row = Job.objects.get(id=job.id)
+        assert row.state == JobState.CANCELLED
+        assert row.errors[-1]["error"] == f"cancelled: {reason}"
+        (followup,) = Job.objects.followups_of(job.id)
+        assert followup.args["note"] == f"cancelled:{reason}"
+
+
 def _chain(queue: str) -> list[Job]:
     """a <- b <- c in ``queue`` (each requires the one before to complete)."""
     flow = awa.Workflow(queue)
@@ -236,6 +258,9 @@ def test_awa_jobs_counts_the_dependents_its_cancel_retry_and_discard_moved() -> 
         ("awa_jobs", "list", "--state", "sleeping"),
         ("awa_jobs", "list", "--limit", "0"),
         ("awa_jobs", "show", "twelve"),
+        # A kind PostgreSQL cannot compare: bytes a Latin-1 terminal sent, a NUL.
+        ("awa_jobs", "list", "--kind", "caf\udce9"),
+        ("awa_jobs", "cancel", "--kind", "a\x00b"),
         ("awa_queues", "pause", "bad queue name"),
         ("awa_schedules", "trigger"),
     ],

@@ -20,6 +20,7 @@ from django.core.management.base import CommandParser
 from django.db.models import QuerySet
 
 from django_awa import bulk, control
+from django_awa.codec import check_text
 from django_awa.conf import QUEUE_NAME_RE, did_you_mean, not_kept_note
 from django_awa.exceptions import UniqueConflict, ValidationError
 from django_awa.kinds import registry
@@ -159,6 +160,11 @@ class Command(OperatorCommand):
         bad = [q for q in options["queue"] if not QUEUE_NAME_RE.match(q)]
         if bad:
             raise usage(f"invalid queue name {bad[0]!r}")
+        for kind in options["kind"]:
+            try:
+                check_text(kind)
+            except ValueError as exc:
+                raise usage(f"invalid kind {kind!r}: {exc}") from None
         jobs = Job.objects.using(self.alias).all()
         if options["state"]:
             jobs = jobs.filter(state__in=options["state"])
