@@ -19,6 +19,7 @@ import enum
 import functools
 import inspect
 import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
@@ -315,9 +316,20 @@ def build(job: Job, context: OutcomeContext) -> list[tuple[FollowupSpec, Prepare
             prepared.append((spec, follow_up))
         except ArgsDecodeError as exc:
             raise FollowupError(f"follow-up {spec.name} failed: {exc}", spec=spec) from exc
-        except Exception as exc:
+        except BaseException as exc:  # the function is the user's code, as a handler is
+            # SystemExit, asyncio.CancelledError... too: let out, it would end the
+            # completer's thread and leave every job of its worker running for good.
+            # Only a KeyboardInterrupt in the main thread may be the user's Ctrl-C
+            # (as execute.handler_raised judges).
+            if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is (
+                threading.main_thread()
+            ):
+                raise
+            text = str(exc)
             raise FollowupError(
-                f"follow-up {spec.name} failed: {type(exc).__name__}: {exc}", spec=spec
+                f"follow-up {spec.name} failed: {type(exc).__name__}"
+                + (f": {text}" if text else ""),
+                spec=spec,
             ) from exc
     return prepared
 

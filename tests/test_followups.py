@@ -439,6 +439,25 @@ def test_a_followup_whose_query_fails_does_not_fail_the_others_of_the_batch(tag,
     assert [note.partition(":")[0] for note in notes(bad.id)] == ["retried"]
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("name", ["SystemExit", "CancelledError", "KeyboardInterrupt"])
+def test_a_followup_raising_a_base_exception_is_a_followup_failure_in_a_worker(start_worker, name):
+    """What a follow-up function raises is recorded as a handler's is, BaseException
+    subclasses included: one let out ended the completer's thread, and every job of
+    the worker stayed running for good (its heartbeat kept maintenance away)."""
+    bad = awa.enqueue(Act(action="ok", tag=f"base:{name}"), max_attempts=1)
+    good = awa.enqueue(Act(action="ok"))
+    worker = start_worker("--queue", "default=2", "--queue", "echo=1")
+    wait_for_state(bad.id, JobState.FAILED, timeout=10)
+    wait_for_state(good.id, JobState.COMPLETED, timeout=10)
+    error = Job.objects.get(id=bad.id).errors[-1]["error"]
+    assert error.startswith(f"follow-up tests.testapp.followups.act_completed failed: {name}")
+    assert notes(good.id) == ["completed-1", "completed-2"]
+    later = awa.enqueue(Act(action="ok"))  # the worker still writes outcomes
+    wait_for_state(later.id, JobState.COMPLETED, timeout=10)
+    assert worker.proc.poll() is None
+
+
 @db
 def test_a_refused_unique_followup_in_a_batch_fails_only_its_own_trigger():
     # Plain follow-ups take their ids from the column default and a unique one

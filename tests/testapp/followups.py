@@ -20,7 +20,7 @@ from django_awa.followups import (
     on_waiting_for_callback,
 )
 
-from .jobs import Act, Echo, Forever, Node, Parked, Pay, Poison
+from .jobs import Act, Echo, Forever, Node, Parked, Pay, Poison, base_exception
 
 # Tests flip these to make follow-up functions misbehave.
 FAIL = {
@@ -61,6 +61,8 @@ def act_completed(args: Act, job):
     if args.tag == "reads-db":
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
+    if args.tag.startswith("base:"):  # SystemExit, asyncio.CancelledError... from user code
+        raise base_exception(args.tag.removeprefix("base:"))
     if FAIL["completed"] or args.tag == "fail-completed":
         raise RuntimeError("completed follow-up exploded")
     if args.tag == "unique-clash":
