@@ -19,6 +19,7 @@ import enum
 import functools
 import inspect
 import json
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -26,6 +27,7 @@ from functools import partial
 from typing import Any, ClassVar, Self
 
 from django.db import transaction
+from django.dispatch import Signal
 
 from . import signals
 from .codec import ArgsDecodeError, decode_args
@@ -34,6 +36,8 @@ from .exceptions import AwaError, ValidationError
 from .kinds import JobArgs
 from .models import Job
 from .otel import followup_trace
+
+logger = logging.getLogger(__name__)
 
 
 class Outcome(enum.StrEnum):
@@ -319,11 +323,7 @@ def build(job: Job, context: OutcomeContext) -> list[tuple[FollowupSpec, Prepare
         except BaseException as exc:  # the function is the user's code, as a handler is
             # SystemExit, asyncio.CancelledError... too: let out, it would end the
             # completer's thread and leave every job of its worker running for good.
-            # Only a KeyboardInterrupt in the main thread may be the user's Ctrl-C
-            # (as execute.handler_raised judges).
-            if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is (
-                threading.main_thread()
-            ):
+            if _interrupted(exc):
                 raise
             text = str(exc)
             raise FollowupError(
@@ -370,13 +370,34 @@ def dispatch_many(outcomes: Sequence[tuple[Job, OutcomeContext]], alias: str) ->
     return inserted.ids
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by the user's code, is to propagate: only a
+    ``KeyboardInterrupt`` in the main thread, which may be the user's Ctrl-C (as
+    ``execute.handler_raised`` judges); the worker's other threads never get signals."""
+    return isinstance(exc, KeyboardInterrupt) and (
+        threading.current_thread() is threading.main_thread()
+    )
+
+
+def _send_robust(signal: Signal, row: Job, context: OutcomeContext) -> None:
+    """``signal.send_robust``, which logs what a receiver raises, ``BaseException``
+    subclasses too: one let out would end the thread that committed the outcome."""
+    try:
+        signal.send_robust(sender=Job, job=row, **context.as_dict())
+    except BaseException as exc:
+        if _interrupted(exc):
+            raise
+        logger.exception(
+            "a receiver of the %s signal of job %s raised %s; ignored",
+            context.outcome.value,
+            row.id,
+            type(exc).__name__,
+        )
+
+
 def send_signal(row: Job, context: OutcomeContext, alias: str) -> None:
     """Send the signal of ``context``'s outcome after the current transaction commits
     (if anyone listens), with ``job=row`` and the context's fields."""
     signal = OUTCOME_SIGNALS.get(context.outcome)
     if signal is not None and signal.has_listeners():
-        transaction.on_commit(
-            partial(signal.send_robust, sender=Job, job=row, **context.as_dict()),
-            using=alias,
-            robust=True,
-        )
+        transaction.on_commit(partial(_send_robust, signal, row, context), using=alias, robust=True)

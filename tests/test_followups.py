@@ -682,6 +682,25 @@ def test_a_signal_is_sent_for_a_kind_without_follow_ups():
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("name", ["SystemExit", "CancelledError"])
+def test_a_receiver_raising_a_base_exception_is_logged_and_the_worker_goes_on(start_worker, name):
+    """A signal receiver is the user's code: whatever it raises is logged, never
+    raised. One that let SystemExit out ended the completer's thread after the
+    outcome committed, and every job the worker ran next stayed running for good."""
+    worker = start_worker(
+        "--queue", "default=2", "--queue", "echo=1", env={"AWA_TEST_RAISING_RECEIVER": name}
+    )
+    jobs = [awa.enqueue(Act(action="ok")) for _ in range(3)]
+    for job in jobs:
+        wait_for_state(job.id, JobState.COMPLETED, timeout=10)
+        assert notes(job.id) == ["completed-1", "completed-2"]
+    later = awa.enqueue(Act(action="ok"))  # enqueued after the receiver raised
+    wait_for_state(later.id, JobState.COMPLETED, timeout=10)
+    wait_for(lambda: "raising_receiver" in worker.output(), timeout=5)
+    assert worker.proc.poll() is None
+
+
+@pytest.mark.django_db(transaction=True)
 def test_signals_are_sent_after_commit_only():
     received = []
 
