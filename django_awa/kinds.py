@@ -125,12 +125,7 @@ class Limit:
         if self.rate is not None:
             parse_rate(self.rate, "awa.Limit(rate=)")
         if self.by is not None:
-            names = fields_of(self.by, "awa.Limit(by=)")
-            if repeated := sorted({n for n in names if names.count(n) > 1}):
-                raise ValidationError(
-                    f"awa.Limit(by=) names field {', '.join(map(repr, repeated))} more than "
-                    f"once, got {self.by!r}: give each field once"
-                )
+            fields_of(self.by, "awa.Limit(by=)")
 
     @property
     def parsed_rate(self) -> Rate | None:
@@ -142,7 +137,7 @@ class Limit:
 
 
 def fields_of(by: Any, what: str) -> tuple[str, ...]:
-    """The args field names ``by`` gives (a name or a tuple of names)."""
+    """The args field names ``by`` gives (a name or a tuple of names, each once)."""
     names = (by,) if isinstance(by, str) else by
     if (
         not isinstance(names, tuple)
@@ -150,6 +145,11 @@ def fields_of(by: Any, what: str) -> tuple[str, ...]:
         or not all(isinstance(n, str) and n.isidentifier() for n in names)
     ):
         raise ValidationError(f"{what} takes a field name or a tuple of field names, got {by!r}")
+    if repeated := sorted({n for n in names if names.count(n) > 1}):
+        raise ValidationError(
+            f"{what} names field {', '.join(map(repr, repeated))} more than once, "
+            f"got {by!r}: give each field once"
+        )
     return names
 
 

@@ -2145,6 +2145,8 @@ def test_limit_and_sequence_fields_must_be_fields_of_the_args() -> None:
         awa.worker(Span, limit=awa.Limit(concurrency=1, by="account"))
     with pytest.raises(awa.ValidationError, match=r"sequence=: Span has no field 'account'"):
         awa.worker(Span, sequence=("key", "account"))
+    with pytest.raises(awa.ValidationError, match=r"sequence= names field 'key' more than once"):
+        awa.worker(Span, sequence=("key", "key"))
     with pytest.raises(awa.ValidationError, match=r"limit must be an awa\.Limit"):
         awa.worker(Span, limit={"concurrency": 1})  # type: ignore[arg-type]
     assert registry.workers["span"].limit is None  # nothing was registered
