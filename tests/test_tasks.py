@@ -181,7 +181,7 @@ def test_a_queue_name_awa_cannot_store_is_refused_when_the_task_is_declared():
         from django.tasks.exceptions import InvalidTask
     except ImportError:
         from django_tasks import task
-        from django_tasks.exceptions import InvalidTask
+        from django_tasks.exceptions import InvalidTaskError as InvalidTask
 
     backend = {"BACKEND": "django_awa.backends.AwaTaskBackend"}
     with override_settings(TASKS={"default": {**backend, "QUEUES": ["default", "my queue"]}}):
