@@ -758,12 +758,35 @@ def call_handler(
             _own_thread(supervise(spec.handler(context), attempt, timeout)), loop
         )
         try:
-            return future.result()
+            return _outcome(future, loop)
         except concurrent.futures.CancelledError:
             # The loop itself cancelled the supervisor: it is stopping, at shutdown.
             raise AttemptLost("cancelled: the worker's event loop stopped") from None
     except _Raised as carried:
         raise carried.exc from None
+
+
+# How often a handler thread waiting for its async handler looks whether the
+# worker's event loop is gone (_outcome).
+LOOP_LOOK = 0.25
+
+
+def _outcome(future: concurrent.futures.Future[Any], loop: asyncio.AbstractEventLoop) -> Any:
+    """What ``future`` (an async handler's, on the worker's ``loop``) comes to.
+
+    At shutdown the loop stops ``LOOP_GRACE`` after it cancelled the handlers
+    still on it (``handlers.stop_loop``); one whose cleanup takes longer (a
+    slow ``except CancelledError`` under load, or a handler that catches every
+    cancellation) is left pending, its future never done: this thread would
+    wait for it until the process exits, and the worker's stop would wait for
+    this thread. It raises ``AttemptLost`` once the loop is closed instead.
+    """
+    while True:
+        done, _ = concurrent.futures.wait((future,), timeout=LOOP_LOOK)
+        if done:
+            return future.result()
+        if loop.is_closed():
+            raise AttemptLost("cancelled: the worker's event loop stopped")
 
 
 class _Raised(Exception):

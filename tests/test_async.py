@@ -179,6 +179,28 @@ def test_a_sync_handler_past_its_timeout_is_given_up_and_keeps_its_slot(start_wo
 
 
 @pytest.mark.slow
+def test_a_slow_cleanup_of_a_cancelled_async_handler_holds_up_shutdown_one_grace_only(
+    start_worker,
+):
+    """At shutdown the worker's event loop stops LOOP_GRACE (1 s) after it cancelled the
+    handlers still on it. A handler whose cleanup outlasts that (here 2 s of a sync call
+    in its thread; under load, its `except` writing a row) was left pending, and its
+    handler thread waited for a loop that had stopped: the worker's stop then waited
+    the drain's 3 s bound on that thread (test_shutdown_cancels_... failed so in CI)."""
+    job = awa.enqueue(AsyncAct(action="slow_cleanup", seconds=60))
+    worker = start_worker("--queue", "default", "--shutdown-timeout", "0.5")
+    wait_for(lambda: _ran(job.id, "async:slow_cleanup"))
+    began = time.monotonic()
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    # SHUTDOWN_TIMEOUT (0.5 s), LOOP_GRACE (1 s), then LOOP_LOOK (0.25 s) at most.
+    took = time.monotonic() - began
+    assert took < 3, f"the worker took {took:.1f}s to stop\n{worker.output()}"
+    back = Job.objects.get(id=job.id)
+    assert back.state == JobState.AVAILABLE and "worker shut down" in back.errors[-1]["error"]
+
+
+@pytest.mark.slow
 def test_an_async_handler_ignoring_cancellation_cannot_hold_up_shutdown(start_worker):
     job = awa.enqueue(AsyncAct(action="stubborn", seconds=120))
     worker = start_worker("--queue", "default", "--shutdown-timeout", "1")

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from asgiref.sync import sync_to_async
 from django.db import OperationalError, connection, connections, transaction
 from django.utils import timezone
 
@@ -445,6 +446,15 @@ async def async_act(job: awa.JobContext):
                 await asyncio.sleep(args.seconds)
             except asyncio.CancelledError:
                 await _aledger(job, "async-cancelled")
+                raise
+            return None
+        case "slow_cleanup":
+            # Its cleanup holds the thread its sync calls run in (asgiref's, one per
+            # handler) for 2 s: the worker's own cleanup of the handler waits behind it.
+            try:
+                await asyncio.sleep(args.seconds)
+            except asyncio.CancelledError:
+                await sync_to_async(time.sleep)(2)
                 raise
             return None
         case "stubborn":
