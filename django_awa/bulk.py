@@ -34,7 +34,7 @@ from django.db.models import Count, Max, QuerySet
 from django.utils.text import Truncator
 
 from . import control, sql
-from .codec import MAX_ERROR_CHARS, check_text, decode_args, escape_text
+from .codec import check_text, decode_args
 from .conf import QUEUE_NAME_RE, awa_settings
 from .dependencies import after_outcomes, deleting, reopen_all, settle
 from .enqueueing import KindKeys, is_kind_sequence_key, kind_keys
@@ -649,7 +649,7 @@ def _retry(ids: list[int], alias: str, result: Result, args: _Args) -> None:
 
 
 def _cancel(ids: list[int], alias: str, result: Result, args: _Args) -> None:
-    context = Cancelled(reason=escape_text(args.reason, MAX_ERROR_CHARS))  # as control.cancel
+    context = Cancelled.given(args.reason)
     params = {
         **_params(ids, Operation.CANCEL),
         "error": context.error_entry,

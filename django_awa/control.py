@@ -13,7 +13,6 @@ from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
 from . import sql
-from .codec import MAX_ERROR_CHARS, escape_text
 from .conf import (
     MAX_GLOBAL_CONCURRENCY,
     QUEUE_NAME_RE,
@@ -60,7 +59,7 @@ def cancel_with_dependents(
     alias = database_alias(using)
     # Kept, not refused, as a handler's awa.Cancel reason is: escaped if PostgreSQL
     # cannot hold it (a NUL, a lone surrogate from a mis-decoded terminal), cut if huge.
-    context = Cancelled(reason="" if reason is None else escape_text(str(reason), MAX_ERROR_CHARS))
+    context = Cancelled.given("" if reason is None else reason)
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:
             cursor.execute(

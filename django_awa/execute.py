@@ -566,7 +566,7 @@ def from_value(attempt: Attempt, value: Any) -> AttemptResult:
                 snoozed=True,
             )
         case Cancel(reason=reason):
-            cancelled = Cancelled(reason=escape_text(str(reason), MAX_ERROR_CHARS))
+            cancelled = Cancelled.given(reason)
             return AttemptResult(
                 job=job, state=JobState.CANCELLED, context=cancelled, error=cancelled.error_entry
             )

@@ -30,7 +30,7 @@ from django.db import transaction
 from django.dispatch import Signal
 
 from . import signals
-from .codec import ArgsDecodeError, decode_args
+from .codec import MAX_ERROR_CHARS, ArgsDecodeError, decode_args, escape_text
 from .enqueueing import EnqueueRequest, PreparedJob, insert, prepare
 from .exceptions import AwaError, ValidationError
 from .kinds import JobArgs
@@ -126,6 +126,13 @@ class Cancelled(_Context):
 
     reason: str
     outcome: ClassVar[Outcome] = Outcome.CANCELLED
+
+    @classmethod
+    def given(cls, reason: object) -> Self:
+        """The context of a cancel whose ``reason`` came from outside (a handler's
+        ``awa.Cancel``, ``awa.cancel``, a bulk cancel): kept, not refused, escaped
+        where PostgreSQL cannot hold it (a NUL, a lone surrogate) and cut if huge."""
+        return cls(reason=escape_text(str(reason), MAX_ERROR_CHARS))
 
     @property
     def error_entry(self) -> str:

@@ -223,17 +223,20 @@ def _sequence_free(row: str) -> str:
 
     A member cancelled while its handler may still run in a live worker keeps its
     key's place (``_sequence_held``) until that handler returns."""
-    return f"""(NOT {row}.metadata ? 'awa_sequence' OR (NOT EXISTS (
-            SELECT 1 FROM ONLY awa_job AS s
-            WHERE s.metadata ? 'awa_sequence'
-              AND (s.metadata ->> 'awa_sequence') = ({row}.metadata ->> 'awa_sequence')
-              AND s.id < {row}.id AND s.state NOT IN {_FINAL})
-          AND (NOT {row}.metadata ? '{RETRIED_KEY}' OR NOT EXISTS (
-            SELECT 1 FROM ONLY awa_job AS s
-            WHERE s.metadata ? 'awa_sequence'
-              AND (s.metadata ->> 'awa_sequence') = ({row}.metadata ->> 'awa_sequence')
-              AND s.id > {row}.id AND s.state NOT IN {_FINAL} AND s.state = 'running'))
+    return f"""(NOT {row}.metadata ? 'awa_sequence' OR (NOT {_member_of(row, "s.id < {row}.id")}
+          AND (NOT {row}.metadata ? '{RETRIED_KEY}'
+               OR NOT {_member_of(row, "s.id > {row}.id AND s.state = 'running'")})
           AND NOT {_sequence_held(row)}))"""
+
+
+def _member_of(row: str, where: str) -> str:
+    """True while a live member of ``row``'s sequence matches ``where`` (on ``s``), read
+    through awa_job_sequence_idx, whose predicate this repeats word for word."""
+    return f"""EXISTS (
+            SELECT 1 FROM ONLY awa_job AS s
+            WHERE s.metadata ? 'awa_sequence'
+              AND (s.metadata ->> 'awa_sequence') = ({row}.metadata ->> 'awa_sequence')
+              AND s.state NOT IN {_FINAL} AND {where.format(row=row)})"""
 
 
 # The awa_limit_lease kind of a sequence's place kept for a cancelled member's
