@@ -53,7 +53,7 @@ from . import schedules as schedule_steering
 from .admin_base import ModelAdmin as _ModelAdmin
 from .admin_base import bad_request
 from .bulk_admin import BulkOperationsMixin, dependents_text
-from .codec import check_text
+from .codec import UnreadableJSON, check_text
 from .conf import awa_settings
 from .exceptions import AwaError, ValidationError
 from .fleet import live
@@ -178,7 +178,8 @@ def unholdable_parameter(request: HttpRequest) -> HttpResponseBadRequest | None:
 
 
 class RawJSON(str):
-    """The text of a JSON column Python could not decode (nested too deep)."""
+    """The text of a JSON column Python could not decode (nested too deep, or an integer
+    of more digits than ``int()`` takes)."""
 
 
 def _depth_over(value: Any, limit: int) -> bool:
@@ -595,7 +596,7 @@ def _with_raw_json(queryset: QuerySet[Job]) -> Job | None:
         text = getattr(job, f"{name}_text")
         try:
             value = None if text is None else json.loads(text)
-        except RecursionError:
+        except (RecursionError, ValueError):  # too deep, or an integer int() refuses
             value = RawJSON(text)
         setattr(job, name, value)
     return job
@@ -1041,11 +1042,14 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
         if number is None:
             return None
         queryset = self.get_queryset(request).filter(id=number)
-        try:
-            return queryset.first()
-        except RecursionError:
-            # A JSON column nested deeper than json.loads goes (jsonb holds more).
+        job = queryset.first()
+        if job is not None and any(
+            isinstance(getattr(job, name), UnreadableJSON) for name in JOB_UNLISTED_JSON
+        ):
+            # A JSON column Python cannot read (nested deeper than json.loads goes, an
+            # integer of more digits than int() takes): its stored text, as it is.
             return _with_raw_json(queryset)
+        return job
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -35,6 +35,34 @@ class ArgsDecodeError(Exception):
     """Stored args do not fit the kind's JobArgs class (a terminal failure)."""
 
 
+class UnreadableJSON:
+    """A stored JSON value that PostgreSQL holds but Python cannot read back: an integer
+    of more digits than ``int()`` takes (``sys.get_int_max_str_digits``), or nesting
+    deeper than the interpreter's recursion limit. Written by something other than
+    django-awa (SQL, a producer in another language), since ``awa.enqueue`` refuses
+    both.
+
+    The row keeps its value; what read it holds this marker instead of raising, so
+    one such row does not fail the statement that read it with the others (a
+    claim's batch, a rescue, an admin list). It is false, as an empty value is; its
+    args decode to a terminal failure naming the error (``decode_args``).
+    """
+
+    __slots__ = ("error", "size")
+
+    def __init__(self, text: str, error: BaseException) -> None:
+        self.size = len(text)
+        self.error = f"{type(error).__name__}: {error}"
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<stored JSON of {self.size:,} characters that Python cannot read ({self.error})>"
+
+    __str__ = __repr__
+
+
 class NaiveDatetime(ValueError):
     """A naive datetime in args under ``USE_TZ`` (SPEC §3: refused, as ``run_at`` is)."""
 
@@ -338,6 +366,10 @@ def canonical_json(data: Any) -> str:
 
 def decode_args(cls: type[JobArgs], data: Any) -> JobArgs:
     """Rebuild ``cls`` from stored JSON; :class:`ArgsDecodeError` names kind and field."""
+    if isinstance(data, UnreadableJSON):
+        raise ArgsDecodeError(
+            f"cannot decode args of kind {cls.kind!r}: the stored args cannot be read: {data.error}"
+        )
     plan = _plain_fields(cls)  # type: ignore[arg-type]  # see encode_checked
     if plan is not None and isinstance(data, dict) and len(data) == len(plan):
         values = {}

@@ -17,6 +17,8 @@ from django.db.models.functions import Now
 from django.db.models.signals import post_init, pre_init
 from django.utils import timezone
 
+from .codec import UnreadableJSON
+
 
 class JobState(models.TextChoices):
     SCHEDULED = "scheduled"
@@ -150,6 +152,25 @@ class JobQuerySet(models.QuerySet["Job"]):
         )
 
 
+class StoredJSONField(models.JSONField):
+    """A job's JSON column: a stored value Python cannot read (``UnreadableJSON``)
+    comes back as that marker, not as an error that fails the whole query (a
+    list of jobs in the admin, a user's ``Job.objects`` loop).
+
+    It deconstructs as Django's ``JSONField``: the same column, no migration.
+    """
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        try:
+            return super().from_db_value(value, expression, connection)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError is caught above
+            return UnreadableJSON(value, exc)
+
+    def deconstruct(self) -> Any:
+        name, _path, args, kwargs = super().deconstruct()
+        return name, "django.db.models.JSONField", args, kwargs
+
+
 class Job(models.Model):
     """One job: a row in ``awa_job``.
 
@@ -160,7 +181,7 @@ class Job(models.Model):
     id = models.BigAutoField(primary_key=True)
     kind = models.CharField(max_length=255)
     queue = models.CharField(max_length=128, default="default", db_default="default")
-    args = models.JSONField(default=dict, db_default={})
+    args = StoredJSONField(default=dict, db_default={})
     state = models.CharField(
         max_length=32,
         choices=JobState.choices,
@@ -177,10 +198,10 @@ class Job(models.Model):
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
     finalized_at = models.DateTimeField(null=True, blank=True)
-    errors = models.JSONField(default=list, db_default=[], blank=True)
-    metadata = models.JSONField(default=dict, db_default={}, blank=True)
-    tags = models.JSONField(default=list, db_default=[], blank=True)
-    progress = models.JSONField(null=True, blank=True)
+    errors = StoredJSONField(default=list, db_default=[], blank=True)
+    metadata = StoredJSONField(default=dict, db_default={}, blank=True)
+    tags = StoredJSONField(default=list, db_default=[], blank=True)
+    progress = StoredJSONField(null=True, blank=True)
     # Unique where set (awa_job_callback_id_uniq): a partial index, so the many
     # rows without a callback add no index entries on each write.
     callback_id = models.UUIDField(null=True, blank=True)
@@ -190,9 +211,9 @@ class Job(models.Model):
     # Uniqueness is enforced by a partial unique index over these two columns.
     # NULL, not "", for "no key": the partial unique index skips NULLs.
     unique_key = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
-    unique_states = models.JSONField(null=True, blank=True)
+    unique_states = StoredJSONField(null=True, blank=True)
     # What the handler returned (SPEC §11), written with the completion.
-    result = models.JSONField(null=True, blank=True)
+    result = StoredJSONField(null=True, blank=True)
     # The workflow whose steps this job is one of (SPEC §11); null for most jobs.
     workflow_id = models.UUIDField(null=True, blank=True)
     # Set (never cleared) when a job is named in another's ``after``: an
@@ -666,12 +687,16 @@ def claimed_jobs(rows: Iterable[Sequence[Any]]) -> list[ClaimedJob]:
 
 def _json_parsed(values: Sequence[Any]) -> list[Any]:
     """A row's values with its JSON columns given as text parsed (Django reads jsonb
-    as text, and the Job's JSON fields use no custom decoder)."""
+    as text, and the Job's JSON fields use no custom decoder). A value Python
+    cannot read is an ``UnreadableJSON``: the rows read with it are not lost."""
     converted = list(values)
     for i in _JSON_FIELDS:
         text = converted[i]
         if isinstance(text, str):
-            converted[i] = load_json(text)
+            try:
+                converted[i] = load_json(text)
+            except (ValueError, RecursionError) as exc:
+                converted[i] = UnreadableJSON(text, exc)
     return converted
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models.functions import Now
 
+from .codec import UnreadableJSON
 from .followups import (
     CONTEXT_PARAMETERS,
     CONTEXTS,
@@ -88,8 +89,12 @@ def context_from_json(outcome: Outcome, data: dict[str, Any]) -> OutcomeContext:
 
 
 def snapshot(job: Job) -> dict[str, Any]:
-    """``job``'s columns as JSON (``{attname: value}``)."""
+    """``job``'s columns as JSON (``{attname: value}``). A value its row holds that
+    Python could not read is kept as the text saying so (``UnreadableJSON``)."""
     data = {f.attname: getattr(job, f.attname) for f in Job._meta.concrete_fields}
+    for name, value in data.items():
+        if isinstance(value, UnreadableJSON):
+            data[name] = str(value)
     encoded: dict[str, Any] = json.loads(json.dumps(data, cls=DjangoJSONEncoder))
     return encoded
 

@@ -21,10 +21,10 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa.completer import Completer
 from django_awa.execute import Attempt, AttemptResult
-from django_awa.models import Job, JobState
+from django_awa.models import Job, JobState, PendingFollowup
 from django_awa.state import WorkerState
 from tests.conftest import make_job, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Poison
+from tests.testapp.jobs import Act, Noop, Poison
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -140,3 +140,60 @@ def test_a_row_locked_by_another_session_does_not_hold_back_the_others(
         assert Job.objects.get(id=held).state == JobState.RUNNING
         other.rollback()
     wait_for_state(held, JobState.COMPLETED, timeout=10)
+
+
+# jsonb PostgreSQL stores but Python cannot read back: an integer of more digits
+# than int() takes, nesting deeper than the recursion limit. awa.enqueue refuses
+# both; SQL, or a producer in another language, writes them.
+HUGE_INT = """('{"action": "ok", "tag": ' || repeat('9', 5000) || '}')::jsonb"""
+DEEP = """('{"deep": ' || repeat('[', 5000) || repeat(']', 5000) || '}')::jsonb"""
+
+
+def test_a_row_python_cannot_read_fails_alone_and_the_jobs_claimed_with_it_complete(
+    start_worker: Any, admin_client: Any
+) -> None:
+    ids = awa.enqueue_many([Noop(n=i) for i in range(40)])
+    bad_args, deep_args, bad_metadata = ids[5], ids[17], ids[30]
+    # One with follow-ups too: its on_retried follow-up cannot decode the args either,
+    # and is kept pending, its snapshot saying why.
+    with_followups = awa.enqueue(Act(action="ok")).id
+    with connection.cursor() as cursor:
+        for job_id, column, value in (
+            (bad_args, "args", HUGE_INT),
+            (deep_args, "args", DEEP),
+            (bad_metadata, "metadata", DEEP),
+            (with_followups, "args", HUGE_INT),
+        ):
+            # Constants of this module, not input.
+            cursor.execute(f"UPDATE awa_job SET {column} = {value} WHERE id = %s", [job_id])  # noqa: S608
+
+    worker = start_worker("--queue", "bulk=4", "--queue", "default")
+    others = [i for i in ids if i not in (bad_args, deep_args)]
+    wait_for(
+        lambda: all_completed(others),
+        timeout=20,
+        message=lambda: f"the jobs claimed with them: {states(others)}\n{worker.output()[-3000:]}",
+    )
+    expected = ((bad_args, "ValueError: Exceeds the limit"), (deep_args, "RecursionError"))
+    for job_id, error in expected:
+        job = wait_for_state(job_id, JobState.FAILED)
+        assert len(job.errors) == 1, job.errors  # failed for good, not retried
+        assert "the stored args cannot be read" in job.errors[0]["error"], job.errors
+        assert error in job.errors[0]["error"], job.errors
+    wait_for_state(with_followups, (JobState.RETRYABLE, JobState.AVAILABLE, JobState.FAILED))
+    pending = PendingFollowup.objects.get(job_id=with_followups)
+    assert "the stored args cannot be read" in pending.last_error
+    assert "Python cannot read" in pending.snapshot["args"]
+    # The rows keep what they held; the ORM and the admin read them without raising.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT length(args::text) FROM awa_job WHERE id = %s", [bad_args])
+        assert cursor.fetchone()[0] > 5000
+    rows = {job.id: job for job in Job.objects.filter(id__in=ids)}
+    assert not rows[bad_args].args
+    assert "Python cannot read" in repr(rows[bad_args].args)
+    assert not rows[bad_metadata].metadata
+    assert admin_client.get("/admin/django_awa/job/").status_code == 200
+    page = admin_client.get(f"/admin/django_awa/job/{bad_args}/change/")
+    assert page.status_code == 200
+    assert "9" * 200 in page.content.decode()  # the stored text, shown as it is
+    assert worker.stop() == 0
