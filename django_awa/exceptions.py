@@ -46,3 +46,9 @@ class TerminalError(AwaError):
 
 class ConfigurationError(AwaError, ImproperlyConfigured):
     """django-awa is configured wrongly."""
+
+
+class WorkerFailed(AwaError):
+    """One of the worker's own threads (a producer, the completer, the heartbeat,
+    the listener, maintenance) ended on an error it did not expect; the worker
+    stopped rather than run on without it."""

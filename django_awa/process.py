@@ -16,6 +16,13 @@ handler started (no attempt used); running attempts get ``SHUTDOWN_TIMEOUT``
 to finish; what is left is given back as an interrupted attempt (``available``
 again, or ``failed`` on the last attempt, with its follow-ups) before exit.
 A second signal skips the wait.
+
+A service thread that ends on an error it did not expect (a defect, not a
+database fault, which each retries) stops the worker as SIGTERM does, or at
+once when it was the completer or the heartbeat, which running attempts
+need; ``run`` then raises ``WorkerFailed`` (``awa_worker`` exits with status
+``FAILED_EXIT``). A worker without one of them would stay up doing less:
+claiming nothing from a queue, writing no outcomes, hearing no cancels.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import queue as queue_module
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from django.db import connections
@@ -33,6 +41,7 @@ from django.db import connections
 from . import db, fleet, wakeups
 from .completer import Completer
 from .conf import AwaSettings
+from .exceptions import WorkerFailed
 from .execute import Attempt, AttemptResult, errored, unstarted
 from .finalize import finalize
 from .handlers import HandlerPool
@@ -50,6 +59,12 @@ from .state import DB_ERRORS, WorkerState
 logger = logging.getLogger(__name__)
 
 INTERRUPTED = "interrupted: the worker shut down before the attempt finished"
+# awa_worker's exit status after WorkerFailed (sysexits' EX_SOFTWARE): an init system
+# or the --processes supervisor starts it again.
+FAILED_EXIT = 70
+# The services whose loss leaves running attempts without their outcome written or
+# their heartbeat kept: the worker gives them back at once, not after their handlers.
+_NEEDED_BY_RUNNING = frozenset({"awa-completer", "awa-heartbeat"})
 _WAKE = 0  # not a signal: stop() wakes the main thread with it
 
 
@@ -84,6 +99,8 @@ class Worker:
         self.listener = Listener(state) if state.conf.direct_database is not None else None
         self.heartbeat = Heartbeat(state)
         self.maintenance = MaintenanceService(state)
+        # Set when a service thread failed (``_service``): what ``run`` raises at the end.
+        self.failure: str | None = None
 
     @property
     def stopping(self) -> threading.Event:
@@ -135,10 +152,10 @@ class Worker:
                 state.conf.poll_interval,
             )
         else:
-            state.start(self.listener.run, "awa-listener")
-        completer = state.start(self.completer.run, "awa-completer")
-        state.start(self.heartbeat.run, "awa-heartbeat")
-        state.start(self.maintenance.run, "awa-maintenance")
+            self._service(self.listener.run, "awa-listener")
+        completer = self._service(self.completer.run, "awa-completer")
+        self._service(self.heartbeat.run, "awa-heartbeat")
+        self._service(self.maintenance.run, "awa-maintenance")
         self._wait_for_engine()
         if not self.completer.connected.is_set():
             # Stopped before the engine reached the database: nothing was claimed
@@ -147,7 +164,7 @@ class Worker:
             state.halt.set()
         self.handlers.start()
         producers = [
-            state.start(producer.run, f"awa-producer-{producer.runner.name}")
+            self._service(producer.run, f"awa-producer-{producer.runner.name}")
             for producer in self.producers
         ]
         try:
@@ -156,6 +173,36 @@ class Worker:
                 self.handlers.tend()
         finally:
             self._drain(producers, completer)
+        if self.failure is not None:
+            raise WorkerFailed(f"awa worker {state.name} stopped: {self.failure}")
+
+    def _service(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Start ``target`` in thread ``name``; should it raise, stop the worker.
+
+        Each service retries database faults itself, and logs and carries on
+        past its own duties' errors; what still reaches here is unforeseen, so
+        the worker stops rather than run on without the service (see the
+        module's docstring).
+        """
+
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                self.failure = self.failure or f"its thread {name} failed: {exc!r}"
+                needed = name in _NEEDED_BY_RUNNING
+                logger.critical(
+                    "awa worker %s: its thread %s failed; stopping, %s",
+                    self.state.name,
+                    name,
+                    "giving running jobs back now"
+                    if needed
+                    else "running jobs finish first (up to SHUTDOWN_TIMEOUT)",
+                    exc_info=exc,
+                )
+                self.stop(now=needed)
+
+        return self.state.start(run, name)
 
     def _wait_for_engine(self) -> None:
         """Wait until the heartbeat and the completer hold their connections (or the worker

@@ -150,6 +150,48 @@ def test_processes_option_runs_several_processes(start_worker):
     assert len(notes) == 2
 
 
+@pytest.mark.parametrize("service", ["producer", "listener"])
+def test_a_service_thread_that_fails_stops_the_worker(start_worker, service):
+    # Before, the thread died alone and the worker stayed up, heartbeating: claiming
+    # nothing from the queue (a producer) or hearing no NOTIFY and no cancel (the
+    # listener), with nothing but a traceback on stderr to say so.
+    worker = start_worker("--queue", "default=2", env={"AWA_TEST_BREAK_THREAD": service})
+    assert worker.wait(20) == 70, worker.output()[-3000:]
+    out = worker.output()
+    assert re.search(rf"CRITICAL .*its thread awa-{service}[-\w]* failed; stopping", out), out
+    assert f"RuntimeError('injected fault in the {service}')" in out
+    assert not Worker.objects.exists()  # deregistered as at any stop
+
+
+def test_a_failed_completer_stops_the_worker_and_gives_running_jobs_back_now(start_worker):
+    job = awa.enqueue(Act(action="ok"))
+    worker = start_worker("--queue", "default=2", env={"AWA_TEST_BREAK_THREAD": "completer"})
+    assert worker.wait(20) == 70, worker.output()[-3000:]
+    assert "its thread awa-completer failed; stopping, giving running jobs back now" in (
+        worker.output()
+    )
+    # Its outcome was never written: not left running until rescue, but given back.
+    done = Job.objects.get(id=job.id)
+    assert done.state == JobState.AVAILABLE, (done.state, done.errors)
+    assert "interrupted" in done.errors[-1]["error"]
+
+
+@pytest.mark.slow
+def test_a_child_stopped_by_a_failed_thread_is_started_again(start_worker):
+    worker = start_worker(
+        "--queue", "default=2", "--processes", "2", env={"AWA_TEST_BREAK_THREAD": "producer"}
+    )
+    wait_for(
+        lambda: re.search(r"exited \(code 70\) without being asked to stop; started \d+",
+                          worker.output()),
+        timeout=30,
+        message=lambda: worker.output()[-3000:],
+    )  # fmt: skip
+    os.kill(worker.pid, signal.SIGTERM)
+    # 1 when the last children failed too, 0 when they stopped at the SIGTERM first.
+    assert worker.wait(20) in (0, 1)
+
+
 @pytest.mark.slow
 def test_a_killed_child_of_a_processes_group_is_started_again(start_worker):
     # A child killed by SIGKILL (the OOM killer) took its share of the capacity with

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -30,10 +30,10 @@ from django_awa.conf import (
     awa_settings,
 )
 from django_awa.db import database_alias
-from django_awa.exceptions import ConfigurationError
+from django_awa.exceptions import ConfigurationError, WorkerFailed
 from django_awa.logs import JobContextFilter
 from django_awa.management.operator import usage
-from django_awa.process import Worker
+from django_awa.process import FAILED_EXIT, Worker
 from django_awa.state import DB_ERRORS
 
 logger = logging.getLogger("django_awa.process")
@@ -182,7 +182,8 @@ class Command(BaseCommand):
             return
         freeze_startup_objects()
         if processes == 1:
-            Worker(queues, alias=alias, conf=conf).run()
+            with _failure_exits():
+                Worker(queues, alias=alias, conf=conf).run()
             return
         self._run_processes(processes, queues, alias, conf)
 
@@ -206,7 +207,8 @@ class Command(BaseCommand):
         # "now": a Ctrl-C while it stops for a changed file is the first signal.
         worker = Worker(queues, alias=alias, conf=conf, repeat_halts=False)
         changed = reloader.start_watching(worker.stopping)
-        worker.run()
+        with _failure_exits():
+            worker.run()
         if changed.is_set():
             sys.exit(reloader.RELOAD)
 
@@ -266,16 +268,18 @@ def _replace_dead(
     context: Any,
     args: tuple[Any, ...],
 ) -> None:
-    """Start a new child in the place of each killed by a signal no one forwarded.
+    """Start a new child in the place of each killed by a signal no one forwarded, or
+    stopped by a failed thread of its own (``FAILED_EXIT``).
 
     A child killed (SIGKILL, the OOM killer) took its share of the queues'
     capacity with it, unseen: the supervisor ran on with fewer processes. Its
     jobs are rescued at ``STALE_AFTER`` as any dead worker's. A child that
-    exited by itself (an error at start-up) is not started again: once none
-    is left the supervisor exits, non-zero, as before.
+    exited by itself otherwise (an error at start-up) is not started again:
+    once none is left the supervisor exits, non-zero, as before.
     """
     for i, child in enumerate(children):
-        if child.is_alive() or child.exitcode is None or child.exitcode >= 0:
+        code = child.exitcode
+        if child.is_alive() or code is None or (code >= 0 and code != FAILED_EXIT):
             continue
         if time.monotonic() - started[i] < RESTART_AFTER:
             continue
@@ -332,7 +336,21 @@ def _child(queues: dict[str, int], alias: str, conf: AwaSettings, processes: int
                 worker.stop()
 
     threading.Thread(target=orphan_watch, name="awa-orphan-watch", daemon=True).start()
-    worker.run()
+    try:
+        worker.run()
+    except WorkerFailed:
+        sys.exit(FAILED_EXIT)  # the worker logged why; the supervisor starts another
+
+
+@contextlib.contextmanager
+def _failure_exits() -> Iterator[None]:
+    """A worker that stopped on a failed thread of its own (``WorkerFailed``, logged
+    with its traceback) ends the command with status ``FAILED_EXIT``, so an init
+    system restarts it."""
+    try:
+        yield
+    except WorkerFailed as exc:
+        raise CommandError(str(exc), returncode=FAILED_EXIT) from exc
 
 
 def freeze_startup_objects() -> None:
