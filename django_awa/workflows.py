@@ -435,7 +435,11 @@ class WorkflowStatus:
     @property
     def state(self) -> str:
         """``completed`` when every job completed; ``failed`` or ``cancelled`` when it ended
-        with one of those; else ``running`` (``blocked`` jobs and others still live)."""
+        with one of those; ``unknown`` when no job of it is kept (an id never enqueued
+        here, or a workflow whose jobs were all pruned past their retention); else
+        ``running`` (``blocked`` jobs and others still live)."""
+        if not self.jobs:
+            return "unknown"
         if not self.finished:
             return "running"
         for state in (JobState.FAILED, JobState.CANCELLED):
