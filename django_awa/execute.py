@@ -174,6 +174,9 @@ class Attempt:
     claimed: float = field(default_factory=time.monotonic)
     started: float | None = None
     started_written: bool = False
+    # Its handler returned (or gave it up); its outcome may still wait for the
+    # completer's batch. Not among the jobs the worker's row says it runs.
+    returned: bool = False
     # Claimed under a rate: time.monotonic() by which its handler must start, or it
     # is given back unstarted (producer.RATED_START_WITHIN). None: no such bound.
     start_by: float | None = None

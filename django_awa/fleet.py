@@ -26,9 +26,16 @@ from .state import WorkerState
 
 
 def running_ids(state: WorkerState) -> list[int]:
-    """The jobs whose handlers run in this worker now (claimed and started)."""
+    """The jobs whose handlers run in this worker now: started, and not returned (an
+    outcome waiting for the completer's batch is not counted: with it, a busy worker
+    said it ran more jobs than its concurrency)."""
     with state.running_lock:
-        return sorted(job_id for job_id in state.running if job_id not in state.waiting)
+        waiting = state.waiting
+        return sorted(
+            job_id
+            for job_id, attempt in state.running.items()
+            if job_id not in waiting and not attempt.returned
+        )
 
 
 def beat(state: WorkerState) -> None:

@@ -532,6 +532,7 @@ class HandlerPool:
             # only lock the row the completer is about to write).
             attempt.started_written = True
             with self.running_lock:
+                attempt.returned = True
                 handler.attempt = None
                 handler.gated = False
                 abandoned = handler.abandoned

@@ -7,7 +7,9 @@ import signal
 import socket
 from typing import Any
 
+import psycopg
 import pytest
+from django.db import connection
 from django.urls import reverse
 
 import django_awa as awa
@@ -53,6 +55,26 @@ def test_a_worker_registers_heartbeats_its_running_jobs_and_deregisters_on_sigte
     wait_for(lambda: (r := row_of(worker.pid)) is not None and r.running == 0 and r)
     assert worker.stop() == 0
     assert row_of(worker.pid) is None
+
+
+def test_a_job_whose_handler_returned_is_not_counted_while_its_outcome_waits(start_worker):
+    # Its outcome waits for the completer (here: for a row lock another session holds;
+    # in a busy worker, for the next batch). Counted, a busy worker said it ran more
+    # jobs than its concurrency.
+    worker = start_worker("--queue", "default=2")
+    job = awa.enqueue(Act(action="sleep", seconds=2))
+    wait_for_state(job.id, "running")
+    wait_for(lambda: (r := row_of(worker.pid)) is not None and r.running_ids == [job.id])
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    with psycopg.connect(**params) as other:
+        other.execute("SELECT id FROM awa_job WHERE id = %s FOR UPDATE", [job.id])
+        wait_for(lambda: "wait for a row lock" in worker.output(), message=worker.output)
+        row = wait_for(lambda: (r := row_of(worker.pid)) is not None and r.running == 0 and r)
+        assert row.running_ids == []
+    wait_for_state(job.id, "completed")
+    assert worker.stop() == 0
 
 
 @pytest.mark.slow
