@@ -16,6 +16,7 @@ from . import sql
 from .conf import (
     MAX_GLOBAL_CONCURRENCY,
     QUEUE_NAME_RE,
+    QUEUE_NAME_RULE,
     awa_settings,
     not_kept_note,
     parse_rate,
@@ -34,6 +35,7 @@ def _get(job_id: int, alias: str) -> Job:
         return Job.objects.using(alias).get(id=job_id)
     except Job.DoesNotExist:
         raise JobNotFound(f"no job with id {job_id}{not_kept_note()}") from None
+
 
 
 def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
@@ -145,7 +147,7 @@ def _check_queue_name(name: Any, where: str) -> None:
     """``ValidationError`` unless ``name`` is a queue name enqueue accepts: a row
     for any other would pause or limit a queue no job can be in."""
     if not isinstance(name, str) or not QUEUE_NAME_RE.match(name):
-        raise ValidationError(f"{where}: invalid queue name {name!r}")
+        raise ValidationError(f"{where}: invalid queue name {name!r}: {QUEUE_NAME_RULE}")
 
 
 def pause_queue(name: str, *, using: str | None = None) -> None:

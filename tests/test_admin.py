@@ -700,7 +700,11 @@ def test_pausing_a_queue_name_enqueue_refuses_shows_the_error_and_writes_nothing
     assert response.status_code == 200
     shown = [(m.level_tag, str(m)) for m in response.context["messages"]]
     assert shown == [
-        ("error", f"{operation}_queue: invalid queue name '<b>sp ace'; nothing changed.")
+        (
+            "error",
+            f"{operation}_queue: invalid queue name '<b>sp ace': 1 to 128 letters, digits and "
+            "_ . : -; nothing changed.",
+        )
     ]
     assert escape("'<b>sp ace'") in response.content.decode()
     assert not Queue.objects.exists()

@@ -269,6 +269,21 @@ def test_usage_errors_are_exit_2(args: tuple[str, ...]):
     assert run(*args)[1] == 2
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("awa_worker", "--queue", "emails/eu=3"),
+        ("awa_jobs", "list", "--queue", "emails/eu"),
+        ("awa_queues", "pause", "emails/eu"),
+    ],
+)
+def test_a_refused_queue_name_is_told_what_a_queue_name_may_hold(args: tuple[str, ...]):
+    with pytest.raises(CommandError) as raised:
+        call_command(*args, stdout=io.StringIO(), stderr=io.StringIO())
+    assert raised.value.returncode == 2
+    assert "'emails/eu': 1 to 128 letters, digits and _ . : -" in str(raised.value)
+
+
 def test_real_processes_get_the_same_exit_codes_and_output():
     job = failed(queue="billing")
     listed = shell("awa_jobs", "list", "--queue", "billing", "--json")

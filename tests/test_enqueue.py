@@ -465,6 +465,25 @@ def test_bad_options_are_refused_naming_the_problem_and_nothing_is_written(kwarg
     assert Job.objects.count() == before
 
 
+def test_a_refused_queue_name_is_told_what_a_queue_name_may_hold():
+    """An error refusing a queue name says what a name may hold, not only that it is
+    invalid: a user who wrote "emails/eu" learns that "/" is what was wrong."""
+    rule = "1 to 128 letters, digits and _ . : -"
+    before = Job.objects.count()
+    with pytest.raises(awa.ValidationError, match=re.escape(f"'emails/eu': {rule}")):
+        awa.enqueue(Echo(n=1), queue="emails/eu")
+    with pytest.raises(awa.ValidationError, match=re.escape(f"'emails/eu': {rule}")):
+        awa.pause_queue("emails/eu")
+    with pytest.raises(awa.ValidationError, match=re.escape(f"'emails/eu': {rule}")):
+
+        @dataclass
+        class Routed(awa.JobArgs):
+            n: int
+
+        awa.worker(Routed, queue="emails/eu")
+    assert Job.objects.count() == before
+
+
 def test_args_that_are_not_json_are_refused_naming_the_field():
     @dataclass
     class Weird(awa.JobArgs):

@@ -26,6 +26,7 @@ from django_awa.conf import (
     MAX_CONCURRENCY,
     MAX_DURATION,
     QUEUE_NAME_RE,
+    QUEUE_NAME_RULE,
     AwaSettings,
     awa_settings,
 )
@@ -42,7 +43,7 @@ logger = logging.getLogger("django_awa.process")
 def parse_queue(value: str) -> tuple[str, int | None]:
     name, sep, concurrency = value.partition("=")
     if not QUEUE_NAME_RE.match(name):
-        raise usage(f"--queue {value!r}: invalid queue name {name!r}")
+        raise usage(f"--queue {value!r}: invalid queue name {name!r}: {QUEUE_NAME_RULE}")
     if not sep:
         return name, None
     try:
