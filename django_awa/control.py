@@ -7,6 +7,7 @@ Each joins the caller's open transaction on ``using`` (default
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any, Final, Literal
 
 from django.db import IntegrityError, connections, transaction
@@ -37,6 +38,29 @@ def _get(job_id: int, alias: str) -> Job:
         raise JobNotFound(f"no job with id {job_id}{not_kept_note()}") from None
 
 
+_JOB_ID_TEXT = re.compile(r"[+-]?[0-9]+")
+_MAX_JOB_ID: Final = 2**63 - 1  # ids are bigint
+
+
+def _job_id(job_id: Any, where: str) -> int:
+    """``job_id`` as an int (text of one is taken, as before), or ``ValidationError``
+    naming it: given to PostgreSQL as it is, a float was rounded to another job's id
+    (``cancel(1.5)`` cancelled job 2), and a ``Job`` row, a bool or text that is no
+    number failed with a database error naming neither the value nor the call.
+    ``JobNotFound`` for an id past what a bigint holds: no job has it."""
+    if isinstance(job_id, str) and _JOB_ID_TEXT.fullmatch(job_id.strip()):
+        job_id = int(job_id)
+    if isinstance(job_id, bool) or not isinstance(job_id, int):
+        given = (
+            f"the Job row {job_id} (pass job.id)"
+            if isinstance(job_id, Job)
+            else f"{type(job_id).__name__} {job_id!r}"
+        )
+        raise ValidationError(f"{where}: a job id is an int, got {given}")
+    if abs(job_id) > _MAX_JOB_ID:
+        raise JobNotFound(f"no job with id {job_id}")
+    return job_id
+
 
 def cancel(job_id: int, reason: str = "", *, using: str | None = None) -> Job:
     """Cancel a job that has not finished; return its row (``reason`` ``None``: no reason).
@@ -59,6 +83,7 @@ def cancel_with_dependents(
 ) -> tuple[Job, list[int]]:
     """``cancel``, also returning the ids of the dependents it cancelled (the admin's counts)."""
     alias = database_alias(using)
+    job_id = _job_id(job_id, "cancel")
     # Kept, not refused, as a handler's awa.Cancel reason is: escaped if PostgreSQL
     # cannot hold it (a NUL, a lone surrogate from a mis-decoded terminal), cut if huge.
     context = Cancelled.given("" if reason is None else reason)
@@ -102,6 +127,7 @@ def retry(job_id: int, *, using: str | None = None) -> Job:
 def retry_with_dependents(job_id: int, *, using: str | None = None) -> tuple[Job, list[int]]:
     """``retry``, also returning the ids of the dependents it reopened (the admin's counts)."""
     alias = database_alias(using)
+    job_id = _job_id(job_id, "retry")
     params: dict[str, Any] = {"ids": [job_id], "states": list(JobState.RETRIABLE)}
     reopening = False
     try:

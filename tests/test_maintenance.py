@@ -498,6 +498,45 @@ def test_retry_makes_a_failed_job_available_with_attempts_reset():
         awa.retry(10**12)
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (1.5, "a job id is an int, got float 1.5"),
+        (True, "a job id is an int, got bool True"),
+        ("abc", "a job id is an int, got str 'abc'"),
+        ("job", r"a job id is an int, got the Job row .* \(pass job.id\)"),
+    ],
+)
+@pytest.mark.parametrize("operation", ["cancel", "retry"])
+def test_cancel_and_retry_refuse_what_is_no_job_id_and_touch_no_job(
+    operation: str, given: object, message: str
+) -> None:
+    """A float went to PostgreSQL as it was and was rounded to another job's id:
+    ``cancel(1.5)`` cancelled job 2. A Job row, a bool or text that is no number
+    failed with a database error naming neither the value nor the call."""
+    first = make_job(state=JobState.FAILED, finalized_at=timezone.now())
+    second = make_job(state=JobState.AVAILABLE)
+    other = make_job(state=JobState.FAILED, finalized_at=timezone.now())
+    if given == "job":
+        given = first
+    elif isinstance(given, float):
+        given = first.id + 0.5  # PostgreSQL rounds it half to even: one of the two
+        message = rf"a job id is an int, got float {given}"
+    with transaction.atomic():
+        with pytest.raises(awa.ValidationError, match=rf"^{operation}: {message}"):
+            getattr(awa, operation)(given)
+        assert Job.objects.count() >= 3  # the caller's transaction is still usable
+    states = {j.id: j.state for j in Job.objects.filter(id__in=[first.id, second.id, other.id])}
+    assert states == {
+        first.id: JobState.FAILED,
+        second.id: JobState.AVAILABLE,
+        other.id: JobState.FAILED,
+    }
+    assert getattr(awa, operation)(str(second.id)).id == second.id  # text of an id: as before
+    with pytest.raises(awa.JobNotFound, match=f"no job with id {10**30}"):
+        getattr(awa, operation)(10**30)
+
+
 def test_cancel_a_finished_job_changes_nothing():
     job = make_job(state=JobState.COMPLETED, finalized_at=timezone.now())
     assert awa.cancel(job.id, "late").state == JobState.COMPLETED
