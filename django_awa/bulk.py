@@ -35,7 +35,7 @@ from django.utils.text import Truncator
 
 from . import control, sql
 from .codec import check_text, decode_args
-from .conf import QUEUE_NAME_RE, QUEUE_NAME_RULE, awa_settings
+from .conf import QUEUE_NAME_RE, awa_settings, invalid_queue_name
 from .dependencies import after_outcomes, deleting, reopen_all, settle
 from .enqueueing import KindKeys, is_kind_sequence_key, kind_keys
 from .exceptions import UniqueConflict, ValidationError
@@ -184,7 +184,7 @@ def check_rekind(old_kind: str, new_kind: str, queues: Sequence[str]) -> None:
         raise ValidationError(f"rekind: the jobs are of kind {old_kind!r} already")
     bad = [queue for queue in queues if not QUEUE_NAME_RE.match(queue)]
     if bad:
-        raise ValidationError(f"rekind: invalid queue name {bad[0]!r}: {QUEUE_NAME_RULE}")
+        raise ValidationError(f"rekind: {invalid_queue_name(bad[0])}")
 
 
 def rekind(

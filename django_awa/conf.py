@@ -30,8 +30,14 @@ MAX_CALLBACK_TIMEOUT = 365 * 86400.0
 
 # \Z, not $: "$" also matches before a final newline, which no queue name holds.
 QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}\Z")
-# What QUEUE_NAME_RE takes, said in the errors that refuse a name.
-QUEUE_NAME_RULE = "1 to 128 letters, digits and _ . : -"
+
+
+def invalid_queue_name(name: object) -> str:
+    """What every error refusing a queue name says: the name, and what one may hold
+    (``QUEUE_NAME_RE``)."""
+    return f"invalid queue name {name!r}: 1 to 128 letters, digits and _ . : -"
+
+
 DEFAULT_CONCURRENCY = 10
 # A rate: N attempt starts per second, minute or hour (a sliding window).
 RATE_RE = re.compile(r"^\s*([0-9]+)\s*/\s*([smh])\s*$")
@@ -460,9 +466,7 @@ def _queue_problems(queues: Any) -> list[tuple[str, str]]:
     found = []
     for name, options in queues.items():
         if not isinstance(name, str) or not QUEUE_NAME_RE.match(name):
-            found.append(
-                ("QUEUES", f"AWA['QUEUES'] has an invalid queue name {name!r}: {QUEUE_NAME_RULE}")
-            )
+            found.append(("QUEUES", f"AWA['QUEUES'] has an {invalid_queue_name(name)}"))
             continue
         if not isinstance(options, dict):
             found.append(("QUEUES", f"AWA['QUEUES'][{name!r}] must be a dict, got {options!r}"))

@@ -17,8 +17,8 @@ from . import sql
 from .conf import (
     MAX_GLOBAL_CONCURRENCY,
     QUEUE_NAME_RE,
-    QUEUE_NAME_RULE,
     awa_settings,
+    invalid_queue_name,
     not_kept_note,
     parse_rate,
     positive_int,
@@ -173,7 +173,7 @@ def _check_queue_name(name: Any, where: str) -> None:
     """``ValidationError`` unless ``name`` is a queue name enqueue accepts: a row
     for any other would pause or limit a queue no job can be in."""
     if not isinstance(name, str) or not QUEUE_NAME_RE.match(name):
-        raise ValidationError(f"{where}: invalid queue name {name!r}: {QUEUE_NAME_RULE}")
+        raise ValidationError(f"{where}: {invalid_queue_name(name)}")
 
 
 def pause_queue(name: str, *, using: str | None = None) -> None:

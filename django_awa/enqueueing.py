@@ -25,7 +25,7 @@ from django.utils import timezone
 
 from . import db, sql, wakeups
 from .codec import ArgsDecodeError, canonical_json, check_json, encode_checked, require_text
-from .conf import QUEUE_NAME_RE, QUEUE_NAME_RULE, awa_settings, to_seconds
+from .conf import QUEUE_NAME_RE, awa_settings, invalid_queue_name, to_seconds
 
 # Resolved and checked in db.py; imported from here by callbacks, control, backends.
 from .db import database_alias as database_alias
@@ -167,7 +167,7 @@ def prepare(
     defaults = registry.defaults(kind)
     queue = defaults.queue if queue is None else queue
     if not isinstance(queue, str) or not QUEUE_NAME_RE.match(queue):
-        raise ValidationError(f"{where}: invalid queue name {queue!r}: {QUEUE_NAME_RULE}")
+        raise ValidationError(f"{where}: {invalid_queue_name(queue)}")
     if defaults.limited and queue != defaults.queue:
         raise ValidationError(
             f"{where}: the kind has an awa.Limit, which holds on its queue "

@@ -22,8 +22,8 @@ from .conf import (
     MAX_DURATION,
     MAX_GLOBAL_CONCURRENCY,
     QUEUE_NAME_RE,
-    QUEUE_NAME_RULE,
     Rate,
+    invalid_queue_name,
     parse_rate,
     positive_int,
     to_seconds,
@@ -322,7 +322,7 @@ def worker(
         raise ImproperlyConfigured(f"{args_cls.__qualname__} must be a @dataclass")
     where = f"@awa.worker({args_cls.__qualname__})"
     if not isinstance(queue, str) or not QUEUE_NAME_RE.match(queue):
-        raise ValidationError(f"{where}: invalid queue name {queue!r}: {QUEUE_NAME_RULE}")
+        raise ValidationError(f"{where}: {invalid_queue_name(queue)}")
     check_priority(priority, where)
     check_max_attempts(max_attempts, where)
     if unique is not None and not isinstance(unique, Unique):

@@ -21,7 +21,7 @@ from django.db.models import QuerySet
 
 from django_awa import bulk, control
 from django_awa.codec import check_text
-from django_awa.conf import QUEUE_NAME_RE, QUEUE_NAME_RULE, did_you_mean, not_kept_note
+from django_awa.conf import QUEUE_NAME_RE, did_you_mean, invalid_queue_name, not_kept_note
 from django_awa.exceptions import UniqueConflict, ValidationError
 from django_awa.kinds import registry
 from django_awa.management.operator import OperatorCommand, nothing, table, usage
@@ -159,7 +159,7 @@ class Command(OperatorCommand):
             raise usage(f"--limit must be at least 1, got {options['limit']}")
         bad = [q for q in options["queue"] if not QUEUE_NAME_RE.match(q)]
         if bad:
-            raise usage(f"invalid queue name {bad[0]!r}: {QUEUE_NAME_RULE}")
+            raise usage(invalid_queue_name(bad[0]))
         for kind in options["kind"]:
             try:
                 check_text(kind)

@@ -11,7 +11,7 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from django_awa import control
-from django_awa.conf import QUEUE_NAME_RE, QUEUE_NAME_RULE
+from django_awa.conf import QUEUE_NAME_RE, invalid_queue_name
 from django_awa.management.operator import OperatorCommand, nothing, table, usage
 from django_awa.models import JobState
 
@@ -48,7 +48,7 @@ class Command(OperatorCommand):
             return
         name = options["queue"]
         if not QUEUE_NAME_RE.match(name):
-            raise usage(f"invalid queue name {name!r}: {QUEUE_NAME_RULE}")
+            raise usage(invalid_queue_name(name))
         if action == "pause":
             control.pause_queue(name, using=alias)
         else:

@@ -26,9 +26,9 @@ from django_awa.conf import (
     MAX_CONCURRENCY,
     MAX_DURATION,
     QUEUE_NAME_RE,
-    QUEUE_NAME_RULE,
     AwaSettings,
     awa_settings,
+    invalid_queue_name,
 )
 from django_awa.db import database_alias
 from django_awa.exceptions import ConfigurationError, WorkerFailed
@@ -43,7 +43,7 @@ logger = logging.getLogger("django_awa.process")
 def parse_queue(value: str) -> tuple[str, int | None]:
     name, sep, concurrency = value.partition("=")
     if not QUEUE_NAME_RE.match(name):
-        raise usage(f"--queue {value!r}: invalid queue name {name!r}: {QUEUE_NAME_RULE}")
+        raise usage(f"--queue {value!r}: {invalid_queue_name(name)}")
     if not sep:
         return name, None
     try:
