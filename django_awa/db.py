@@ -651,7 +651,9 @@ class ConnectionNeed:
             )
         else:
             shared = f" ({self.queues} producers share one)" if self.shared_by_producers else ""
-            threads = f"{self.handlers} handler threads + {min(self.queues, 1) + 3} for the engine"
+            several = "s" if self.handlers != 1 else ""
+            engine = min(self.queues, 1) + 3
+            threads = f"{self.handlers} handler thread{several} + {engine} for the engine"
             threads += shared
         return threads + (" + 1 LISTEN" if self.listener else "")
 

@@ -79,7 +79,8 @@ class Workflow:
         self.jobs: list[Job] | None = None
 
     def __repr__(self) -> str:
-        return f"<Workflow {self.name or self.id} ({len(self.steps)} steps)>"
+        steps = len(self.steps)
+        return f"<Workflow {self.name or self.id} ({steps} step{'s' if steps != 1 else ''})>"
 
     def add(
         self,

@@ -439,3 +439,8 @@ def test_no_job_is_claimed_while_the_heartbeat_cannot_reconnect(limited_role, st
     assert "claims no jobs until it does" in paused and "run a second time" in paused, paused
     assert log.count(RESUMED) == 1, log
     assert "rescued job" not in log, log
+
+
+def test_one_handler_thread_is_said_in_the_singular() -> None:
+    need = connection_need({"default": 1}, "default", listener=True)
+    assert need.parts() == "1 handler thread + 4 for the engine + 1 LISTEN"
