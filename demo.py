@@ -44,6 +44,10 @@ def main(argv: list[str]) -> int:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
 
+    if {"-h", "--help"} & set(argv):
+        # The options, without starting a database or migrating one first.
+        return manage("awa_demo", *argv)
+
     if not os.environ.get("DATABASE_URL"):
         from django_awa.contrib.embedded_postgres import ensure_server
 

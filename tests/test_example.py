@@ -258,3 +258,24 @@ def test_demo_at_a_high_rate_settles_with_its_checks_and_prints_a_working_admin_
         ).fetchall()
     # The example project's hasher (Django's default), whatever the test settings use.
     assert is_superuser and is_staff and PBKDF2PasswordHasher().verify(password, encoded), line
+
+
+def test_demo_help_prints_the_options_without_starting_or_migrating_a_database() -> None:
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE", "AWA_TEST_DB_NAME")
+    }
+    done = subprocess.run(
+        [sys.executable, "demo.py", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "usage: manage.py awa_demo" in output and "--duration SECONDS" in output
+    assert "embedded PostgreSQL" not in output and "migrate" not in output, output
