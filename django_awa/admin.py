@@ -897,7 +897,12 @@ class JobAdmin(BulkOperationsMixin, AwaModelAdmin[Job]):
     @admin.display(description="last error")
     def last_error(self, obj: Job) -> str:
         text = getattr(obj, "last_error_text", None)
-        return Truncator(" ".join(str(text).split())).chars(120) if text else ""
+        if not text:
+            return ""
+        shown = Truncator(" ".join(str(text).split())).chars(120)
+        # Two lines at most (the styles' awa-clamp), the rest in its title: wrapped
+        # whole into a column squeezed by the others, it made each row five lines tall.
+        return format_html('<span class="awa-clamp" title="{}">{}</span>', shown, shown)
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Job) -> SafeString:

@@ -862,6 +862,24 @@ def test_the_queue_page_fits_a_laptop_screen_its_controls_two_lines_a_queue(
     assert controls.get_by_role("button", name="Set limits").is_visible()
 
 
+def test_the_job_list_keeps_a_long_last_error_to_two_lines(
+    login: Callable[[User], Page], superuser: User
+) -> None:
+    """At a laptop's 1366 px, the last error (cut at 120 characters) wrapped whole into
+    a column the others squeezed, five lines tall: every row of the list was 97 px."""
+    error = "CardDeclined: card declined for order ORD-0852975DA0 by the issuing bank " * 3
+    for _ in range(3):
+        make_job(state="failed", errors=[{"at": "2026-12-07T10:00:00+00:00", "attempt": 1,
+                                          "error": error}])  # fmt: skip
+    page = login(superuser)
+    page.set_viewport_size({"width": 1366, "height": 800})
+    page.goto(JOBS_URL)
+    cell = page.locator("#result_list tbody tr td.field-last_error").first
+    box = cell.bounding_box()
+    assert box and box["height"] < 60, box
+    assert cell.locator("span").get_attribute("title") == error.strip()[:119] + "…"
+
+
 def test_queue_limits_form_refuses_a_bad_number_and_needs_change_permission(
     client: Any, superuser: User, viewer: User
 ) -> None:
