@@ -405,7 +405,19 @@ def test_queue_overview_counts_and_pause_resume(
     page = login(superuser)
 
     page.goto("/admin/django_awa/")
-    page.locator("#awa-shortcuts").get_by_role("link", name="Queue overview").click()
+    # The shortcuts lead to filtered job lists the app's list of pages does not.
+    shortcuts = page.locator("#awa-shortcuts")
+    assert shortcuts.get_by_role("link").all_inner_texts() == [
+        "Failed jobs",
+        "Running jobs",
+        "Jobs waiting for a callback",
+        "Jobs waiting for their dependencies",
+    ]
+    shortcuts.get_by_role("link", name="Failed jobs").click()
+    page.wait_for_url("**/job/?state__exact=failed")
+    assert page.locator("#result_list tbody tr").count() == 1
+    page.goto("/admin/django_awa/")
+    page.locator("#content-main").get_by_role("link", name="Queues", exact=True).click()
     page.wait_for_url(f"**{QUEUES_URL}")
     default = page.locator('tr[data-queue="default"]')
     mail = page.locator('tr[data-queue="mail"]')
