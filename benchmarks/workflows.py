@@ -318,6 +318,7 @@ def plans() -> None:
         ),
         "REVIVE_CASCADED": (sql.REVIVE_CASCADED, {"ids": finished}, True),
         "REOPEN_CASCADED": (sql.REOPEN_CASCADED, {"ids": finished}, True),
+        "BLOCK_DEPENDENTS_AGAIN": (sql.BLOCK_DEPENDENTS_AGAIN, {"ids": finished}, True),
         "HAS_DEPENDENCIES": (sql.HAS_DEPENDENCIES, {"ids": dependents}, True),
         "MEET_BY_DELETION": (sql.MEET_BY_DELETION, {"completed": finished}, True),
         "ORPHANED_BLOCKED": (sql.ORPHANED_BLOCKED, {"after": 0, "limit": 1000}, True),

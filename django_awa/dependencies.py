@@ -510,6 +510,8 @@ def reopen(job: Job, alias: str) -> list[int]:
 
     A retried job that has dependencies goes back to ``blocked`` and is
     settled at once: promoted if they are met, cancelled again if one failed.
+    The ``requires="finished"`` dependents of the reopened jobs that their
+    finishing released and that have not started are ``blocked`` again too.
     """
     return reopen_all([job.id], alias)
 
@@ -538,6 +540,9 @@ def reopen_all(job_ids: Sequence[int], alias: str) -> list[int]:
         if waiting:
             cursor.execute(sql.BLOCK_AGAIN, {"ids": waiting})
             reopened[:0] = waiting
+        # Their requires="finished" dependents not started yet wait for them again.
+        cursor.execute(sql.BLOCK_DEPENDENTS_AGAIN, {"ids": [*job_ids, *dependents]})
+        reopened.extend(row[0] for row in cursor.fetchall())
         if reopened:
             logger.info(
                 "%s retried job(s): %s job(s) wait for their dependencies again",

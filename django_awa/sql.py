@@ -3154,6 +3154,30 @@ WHERE j.id = dependents.job_id
 RETURNING j.id
 """
 
+# -- BLOCK_DEPENDENTS_AGAIN --
+# After REOPEN_CASCADED and BLOCK_AGAIN: the dependents of the reopened jobs
+# (the retried ones and those reopened with them) that their finishing had
+# released (requires='finished') and that have not started since are blocked
+# again, to wait for them (then settled: released again at once if one is
+# cancelled again). No attempt started: attempt 0 (never claimed, or retried
+# since), or a claim given back before its handler began (attempted_at NULL).
+# One that runs or ran stays as it is. The rows are taken in id order.
+# Index: awa_dependency_dependents_idx, then primary key lookups.
+BLOCK_DEPENDENTS_AGAIN = """
+WITH dependents AS MATERIALIZED (
+    SELECT DISTINCT e.job_id FROM awa_job_dependency AS e
+    WHERE e.depends_on_id = ANY(%(ids)s::bigint[])
+    ORDER BY e.job_id
+)
+UPDATE ONLY awa_job AS j
+SET state = 'blocked'
+FROM dependents
+WHERE j.id = dependents.job_id
+  AND j.state IN ('available', 'scheduled')
+  AND (j.attempt = 0 OR j.attempted_at IS NULL)
+RETURNING j.id
+"""
+
 # -- HAS_DEPENDENCIES --
 # Which of these jobs have dependencies at all (a retried one waits for them
 # again). Index: the primary key of awa_job_dependency.

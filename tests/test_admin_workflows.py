@@ -99,3 +99,21 @@ def test_a_viewer_sees_the_graph_but_cannot_cancel_or_retry(login: Any, viewer: 
 def test_an_unknown_workflow_is_404(admin_client: Client) -> None:
     url = reverse("admin:django_awa_job_workflow", args=["00000000-0000-0000-0000-000000000000"])
     assert admin_client.get(url).status_code == 404
+
+
+@pytest.mark.django_db
+def test_retry_workflow_blocks_again_a_finished_dependent_that_has_not_run(
+    admin_client: Client,
+) -> None:
+    flow = awa.Workflow("chain")
+    first = flow.add(Node(name="first"))
+    second = flow.add(Node(name="second"), after=[first])
+    report = flow.add(Node(name="report"), after=[second], requires="finished")
+    jobs = flow.enqueue()
+    awa.cancel(first.job.id)  # second is cancelled with it, which releases report
+    assert _states(jobs) == ["cancelled", "cancelled", "available"]
+    url = reverse("admin:django_awa_job_workflow_operation", args=[flow.id, "retry"])
+    assert admin_client.post(url).status_code == 302
+    # Reopened, second is not finished: report, not started, waits for it again.
+    assert _states(jobs) == ["available", "blocked", "blocked"]
+    assert run_all() == [first.job.id, second.job.id, report.job.id]

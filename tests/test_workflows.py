@@ -17,7 +17,7 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa import bulk
-from django_awa.execute import Attempt, AttemptResult, completed, run_attempt
+from django_awa.execute import Attempt, AttemptResult, completed, run_attempt, unstarted
 from django_awa.finalize import finalize
 from django_awa.followups import FollowupSpec, Outcome, followup_registry
 from django_awa.maintenance import Maintenance
@@ -289,6 +289,93 @@ def test_retrying_a_failed_dependency_reopens_the_dependents_its_failure_cancell
     flow2.enqueue()
     run_next()
     assert awa.retry(child2.job.id).state == JobState.CANCELLED
+
+
+@db
+def test_reopening_a_dependency_blocks_again_its_finished_dependents_that_have_not_run():
+    # awa.cancel(a) cancels b, which releases c (requires="finished"); awa.retry(a)
+    # reopens b: c, not started, waits for it again, and d (on c) stays blocked.
+    flow = awa.Workflow()
+    a = flow.add(Node(name="a"))
+    b = flow.add(Node(name="b"), after=[a])
+    c = flow.add(Node(name="c"), after=[b], requires="finished")
+    d = flow.add(Node(name="d"), after=[c], requires="finished")
+    flow.enqueue()
+    awa.cancel(a.job.id)
+    assert state(b.job) == JobState.CANCELLED and state(c.job) == JobState.AVAILABLE
+    awa.retry(a.job.id)
+    assert [state(s.job) for s in (a, b, c, d)] == ["available", "blocked", "blocked", "blocked"]
+    assert run_all() == [a.job.id, b.job.id, c.job.id, d.job.id]
+    # A finished dependency retried itself: its dependent not yet started waits again.
+    bad = awa.enqueue(Node(name="bad", action="terminal"))
+    report = awa.enqueue(Node(name="report"), after=[bad], requires="finished")
+    run_next()
+    assert state(report) == JobState.AVAILABLE
+    Job.objects.filter(id=bad.id).update(args={"name": "bad", "action": "ok"})
+    awa.retry(bad.id)
+    assert state(report) == JobState.BLOCKED
+    assert run_all() == [bad.id, report.id] and runs(report) == 1
+    # A retried job cancelled again at once (its dependency still failed) is
+    # finished again: its dependent stays released.
+    failed = awa.enqueue(Node(name="failed", action="terminal"))
+    middle = awa.enqueue(Node(name="middle"), after=[failed])
+    last = awa.enqueue(Node(name="last"), after=[middle], requires="finished")
+    run_next()
+    assert state(middle) == JobState.CANCELLED and state(last) == JobState.AVAILABLE
+    assert awa.retry(middle.id).state == JobState.CANCELLED
+    assert state(last) == JobState.AVAILABLE
+    assert run_all() == [last.id]
+    # One claimed but given back before its handler began has not run either.
+    bad = awa.enqueue(Node(name="bad", action="terminal"))
+    report = awa.enqueue(Node(name="report"), after=[bad], requires="finished")
+    run_next()
+    (claimed,) = claim("flow", 1, "default")
+    finalize([unstarted(claimed)], "default")
+    assert Job.objects.filter(id=report.id, state="available", attempt=1).exists()
+    awa.retry(bad.id)
+    assert state(report) == JobState.BLOCKED
+
+
+@db
+def test_reopening_a_dependency_leaves_finished_dependents_that_ran_or_run():
+    flow = awa.Workflow()
+    a = flow.add(Node(name="a"))
+    b = flow.add(Node(name="b"), after=[a])
+    running = flow.add(Node(name="running"), after=[b], requires="finished")
+    ran = flow.add(Node(name="ran"), after=[b], requires="finished")
+    after_ran = flow.add(Node(name="after_ran"), after=[ran], requires="finished")
+    flow.enqueue()
+    awa.cancel(a.job.id)
+    (claimed,) = claim("flow", 1, "default")
+    assert claimed.id == running.job.id
+    assert run_next()[0].job.id == ran.job.id
+    assert state(after_ran.job) == JobState.AVAILABLE
+    awa.retry(a.job.id)
+    assert state(b.job) == JobState.BLOCKED
+    # As the README says: those that already ran (or run) stay as they are;
+    # after_ran's own dependency (ran) is finished, so it stays available too.
+    assert state(ran.job) == JobState.COMPLETED and state(running.job) == JobState.RUNNING
+    assert state(after_ran.job) == JobState.AVAILABLE
+    finalize([run_attempt(Attempt(job=claimed, alias="default"))], "default")
+    assert run_all() == [a.job.id, b.job.id, after_ran.job.id]
+
+
+@db
+def test_a_bulk_retry_blocks_again_the_finished_dependents_of_what_it_reopens():
+    flow = awa.Workflow()
+    a = flow.add(Node(name="a"))
+    b = flow.add(Node(name="b"), after=[a])
+    c = flow.add(Node(name="c"), after=[b], requires="finished")
+    flow.enqueue()
+    awa.cancel(a.job.id)
+    assert state(c.job) == JobState.AVAILABLE
+    jobs = Job.objects.filter(id=a.job.id)
+    result = bulk.run(
+        jobs, bulk.Operation.RETRY, up_to=bulk.preview(jobs, bulk.Operation.RETRY).up_to
+    )
+    assert result.changed == 1 and result.dependents == 1
+    assert state(b.job) == JobState.BLOCKED and state(c.job) == JobState.BLOCKED
+    assert run_all() == [a.job.id, b.job.id, c.job.id]
 
 
 @db
