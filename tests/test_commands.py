@@ -19,6 +19,7 @@ from django.db import connection
 from django.utils import timezone
 
 import django_awa as awa
+from django_awa import db
 from django_awa.models import Job, JobState, PeriodicSchedule, Queue
 from django_awa.schedules import schedules
 from tests.conftest import ROOT, make_job
@@ -388,3 +389,43 @@ def test_schedules_list_pause_resume_trigger_and_a_removed_one(tidy_schedule):
     assert run("awa_schedules", "trigger", "gone")[1] == 1  # removed from code: nothing to fire
     assert run("awa_schedules", "pause", "nonesuch")[1] == 1
     assert run("awa_schedules", "pause", "gone")[1] == 0
+
+
+@pytest.fixture
+def last_migration_unapplied():
+    """django-awa's last migration not recorded as applied: a database not migrated yet."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "DELETE FROM django_migrations WHERE app = 'django_awa' "
+            "AND name = '0018_lease_held_until' RETURNING applied"
+        )
+        (applied,) = cursor.fetchone()
+    yield "0018_lease_held_until"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO django_migrations (app, name, applied) "
+            "VALUES ('django_awa', '0018_lease_held_until', %s)",
+            [applied],
+        )
+
+
+def test_a_database_without_awas_migrations_is_named_not_a_traceback(last_migration_unapplied):
+    # As a worker refuses to start there: the commands' statements failed on a missing
+    # table or column (a 0.1 database, `migrate` not run yet) with a ProgrammingError.
+    failed(kind="act")
+    for args in (
+        ("awa_jobs", "list"),
+        ("awa_jobs", "retry", "--state", "failed"),
+        ("awa_queues", "pause", "billing"),
+        ("awa_schedules", "list"),
+    ):
+        done = shell(*args)
+        assert done.returncode == 1, (args, done.stderr)
+        assert "Traceback" not in done.stderr, (args, done.stderr)
+        assert (
+            "django-awa's migrations are not applied to database 'default' "
+            f"({db.database_address('default')}): {last_migration_unapplied} is missing; "
+            "run `manage.py migrate django_awa` first"
+        ) in done.stderr, (args, done.stderr)
+    assert Job.objects.get().state == JobState.FAILED  # nothing written
+    assert not Queue.objects.filter(name="billing", paused=True).exists()

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_awa import db
 from django_awa.db import database_alias
 from django_awa.exceptions import ConfigurationError
 
@@ -113,9 +114,11 @@ class OperatorCommand(BaseCommand):
         """The alias ``--database`` names (``AWA["DATABASE"]`` without it); a usage error
         for one that is not a PostgreSQL entry of ``DATABASES``."""
         try:
-            return database_alias(options.get("database"))
+            alias = database_alias(options.get("database"))
         except ConfigurationError as exc:
             raise usage(str(exc)) from exc
+        require_migrations(alias)
+        return alias
 
     def add_json(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -126,6 +129,18 @@ class OperatorCommand(BaseCommand):
             self.stdout.write(json.dumps(document, default=_json_default, indent=2))
         elif text:
             self.stdout.write(text)
+
+
+def require_migrations(alias: str) -> None:
+    """Refuse, naming them, to act on a database that lacks django-awa's migrations of
+    this code, as a worker refuses to start there: each statement would fail on a
+    missing table or column, a traceback that says nothing of why. Migrations applied
+    there that this code does not have (a newer release's, during a rollout) are fine."""
+    missing, _ = db.migrations_not_in_step(alias)
+    if missing:
+        raise CommandError(
+            f"{db.not_migrated(alias, missing)}; run `manage.py migrate django_awa` first"
+        )
 
 
 def usage(message: str) -> CommandError:

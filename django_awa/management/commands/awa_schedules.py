@@ -13,7 +13,12 @@ from django.core.management.base import CommandParser
 from django_awa import schedules as schedule_module
 from django_awa.conf import awa_settings
 from django_awa.exceptions import ScheduleNotFound, UniqueConflict
-from django_awa.management.operator import OperatorCommand, nothing, table
+from django_awa.management.operator import (
+    OperatorCommand,
+    nothing,
+    require_migrations,
+    table,
+)
 from django_awa.models import PeriodicSchedule
 
 
@@ -44,6 +49,7 @@ class Command(OperatorCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         self.alias = awa_settings().database
+        require_migrations(self.alias)
         action = options["action"]
         if action == "list":
             self.list_schedules(options)
