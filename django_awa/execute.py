@@ -356,8 +356,11 @@ def _register_apart(alias: str, params: dict[str, Any]) -> bool:
     to be seen outside it, as a row a test's transaction inserted; or no
     connection), it is written in the transaction, which decides."""
     try:
-        with psycopg.connect(**db.listen_params(alias), autocommit=True) as conn:
-            conn.execute(sql.SESSION_LOCK_TIMEOUT, {"timeout": REGISTER_APART_LOCK_TIMEOUT})
+        with (
+            psycopg.connect(**db.listen_params(alias), autocommit=True) as conn,
+            conn.transaction(),
+        ):
+            conn.execute(sql.LOCAL_LOCK_TIMEOUT, {"timeout": REGISTER_APART_LOCK_TIMEOUT})
             return conn.execute(sql.REGISTER_CALLBACK, params).fetchone() is not None
     except psycopg.Error:
         return False

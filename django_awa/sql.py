@@ -1711,11 +1711,12 @@ WHERE j.id = d.id AND j.id = l.id AND {_BATCH_IDS}
 RETURNING j.id
 """
 
-# -- SESSION_LOCK_TIMEOUT --
-# How long this session's statements wait for a lock (lock_timeout, e.g. '1s'):
+# -- LOCAL_LOCK_TIMEOUT --
+# How long this transaction's statements wait for a lock (lock_timeout, e.g. '1s'):
 # a callback registered apart from its handler's transaction, which may hold
-# the row (execute._register_apart).
-SESSION_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, false)"
+# the row (execute._register_apart). For the transaction only: behind a pooler in
+# transaction mode the session is another client's next.
+LOCAL_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
 
 # -- REGISTER_CALLBACK --
 # A running attempt registers the callback id an outside system will answer.

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from django.db import connection
 from django.utils import timezone
@@ -262,3 +263,31 @@ def test_a_sequence_hands_on_member_after_member_through_pgbouncer(pooled_url, s
         return start_worker(*args, env={**_pooled_env(pooled_url), **(env or {})})
 
     run_sequence_hand_on(start)
+
+
+@pytest.mark.slow
+@pytest.mark.pool_size(3)
+def test_a_callback_registered_apart_leaves_no_setting_on_the_poolers_sessions(
+    pooled_url, start_worker
+):
+    # An atomic handler's callback id is stored apart, on a connection of its own
+    # through the pooler, waiting at most a second for the row. Set for the session,
+    # that lock_timeout stayed on the server connection PgBouncer then handed to every
+    # other client: their statements gave up on any lock after a second.
+    worker = start_worker("--queue", "default=2", env=_pooled_env(pooled_url))
+    out = _enqueue_through(
+        pooled_url,
+        "import django_awa as awa\n"
+        "from tests.testapp.jobs import AtomicEarlyAnswer\n"
+        "print(awa.enqueue(AtomicEarlyAnswer(touch_row=True)).id)",
+    )
+    wait_for_state(int(out), JobState.WAITING_EXTERNAL, timeout=30)
+    assert worker.stop() == 0
+    # Each of the pooler's 3 server connections, held at once by a client's transaction.
+    clients = [psycopg.connect(pooled_url, autocommit=False) for _ in range(3)]
+    try:
+        seen = [c.execute("SHOW lock_timeout").fetchone()[0] for c in clients]
+    finally:
+        for client in clients:
+            client.close()
+    assert seen == ["0", "0", "0"], seen
