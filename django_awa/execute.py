@@ -36,7 +36,7 @@ from .codec import (
     escape_json,
     escape_text,
 )
-from .conf import callback_timeout, to_seconds
+from .conf import awa_settings, callback_timeout, to_seconds
 from .exceptions import TerminalError, ValidationError
 from .followups import (
     COMPLETED,
@@ -354,7 +354,15 @@ def _register_apart(alias: str, params: dict[str, Any]) -> bool:
     """``REGISTER_CALLBACK`` committed at once on a connection of its own; whether it was
     written there. If not (the row locked by the handler's own transaction, or not
     to be seen outside it, as a row a test's transaction inserted; or no
-    connection), it is written in the transaction, which decides."""
+    connection), it is written in the transaction, which decides.
+
+    The connection reaches ``AWA["DIRECT_DATABASE"]`` for jobs of ``AWA["DATABASE"]``,
+    as the listener's does: through a transaction-mode pooler whose server connections
+    the handlers' open transactions all hold, it would wait for one of them, and they
+    for it."""
+    conf = awa_settings()
+    if alias == conf.database and conf.direct_database is not None:
+        alias = conf.direct_database
     try:
         with (
             psycopg.connect(**db.listen_params(alias), autocommit=True) as conn,

@@ -291,3 +291,24 @@ def test_a_callback_registered_apart_leaves_no_setting_on_the_poolers_sessions(
         for client in clients:
             client.close()
     assert seen == ["0", "0", "0"], seen
+
+
+@pytest.mark.slow
+@pytest.mark.pool_size(2)
+def test_atomic_handlers_registering_callbacks_do_not_wait_on_the_poolers_sessions(
+    pooled_url, start_worker
+):
+    # Two atomic handlers, each in a transaction holding one of the pooler's two server
+    # connections, store their callback ids apart: through the pooler each waited for a
+    # server connection the other held (PgBouncer's query_wait_timeout, 2 minutes), and
+    # the worker's heartbeat and completer with them. They go to DIRECT_DATABASE now.
+    worker = start_worker("--queue", "default=2", env=_pooled_env(pooled_url))
+    wait_for(lambda: "listening for new jobs" in worker.output(), timeout=30)
+    _enqueue_through(
+        pooled_url,
+        "import django_awa as awa\n"
+        "from tests.testapp.jobs import AtomicEarlyAnswer\n"
+        "awa.enqueue_many([AtomicEarlyAnswer(touch_row=True) for _ in range(2)])",
+    )
+    wait_for(lambda: Job.objects.filter(state=JobState.WAITING_EXTERNAL).count() == 2, timeout=20)
+    assert set(Job.objects.values_list("attempt", flat=True)) == {1}
