@@ -429,3 +429,17 @@ def test_a_database_without_awas_migrations_is_named_not_a_traceback(last_migrat
         ) in done.stderr, (args, done.stderr)
     assert Job.objects.get().state == JobState.FAILED  # nothing written
     assert not Queue.objects.filter(name="billing", paused=True).exists()
+
+
+def test_priority_says_reprioritize_in_its_messages():
+    # "would priority 1 job(s)", "nothing to priority": the operation's name is no verb.
+    make_job(queue="billing", kind="charge")
+    out, code = run("awa_jobs", "priority", "--set", "1", "--queue", "billing", "--dry-run")
+    assert (out.strip(), code) == (
+        "would reprioritize 1 job(s) (those in states: blocked, scheduled, available, retryable)",
+        0,
+    )
+    with pytest.raises(CommandError, match=r"^nothing to reprioritize$"):
+        call_command(
+            "awa_jobs", "priority", "--set", "1", "--queue", "nosuch", stdout=io.StringIO()
+        )

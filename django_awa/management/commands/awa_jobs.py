@@ -269,6 +269,7 @@ class Command(OperatorCommand):
     ) -> None:
         """Every job of ``jobs`` in the states the operation applies to, in batches."""
         past = bulk.PAST[operation]
+        verb = "reprioritize" if operation is bulk.Operation.PRIORITY else str(operation)
         found = bulk.preview(jobs, operation)
         states = ", ".join(bulk.ALLOWED[operation])
         if options["dry_run"]:
@@ -276,10 +277,10 @@ class Command(OperatorCommand):
             self.emit(
                 options,
                 document,
-                f"would {operation} {found.count:,} job(s) (those in states: {states})",
+                f"would {verb} {found.count:,} job(s) (those in states: {states})",
             )
             if not found.count:
-                raise nothing(f"nothing to {operation}")
+                raise nothing(f"nothing to {verb}")
             return
         verbose = options["verbosity"] > 1 and not options["json"]
 
@@ -306,7 +307,7 @@ class Command(OperatorCommand):
                 f"left {result.unchanged:,} job(s) as they were (they had moved on to a state "
                 "that does not allow it)"
             )
-        lines += [f"could not {operation} job {i}: {e}" for i, e in result.failed[:20]]
+        lines += [f"could not {verb} job {i}: {e}" for i, e in result.failed[:20]]
         if len(result.failed) > 20:
             lines.append(f"… and {len(result.failed) - 20:,} more refused")
         if result.batch_seconds:
@@ -319,7 +320,7 @@ class Command(OperatorCommand):
             raise nothing(
                 f"{operation}: {len(result.failed)} refused"
                 if result.failed
-                else f"nothing to {operation}"
+                else f"nothing to {verb}"
             )
 
     def rekind(self, options: dict[str, Any]) -> None:
