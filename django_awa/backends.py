@@ -29,20 +29,20 @@ from django.utils import timezone
 
 if TYPE_CHECKING:
     # Typed by django-stubs' django.tasks; the backport has the same names.
-    from django.tasks import TaskContext, TaskResult, TaskResultStatus
+    from django.tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import Task, TaskError
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
     from django.tasks.signals import task_enqueued, task_finished, task_started
 else:
     try:  # Django 6
-        from django.tasks import TaskContext, TaskResult, TaskResultStatus
+        from django.tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
         from django.tasks.backends.base import BaseTaskBackend
         from django.tasks.base import Task, TaskError
         from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
         from django.tasks.signals import task_enqueued, task_finished, task_started
     except ImportError:  # Django 5.2 with the django-tasks backport
-        from django_tasks import TaskContext, TaskResult, TaskResultStatus
+        from django_tasks import TaskContext, TaskResult, TaskResultStatus, task_backends
         from django_tasks.backends.base import BaseTaskBackend
         from django_tasks.base import Task, TaskError
         from django_tasks.exceptions import InvalidTaskError as InvalidTask
@@ -168,7 +168,9 @@ def _run_task(job: JobContext) -> Any:
     if task is None:  # pragma: no cover - resolved just before
         raise RuntimeError(f"task {job.kind} vanished")
     call = job.args
-    backend = task.get_backend()
+    # The backend the call was enqueued through (``task.using(backend=...)``), whose
+    # database holds the row; the task's own if that alias is no longer an awa one.
+    backend = task_backends[call.backend] if _is_awa_backend(call.backend) else task.get_backend()
     alias = job.row._state.db
     # _resolve names TaskCall as the args class; an AwaTask is made by the
     # backend whose task_class it is; a claimed row was loaded from a database.
@@ -217,6 +219,13 @@ def _run_task(job: JobContext) -> Any:
     _send_finished(backend, result, TaskResultStatus.SUCCESSFUL, value=value)
     # Stored as Job.result by the completing transaction (SPEC §9, §11).
     return value
+
+
+def _is_awa_backend(alias: Any) -> bool:
+    """Whether ``alias`` names an ``AwaTaskBackend`` in ``TASKS``."""
+    if not isinstance(alias, str) or alias not in getattr(settings, "TASKS", {}):
+        return False
+    return isinstance(task_backends[alias], AwaTaskBackend)
 
 
 def _send_finished(
@@ -374,11 +383,19 @@ class AwaTaskBackend(BaseTaskBackend):
     def result_from_job[**P, R](self, job: Job, task: Task[P, R]) -> TaskResult[P, R]:
         metadata = job.metadata or {}
         call = job.args or {}
-        # The task as this job was enqueued: its queue, and its priority if stored.
+        # The task as this job was enqueued: its queue, and its priority if stored,
+        # through this backend (whose database holds the row: a result's refresh()
+        # asks its task's backend).
         priority = metadata.get(PRIORITY_KEY)
-        if job.queue != task.queue_name or (priority is not None and priority != task.priority):
+        if (
+            job.queue != task.queue_name
+            or (priority is not None and priority != task.priority)
+            or task.backend != self.alias
+        ):
             task = task.using(
-                queue_name=job.queue, priority=task.priority if priority is None else priority
+                queue_name=job.queue,
+                priority=task.priority if priority is None else priority,
+                backend=self.alias,
             )
         values = {
             "task": task,

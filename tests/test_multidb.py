@@ -15,11 +15,12 @@ from typing import Any
 import psycopg
 import pytest
 from django.db import connections
+from django.test import override_settings
 from django.utils import timezone
 
 import django_awa as awa
 from django_awa import bulk
-from django_awa.backends import AwaTaskBackend
+from django_awa.backends import AwaTaskBackend, task_backends
 from django_awa.db import listen_params
 from django_awa.exceptions import ConfigurationError
 from django_awa.maintenance import Maintenance
@@ -229,3 +230,26 @@ def test_the_testing_helpers_take_using():
         assert_enqueued(Tick, n=3)
     with pytest.raises(ConfigurationError, match="no database alias 'nowhere'"):
         assert_enqueued(Tick, using="nowhere")
+
+
+def test_a_task_enqueued_through_another_awa_backend_is_read_and_run_as_that_backends():
+    """``task.using(backend=...)`` puts the call in that backend's database. A result read
+    back through it (``get_result``), and the one the worker gives the task (its
+    context, ``task_started``/``task_finished``), named the task's declared backend:
+    their ``refresh()`` asked the other database, which holds no such job (or
+    another job with the same id)."""
+    from django_awa.testing import run_jobs
+
+    awa_backend = {"BACKEND": "django_awa.backends.AwaTaskBackend"}
+    bulk = {**awa_backend, "OPTIONS": {"DATABASE": "other"}}
+    with override_settings(TASKS={"default": awa_backend, "bulk": bulk}):
+        enqueued = tasks.backend_seen.using(backend="bulk").enqueue()
+        assert Job.objects.using("other").filter(id=int(enqueued.id)).exists()
+        read = task_backends["bulk"].get_result(enqueued.id)
+        assert (read.backend, read.task.backend) == ("bulk", "bulk")
+        read.refresh()  # TaskResultDoesNotExist: asked AWA["DATABASE"]
+        assert read.status == "READY"
+        assert run_jobs(using="other").counts["completed"] == 1
+        read.refresh()
+        assert read.status == "SUCCESSFUL"
+        assert read.return_value == ["bulk", "bulk"]

@@ -39,6 +39,12 @@ def with_context(context, label: str) -> str:
     return f"{label}:{context.attempt}"
 
 
+@task(takes_context=True)
+def backend_seen(context) -> list[str]:
+    """The backend of the result a task is run with, and of its task (refresh()'s)."""
+    return [context.task_result.backend, context.task_result.task.backend]
+
+
 @task()
 def leave() -> None:
     raise SystemExit(3)
