@@ -200,13 +200,14 @@ def _run_task(job: JobContext) -> Any:
             "exception_class_path": f"{type(exc).__module__}.{type(exc).__qualname__}",
             "traceback": "".join(traceback.format_exception(exc)),
         }
+        stored = {**error, "attempt": job.attempt}  # which of the row's errors it explains
         if savepoint is not None and (transaction_failed(alias) or connection.needs_rollback):
             connection.needs_rollback = False  # else Django refuses the rollback too
             transaction.savepoint_rollback(savepoint, using=alias)
         with connection.cursor() as cursor:
             cursor.execute(
                 sql.RECORD_TASK_ERROR,
-                {"error": json.dumps([error]), "id": job.id, "run_lease": job.row.run_lease},
+                {"error": json.dumps([stored]), "id": job.id, "run_lease": job.row.run_lease},
             )
         if savepoint is not None:
             transaction.savepoint_commit(savepoint, using=alias)
@@ -284,6 +285,40 @@ def _check_json_arguments(args: Sequence[Any], kwargs: Mapping[str, Any], where:
             f"bool, None, lists and dicts with string keys, as Django requires; pass a JSON "
             f"form of it (value.isoformat(), str(value)) and convert it back in the task"
         )
+
+
+# The exception class a TaskError names for a failure the function did not raise.
+NOT_RAISED = "django_awa.exceptions.AwaError"
+
+
+def _task_errors(job: Job) -> list[TaskError]:
+    """``TaskResult.errors``: what the function raised, as recorded by ``_run_task``, and
+    the row's errors of the attempts it raised nothing in (its worker died or shut down,
+    its deadline passed, no worker found the task, a cancel): a task failed by one of
+    those read ``FAILED`` with no error at all."""
+    raised = (job.metadata or {}).get(ERRORS_KEY, [])
+    explained = {e.get("attempt") for e in raised}
+    entries: list[tuple[int, dict[str, Any]]] = [(e.get("attempt", 0), e) for e in raised]
+    if None not in explained:  # rows written before 0.2.0 name no attempt: read as then
+        entries += [
+            (e.get("attempt", 0), {"exception_class_path": NOT_RAISED, "traceback": _text(e)})
+            for e in job.errors or []
+            if isinstance(e, dict) and e.get("attempt") not in explained
+        ]
+    entries.sort(key=lambda entry: entry[0] if isinstance(entry[0], int) else 0)
+    return [
+        TaskError(
+            exception_class_path=e.get("exception_class_path", "builtins.Exception"),
+            traceback=e.get("traceback", ""),
+        )
+        for _, e in entries
+    ]
+
+
+def _text(entry: dict[str, Any]) -> str:
+    """A row's ``errors`` entry as a TaskError's traceback: its traceback, if any, and error."""
+    error, trace = str(entry.get("error", "")), str(entry.get("traceback") or "")
+    return f"{trace.rstrip()}\n{error}" if trace else error
 
 
 class AwaTaskBackend(BaseTaskBackend):
@@ -408,13 +443,7 @@ class AwaTaskBackend(BaseTaskBackend):
             "args": call.get("args", []),
             "kwargs": call.get("kwargs", {}),
             "backend": self.alias,
-            "errors": [
-                TaskError(
-                    exception_class_path=e.get("exception_class_path", "builtins.Exception"),
-                    traceback=e.get("traceback", ""),
-                )
-                for e in metadata.get(ERRORS_KEY, [])
-            ],
+            "errors": _task_errors(job),
             "worker_ids": ["awa"] * job.attempt,
         }
         names = {f.name for f in dataclasses.fields(TaskResult) if f.init}

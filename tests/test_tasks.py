@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from django_awa.backends import awa_priority
 from django_awa.models import Job, JobState
-from tests.conftest import wait_for_state
+from tests.conftest import wait_for, wait_for_state
 
 try:
     from django.tasks import TaskResultStatus
@@ -204,3 +204,37 @@ def test_a_task_the_worker_cannot_find_fails_with_an_error_about_tasks_not_jobar
         "task tests.testapp.tasks.removed"
     )
     assert "django_awa.backends.AwaTaskBackend" in error and "ClassVar" not in error
+
+
+@pytest.mark.slow
+def test_a_task_failed_by_what_it_did_not_raise_reports_why(start_worker):
+    """A task that failed without raising (interrupted at shutdown on its one attempt,
+    rescued, cancelled, not found by the worker) read ``FAILED`` with ``errors`` empty:
+    the reason was only in the job row. It is a TaskError naming ``AwaError``."""
+    import django_awa as awa
+    from django_awa.exceptions import AwaError
+
+    cancelled = tasks.add.using(run_after=timezone.now() + dt.timedelta(hours=1)).enqueue(1, 2)
+    awa.cancel(int(cancelled.id), "not needed")
+    cancelled.refresh()
+    assert cancelled.status == TaskResultStatus.FAILED
+    (error,) = cancelled.errors
+    assert error.exception_class is AwaError and error.traceback == "cancelled: not needed"
+
+    worker = start_worker("--queue", "default", "--shutdown-timeout", "0")
+    napping = tasks.nap.enqueue(30)
+    # Its handler started (not a claimed job given back unused): the heartbeat says so.
+    wait_for(lambda: Job.objects.filter(id=int(napping.id), attempted_at__isnull=False).exists())
+    assert worker.stop() == 0
+    napping.refresh()
+    assert napping.status == TaskResultStatus.FAILED
+    (error,) = napping.errors
+    assert error.exception_class_path == "django_awa.exceptions.AwaError"
+    assert error.traceback.startswith("interrupted: the worker shut down"), error.traceback
+
+    # What the function raised is reported as it was, not again from the row's errors.
+    start_worker("--queue", "default")
+    exploded = tasks.explode.enqueue()
+    wait_for_state(int(exploded.id), JobState.FAILED)
+    exploded.refresh()
+    assert [e.exception_class_path for e in exploded.errors] == ["builtins.ValueError"]

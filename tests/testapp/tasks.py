@@ -46,6 +46,14 @@ def backend_seen(context) -> list[str]:
 
 
 @task()
+def nap(seconds: float) -> float:
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+@task()
 def leave() -> None:
     raise SystemExit(3)
 
