@@ -1753,6 +1753,8 @@ RETURNING j.queue
 # (its guarded UPDATE then matches nothing).
 # Indexes: awa_job_running_idx (both searches of running rows: they are few),
 # awa_job_callback_idx.
+_RESCUE_ERROR = """'rescued: ' || replace(v.reason, '_', ' ') || CASE WHEN locked.held
+    THEN ', not retried: another job holds its unique key' ELSE '' END"""
 RESCUE = f"""
 WITH candidates AS (
     (SELECT id, 'stale_heartbeat' AS reason, 1 AS rank FROM ONLY awa_job
@@ -1774,7 +1776,18 @@ locked AS (
     -- Re-checked on the locked row version: a heartbeat or finalize that
     -- committed since the scan keeps the job out.
     SELECT j.id, j.state = 'running'
-                 AND j.heartbeat_at >= now() - make_interval(secs => %(stale_after)s) AS live
+                 AND j.heartbeat_at >= now() - make_interval(secs => %(stale_after)s) AS live,
+           -- Its retry would hold its unique key, which another job holds (a twin
+           -- enqueued while it waited on a callback, a state its key is not held
+           -- in), or a victim before it would take: it fails instead, since
+           -- the conflict would abort the whole rescue, every job's, every tick.
+           (j.unique_key IS NOT NULL AND j.attempt < j.max_attempts
+            AND j.unique_states ? 'retryable'
+            AND (EXISTS (SELECT 1 FROM ONLY awa_job AS h  -- awa_job_unique_idx
+                         WHERE h.unique_key = j.unique_key AND h.unique_states ? h.state
+                           AND h.id <> j.id)
+                 OR EXISTS (SELECT 1 FROM victims AS o JOIN ONLY awa_job AS h ON h.id = o.id
+                            WHERE o.id < j.id AND h.unique_key = j.unique_key))) AS held
     FROM ONLY awa_job AS j
     WHERE j.id IN (SELECT id FROM victims)
       AND ((j.state = 'running'
@@ -1784,11 +1797,11 @@ locked AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE ONLY awa_job AS j
-SET state = CASE WHEN j.attempt >= j.max_attempts THEN 'failed' ELSE 'retryable' END,
-    finalized_at = CASE WHEN j.attempt >= j.max_attempts THEN now() END,
-    run_at = CASE WHEN j.attempt >= j.max_attempts THEN j.run_at
+SET state = CASE WHEN j.attempt >= j.max_attempts OR locked.held THEN 'failed' ELSE 'retryable' END,
+    finalized_at = CASE WHEN j.attempt >= j.max_attempts OR locked.held THEN now() END,
+    run_at = CASE WHEN j.attempt >= j.max_attempts OR locked.held THEN j.run_at
              ELSE now() + make_interval(secs => {_backoff("j.attempt")}) END,
-    errors = {_errors_plus("j.", "'rescued: ' || replace(v.reason, '_', ' ')")},
+    errors = {_errors_plus("j.", _RESCUE_ERROR)},
     {_ATTEMPT_CLEARED}
 FROM locked JOIN victims AS v ON v.id = locked.id
 WHERE j.id = locked.id

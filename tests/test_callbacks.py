@@ -628,6 +628,43 @@ def test_maintenance_applies_an_early_answer_whose_followups_failed_at_the_park(
 # -- callback timeout -----------------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_a_timed_out_callback_whose_unique_key_a_twin_holds_fails_without_wedging_rescue(
+    start_worker,
+):
+    """A parked job does not hold its unique key (``waiting_external`` is not among the
+    default states), so a twin may be enqueued meanwhile. Its rescue to ``retryable``
+    (a held state) broke the unique index: the rescue statement failed whole, every
+    tick, and no job was rescued any more, a dead worker's neither. Now it fails, and
+    of twins timing out together the first is retried."""
+    worker = start_worker("--queue", "default")
+    unique = awa.Unique(by_args=True)
+    first = awa.enqueue(Parked(timeout=61.0), unique=unique).id
+    wait_for_state(first, JobState.WAITING_EXTERNAL)
+    twin = awa.enqueue(Parked(timeout=61.0), unique=unique)
+    twin = wait_for_state(twin.id, JobState.WAITING_EXTERNAL)
+    pair = [awa.enqueue(Parked(timeout=62.0), unique=unique).id]
+    wait_for_state(pair[0], JobState.WAITING_EXTERNAL)
+    pair.append(awa.enqueue(Parked(timeout=62.0), unique=unique).id)
+    plain = awa.enqueue(Parked()).id
+    for job_id in (*pair, plain):
+        wait_for_state(job_id, JobState.WAITING_EXTERNAL)
+    assert worker.stop() == 0, worker.output()
+    # The twin completes and holds the key; then every other callback times out.
+    assert awa.complete_external(twin.callback_id).state == JobState.COMPLETED
+    Job.objects.filter(state=JobState.WAITING_EXTERNAL).update(
+        callback_timeout_at=db_now() - dt.timedelta(seconds=1)
+    )
+    Maintenance().rescue()  # raised IntegrityError, and rescued none
+    rows = Job.objects.filter(id__in=[first, *pair, plain])
+    states = {row.id: (row.state, row.errors[-1]["error"]) for row in rows}
+    held = "rescued: callback timeout, not retried: another job holds its unique key"
+    assert states[first] == (JobState.FAILED, held)
+    assert states[pair[0]] == (JobState.RETRYABLE, "rescued: callback timeout")
+    assert states[pair[1]] == (JobState.FAILED, held)
+    assert states[plain] == (JobState.RETRYABLE, "rescued: callback timeout")
+
+
 def test_a_timed_out_callback_is_rescued_by_maintenance(start_worker):
     (job,) = park(start_worker)
     Job.objects.filter(id=job.id).update(callback_timeout_at=db_now() - dt.timedelta(seconds=1))
