@@ -31,7 +31,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -40,7 +40,7 @@ from .codec import check_json, require_text
 from .conf import awa_settings, callback_timeout
 from .dependencies import after_outcomes
 from .enqueueing import database_alias
-from .exceptions import CallbackNotFound, ValidationError
+from .exceptions import CallbackNotFound, UniqueConflict, ValidationError
 from .followups import (
     COMPLETED,
     Exhausted,
@@ -137,16 +137,19 @@ def _resolve(
     else:  # pragma: no cover - callers pass one of the three
         raise ValueError(action)
     with connections[alias].cursor() as cursor:
-        cursor.execute(
-            sql.RESOLVE_CALLBACK,
-            {
-                "id": job.id,
-                "state": state.value,
-                "reset": reset,
-                "metadata": json.dumps(metadata),
-                "error": error_entry,
-            },
-        )
+        try:
+            cursor.execute(
+                sql.RESOLVE_CALLBACK,
+                {
+                    "id": job.id,
+                    "state": state.value,
+                    "reset": reset,
+                    "metadata": json.dumps(metadata),
+                    "error": error_entry,
+                },
+            )
+        except IntegrityError as exc:
+            raise _key_held([job], state) from exc
         (row,) = jobs_from_rows([cursor.fetchone()], alias)
         if state == JobState.AVAILABLE:
             wakeups.announce(alias, [row.queue], cursor)
@@ -161,6 +164,21 @@ def _resolve(
         extra={"job_id": row.id, "kind": row.kind, "queue": row.queue, "attempt": job.attempt},
     )  # fmt: skip
     return row
+
+
+def _key_held(jobs: list[Job], state: JobState) -> UniqueConflict:
+    """The error of resolving ``jobs`` into ``state``, a state their unique key is held
+    in, when another job holds it: a twin enqueued while they waited on their callback
+    (``waiting_external`` does not hold the key by default). Nothing was written."""
+    if len(jobs) == 1:
+        (job,) = jobs
+        what = f"callback {job.callback_id}: job {job.id} (kind {job.kind!r})"
+    else:
+        what = f"jobs {', '.join(str(job.id) for job in jobs)}: one of them"
+    return UniqueConflict(
+        f"{what} cannot become {state}: another job holds its unique key, which it did not "
+        f"hold while it waited on its callback; it still waits (fail_external ends it)"
+    )
 
 
 def _external(
@@ -203,7 +221,7 @@ def complete_external(
 ) -> Job:
     """Complete the job waiting on ``callback_id``; ``payload`` is kept as
     ``metadata["awa_callback_result"]``. Completed follow-ups commit with it.
-    Raises ``CallbackNotFound``, ``FollowupError`` or ``ValidationError``."""
+    Raises ``CallbackNotFound``, ``FollowupError``, ``UniqueConflict`` or ``ValidationError``."""
     return _complete(callback_id, payload, using=using)
 
 
@@ -288,16 +306,19 @@ def complete_external_many(
 def _complete_waiting(waiting: list[Job], payloads: dict[uuid.UUID, Any], alias: str) -> list[Job]:
     """Complete the locked ``waiting`` jobs with their payloads, and their follow-ups."""
     with connections[alias].cursor() as cursor:
-        cursor.execute(
-            sql.COMPLETE_CALLBACKS,
-            {
-                "id": [job.id for job in waiting],
-                "metadata": [
-                    json.dumps({RESULT_KEY: payloads[job.callback_id]})  # type: ignore[index]
-                    for job in waiting
-                ],
-            },
-        )
+        try:
+            cursor.execute(
+                sql.COMPLETE_CALLBACKS,
+                {
+                    "id": [job.id for job in waiting],
+                    "metadata": [
+                        json.dumps({RESULT_KEY: payloads[job.callback_id]})  # type: ignore[index]
+                        for job in waiting
+                    ],
+                },
+            )
+        except IntegrityError as exc:
+            raise _key_held(waiting, JobState.COMPLETED) from exc
         rows = jobs_from_rows(cursor.fetchall(), alias)
     outcomes = [(row, COMPLETED.after(row)) for row in rows]
     dispatch_many(outcomes, alias)
@@ -381,7 +402,7 @@ def apply_early(row: Job, alias: str) -> Job | None:
                 error=early.get("error"),
                 alias=alias,
             )
-    except (FollowupError, DatabaseError):
+    except (FollowupError, DatabaseError, UniqueConflict):
         # Caught, not raised: finalize's transaction must still commit the park
         # (the savepoint above rolled back only the resolution). Re-raising
         # would make the worker write the same batch again, forever.
@@ -603,6 +624,9 @@ def callback_view(request: HttpRequest, callback_id: uuid.UUID, action: str) -> 
     except FollowupError as exc:
         logger.warning("callback %s %s: follow-up failed: %s", callback_id, action, exc)
         return _error(503, "a follow-up failed; the job is unchanged, try again")
+    except UniqueConflict as exc:
+        logger.warning("callback %s %s refused: %s", callback_id, action, exc)
+        return _error(409, str(exc))
     return JsonResponse({"id": job.id, "state": job.state})
 
 
@@ -709,6 +733,9 @@ def callback_batch_view(request: HttpRequest) -> JsonResponse:
     except FollowupError as exc:
         logger.warning("callbacks batch: follow-up failed: %s", exc)
         return _error(503, "a follow-up failed; no job changed, try again")
+    except UniqueConflict as exc:
+        logger.warning("callbacks batch refused: %s", exc)
+        return _error(409, f"{exc}; no job changed")
     out = []
     for entry, check in zip(entries, checked, strict=True):
         if isinstance(check, JsonResponse):

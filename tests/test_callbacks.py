@@ -1452,6 +1452,46 @@ def post_batch(entries: Any, client: Client | None = None):
     )
 
 
+def parked_twins() -> list[Job]:
+    """Two jobs of one ``awa.Unique`` key, both parked as a worker leaves them: the first
+    parked before the second was enqueued (``waiting_external`` holds no key)."""
+    twins = []
+    for _ in range(2):
+        job = awa.enqueue(Parked(timeout=63.0), unique=awa.Unique(by_args=True))
+        Job.objects.filter(id=job.id).update(
+            state=JobState.WAITING_EXTERNAL,
+            attempt=1,
+            run_lease=1,
+            callback_id=uuid.uuid4(),
+            callback_timeout_at=db_now() + dt.timedelta(seconds=60),
+        )
+        twins.append(Job.objects.get(id=job.id))
+    return twins
+
+
+def test_an_answer_that_would_take_a_unique_key_another_job_holds_is_refused_clearly():
+    """Once one twin's callback completed it (``completed`` holds the key), completing or
+    retrying the other broke the unique index: a bare ``IntegrityError`` in Python and a
+    500 over HTTP. It is ``awa.UniqueConflict`` (409), and the job still waits."""
+    done, other = parked_twins()
+    assert awa.complete_external(done.callback_id, {"n": 1}).state == JobState.COMPLETED
+    before = snapshot(other.id)
+    for action in ("complete", "retry"):
+        with transaction.atomic():
+            with pytest.raises(awa.UniqueConflict, match="another job holds its unique key"):
+                call(action, other.callback_id)
+            Ledger.objects.create(job_id=other.id, attempt=0, run_lease=0, note="usable")
+        response = post(other.callback_id, action, {"payload": 1} if action == "complete" else {})
+        assert response.status_code == 409, response.content
+        assert "another job holds its unique key" in response.json()["error"]
+    response = post_batch([entry(other.callback_id, 2)])
+    assert response.status_code == 409 and "no job changed" in response.json()["error"]
+    with pytest.raises(awa.UniqueConflict):
+        complete_external_many([(other.callback_id, 3)])
+    assert snapshot(other.id) == before and Ledger.objects.count() == 2
+    assert awa.fail_external(other.callback_id, "a twin did it").state == JobState.FAILED
+
+
 def test_the_batch_receiver_judges_each_entry_as_its_own_request_would_be():
     ok = [parked_row() for _ in range(3)]
     forged, stale, failed = parked_row(), parked_row(), parked_row(state=JobState.FAILED)
