@@ -168,14 +168,14 @@ def _run_task(job: JobContext) -> Any:
     if task is None:  # pragma: no cover - resolved just before
         raise RuntimeError(f"task {job.kind} vanished")
     call = job.args
-    # The backend the call was enqueued through (``task.using(backend=...)``), whose
-    # database holds the row; the task's own if that alias is no longer an awa one.
-    backend = task_backends[call.backend] if _is_awa_backend(call.backend) else task.get_backend()
     alias = job.row._state.db
     # _resolve names TaskCall as the args class; an AwaTask is made by the
     # backend whose task_class it is; a claimed row was loaded from a database.
     if not isinstance(call, TaskCall):  # pragma: no cover
         raise TypeError(f"task {job.kind}: args are {type(call).__name__}, not TaskCall")
+    # The backend the call was enqueued through (``task.using(backend=...)``), whose
+    # database holds the row; the task's own if that alias is no longer an awa one.
+    backend = task_backends[call.backend] if _is_awa_backend(call.backend) else task.get_backend()
     if not isinstance(backend, AwaTaskBackend):  # pragma: no cover
         raise TypeError(f"task {job.kind}: backend {task.backend!r} is not an AwaTaskBackend")
     if alias is None:  # pragma: no cover
