@@ -753,6 +753,17 @@ class HandlerPool:
                 self.loop = loop
             return self.loop
 
+    def in_handlers(self) -> set[threading.Thread]:
+        """The handler threads whose handler runs now (abandoned ones too): at the end of
+        the drain, not waited for (their attempts were given back; they end with the
+        process)."""
+        with self.state.running_lock:
+            return {
+                handler.thread
+                for handler in (*self.handlers, *self.abandoned)
+                if handler.thread is not None and handler.attempt is not None
+            }
+
     def stop_loop(self) -> None:
         """Stop the event loop thread (at shutdown), once the handlers still on it are done.
 

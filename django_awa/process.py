@@ -66,6 +66,10 @@ FAILED_EXIT = 70
 # their heartbeat kept: the worker gives them back at once, not after their handlers.
 _NEEDED_BY_RUNNING = frozenset({"awa-completer", "awa-heartbeat"})
 _WAKE = 0  # not a signal: stop() wakes the main thread with it
+# The signals that stop a worker: SIGQUIT at once, the others letting running jobs
+# finish first. SIGHUP too (a closed terminal, an ssh session dropped): left to its
+# default, it killed the process outright, its jobs left for rescue at STALE_AFTER.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 class Worker:
@@ -113,7 +117,7 @@ class Worker:
         state = self.state
         set_worker(state.name)
         if self.install_signal_handlers:
-            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            for signum in STOP_SIGNALS:
                 signal.signal(signum, self._on_signal)
         connections_told, warnings = self._connections_report()
         logger.info(
@@ -364,10 +368,13 @@ class Worker:
                 # ``concurrency`` of them: abandoned ones take nothing from the inbox.
                 runner.inbox.put(None)
         # A thread still stuck in a handler (an abandoned one too) keeps its
-        # connection until the process exits; they are daemon threads.
+        # connection until the process exits; they are daemon threads, and not waited
+        # for: waiting, a worker given SHUTDOWN_TIMEOUT 0 exited 3 s after its signal.
+        in_handlers = self.handlers.in_handlers()
         until = time.monotonic() + 3.0
         for thread in state.threads:
-            thread.join(timeout=max(0.0, until - time.monotonic()))
+            if thread not in in_handlers:
+                thread.join(timeout=max(0.0, until - time.monotonic()))
         try:
             # The outcomes counted since the last heartbeat, for the dashboard.
             state.tally.flush(state.alias, state.name)

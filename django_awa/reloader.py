@@ -43,6 +43,8 @@ from typing import Any
 from django.apps import apps
 from django.utils import autoreload
 
+from .process import STOP_SIGNALS
+
 logger = logging.getLogger(__name__)
 
 # Set in the child's environment: the worker itself, not the watcher. Its value is
@@ -149,12 +151,12 @@ def run_with_reloader() -> int:
     """In the watcher: run the worker child, start it again after each ``RELOAD``, and
     return its exit status once it stops for a signal this process passed on.
 
-    The first SIGTERM or SIGINT is passed on as SIGTERM (finish in-flight jobs);
+    The first SIGTERM, SIGINT or SIGHUP is passed on as SIGTERM (finish in-flight jobs);
     SIGQUIT, or a second signal, as SIGQUIT (give them back now). A child that
     exits by itself otherwise is started again once a file changes.
     """
     received: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for handled in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+    for handled in STOP_SIGNALS:
         signal.signal(handled, lambda signum, _frame: received.put(signum))
     arguments = autoreload.get_child_arguments()
     logger.info("awa_worker --reload: the worker starts again when a Python file changes")

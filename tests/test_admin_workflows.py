@@ -48,9 +48,10 @@ def test_the_graph_links_each_node_to_its_job_and_back(login: Any, superuser: An
     crumbs = page.locator("nav ol.breadcrumbs li")
     assert crumbs.all_inner_texts()[:3] == ["Home", "Awa jobs", "Jobs"]
     assert crumbs.nth(3).inner_text().startswith("Workflow order-42")
-    assert page.locator("nav ol.breadcrumbs").evaluate(
-        "el => getComputedStyle(el).backgroundColor"
-    ) != "rgba(0, 0, 0, 0)"
+    assert (
+        page.locator("nav ol.breadcrumbs").evaluate("el => getComputedStyle(el).backgroundColor")
+        != "rgba(0, 0, 0, 0)"
+    )
     nodes = page.locator("svg.awa-graph a.awa-node")
     assert nodes.count() == 5
     assert [nodes.nth(i).get_attribute("data-state") for i in range(5)] == [

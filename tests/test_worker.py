@@ -309,6 +309,31 @@ def test_sigterm_gives_back_jobs_that_outlive_the_shutdown_timeout(start_worker)
     assert retried.count() == 1
 
 
+def test_a_handler_that_ignores_the_stop_does_not_hold_up_the_exit(start_worker):
+    # Its job is given back at SHUTDOWN_TIMEOUT; the worker then waited 3 s more for
+    # the thread still in the handler, which ends with the process anyway.
+    job = awa.enqueue(Act(action="progress", seconds=30))  # sleeps, ignoring cancels
+    worker = start_worker("--queue", "default", "--shutdown-timeout", "0")
+    wait_for(lambda: Job.objects.get(id=job.id).progress is not None)
+    signalled = time.monotonic()
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    assert time.monotonic() - signalled < 2.0, worker.output()[-2000:]
+    assert Job.objects.get(id=job.id).state == JobState.AVAILABLE
+
+
+def test_sighup_stops_a_worker_as_sigterm_does(start_worker):
+    # A closed terminal or a dropped ssh session: left to its default, SIGHUP killed
+    # the worker, its running job left for the rescue at STALE_AFTER.
+    job = awa.enqueue(Act(action="sleep", seconds=1))
+    worker = start_worker("--queue", "default")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    worker.signal(signal.SIGHUP)
+    assert worker.wait(20) == 0
+    assert "SIGHUP received: finishing in-flight jobs" in worker.output()
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+
+
 @pytest.mark.slow
 def test_an_attempt_interrupted_on_its_last_try_is_exhausted_with_its_followups(start_worker):
     job = awa.enqueue(Act(action="sleep", seconds=30), max_attempts=1)

@@ -34,7 +34,7 @@ from django_awa.db import database_alias
 from django_awa.exceptions import ConfigurationError, WorkerFailed
 from django_awa.logs import JobContextFilter
 from django_awa.management.operator import usage
-from django_awa.process import FAILED_EXIT, Worker
+from django_awa.process import FAILED_EXIT, STOP_SIGNALS, Worker
 from django_awa.state import DB_ERRORS
 
 logger = logging.getLogger("django_awa.process")
@@ -236,7 +236,7 @@ class Command(BaseCommand):
 
         # The handlers only queue the signal (a reentrant put); this thread acts.
         received: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for handled in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        for handled in STOP_SIGNALS:
             signal.signal(handled, lambda signum, _frame: received.put(signum))
         count = 0
         started = dict.fromkeys(range(processes), time.monotonic())
@@ -323,7 +323,7 @@ def _forward(
 def _child(queues: dict[str, int], alias: str, conf: AwaSettings, processes: int) -> None:
     # A child started in a dead one's place was forked after the supervisor's own
     # handlers were set: the worker takes the signals, as in the first children.
-    for handled in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+    for handled in STOP_SIGNALS:
         signal.signal(handled, signal.SIG_DFL)
     worker = Worker(queues, alias=alias, conf=conf, repeat_halts=False, processes=processes)
     parent = os.getppid()
