@@ -1435,8 +1435,6 @@ class QueueAdmin(AwaModelAdmin[Queue]):
         # once moved to awa_job_done, so those columns are not counted here.
         counted = not _is_small(alias)
         stats = control.queue_stats(using=alias, counted=counted)
-        for name in awa_settings().queues:
-            stats.setdefault(name, control.empty_queue_stats())
         jobs_url = reverse("admin:django_awa_job_changelist")
         flow = _flow_control(sorted(stats), alias)
         triage = queue_triage(alias)

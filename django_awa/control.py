@@ -273,7 +273,9 @@ def empty_queue_stats() -> dict[str, Any]:
 
 
 def queue_stats(*, using: str | None = None, counted: bool = False) -> dict[str, dict[str, Any]]:
-    """``{queue: {state: count for every state, "paused": bool}}`` for every known queue.
+    """``{queue: {state: count for every state, "paused": bool}}`` for every known queue:
+    those of ``AWA["QUEUES"]`` (as ``/metrics`` lists them), with jobs, or with a row
+    in ``awa_queue`` (paused, or given limits).
 
     ``counted=True`` reads the maintenance leader's last count (``awa_job_count``)
     instead of counting every row: live jobs as of its last tick, and only the
@@ -287,6 +289,8 @@ def queue_stats(*, using: str | None = None, counted: bool = False) -> dict[str,
             stats[name] = empty_queue_stats()
         return stats[name]
 
+    for name in awa_settings().queues:
+        entry(name)
     with connections[alias].cursor() as cursor:
         cursor.execute(sql.COUNTED_QUEUE_STATS if counted else sql.QUEUE_STATS)
         for queue, state, count in cursor.fetchall():
