@@ -22,6 +22,7 @@ import sys
 import types
 import typing
 import uuid
+from collections.abc import Iterator
 from typing import Any, cast
 
 from django.conf import settings
@@ -54,8 +55,22 @@ class UnreadableJSON:
         self.size = len(text)
         self.error = f"{type(error).__name__}: {error}"
 
+    # Read as an empty value of any kind, so code that looks into a column
+    # (``metadata.get(...)``, ``for tag in tags``) reads nothing rather than raising.
     def __bool__(self) -> bool:
         return False
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __contains__(self, item: object) -> bool:
+        return False
+
+    def get(self, key: object, default: Any = None) -> Any:
+        return default
 
     def __repr__(self) -> str:
         return f"<stored JSON of {self.size:,} characters that Python cannot read ({self.error})>"

@@ -162,6 +162,11 @@ def test_a_row_python_cannot_read_fails_alone_and_the_jobs_claimed_with_it_compl
             (bad_args, "args", HUGE_INT),
             (deep_args, "args", DEEP),
             (bad_metadata, "metadata", DEEP),
+            (
+                bad_metadata,
+                "tags",
+                """('[' || repeat('[', 5000) || repeat(']', 5000) || ']')::jsonb""",
+            ),
             (with_followups, "args", HUGE_INT),
         ):
             # Constants of this module, not input.
@@ -191,8 +196,9 @@ def test_a_row_python_cannot_read_fails_alone_and_the_jobs_claimed_with_it_compl
     rows = {job.id: job for job in Job.objects.filter(id__in=ids)}
     assert not rows[bad_args].args
     assert "Python cannot read" in repr(rows[bad_args].args)
-    assert not rows[bad_metadata].metadata
+    assert not rows[bad_metadata].metadata and list(rows[bad_metadata].tags) == []
     assert admin_client.get("/admin/django_awa/job/").status_code == 200
+    assert admin_client.get(f"/admin/django_awa/job/{bad_metadata}/change/").status_code == 200
     page = admin_client.get(f"/admin/django_awa/job/{bad_args}/change/")
     assert page.status_code == 200
     assert "9" * 200 in page.content.decode()  # the stored text, shown as it is
