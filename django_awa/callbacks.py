@@ -342,8 +342,9 @@ def fail_external(callback_id: uuid.UUID | str, error: str, *, using: str | None
 def _fail(
     callback_id: uuid.UUID | str, error: str, *, using: str | None, savepoint: bool = True
 ) -> Job:
-    if not isinstance(error, str):
-        raise ValidationError(f"fail_external: error must be a string, got {error!r}")
+    if not isinstance(error, str) or not error:
+        # As the HTTP receiver asks: a failure says why (it is the job's errors entry).
+        raise ValidationError(f"fail_external: error must be a non-empty string, got {error!r}")
     require_text(error, "fail_external: error")
     return _external(
         callback_id, CallbackAction.FAIL, error=error, using=using, savepoint=savepoint

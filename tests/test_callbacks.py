@@ -771,6 +771,7 @@ def test_a_second_register_callback_in_one_attempt_is_refused_naming_the_first()
         (awa.complete_external, {"nul": "a\x00b"}),
         (awa.fail_external, 42),
         (awa.fail_external, "nul \x00 inside"),
+        (awa.fail_external, ""),  # no reason: refused, as over HTTP
     ],
 )
 def test_values_postgres_cannot_store_are_refused_before_any_write(function, bad):
