@@ -13,6 +13,7 @@ from a module of an installed app. Nothing else named in a row is imported.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import importlib
 import json
 import reprlib
@@ -63,6 +64,7 @@ KIND_PREFIX = "task"
 RETURN_KEY = "awa_task_return"
 ERRORS_KEY = "awa_task_errors"
 PRIORITY_KEY = "awa_task_priority"
+STARTED_KEY = "awa_task_started_at"
 # The keys AwaTaskBackend takes in TASKS[...]["OPTIONS"].
 OPTIONS = ("DATABASE",)
 
@@ -180,9 +182,14 @@ def _run_task(job: JobContext) -> Any:
         raise TypeError(f"task {job.kind}: backend {task.backend!r} is not an AwaTaskBackend")
     if alias is None:  # pragma: no cover
         raise RuntimeError(f"task {job.kind}: job {job.id} has no database")
+    connection = connections[alias]
+    if job.max_attempts > 1 and STARTED_KEY not in (job.row.metadata or {}):
+        # TaskResult.started_at is the first attempt's start: a retry's claim
+        # replaces attempted_at, so the first run of a task that may be retried keeps it.
+        with connection.cursor() as cursor:
+            cursor.execute(sql.RECORD_TASK_STARTED, {"id": job.id, "run_lease": job.row.run_lease})
     result = backend.result_from_job(job.row, task)
     task_started.send(sender=type(backend), task_result=result)
-    connection = connections[alias]
     # A worker runs the task in autocommit. Inside a transaction (run_jobs in a
     # TestCase) a database error the task meets aborts it: the error could not be
     # recorded, and the "transaction is aborted" of recording it would replace it.
@@ -315,6 +322,12 @@ def _task_errors(job: Job) -> list[TaskError]:
     ]
 
 
+def _started_at(metadata: dict[str, Any]) -> dt.datetime | None:
+    """The first attempt's start, kept by a task that may be retried (``STARTED_KEY``)."""
+    value = metadata.get(STARTED_KEY)
+    return dt.datetime.fromisoformat(value) if isinstance(value, str) else None
+
+
 def _text(entry: dict[str, Any]) -> str:
     """A row's ``errors`` entry as a TaskError's traceback: its traceback, if any, and error."""
     error, trace = str(entry.get("error", "")), str(entry.get("traceback") or "")
@@ -437,7 +450,7 @@ class AwaTaskBackend(BaseTaskBackend):
             "id": str(job.id),
             "status": STATUS[JobState(job.state)],
             "enqueued_at": job.created_at,
-            "started_at": job.attempted_at,
+            "started_at": (job.attempt > 1 and _started_at(metadata)) or job.attempted_at,
             "finished_at": job.finalized_at,
             "last_attempted_at": job.attempted_at,
             "args": call.get("args", []),

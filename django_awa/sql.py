@@ -2494,6 +2494,16 @@ WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
 """
 
 
+# -- RECORD_TASK_STARTED --
+# When a Django Task that may be retried first began (TaskResult.started_at), on the
+# database clock as attempted_at; written once, by its first run. Primary key lookup.
+RECORD_TASK_STARTED = """
+UPDATE awa_job
+SET metadata = metadata || jsonb_build_object('awa_task_started_at', statement_timestamp())
+WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
+  AND NOT metadata ? 'awa_task_started_at'
+"""
+
 # ==== The admin (admin.py) ====
 
 # -- TABLE_BYTES --

@@ -75,6 +75,11 @@ def test_max_attempts_asks_for_retries(start_worker):
     wait_for_state(int(result.id), JobState.COMPLETED, timeout=20)
     result.refresh()
     assert result.return_value == 2 and result.attempts == 2
+    # Django's started_at is the first attempt's start, last_attempted_at the last's:
+    # both read the last's, 2 s of backoff later.
+    assert result.started_at is not None and result.last_attempted_at is not None
+    assert result.last_attempted_at - result.started_at > dt.timedelta(seconds=1)
+    assert result.enqueued_at <= result.started_at <= result.finished_at
 
 
 def test_task_finished_is_sent_as_each_task_ends_with_its_errors_recorded():
