@@ -50,7 +50,7 @@ else:
         from django_tasks.exceptions import TaskResultDoesNotExist
         from django_tasks.signals import task_enqueued, task_finished, task_started
 
-from . import sql
+from . import signals, sql
 from .compat import savepoint_create
 from .conf import QUEUE_NAME_RE, not_kept_note
 from .db import postgresql_problem, transaction_failed
@@ -189,6 +189,11 @@ def _run_task(job: JobContext) -> Any:
         with connection.cursor() as cursor:
             cursor.execute(sql.RECORD_TASK_STARTED, {"id": job.id, "run_lease": job.row.run_lease})
     result = backend.result_from_job(job.row, task)
+    # The row stores this attempt's start only once it has run 0.1 s (and the first's,
+    # if this is it, only just now): it starts now.
+    now = timezone.now()
+    started = {"started_at": result.started_at or now, "last_attempted_at": now}
+    result = dataclasses.replace(result, **{k: v for k, v in started.items() if hasattr(result, k)})
     task_started.send(sender=type(backend), task_result=result)
     # A worker runs the task in autocommit. Inside a transaction (run_jobs in a
     # TestCase) a database error the task meets aborts it: the error could not be
@@ -216,15 +221,21 @@ def _run_task(job: JobContext) -> Any:
                 sql.RECORD_TASK_ERROR,
                 {"error": json.dumps([stored]), "id": job.id, "run_lease": job.row.run_lease},
             )
+            ours = cursor.rowcount > 0
         if savepoint is not None:
             transaction.savepoint_commit(savepoint, using=alias)
-        if job.attempt >= job.max_attempts:  # no retry: the task is finished
+        # Not if cancelled or rescued meanwhile: its error is not the outcome.
+        if ours and job.attempt >= job.max_attempts:  # no retry: the task is finished
             errors = [*result.errors, TaskError(**error)]
             _send_finished(backend, result, TaskResultStatus.FAILED, errors=errors)
         raise
     if savepoint is not None:
         transaction.savepoint_commit(savepoint, using=alias)
-    _send_finished(backend, result, TaskResultStatus.SUCCESSFUL, value=value)
+    with connection.cursor() as cursor:
+        cursor.execute(sql.TASK_STILL_RUNNING, {"id": job.id, "run_lease": job.row.run_lease})
+        ours = cursor.fetchone() is not None
+    if ours:  # else cancelled or rescued meanwhile: what it returned is discarded
+        _send_finished(backend, result, TaskResultStatus.SUCCESSFUL, value=value)
     # Stored as Job.result by the completing transaction (SPEC §9, §11).
     return value
 
@@ -255,6 +266,33 @@ def _send_finished(
     if status == TaskResultStatus.SUCCESSFUL:
         object.__setattr__(finished, "_return_value", value)
     task_finished.send(sender=type(backend), task_result=finished)
+
+
+def _finished_unraised(sender: type[Job], job: Job, **kwargs: Any) -> None:
+    """``task_finished`` for a task failed for good by what its function did not raise
+    or return (a cancel, a rescue, its attempt interrupted at shutdown), once that
+    commits: the result as stored. What the function raised or returned on its last
+    attempt was sent by ``_run_task``, and so is not sent again."""
+    if not job.kind.startswith(f"{KIND_PREFIX}:") or job.state not in (
+        JobState.FAILED,
+        JobState.CANCELLED,
+    ):
+        return
+    raised = (job.metadata or {}).get(ERRORS_KEY, [])
+    if job.state == JobState.FAILED and any(e.get("attempt") == job.attempt for e in raised):
+        return
+    task = _task_for(job.kind.partition(":")[2])
+    if task is None:  # no task to name (not found by the worker either)
+        return
+    called = (job.args or {}).get("backend")
+    backend = task_backends[called] if _is_awa_backend(called) else task.get_backend()
+    if isinstance(backend, AwaTaskBackend):
+        task_finished.send(sender=type(backend), task_result=backend.result_from_job(job, task))
+
+
+for _signal in (signals.job_exhausted, signals.job_cancelled, signals.job_rescued):
+    # No sender=: has_listeners(), which send_signal asks first, counts only those.
+    _signal.connect(_finished_unraised, dispatch_uid="awa_task_finished_unraised")
 
 
 def _check_json_arguments(args: Sequence[Any], kwargs: Mapping[str, Any], where: str) -> None:

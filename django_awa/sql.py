@@ -2504,6 +2504,15 @@ WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
   AND NOT metadata ? 'awa_task_started_at'
 """
 
+
+# -- TASK_STILL_RUNNING --
+# Whether a Django Task's attempt is still its row's (not cancelled or rescued while
+# its function ran): then the worker's outcome stands. Primary key lookup.
+TASK_STILL_RUNNING = """
+SELECT 1 FROM awa_job WHERE id = %(id)s AND run_lease = %(run_lease)s AND state = 'running'
+"""
+
+
 # ==== The admin (admin.py) ====
 
 # -- TABLE_BYTES --

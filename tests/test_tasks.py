@@ -86,21 +86,36 @@ def test_task_finished_is_sent_as_each_task_ends_with_its_errors_recorded():
     from django_awa.testing import run_jobs
 
     try:
-        from django.tasks.signals import task_finished
+        from django.tasks.signals import task_finished, task_started
     except ImportError:
-        from django_tasks.signals import task_finished
+        from django_tasks.signals import task_finished, task_started
     finished = {}
+    sent = []
+    started = []
 
     def receiver(sender, task_result, **kwargs):
         finished[task_result.id] = task_result
+        sent.append(task_result.id)
+
+    def on_started(sender, task_result, **kwargs):
+        started.append(task_result)
 
     results = [tasks.add.enqueue(2, 3), tasks.explode.enqueue(), tasks.leave.enqueue()]
     results.append(tasks.not_a_number.enqueue())
     task_finished.connect(receiver)
+    task_started.connect(on_started)
     try:
         run_jobs()
     finally:
         task_finished.disconnect(receiver)
+        task_started.disconnect(on_started)
+    assert sorted(sent) == sorted(r.id for r in results)  # once each
+    # A started task says when it started (it read None: the row stores it 0.1 s in).
+    assert len(started) == 4
+    for result in started:
+        assert result.status == TaskResultStatus.RUNNING and result.attempts == 1
+        assert result.started_at is not None
+        assert result.started_at == result.last_attempted_at >= result.enqueued_at
     added, exploded, left, nan = (finished[r.id] for r in results)
     assert added.status == TaskResultStatus.SUCCESSFUL and added.return_value == 5
     assert added.finished_at is not None
@@ -111,6 +126,50 @@ def test_task_finished_is_sent_as_each_task_ends_with_its_errors_recorded():
         assert result.status == TaskResultStatus.FAILED
         stored = tasks.add.get_backend().get_result(result.id)
         assert [e.exception_class_path for e in stored.errors] == [path]
+
+
+def test_task_finished_agrees_with_the_result_of_a_task_cancelled_while_it_ran():
+    """A task cancelled while its function ran, which then returned, sent task_finished
+    SUCCESSFUL with its return value: the result stored (and read back) is FAILED. A
+    task cancelled before it ran, or rescued, sent none. Each now sends it once, as stored."""
+    import django_awa as awa
+    from django_awa.maintenance import Maintenance
+    from django_awa.testing import run_jobs
+
+    try:
+        from django.tasks.signals import task_finished
+    except ImportError:
+        from django_tasks.signals import task_finished
+    finished = []
+
+    def receiver(sender, task_result, **kwargs):
+        finished.append(task_result)
+
+    result = tasks.cancel_own_job.enqueue()
+    waiting = tasks.add.using(run_after=timezone.now() + dt.timedelta(hours=1)).enqueue(1, 2)
+    task_finished.connect(receiver)
+    try:
+        run_jobs()
+        awa.cancel(int(waiting.id), "not needed")
+        # A worker that died running one, on its last attempt: the rescue fails it.
+        lost = tasks.add.enqueue(2, 2)
+        stale = timezone.now() - dt.timedelta(hours=1)
+        Job.objects.filter(id=int(lost.id)).update(
+            state=JobState.RUNNING, attempt=1, heartbeat_at=stale, attempted_at=stale
+        )
+        Maintenance().rescue()
+    finally:
+        task_finished.disconnect(receiver)
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    sent, sent_waiting, sent_lost = finished
+    assert (sent_waiting.id, sent_waiting.status) == (waiting.id, TaskResultStatus.FAILED)
+    assert [e.traceback for e in sent_waiting.errors] == ["cancelled: not needed"]
+    assert (sent_lost.id, sent_lost.status) == (lost.id, TaskResultStatus.FAILED)
+    assert sent_lost.errors[0].traceback.startswith("rescued"), sent_lost.errors
+    assert (sent.id, sent.status) == (result.id, TaskResultStatus.FAILED)
+    assert [e.traceback for e in sent.errors] == ["cancelled: while it ran"]
+    assert sent.finished_at == result.finished_at is not None
 
 
 def test_a_result_read_back_names_the_task_as_it_was_enqueued():
@@ -212,7 +271,7 @@ def test_a_task_the_worker_cannot_find_fails_with_an_error_about_tasks_not_jobar
 
 
 @pytest.mark.slow
-def test_a_task_failed_by_what_it_did_not_raise_reports_why(start_worker):
+def test_a_task_failed_by_what_it_did_not_raise_reports_why(start_worker, tmp_path):
     """A task that failed without raising (interrupted at shutdown on its one attempt,
     rescued, cancelled, not found by the worker) read ``FAILED`` with ``errors`` empty:
     the reason was only in the job row. It is a TaskError naming ``AwaError``."""
@@ -226,7 +285,14 @@ def test_a_task_failed_by_what_it_did_not_raise_reports_why(start_worker):
     (error,) = cancelled.errors
     assert error.exception_class is AwaError and error.traceback == "cancelled: not needed"
 
-    worker = start_worker("--queue", "default", "--shutdown-timeout", "0")
+    finished = tmp_path / "finished"
+    worker = start_worker(
+        "--queue",
+        "default",
+        "--shutdown-timeout",
+        "0",
+        env={"AWA_TEST_TASK_FINISHED": str(finished)},
+    )
     napping = tasks.nap.enqueue(30)
     # Its handler started (not a claimed job given back unused): the heartbeat says so.
     wait_for(lambda: Job.objects.filter(id=int(napping.id), attempted_at__isnull=False).exists())
@@ -236,6 +302,8 @@ def test_a_task_failed_by_what_it_did_not_raise_reports_why(start_worker):
     (error,) = napping.errors
     assert error.exception_class_path == "django_awa.exceptions.AwaError"
     assert error.traceback.startswith("interrupted: the worker shut down"), error.traceback
+    # The worker sent task_finished for it, once, as for one that raised.
+    assert finished.read_text() == f"{napping.id} FAILED\n"
 
     # What the function raised is reported as it was, not again from the row's errors.
     start_worker("--queue", "default")

@@ -76,3 +76,34 @@ def bad_sql(how: str) -> None:
             cursor.execute("SELECT 1 / 0")
     else:  # the note is longer than its column
         Ledger.objects.create(job_id=0, attempt=0, run_lease=0, note="x" * 101)
+
+
+@task(takes_context=True)
+def cancel_own_job(context) -> str:
+    """Cancels its own job, as a user would while it runs, then returns."""
+    import django_awa as awa
+
+    awa.cancel(int(context.task_result.id), "while it ran")
+    return "returned anyway"
+
+
+def _note_finished(sender, task_result, **kwargs) -> None:
+    """In a worker started with AWA_TEST_TASK_FINISHED: each task_finished, a line."""
+    import os
+
+    with open(os.environ["AWA_TEST_TASK_FINISHED"], "a") as out:
+        out.write(f"{task_result.id} {task_result.status}\n")
+
+
+def _listen() -> None:
+    import os
+
+    if os.environ.get("AWA_TEST_TASK_FINISHED"):
+        try:
+            from django.tasks.signals import task_finished
+        except ImportError:
+            from django_tasks.signals import task_finished
+        task_finished.connect(_note_finished)
+
+
+_listen()
