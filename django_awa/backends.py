@@ -192,7 +192,7 @@ def _run_task(job: JobContext) -> Any:
     # The row stores this attempt's start only once it has run 0.1 s (and the first's,
     # if this is it, only just now): it starts now.
     now = timezone.now()
-    started = {"started_at": result.started_at or now, "last_attempted_at": now}
+    started: dict[str, Any] = {"started_at": result.started_at or now, "last_attempted_at": now}
     result = dataclasses.replace(result, **{k: v for k, v in started.items() if hasattr(result, k)})
     task_started.send(sender=type(backend), task_result=result)
     # A worker runs the task in autocommit. Inside a transaction (run_jobs in a
@@ -285,7 +285,10 @@ def _finished_unraised(sender: type[Job], job: Job, **kwargs: Any) -> None:
     if task is None:  # no task to name (not found by the worker either)
         return
     called = (job.args or {}).get("backend")
-    backend = task_backends[called] if _is_awa_backend(called) else task.get_backend()
+    if isinstance(called, str) and _is_awa_backend(called):
+        backend = task_backends[called]
+    else:
+        backend = task.get_backend()
     if isinstance(backend, AwaTaskBackend):
         task_finished.send(sender=type(backend), task_result=backend.result_from_job(job, task))
 
