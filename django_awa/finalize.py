@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connections, transaction
 
 from . import db, sql
 from .callbacks import apply_early
@@ -648,6 +648,10 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
                     # It passed its timeout holding its key's place (handlers.time_out):
                     # its result is ignored, its writes rolled back.
                     raise _HandlerRaised(attempt.timed_out)
+                if (unusable := _unusable_transaction(alias)) is not None:
+                    # Its outcome cannot commit with its writes: both roll back,
+                    # and the attempt's error says why.
+                    raise _HandlerRaised(errored(attempt.job, unusable))
                 return _finalize_atomic_attempt(attempt, from_value(attempt, value))
         except _HandlerRaised as raised:
             with transaction.atomic(using=alias):
@@ -661,6 +665,36 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
         # The fallback (a retry, or a failure on the last attempt) is what was
         # written, not the outcome its follow-ups refused: the caller counts it.
         return applied[0] if applied else None
+
+
+def _unusable_transaction(alias: str) -> str | None:
+    """Why the transaction an atomic handler returned in cannot commit, if it cannot.
+
+    Without this, a handler that called ``transaction.set_rollback(True)`` had
+    its outcome rolled back with its writes as ``atomic()`` exited, unseen: the
+    job stayed running until rescue. One that went on after a database error
+    in the transaction, or closed the connection, got the error of the
+    outcome's write ("current transaction is aborted") instead of its own.
+    """
+    wrapper = connections[alias]
+    if wrapper.closed_in_transaction:
+        return (
+            "the atomic handler closed its database connection inside its transaction: "
+            "its writes were rolled back"
+        )
+    if wrapper.needs_rollback:
+        return (
+            "the atomic handler's transaction was marked for rollback "
+            "(transaction.set_rollback(True), or an ORM database error it caught "
+            "outside a nested transaction.atomic()): its writes were rolled back"
+        )
+    if db.transaction_failed(alias):
+        return (
+            "the atomic handler went on after a database error in its transaction, "
+            "which PostgreSQL then aborted: its writes were rolled back (catch such "
+            "errors around a nested transaction.atomic(), which rolls back to a savepoint)"
+        )
+    return None
 
 
 def _finalize_atomic_attempt(attempt: Attempt, result: AttemptResult) -> AttemptResult:

@@ -22,7 +22,7 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa.models import Job, JobState, MaintenanceLease, Worker
 from tests.conftest import ROOT, make_job, scratch_database, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Bailout, Echo, LeakyAtomic, Severed, Unhandled
+from tests.testapp.jobs import Act, Bailout, Echo, LeakyAtomic, Severed, Unhandled, Unwound
 from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -833,6 +833,31 @@ def test_errors_while_loading_a_handler_or_finalizing_are_the_attempts_error(sta
     entry = lost.errors[-1]
     assert "could not be finalized" in entry["error"] and "Traceback" in entry["traceback"]
     assert "rescued" not in entry["error"]
+    wait_for_state(after.id, JobState.COMPLETED, timeout=3)
+
+
+def test_an_atomic_handler_returning_in_a_spoilt_transaction_is_retried_with_a_clear_error(
+    start_worker,
+):
+    # set_rollback(True) rolled the outcome back with the writes, unseen: the job
+    # stayed running until rescue. A caught error or a closed connection gave
+    # the outcome's own error ("current transaction is aborted").
+    expected = {
+        "set_rollback": "transaction was marked for rollback (transaction.set_rollback(True)",
+        "orm_error": "transaction was marked for rollback (transaction.set_rollback(True)",
+        "sql_error": "went on after a database error in its transaction",
+        "close": "closed its database connection inside its transaction",
+    }
+    jobs = {how: awa.enqueue(Unwound(reference=f"unwound-{how}", how=how)) for how in expected}
+    after = awa.enqueue(Act(action="ok"))
+    start_worker("--queue", "default=1")
+
+    for how, job in jobs.items():
+        # Sooner than STALE_AFTER (3 s) plus a maintenance cycle, when rescue would come.
+        retried = wait_for_state(job.id, JobState.RETRYABLE, timeout=3)
+        error = retried.errors[-1]["error"]
+        assert expected[how] in error and "its writes were rolled back" in error, (how, error)
+    assert not Order.objects.filter(reference__startswith="unwound-").exists()
     wait_for_state(after.id, JobState.COMPLETED, timeout=3)
 
 

@@ -7,6 +7,7 @@ handler-result table; every run writes a ``Ledger`` row first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from asgiref.sync import sync_to_async
-from django.db import OperationalError, connection, connections, transaction
+from django.db import DatabaseError, OperationalError, connection, connections, transaction
 from django.utils import timezone
 
 import django_awa as awa
@@ -369,6 +370,30 @@ class LeakyAtomic(awa.JobArgs):
 def leaky_atomic(job: awa.JobContext):
     transaction.atomic().__enter__()
     Order.objects.create(reference=job.args.reference)
+
+
+@dataclass
+class Unwound(awa.JobArgs):
+    """An atomic kind whose handler writes an ``Order``, then returns normally in a
+    transaction that cannot commit: ``how`` says how it spoilt it."""
+
+    reference: str = ""
+    how: str = "set_rollback"
+
+
+@awa.worker(Unwound, atomic=True, max_attempts=2)
+def unwound(job: awa.JobContext):
+    Order.objects.create(reference=job.args.reference)
+    if job.args.how == "set_rollback":
+        transaction.set_rollback(True)
+    elif job.args.how == "orm_error":  # too long for the column, caught
+        with contextlib.suppress(DatabaseError):
+            Order.objects.create(reference="x" * 101)
+    elif job.args.how == "sql_error":
+        with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
+            cursor.execute("SELECT 1 / 0")
+    elif job.args.how == "close":
+        connection.close()
 
 
 # -- async handlers and timeouts ---------------------------------------------------
