@@ -500,6 +500,23 @@ def errored(job: JobRow, error: str, tb: str = "") -> AttemptResult:
     )
 
 
+def left_open(
+    job: JobRow, aliases: list[str], undone: str = "the connection closed"
+) -> AttemptResult:
+    """The attempt's outcome when its handler left a transaction open: it failed.
+
+    ``undone`` says how it was rolled back (``run_jobs`` inside a test's
+    transaction rolls back to a savepoint, not closing the connection).
+    """
+    names = ", ".join(repr(alias) for alias in aliases)
+    return errored(
+        job,
+        f"the handler left a transaction open on database {names} (an atomic block it "
+        f"entered and never exited, or autocommit turned off): it was rolled back, the "
+        f"handler's writes in it with it, and {undone}",
+    )
+
+
 def timed_out(job: JobRow, timeout: float, ran: float | None = None) -> AttemptResult:
     """The attempt ran past its kind's ``timeout``: a failed attempt, retried per the policy."""
     ran_text = f", ran {ran:.1f}s" if ran is not None else ""
@@ -715,6 +732,13 @@ def run_attempt(
             value = spec.handler(context)
     except HandlerTimedOut:
         result = timed_out(attempt.job, spec.timeout or 0.0, time.monotonic() - started)
+    except TransactionLeftOpen as exc:
+        job = attempt.job
+        logger.error(
+            "job %s kind=%s left a transaction open on %s: rolled back, connection closed",
+            job.id, job.kind, ", ".join(exc.aliases),
+        )  # fmt: skip
+        result = left_open(job, exc.aliases)
     except BaseException as exc:  # the handler boundary: every error is recorded
         if not handler_raised(exc):
             raise
@@ -842,9 +866,42 @@ async def _own_thread(coro: Coroutine[Any, Any, Any]) -> Any:
     """
     async with ThreadSensitiveContext():
         try:
-            return await coro
-        finally:
-            await sync_to_async(connections.close_all)()
+            value = await coro
+        except BaseException:
+            await sync_to_async(_close_thread_connections)()
+            raise
+        if left := await sync_to_async(_close_thread_connections)():
+            raise TransactionLeftOpen(left)
+        return value
+
+
+class TransactionLeftOpen(Exception):
+    """An async handler's sync calls left a transaction open on ``aliases`` (``_own_thread``):
+    closing their connections rolled it back, the handler's writes in it with it."""
+
+    def __init__(self, aliases: list[str]) -> None:
+        super().__init__(aliases)
+        self.aliases = aliases
+
+
+def _close_thread_connections() -> list[str]:
+    """Close this thread's connections; the aliases of those its handler left inside a
+    transaction (an atomic block never exited, autocommit turned off).
+
+    Closing rolled that transaction back; without a look, the job completed with
+    its writes lost. Such an alias's connection object, still marked as inside
+    the block, is dropped (a pooled one was put back by the close).
+    """
+    left = []
+    for conn in connections.all(initialized_only=True):
+        open_ = conn.connection is not None and (
+            conn.in_atomic_block or conn.autocommit != conn.settings_dict["AUTOCOMMIT"]
+        )
+        conn.close()
+        if open_:
+            left.append(conn.alias)
+            del connections[conn.alias]
+    return left
 
 
 async def supervise(coro: Coroutine[Any, Any, Any], attempt: Attempt, timeout: float | None) -> Any:

@@ -45,8 +45,8 @@ from .execute import (
     Attempt,
     AttemptResult,
     describe,
-    errored,
     from_exception,
+    left_open,
     resolve_handler,
     run_attempt,
     timed_out,
@@ -197,23 +197,6 @@ def discard_open_transactions(marks: list[tuple[int, bool]] | None) -> list[str]
     if left:
         _thread.connections = None  # the thread's connection objects, found again
     return left
-
-
-def left_open(
-    job: JobRow, aliases: list[str], undone: str = "the connection closed"
-) -> AttemptResult:
-    """The attempt's outcome when its handler left a transaction open: it failed.
-
-    ``undone`` says how it was rolled back (``run_jobs`` inside a test's
-    transaction rolls back to a savepoint, not closing the connection).
-    """
-    names = ", ".join(repr(alias) for alias in aliases)
-    return errored(
-        job,
-        f"the handler left a transaction open on database {names} (an atomic block it "
-        f"entered and never exited, or autocommit turned off): it was rolled back, the "
-        f"handler's writes in it with it, and {undone}",
-    )
 
 
 def release_connections(keep: bool = False) -> bool:

@@ -22,7 +22,16 @@ from django.utils import timezone
 import django_awa as awa
 from django_awa.models import Job, JobState, MaintenanceLease, Worker
 from tests.conftest import ROOT, make_job, scratch_database, wait_for, wait_for_state
-from tests.testapp.jobs import Act, Bailout, Echo, LeakyAtomic, Severed, Unhandled, Unwound
+from tests.testapp.jobs import (
+    Act,
+    AsyncAct,
+    Bailout,
+    Echo,
+    LeakyAtomic,
+    Severed,
+    Unhandled,
+    Unwound,
+)
 from tests.testapp.models import Ledger, Order
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -532,6 +541,19 @@ def test_a_handler_leaving_a_transaction_open_fails_alone_and_the_next_jobs_comm
             " AND state LIKE 'idle in transaction%%'"
         )
         assert cursor.fetchone()[0] == 0
+
+
+def test_an_async_handler_leaving_a_transaction_open_fails_as_a_sync_one_does(start_worker):
+    # Its sync part's thread had its connections closed after it, which rolled the
+    # transaction back unseen: the job completed with its writes lost.
+    leaky = awa.enqueue(AsyncAct(action="leave_atomic"))
+    after = awa.enqueue(AsyncAct(action="ok"))
+    start_worker("--queue", "default=1")
+    row = wait_for_state(leaky.id, JobState.RETRYABLE)
+    assert "left a transaction open on database 'default'" in row.errors[0]["error"]
+    assert not Order.objects.filter(reference__startswith="async-leak-").exists()
+    wait_for_state(after.id, JobState.COMPLETED)
+    assert Ledger.objects.filter(job_id=after.id, note="async:ok").exists()
 
 
 def test_a_handler_threads_connection_closed_while_idle_costs_no_attempt(start_worker):

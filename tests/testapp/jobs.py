@@ -414,6 +414,11 @@ async def _aledger(job: awa.JobContext, note: str) -> None:
     )
 
 
+def _enter_and_order(reference: str) -> None:
+    transaction.atomic().__enter__()
+    Order.objects.create(reference=reference)
+
+
 @awa.worker(AsyncAct, max_attempts=3)
 async def async_act(job: awa.JobContext):
     args = job.args
@@ -455,6 +460,9 @@ async def async_act(job: awa.JobContext):
             return None
         case "dependencies":
             return [dependency.result for dependency in await job.adependencies()]
+        case "leave_atomic":  # its sync part enters a block it never leaves
+            await sync_to_async(_enter_and_order)(f"async-leak-{job.id}")
+            return None
         case "system_exit":
             raise SystemExit(3)
         case "keyboard_interrupt":
