@@ -633,6 +633,7 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
     """
     alias = attempt.alias
     context = JobContext(attempt, args, flush_progress=lambda _a: None)
+    returned = False
     try:
         try:
             with transaction.atomic(using=alias):
@@ -652,11 +653,14 @@ def run_atomic_attempt(attempt: Attempt, spec: WorkerSpec, args: JobArgs) -> Att
                     # Its outcome cannot commit with its writes: both roll back,
                     # and the attempt's error says why.
                     raise _HandlerRaised(errored(attempt.job, unusable))
+                returned = True
                 return _finalize_atomic_attempt(attempt, from_value(attempt, value))
         except _HandlerRaised as raised:
             with transaction.atomic(using=alias):
                 return _finalize_atomic_attempt(attempt, raised.result)
-    except StaleAttempt:
+    except StaleAttempt as stale:
+        if returned and not stale.args:
+            return _own_row_changed(attempt)
         return None
     except _FollowupsRolledBack as failed:
         with transaction.atomic(using=alias):
@@ -695,6 +699,29 @@ def _unusable_transaction(alias: str) -> str | None:
             "errors around a nested transaction.atomic(), which rolls back to a savepoint)"
         )
     return None
+
+
+def _own_row_changed(attempt: Attempt) -> AttemptResult | None:
+    """After a returned handler's outcome found its row no longer the attempt's.
+
+    Cancelled, rescued or claimed again by another session, the row stays so
+    and the attempt is lost (None). But the handler may have changed its own
+    job's row in its transaction (``awa.cancel(job.id)``, ``awa.retry``): the
+    rollback undid that, and the job, still running, was left to the rescue at
+    ``STALE_AFTER``. The attempt is then written failed, in a transaction of
+    its own, with an error that says so.
+    """
+    result = errored(
+        attempt.job,
+        "the atomic handler changed its own job's row in its transaction (awa.cancel or "
+        "awa.retry of its own job, say), which its outcome could not follow: its writes "
+        "were rolled back (return awa.Cancel(...) to cancel it)",
+    )
+    try:
+        with transaction.atomic(using=attempt.alias):
+            return _finalize_atomic_attempt(attempt, result)
+    except StaleAttempt:
+        return None
 
 
 def _finalize_atomic_attempt(attempt: Attempt, result: AttemptResult) -> AttemptResult:
@@ -737,7 +764,7 @@ def _finalize_atomic_waiting(result: AttemptResult, alias: str) -> bool:
                 extra={"job_id": job.id, "kind": job.kind, "queue": job.queue,
                        "attempt": job.attempt},
             )  # fmt: skip
-            return False
+            raise StaleAttempt("locked")
         time.sleep(wait)
     return False  # pragma: no cover - the loop returns
 

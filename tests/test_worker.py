@@ -883,6 +883,16 @@ def test_an_atomic_handler_returning_in_a_spoilt_transaction_is_retried_with_a_c
     wait_for_state(after.id, JobState.COMPLETED, timeout=3)
 
 
+def test_an_atomic_handler_cancelling_its_own_job_is_not_left_running(start_worker):
+    # Its outcome found the row cancelled (by its own transaction) and rolled back,
+    # the cancel with it: the job stayed running, unlogged, until rescue.
+    job = awa.enqueue(Unwound(reference="self-cancel", how="self_cancel"))
+    start_worker("--queue", "default=1")
+    retried = wait_for_state(job.id, JobState.RETRYABLE, timeout=3)
+    assert "changed its own job's row in its transaction" in retried.errors[-1]["error"]
+    assert not Order.objects.filter(reference="self-cancel").exists()
+
+
 @pytest.mark.slow
 def test_handlers_stuck_after_their_attempt_was_lost_are_replaced_within_a_bound(start_worker):
     # Handlers that ignore cancellation and their deadline (1 s here). Once

@@ -394,6 +394,8 @@ def unwound(job: awa.JobContext):
             cursor.execute("SELECT 1 / 0")
     elif job.args.how == "close":
         connection.close()
+    elif job.args.how == "self_cancel":  # in its own transaction, so rolled back with it
+        awa.cancel(job.id)
 
 
 # -- async handlers and timeouts ---------------------------------------------------
