@@ -34,7 +34,14 @@ import traceback
 from collections.abc import Iterable, Sequence
 
 from . import db, sql, wakeups
-from .execute import Attempt, AttemptResult, attempt_keys, errored, unstarted
+from .execute import (
+    Attempt,
+    AttemptResult,
+    attempt_keys,
+    errored,
+    failed_terminally,
+    unstarted,
+)
 from .finalize import finalize
 from .models import ClaimedJob, JobState
 from .otel import instrumentation
@@ -59,6 +66,9 @@ FINALIZE_BATCH_SIZE = 1000
 # operator's SELECT ... FOR UPDATE) is met again at LOCKED_RETRY.
 LOCKED_RETRY_SOON = 0.02
 LOCKED_RETRY = 0.5
+# Why an attempt whose retry would take a unique key another job holds failed instead
+# (as sql.RESCUE words it).
+KEY_HELD = "not retried: another job holds its unique key"
 
 
 def _attempt(result: AttemptResult) -> tuple[int, int]:
@@ -442,24 +452,47 @@ class Completer:
             release_held_leases(self.state, stale)
 
     def write_unstorable(self, result: AttemptResult, exc: Exception) -> None:
-        """Record ``result``'s attempt as failed, naming why its outcome could not be written."""
+        """Record ``result``'s attempt as failed, naming why its outcome could not be written.
+
+        An outcome that would take the job's unique key, held by a twin enqueued
+        while it ran in a state its key is not held in (``Unique(states=...)``
+        without ``running``), is recorded as the failed attempt it is, retried
+        unless its retry would take the key too: then it fails, as rescue does.
+        """
         job = result.job
-        error = (
-            f"the attempt's outcome ({result.state}) could not be stored: "
-            f"{type(exc).__name__}: {exc}"
-        )
-        logger.error(
-            "job %s kind=%s attempt=%s: %s; recording a failed attempt instead",
-            job.id, job.kind, job.attempt, error, extra=log_context(job, self.state.name),
-        )  # fmt: skip
-        fallback = errored(job, error, "".join(traceback.format_exception(exc)))
-        try:
-            self.state.count_outcomes(finalize([fallback], self.state.alias), self.state.running)
-        except Exception:  # the job's heartbeat stops, and rescue takes it back
-            logger.exception(
-                "job %s: not even the failed attempt could be recorded; it will be rescued",
-                job.id,
-                extra=log_context(job, self.state.name),
+        tb = "".join(traceback.format_exception(exc))
+        if db.is_unique_key_held(exc) and result.state == JobState.RETRYABLE:
+            # Its retry is what took the key: retrying it as failed would too.
+            fallbacks = [failed_terminally(job, f"{result.error}; {KEY_HELD}", result.traceback)]
+        else:
+            error = (
+                f"the attempt's outcome ({result.state}) could not be stored: "
+                f"{type(exc).__name__}: {exc}"
             )
-            reset_connection()
-        result.locked = fallback.locked
+            fallbacks = [errored(job, error, tb)]
+            if fallbacks[0].state != JobState.FAILED:
+                # Should its retry take a unique key another job holds.
+                fallbacks.append(failed_terminally(job, f"{error}; {KEY_HELD}", tb))
+        logger.error(
+            "job %s kind=%s attempt=%s: its outcome (%s) could not be stored: %s: %s; "
+            "recording a failed attempt instead",
+            job.id, job.kind, job.attempt, result.state, type(exc).__name__, exc,
+            extra=log_context(job, self.state.name),
+        )  # fmt: skip
+        for fallback in fallbacks:
+            try:
+                self.state.count_outcomes(
+                    finalize([fallback], self.state.alias), self.state.running
+                )
+            except Exception as again:
+                reset_connection()
+                if fallback is not fallbacks[-1] and db.is_unique_key_held(again):
+                    continue
+                # The job's heartbeat stops, and rescue takes it back.
+                logger.exception(
+                    "job %s: not even the failed attempt could be recorded; it will be rescued",
+                    job.id,
+                    extra=log_context(job, self.state.name),
+                )
+            result.locked = fallback.locked
+            return

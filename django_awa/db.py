@@ -529,6 +529,7 @@ def _sqlstate(result: psycopg.pq.abc.PGresult) -> bytes | None:
 # the same thing again later may succeed.
 _TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")  # connection, rollback, resources, operator
 _LOCK_NOT_AVAILABLE = "55P03"
+_UNIQUE_VIOLATION = "23505"
 _TRANSIENT_CODES = (_LOCK_NOT_AVAILABLE, "25006")  # and read_only_sql_transaction
 
 
@@ -552,6 +553,17 @@ def is_lock_timeout(exc: BaseException) -> bool:
     """Whether database error ``exc`` is a lock not had within ``lock_timeout``."""
     cause = _psycopg_cause(exc)
     return cause is not None and cause.sqlstate == _LOCK_NOT_AVAILABLE
+
+
+def is_unique_key_held(exc: BaseException) -> bool:
+    """Whether database error ``exc`` is a job's ``awa.Unique`` key held by another job:
+    the statement moved a job into a state its key is held in (``awa_job_unique_idx``)."""
+    cause = _psycopg_cause(exc)
+    return (
+        cause is not None
+        and cause.sqlstate == _UNIQUE_VIOLATION
+        and cause.diag.constraint_name == "awa_job_unique_idx"
+    )
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -1,0 +1,40 @@
+"""Unique keys met on the paths that change a job's state after it was enqueued.
+
+A kind whose ``awa.Unique(states=...)`` leaves out a state (``running``,
+``scheduled``, ``retryable``...) lets a twin be enqueued while a job is in it; the
+job's next transition into a state its key is held in then meets the twin's key.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import django_awa as awa
+from django_awa.models import Job, JobState
+from tests.conftest import wait_for, wait_for_state
+from tests.testapp.jobs import TimedAsync
+from tests.testapp.models import Ledger
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NOT_RUNNING = awa.Unique(states=("available", "scheduled", "retryable"))
+
+
+@pytest.mark.slow
+def test_a_timed_out_attempt_whose_retry_meets_a_twins_key_is_failed_not_left_running(
+    start_worker,
+):
+    """The attempt's retry would take the key a twin (enqueued while it ran, running
+    holding no key here) holds: the outcome's write and its fallback both broke the
+    unique index, and the job stayed running until rescue took it."""
+    job = awa.enqueue(TimedAsync(seconds=60), unique=NOT_RUNNING)
+    start_worker("--queue", "default")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id, note="timed-async:start").exists())
+    # Its twin, on a queue no worker takes: it holds the key, available.
+    twin = awa.enqueue(TimedAsync(seconds=60), queue="elsewhere", unique=NOT_RUNNING)
+    failed = wait_for_state(job.id, JobState.FAILED, timeout=10)
+    error = failed.errors[-1]["error"]
+    assert failed.attempt == 1 and len(failed.errors) == 1
+    assert error.startswith("timed out"), error
+    assert "not retried: another job holds its unique key" in error, error
+    assert Job.objects.get(id=twin.id).state == JobState.AVAILABLE
