@@ -1729,18 +1729,32 @@ RETURNING id
 """
 
 # -- PROMOTE_DUE --
-# Make due scheduled and retryable jobs available, in batches.
-# Index: awa_job_due_idx (run_at) WHERE state IN ('scheduled', 'retryable').
+# Make due scheduled and retryable jobs available, in batches. A job whose key
+# is held while available but not while it waits (Unique(states=...) without
+# 'scheduled' or 'retryable') stays until no other job holds its key: made
+# available meanwhile, it would break the unique index and fail the whole
+# statement, every job's, every tick. Of due twins, the first is promoted.
+# Index: awa_job_due_idx (run_at) WHERE state IN ('scheduled', 'retryable');
+# awa_job_unique_idx for the key's holder.
 PROMOTE_DUE = f"""
 WITH due AS (
-    SELECT id FROM ONLY awa_job
+    SELECT id, unique_key, coalesce(unique_states ? 'available', false) AS takes_key
+    FROM ONLY awa_job AS j
     WHERE state IN {_DELAYED} AND run_at <= now()
+      AND NOT (j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'available', false)
+               AND EXISTS (SELECT 1 FROM ONLY awa_job AS h
+                           WHERE h.unique_key = j.unique_key AND h.unique_states ? h.state
+                             AND h.id <> j.id))
     ORDER BY run_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
 UPDATE ONLY awa_job AS j SET state = 'available'
-FROM due WHERE j.id = due.id
+FROM due
+WHERE j.id = due.id
+  AND NOT (due.takes_key AND EXISTS (SELECT 1 FROM due AS o
+                                     WHERE o.takes_key AND o.unique_key = due.unique_key
+                                       AND o.id < due.id))
 RETURNING j.queue
 """
 

@@ -7,12 +7,15 @@ job's next transition into a state its key is held in then meets the twin's key.
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
+from django.utils import timezone
 
 import django_awa as awa
 from django_awa.models import Job, JobState
 from tests.conftest import wait_for, wait_for_state
-from tests.testapp.jobs import TimedAsync
+from tests.testapp.jobs import Act, TimedAsync
 from tests.testapp.models import Ledger
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -38,3 +41,31 @@ def test_a_timed_out_attempt_whose_retry_meets_a_twins_key_is_failed_not_left_ru
     assert error.startswith("timed out"), error
     assert "not retried: another job holds its unique key" in error, error
     assert Job.objects.get(id=twin.id).state == JobState.AVAILABLE
+
+
+AVAILABLE_ONLY = awa.Unique(states=("available",))
+
+
+@pytest.mark.slow
+def test_a_due_job_whose_key_a_twin_holds_waits_and_promotion_goes_on_for_the_others(
+    start_worker,
+):
+    """A scheduled (or retryable) job does not hold a key held only while available;
+    its twin, enqueued meanwhile, does. Promoting it broke the unique index: the
+    whole promotion failed every tick, and no due job was made available any more."""
+    soon = timezone.now() + dt.timedelta(seconds=1)
+    waiting = awa.enqueue(Act(tag="1"), run_at=soon, unique=AVAILABLE_ONLY)
+    twin = awa.enqueue(Act(tag="1"), queue="elsewhere", unique=AVAILABLE_ONLY)
+    other = awa.enqueue(Act(tag="2"), run_at=soon)
+    # Twins due together: the first is promoted, the second waits for it.
+    first = awa.enqueue(Act(tag="3"), run_at=soon, unique=AVAILABLE_ONLY)
+    second = awa.enqueue(Act(tag="3"), queue="elsewhere", run_at=soon, unique=AVAILABLE_ONLY)
+    worker = start_worker("--queue", "default")
+    wait_for_state(other.id, JobState.COMPLETED, timeout=10)
+    wait_for_state(first.id, JobState.COMPLETED, timeout=10)
+    wait_for(lambda: Job.objects.get(id=second.id).state == JobState.AVAILABLE, timeout=10)
+    assert Job.objects.get(id=waiting.id).state == JobState.SCHEDULED
+    # Once the twin lets the key go, the waiting job is made available and runs.
+    awa.cancel(twin.id)
+    wait_for_state(waiting.id, JobState.COMPLETED, timeout=10)
+    assert "maintenance duty promote failed" not in worker.output()
