@@ -1801,7 +1801,16 @@ locked AS (
                          WHERE h.unique_key = j.unique_key AND h.unique_states ? h.state
                            AND h.id <> j.id)
                  OR EXISTS (SELECT 1 FROM victims AS o JOIN ONLY awa_job AS h ON h.id = o.id
-                            WHERE o.id < j.id AND h.unique_key = j.unique_key))) AS held
+                            WHERE o.id < j.id AND h.unique_key = j.unique_key))) AS held,
+           -- Failed, it would hold its key (Unique(states=...) with 'failed'), which
+           -- another job holds, or a victim before it would take: it fails without
+           -- holding it ('failed' leaves its unique_states), for the same reason.
+           (j.unique_key IS NOT NULL AND j.unique_states ? 'failed'
+            AND (EXISTS (SELECT 1 FROM ONLY awa_job AS h  -- awa_job_unique_idx
+                         WHERE h.unique_key = j.unique_key AND h.unique_states ? h.state
+                           AND h.id <> j.id)
+                 OR EXISTS (SELECT 1 FROM victims AS o JOIN ONLY awa_job AS h ON h.id = o.id
+                            WHERE o.id < j.id AND h.unique_key = j.unique_key))) AS failed_held
     FROM ONLY awa_job AS j
     WHERE j.id IN (SELECT id FROM victims)
       AND ((j.state = 'running'
@@ -1815,6 +1824,8 @@ SET state = CASE WHEN j.attempt >= j.max_attempts OR locked.held THEN 'failed' E
     finalized_at = CASE WHEN j.attempt >= j.max_attempts OR locked.held THEN now() END,
     run_at = CASE WHEN j.attempt >= j.max_attempts OR locked.held THEN j.run_at
              ELSE now() + make_interval(secs => {_backoff("j.attempt")}) END,
+    unique_states = CASE WHEN (j.attempt >= j.max_attempts OR locked.held) AND locked.failed_held
+                    THEN j.unique_states - 'failed' ELSE j.unique_states END,
     errors = {_errors_plus("j.", _RESCUE_ERROR)},
     {_ATTEMPT_CLEARED}
 FROM locked JOIN victims AS v ON v.id = locked.id

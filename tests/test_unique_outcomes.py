@@ -69,3 +69,26 @@ def test_a_due_job_whose_key_a_twin_holds_waits_and_promotion_goes_on_for_the_ot
     awa.cancel(twin.id)
     wait_for_state(waiting.id, JobState.COMPLETED, timeout=10)
     assert "maintenance duty promote failed" not in worker.output()
+
+
+@pytest.mark.slow
+def test_a_job_whose_failure_would_take_a_key_a_twin_holds_is_rescued_and_rescue_goes_on(
+    start_worker,
+):
+    """``Unique(states=...)`` with ``failed`` but not ``running``: the last attempt's
+    failure would take the key a twin (enqueued while it ran) holds. Neither the
+    worker's outcome nor rescue could write it: the whole rescue statement failed,
+    every tick, and no job was rescued any more, anyone's."""
+    held_when_failed = awa.Unique(states=("available", "failed"))
+    job = awa.enqueue(
+        awa.EnqueueRequest(TimedAsync(seconds=60), max_attempts=1, unique=held_when_failed)
+    )
+    worker = start_worker("--queue", "default")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id, note="timed-async:start").exists())
+    twin = awa.enqueue(TimedAsync(seconds=60), queue="elsewhere", unique=held_when_failed)
+    failed = wait_for_state(job.id, JobState.FAILED, timeout=15)
+    # It failed without holding the key, which the twin holds.
+    assert failed.unique_states == ["available", "blocked"]
+    assert failed.unique_key == Job.objects.get(id=twin.id).unique_key
+    assert Job.objects.get(id=twin.id).state == JobState.AVAILABLE
+    assert "maintenance duty rescue failed" not in worker.output()
