@@ -1143,12 +1143,23 @@ DUE_INLINE = f"SELECT EXISTS ({_INLINE_DUE})"
 # testing.run_jobs: make the scheduled and retryable jobs of a queue and kinds
 # available, as maintenance's PROMOTE_DUE does once they are due; with
 # %(all)s, those due later too (run_at moves to now()).
+# A job whose key another job holds stays, as in PROMOTE_DUE; of twins, the first is
+# promoted.
+_INLINE_PROMOTED = f"""{{j}}.state IN {_DELAYED} AND (%(all)s OR {{j}}.run_at <= now())
+  AND (%(queue)s::text IS NULL OR {{j}}.queue = %(queue)s::text)
+  AND (%(kinds)s::text[] IS NULL OR {{j}}.kind = ANY(%(kinds)s::text[]))"""
 PROMOTE_INLINE = f"""
-UPDATE ONLY awa_job SET state = 'available',
-    run_at = CASE WHEN run_at > now() THEN now() ELSE run_at END
-WHERE state IN {_DELAYED} AND (%(all)s OR run_at <= now())
-  AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
-  AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
+UPDATE ONLY awa_job AS j SET state = 'available',
+    run_at = CASE WHEN j.run_at > now() THEN now() ELSE j.run_at END
+WHERE {_INLINE_PROMOTED.format(j="j")}
+  AND NOT (j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'available', false)
+           AND (EXISTS (SELECT 1 FROM ONLY awa_job AS h
+                        WHERE h.unique_key = j.unique_key AND h.unique_states ? h.state
+                          AND h.id <> j.id)
+                OR EXISTS (SELECT 1 FROM ONLY awa_job AS o
+                           WHERE o.unique_key = j.unique_key AND o.id < j.id
+                             AND coalesce(o.unique_states ? 'available', false)
+                             AND {_INLINE_PROMOTED.format(j="o")})))
 """
 
 # -- the running guard --

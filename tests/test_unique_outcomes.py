@@ -14,6 +14,7 @@ from django.utils import timezone
 
 import django_awa as awa
 from django_awa.models import Job, JobState
+from django_awa.testing import run_jobs
 from tests.conftest import wait_for, wait_for_state
 from tests.testapp.jobs import Act, TimedAsync
 from tests.testapp.models import Ledger
@@ -92,3 +93,19 @@ def test_a_job_whose_failure_would_take_a_key_a_twin_holds_is_rescued_and_rescue
     assert failed.unique_key == Job.objects.get(id=twin.id).unique_key
     assert Job.objects.get(id=twin.id).state == JobState.AVAILABLE
     assert "maintenance duty rescue failed" not in worker.output()
+
+
+def test_run_jobs_leaves_a_job_whose_key_a_twin_holds_and_runs_twins_one_after_the_other():
+    """``testing.run_jobs`` promotes as maintenance does: it raised the unique index's
+    ``IntegrityError`` for a scheduled job whose twin held the key, or for twins
+    scheduled together."""
+    later = timezone.now() + dt.timedelta(hours=1)
+    waiting = awa.enqueue(Act(tag="1"), run_at=later, unique=AVAILABLE_ONLY)
+    twin = awa.enqueue(Act(tag="1"), queue="elsewhere", unique=AVAILABLE_ONLY)
+    first = awa.enqueue(Act(tag="2"), run_at=later, unique=AVAILABLE_ONLY)
+    second = awa.enqueue(Act(tag="2"), run_at=later, unique=AVAILABLE_ONLY)
+    run_jobs(queue="default", include_scheduled=True)
+    states = dict(Job.objects.values_list("id", "state"))
+    assert states[waiting.id] == JobState.SCHEDULED
+    assert states[twin.id] == JobState.AVAILABLE
+    assert states[first.id] == states[second.id] == JobState.COMPLETED
