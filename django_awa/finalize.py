@@ -392,9 +392,17 @@ def _rollback_to(savepoint: str, alias: str) -> None:
     transaction.set_rollback(False, using=alias)
 
 
-def _error_text(exc: Exception) -> str:
+def _error_text(exc: Exception, result: AttemptResult | None = None) -> str:
     if isinstance(exc, FollowupError):
         return str(exc)
+    if result is not None and db.is_unique_key_held(exc):
+        # Not a follow-up's failure (their inserts skip a held key): the outcome's
+        # own write, into a state its key is held in, which a twin enqueued while
+        # it ran (a state its key is not held in) holds.
+        return (
+            f"the attempt's outcome ({result.state}) was not stored: another job holds "
+            f"its unique key"
+        )
     return f"follow-up insert failed: {type(exc).__name__}: {exc}"
 
 
@@ -405,7 +413,7 @@ def _fallback(result: AttemptResult, exc: Exception, alias: str) -> list[Attempt
     too, the fallback still commits and its follow-ups are kept as a
     ``PendingFollowup`` row that maintenance retries.
     """
-    error = _error_text(exc)
+    error = _error_text(exc, result)
     tb = "".join(traceback.format_exception(exc))
     if result.error:
         # The outcome whose follow-up failed was itself an error (a retry or an

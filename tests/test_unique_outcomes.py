@@ -8,6 +8,7 @@ job's next transition into a state its key is held in then meets the twin's key.
 from __future__ import annotations
 
 import datetime as dt
+import signal
 
 import pytest
 from django.utils import timezone
@@ -109,3 +110,26 @@ def test_run_jobs_leaves_a_job_whose_key_a_twin_holds_and_runs_twins_one_after_t
     assert states[waiting.id] == JobState.SCHEDULED
     assert states[twin.id] == JobState.AVAILABLE
     assert states[first.id] == states[second.id] == JobState.COMPLETED
+
+
+@pytest.mark.slow
+def test_a_job_given_back_at_shutdown_whose_key_a_twin_holds_says_so(start_worker):
+    """Given back at shutdown, a job would be available, holding a key a twin (enqueued
+    while it ran) holds. Its error read ``follow-up insert failed: IntegrityError``,
+    naming a follow-up that had not failed."""
+    job = awa.enqueue(Act(action="sleep", seconds=30, tag="given"), unique=AVAILABLE_ONLY)
+    worker = start_worker("--queue", "default", "--shutdown-timeout", "0.5")
+    wait_for(lambda: Ledger.objects.filter(job_id=job.id).exists())
+    twin = awa.enqueue(
+        Act(action="sleep", seconds=30, tag="given"), queue="elsewhere", unique=AVAILABLE_ONLY
+    )
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    back = Job.objects.get(id=job.id)
+    assert back.state == JobState.RETRYABLE
+    error = back.errors[-1]["error"]
+    assert error.startswith(
+        "the attempt's outcome (available) was not stored: another job holds its unique key"
+    ), error
+    assert "follow-up" not in error and "interrupted" in error
+    assert Job.objects.get(id=twin.id).state == JobState.AVAILABLE
