@@ -519,6 +519,17 @@ def _unique_key(
     bad = [s for s in states if not isinstance(s, str) or s not in STATE_VALUES]
     if bad or not states:
         raise ValidationError(f"{where}: Unique.states has invalid states {bad or states!r}")
+    if JobState.RUNNING in states and JobState.AVAILABLE not in states:
+        # A claim makes an available job running: with a twin enqueued while one was
+        # available, claiming it breaks the unique index, and every claim of the
+        # queue fails with it (the claim is one statement for many jobs).
+        raise ValidationError(
+            f"{where}: Unique.states holds the key while 'running' but not while "
+            f"'available': a twin enqueued while one waits would make its claim break the "
+            f"key, and stop the queue. Add 'available' (and 'scheduled', 'retryable' to "
+            f"keep twins out while one waits); for one job of a key running at a time, use "
+            f"awa.Limit(concurrency=1, by=...) or sequence= on the kind"
+        )
     if BLOCKED not in states and any(s in RELEASED_INTO for s in states):
         # A blocked job is released in the transaction of its last dependency's
         # outcome, which must not fail on the job's key: where it would hold its

@@ -456,6 +456,12 @@ class _NoValidOffset(dt.tzinfo):
         ({"tags": "one"}, "tags must be a list"),
         ({"metadata": {"x": object()}}, "metadata cannot be stored as JSON"),
         ({"unique": "yes"}, "unique must be an awa.Unique"),
+        # Its twin, enqueued while it waited, would break the key in the claim, which
+        # fails for every job of the queue: the queue would stop.
+        (
+            {"unique": awa.Unique(states=("running",))},
+            "holds the key while 'running' but not while 'available'.*awa.Limit",
+        ),
     ],
 )
 def test_bad_options_are_refused_naming_the_problem_and_nothing_is_written(kwargs, message):
