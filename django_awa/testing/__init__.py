@@ -42,11 +42,12 @@ from ..execute import (
     JobContext,
     attempt_keys,
     call_handler,
+    left_open,
     resolve_handler,
     run_attempt,
 )
 from ..finalize import finalize, run_atomic_attempt
-from ..handlers import discard_open_transactions, left_open, transaction_marks
+from ..handlers import discard_open_transactions, transaction_marks
 from ..kinds import JobArgs, WorkerSpec, registry
 from ..models import Job, JobState, jobs_from_rows
 from ..sequences import SEQUENCE_KEY
