@@ -86,6 +86,15 @@ def _errors_plus(row: str, error: str, traceback: str = "''") -> str:
                       'traceback', {traceback})) END"""
 
 
+def _key_held_elsewhere(row: str) -> str:
+    """Whether another job holds ``row``'s unique key now: it is in one of its own
+    ``unique_states`` (the predicate of awa_job_unique_idx, which serves the search).
+    A row moving into a state its key is held in would break the index then."""
+    return f"""EXISTS (SELECT 1 FROM ONLY awa_job AS h
+                WHERE h.unique_key = {row}.unique_key AND h.unique_states ? h.state
+                  AND h.id <> {row}.id)"""
+
+
 # What an attempt leaves on the row once it is over and nothing waits on it:
 # no heartbeat, no deadline, no callback.
 _ATTEMPT_CLEARED = (
@@ -1153,9 +1162,7 @@ UPDATE ONLY awa_job AS j SET state = 'available',
     run_at = CASE WHEN j.run_at > now() THEN now() ELSE j.run_at END
 WHERE {_INLINE_PROMOTED.format(j="j")}
   AND NOT (j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'available', false)
-           AND (EXISTS (SELECT 1 FROM ONLY awa_job AS h
-                        WHERE h.unique_key = j.unique_key AND h.unique_states ? h.state
-                          AND h.id <> j.id)
+           AND ({_key_held_elsewhere("j")}
                 OR EXISTS (SELECT 1 FROM ONLY awa_job AS o
                            WHERE o.unique_key = j.unique_key AND o.id < j.id
                              AND coalesce(o.unique_states ? 'available', false)
@@ -1753,9 +1760,7 @@ WITH due AS (
     FROM ONLY awa_job AS j
     WHERE state IN {_DELAYED} AND run_at <= now()
       AND NOT (j.unique_key IS NOT NULL AND coalesce(j.unique_states ? 'available', false)
-               AND EXISTS (SELECT 1 FROM ONLY awa_job AS h
-                           WHERE h.unique_key = j.unique_key AND h.unique_states ? h.state
-                             AND h.id <> j.id))
+               AND {_key_held_elsewhere("j")})
     ORDER BY run_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -1778,6 +1783,11 @@ RETURNING j.queue
 # (its guarded UPDATE then matches nothing).
 # Indexes: awa_job_running_idx (both searches of running rows: they are few),
 # awa_job_callback_idx.
+# A rescued job's unique key, were it to hold it again: held by another job, or by a
+# victim before it that this rescue makes hold it.
+_RESCUE_KEY_TAKEN = f"""({_key_held_elsewhere("j")}
+                 OR EXISTS (SELECT 1 FROM victims AS o JOIN ONLY awa_job AS h ON h.id = o.id
+                            WHERE o.id < j.id AND h.unique_key = j.unique_key))"""
 _RESCUE_ERROR = """'rescued: ' || replace(v.reason, '_', ' ') || CASE WHEN locked.held
     THEN ', not retried: another job holds its unique key' ELSE '' END"""
 RESCUE = f"""
@@ -1808,20 +1818,12 @@ locked AS (
            -- the conflict would abort the whole rescue, every job's, every tick.
            (j.unique_key IS NOT NULL AND j.attempt < j.max_attempts
             AND j.unique_states ? 'retryable'
-            AND (EXISTS (SELECT 1 FROM ONLY awa_job AS h  -- awa_job_unique_idx
-                         WHERE h.unique_key = j.unique_key AND h.unique_states ? h.state
-                           AND h.id <> j.id)
-                 OR EXISTS (SELECT 1 FROM victims AS o JOIN ONLY awa_job AS h ON h.id = o.id
-                            WHERE o.id < j.id AND h.unique_key = j.unique_key))) AS held,
+            AND {_RESCUE_KEY_TAKEN}) AS held,
            -- Failed, it would hold its key (Unique(states=...) with 'failed'), which
            -- another job holds, or a victim before it would take: it fails without
            -- holding it ('failed' leaves its unique_states), for the same reason.
            (j.unique_key IS NOT NULL AND j.unique_states ? 'failed'
-            AND (EXISTS (SELECT 1 FROM ONLY awa_job AS h  -- awa_job_unique_idx
-                         WHERE h.unique_key = j.unique_key AND h.unique_states ? h.state
-                           AND h.id <> j.id)
-                 OR EXISTS (SELECT 1 FROM victims AS o JOIN ONLY awa_job AS h ON h.id = o.id
-                            WHERE o.id < j.id AND h.unique_key = j.unique_key))) AS failed_held
+            AND {_RESCUE_KEY_TAKEN}) AS failed_held
     FROM ONLY awa_job AS j
     WHERE j.id IN (SELECT id FROM victims)
       AND ((j.state = 'running'

@@ -291,6 +291,14 @@ def test_retrying_a_failed_dependency_reopens_the_dependents_its_failure_cancell
     assert awa.retry(child2.job.id).state == JobState.CANCELLED
 
 
+def _failed_with_a_finished_dependent() -> tuple[Job, Job]:
+    """A job failed for good, and its requires="finished" dependent, released by it."""
+    bad = awa.enqueue(Node(name="bad", action="terminal"))
+    report = awa.enqueue(Node(name="report"), after=[bad], requires="finished")
+    run_next()
+    return bad, report
+
+
 @db
 def test_reopening_a_dependency_blocks_again_its_finished_dependents_that_have_not_run():
     # awa.cancel(a) cancels b, which releases c (requires="finished"); awa.retry(a)
@@ -307,9 +315,7 @@ def test_reopening_a_dependency_blocks_again_its_finished_dependents_that_have_n
     assert [state(s.job) for s in (a, b, c, d)] == ["available", "blocked", "blocked", "blocked"]
     assert run_all() == [a.job.id, b.job.id, c.job.id, d.job.id]
     # A finished dependency retried itself: its dependent not yet started waits again.
-    bad = awa.enqueue(Node(name="bad", action="terminal"))
-    report = awa.enqueue(Node(name="report"), after=[bad], requires="finished")
-    run_next()
+    bad, report = _failed_with_a_finished_dependent()
     assert state(report) == JobState.AVAILABLE
     Job.objects.filter(id=bad.id).update(args={"name": "bad", "action": "ok"})
     awa.retry(bad.id)
@@ -326,9 +332,7 @@ def test_reopening_a_dependency_blocks_again_its_finished_dependents_that_have_n
     assert state(last) == JobState.AVAILABLE
     assert run_all() == [last.id]
     # One claimed but given back before its handler began has not run either.
-    bad = awa.enqueue(Node(name="bad", action="terminal"))
-    report = awa.enqueue(Node(name="report"), after=[bad], requires="finished")
-    run_next()
+    bad, report = _failed_with_a_finished_dependent()
     (claimed,) = claim("flow", 1, "default")
     finalize([unstarted(claimed)], "default")
     assert Job.objects.filter(id=report.id, state="available", attempt=1).exists()
